@@ -1,0 +1,84 @@
+"""What every test module shares: launching a script's ranks for real and reading back what they wrote."""
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+ROOT = Path(__file__).resolve().parent.parent
+RANK_ENTRY = Path(__file__).resolve().parent / "rank_entry.py"
+
+
+def free_port() -> int:
+    """A TCP port that nothing listens on right now (for MASTER_PORT / --master-port)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """The test process's environment without any launcher variables, plus `extra`."""
+    launcher_prefixes = (
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_",
+        "MASTER_",
+        "OMPI_",
+        "PMI_",
+        "MPI_LOCAL",
+        "SLURM_",
+        "TORCHELASTIC",
+    )
+    env = {key: value for key, value in os.environ.items() if not key.startswith(launcher_prefixes)}
+    env.update(PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", **extra)
+    return env
+
+
+def run_command(command: list[str], cwd: Path, timeout: float = 240, **env: str) -> subprocess.CompletedProcess:
+    """Run `command` in `cwd`; a hang becomes a test failure after `timeout` seconds."""
+    return subprocess.run(command, cwd=cwd, env=clean_env(**env), capture_output=True, text=True, timeout=timeout)
+
+
+def torchrun(script: str, args: list[str], cwd: Path, nprocs: int = 2, save_ranks: bool = False, timeout: float = 240):
+    """Launch `script` (a file in the repo root) with `nprocs` ranks under `torch.distributed.run --standalone`.
+
+    With `save_ranks`, each rank runs the script's `main` through rank_entry.py and saves its trained
+    agent's parameters to `cwd/rank{RANK}.pt`, so a test can compare the ranks' weights.
+    """
+    target = [str(RANK_ENTRY), script] if save_ranks else [str(ROOT / script)]
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nprocs}"]
+    return run_command([*command, *target, *args], cwd, timeout)
+
+
+def assert_ok(result: subprocess.CompletedProcess) -> None:
+    assert result.returncode == 0, (
+        f"exit {result.returncode}\n--- stdout\n{result.stdout[-3000:]}\n--- stderr\n{result.stderr[-5000:]}"
+    )
+
+
+def run_dirs(cwd: Path) -> list[Path]:
+    """The run folders a launch in `cwd` wrote under runs/."""
+    return sorted(path for path in (cwd / "runs").iterdir() if path.is_dir())
+
+
+def read_scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar series in a run folder's TensorBoard event files, as (step, value) pairs."""
+    accumulator = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
+    accumulator.Reload()
+    return {tag: [(e.step, e.value) for e in accumulator.Scalars(tag)] for tag in accumulator.Tags()["scalars"]}
+
+
+def rank_parameters(cwd: Path, world_size: int) -> list[dict[str, torch.Tensor]]:
+    """The state dicts that rank_entry.py saved for ranks 0..world_size-1."""
+    return [torch.load(cwd / f"rank{rank}.pt") for rank in range(world_size)]
+
+
+def assert_same_parameters(states: list[dict[str, torch.Tensor]], atol: float = 0.0) -> None:
+    for rank, state in enumerate(states[1:], start=1):
+        assert state.keys() == states[0].keys()
+        for key in state:
+            assert torch.allclose(state[key], states[0][key], rtol=0, atol=atol), f"rank {rank} differs in {key}"
