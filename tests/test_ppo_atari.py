@@ -1,0 +1,295 @@
+"""ppo_atari_multigpu.py: the env protocol on the real ROMs, DDP equivalence, end to end under torchrun, bad input."""
+
+import sys
+
+import gymnasium as gym
+import numpy as np
+import pytest
+import torch
+import tyro
+
+import ppo_atari_multigpu as ppo
+from tests.helpers import (
+    ROOT,
+    assert_ok,
+    assert_same_parameters,
+    rank_parameters,
+    read_scalars,
+    run_command,
+    run_dirs,
+    run_ranks,
+    torchrun,
+)
+
+BREAKOUT = ppo.atari_settings("BreakoutNoFrameskip-v4")
+
+
+def random_actions(seed: int, steps: int, num_envs: int, num_actions: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, num_actions, size=(steps, num_envs))
+
+
+# --- the environment on the real ROMs ------------------------------------------------------------------
+
+
+def test_env_ids_map_to_the_game_and_its_protocol():
+    assert BREAKOUT["game"] == "breakout" and BREAKOUT["repeat_action_probability"] == 0.0
+    v5 = ppo.atari_settings("ALE/Breakout-v5")
+    assert v5["game"] == "breakout" and v5["repeat_action_probability"] == 0.25
+    assert ppo.atari_settings("SpaceInvadersNoFrameskip-v4")["game"] == "space_invaders"
+
+
+def test_each_sub_env_is_seeded_on_its_own():
+    seeds = ppo.env_seeds(1, 1, 2)  # rank 1 of a run with 2 envs per rank: global envs 2 and 3
+    assert seeds == [20_001, 30_001] and not set(seeds) & set(ppo.env_seeds(1, 0, 2))
+    pair, single = ppo.make_env(BREAKOUT, 2, 1), ppo.make_env(BREAKOUT, 1, 1)
+    pair_obs, _ = pair.reset(seed=np.array(seeds))
+    single_obs, _ = single.reset(seed=np.array(seeds[1:]))
+    for actions in random_actions(0, 60, 2, 4):
+        np.testing.assert_array_equal(pair_obs[1], single_obs[0])  # env 1 of the pair plays the same game alone
+        pair_obs, *_ = pair.step(actions)
+        single_obs, *_ = single.step(actions[1:])
+    assert not np.array_equal(pair_obs[0], pair_obs[1])
+    pair.close()
+    single.close()
+
+
+@pytest.mark.parametrize("env_id", ["BreakoutNoFrameskip-v4", "SpaceInvadersNoFrameskip-v4"])
+def test_life_losses_end_learner_episodes_but_logged_games_are_whole_and_raw(env_id):
+    """Play the training envs and, in lockstep, the same seeds without life-loss signals (the truth of a game)."""
+    settings = ppo.atari_settings(env_id)
+    num_envs, steps = 2, 1500
+    envs = ppo.make_env(settings, num_envs, 1)
+    truth = ppo.AtariVectorEnv(  # default life handling: terminated only when the game is over
+        settings["game"],
+        num_envs,
+        num_threads=1,
+        autoreset_mode=gym.vector.AutoresetMode.SAME_STEP,
+        reward_clipping=False,
+    )
+    seeds = np.array(ppo.env_seeds(3, 0, num_envs))
+    _, info = envs.reset(seed=seeds)
+    truth.reset(seed=seeds)
+    games = ppo.GameTracker(info)
+    logged, true_games, learner_terminals = [], [], 0
+    true_return, true_length = np.zeros(num_envs), np.zeros(num_envs, dtype=np.int64)
+    for actions in random_actions(0, steps, num_envs, envs.single_action_space.n):
+        _, reward, terminated, truncated, info = envs.step(actions)
+        _, true_reward, true_terminated, true_truncated, _ = truth.step(actions)
+        np.testing.assert_array_equal(reward, true_reward)  # same game, frame for frame
+        learner_terminals += int(terminated.sum())
+        game_over, returns, lengths = games.step(reward, terminated, truncated, info)
+        logged += [
+            (env, float(r), int(n)) for env, r, n in zip(np.flatnonzero(game_over), returns, lengths, strict=True)
+        ]
+        true_return += true_reward
+        true_length += 1
+        for env in np.flatnonzero(true_terminated | true_truncated):
+            true_games.append((int(env), float(true_return[env]), int(true_length[env])))
+            true_return[env], true_length[env] = 0.0, 0
+        assert (game_over == (true_terminated | true_truncated)).all()
+    assert len(true_games) >= 2 and sorted(logged) == sorted(true_games)
+    assert learner_terminals >= 2 * len(true_games)  # every lost life ended a learner episode
+    if env_id.startswith("SpaceInvaders"):
+        assert max(r for _, r, _ in logged) > 30  # raw scores: clipped rewards could not reach this so fast
+    envs.close()
+    truth.close()
+
+
+def test_evaluation_preprocessing_resizes_as_the_vector_env():
+    """The numpy area resize of the evaluation env against AtariVectorEnv's OpenCV resize, on the same frames."""
+    full = ppo.AtariVectorEnv("breakout", 1, img_height=210, img_width=160, num_threads=1)
+    small = ppo.AtariVectorEnv("breakout", 1, num_threads=1)
+    full_obs, _ = full.reset(seed=np.array([5]))
+    small_obs, _ = small.reset(seed=np.array([5]))
+    rows, cols = ppo.area_resize_matrix(210, 84), ppo.area_resize_matrix(160, 84)
+    for actions in random_actions(1, 40, 1, 4):
+        resized = np.rint(rows @ full_obs[0, -1] @ cols.T)
+        assert np.abs(resized - small_obs[0, -1]).max() <= 1  # rounding only
+        full_obs, *_ = full.step(actions)
+        small_obs, *_ = small.step(actions)
+    env = ppo.make_eval_env("ALE/Breakout-v5")
+    obs, _ = env.reset(seed=0)
+    assert obs.shape == (4, 84, 84) and obs.dtype == np.uint8 and not obs[:3].any() and obs[3].any()
+    assert env.unwrapped.ale.getFloat("repeat_action_probability") == pytest.approx(0.25)
+    env.close()
+
+
+def test_gae_cuts_at_life_losses_and_bootstraps_truncations():
+    rewards = torch.tensor([[1.0, 1.0], [1.0, 1.0]])
+    values = torch.zeros(2, 2)
+    # env 0 is truncated at step 0 with V(final obs) = 10; env 1 loses a life there (a terminal)
+    next_values = torch.tensor([[10.0, 10.0], [3.0, 3.0]])
+    terminations = torch.tensor([[0.0, 1.0], [0.0, 0.0]])
+    episode_ends = torch.tensor([[1.0, 1.0], [0.0, 0.0]])
+    advantages, returns = ppo.compute_gae(rewards, values, next_values, terminations, episode_ends, 0.5, 1.0)
+    assert advantages[0].tolist() == [1.0 + 0.5 * 10.0, 1.0]  # nothing flows back from the next episode
+    assert advantages[1].tolist() == [1.0 + 0.5 * 3.0, 1.0 + 0.5 * 3.0]
+    torch.testing.assert_close(returns, advantages + values)
+
+
+# --- DDP equivalence -------------------------------------------------------------------------------------
+
+BATCH, EPOCHS, MINIBATCHES = 32, 2, 2
+
+
+def atari_batch() -> dict[str, torch.Tensor]:
+    """A fixed float64 batch of real Breakout frames; log-probs and values from the initial agent."""
+    envs = ppo.make_env(BREAKOUT, 2, 1)
+    obs, _ = envs.reset(seed=np.array([1, 10_001]))
+    frames, actions = [], random_actions(7, BATCH // 2, 2, 4)
+    for step_actions in actions:
+        frames.append(obs.copy())
+        obs, *_ = envs.step(step_actions)
+    envs.close()
+    obs = torch.from_numpy(np.concatenate(frames))
+    actions = torch.from_numpy(actions.reshape(-1))
+    log_prob, _, value = new_agent()(obs, actions)
+    generator = torch.Generator().manual_seed(3)
+    return {
+        "obs": obs,
+        "actions": actions,
+        "log_probs": log_prob.detach() + 0.05 * torch.randn(BATCH, generator=generator, dtype=torch.float64),
+        "values": value.detach(),
+        "advantages": 2 * torch.randn(BATCH, generator=generator, dtype=torch.float64) + 0.5,
+        "returns": torch.randn(BATCH, generator=generator, dtype=torch.float64),
+    }
+
+
+def new_agent(state: dict | None = None) -> ppo.Agent:
+    """A float64 agent; with `state`, exactly those weights (orthogonal init differs with the thread count)."""
+    torch.manual_seed(0)
+    agent = ppo.Agent(4).double()
+    if state is not None:
+        agent.load_state_dict(state)
+    return agent
+
+
+def update_args(target_kl: float | None) -> ppo.Args:
+    return ppo.Args(update_epochs=EPOCHS, num_minibatches=MINIBATCHES, target_kl=target_kl)
+
+
+def run_update(model, agent: ppo.Agent, batch: dict, order: torch.Tensor, target_kl: float | None):
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3, eps=1e-5)
+    stats, _ = ppo.update(model, optimizer, batch, order, update_args(target_kl))
+    return agent.state_dict(), stats
+
+
+def ddp_rank(rank: int, world_size: int, batch: dict, orders: list[torch.Tensor], initial: dict) -> list:
+    """One rank: half of the batch, its own minibatch order, the agent wrapped in DDP (gloo, float64)."""
+    half = BATCH // world_size
+    local = {key: value[rank * half : (rank + 1) * half] for key, value in batch.items()}
+    results = []
+    for target_kl in (None, 1e-12):  # early stopping off, and on after the first epoch
+        agent = new_agent(initial)
+        model = torch.nn.parallel.DistributedDataParallel(agent)
+        results.append(run_update(model, agent, local, orders[rank], target_kl))
+    return results
+
+
+def test_two_ddp_ranks_end_the_update_with_the_one_rank_weights(tmp_path):
+    batch = atari_batch()
+    half = BATCH // 2
+    generators = [torch.Generator().manual_seed(100 + rank) for rank in range(2)]
+    orders = [
+        torch.stack([torch.randperm(half, generator=g) for _ in range(EPOCHS)]).reshape(EPOCHS, MINIBATCHES, -1)
+        for g in generators
+    ]
+    # world minibatch k = the union of the ranks' minibatches k (rank 1's rows come after rank 0's)
+    whole_order = torch.cat([orders[0], orders[1] + half], dim=-1)
+    initial = new_agent().state_dict()
+
+    ranks = run_ranks(ddp_rank, 2, tmp_path, batch, orders, initial)
+    for run, target_kl in enumerate((None, 1e-12)):
+        agent = new_agent(initial)
+        expected, expected_stats = run_update(agent, agent, batch, whole_order, target_kl)
+        (state0, stats0), (state1, stats1) = ranks[0][run], ranks[1][run]
+        assert_same_parameters([state0, state1])  # bit for bit: every rank took the same steps
+        assert torch.equal(stats0, stats1)
+        assert_same_parameters([expected, state0], atol=1e-10)
+        torch.testing.assert_close(stats0, expected_stats, rtol=0, atol=1e-10)  # losses, KL, clipfrac world-wide
+        assert not torch.allclose(expected["network.0.weight"], initial["network.0.weight"], atol=1e-4)
+
+    # the test can tell: one rank alone on its half (no sync) ends elsewhere
+    agent = new_agent(initial)
+    alone, _ = run_update(agent, agent, {key: value[:half] for key, value in batch.items()}, orders[0], None)
+    assert not torch.allclose(alone["network.0.weight"], ranks[0][0][0]["network.0.weight"], atol=1e-6)
+    # and early stopping on the averaged KL stopped both ranks after one of the two epochs
+    agent = new_agent(initial)
+    one_epoch, _ = run_update(agent, agent, batch, whole_order[:1], None)
+    assert_same_parameters([one_epoch, ranks[0][1][0]], atol=1e-10)
+
+
+# --- end to end under torchrun ---------------------------------------------------------------------------
+
+TINY = ["--local-num-envs", "2", "--num-steps", "128", "--num-minibatches", "2", "--update-epochs", "1"]
+
+
+def test_breakout_two_ranks_train_identically_log_and_evaluate(tmp_path):
+    args = [*TINY, "--total-timesteps", "1024", "--save-model"]  # 2 ranks x 2 envs x 128 steps: 2 iterations
+    result = torchrun("ppo_atari_multigpu.py", args, tmp_path, save_ranks=True)
+    assert_ok(result)
+    assert "ranks                        2" in result.stdout and "iteration 2/2 step 1024" in result.stdout
+    assert_same_parameters(rank_parameters(tmp_path, 2))
+    [run_dir] = run_dirs(tmp_path)
+    scalars = read_scalars(run_dir)
+    assert [step for step, _ in scalars["charts/SPS"]] == [512, 1024]
+    for key in (
+        "charts/learning_rate",
+        "losses/value_loss",
+        "losses/policy_loss",
+        "losses/entropy",
+        "losses/old_approx_kl",
+        "losses/approx_kl",
+        "losses/clipfrac",
+        "losses/explained_variance",
+        "perf/rollout_time",
+        "perf/update_time",
+        "perf/sync_time",
+    ):
+        assert len(scalars[key]) == 2, key
+    assert scalars["charts/learning_rate"][1][1] == pytest.approx(2.5e-4 / 2)  # annealed
+    # whole games of a near-random agent: 5 lives last far longer than one learner episode
+    assert scalars["charts/episodic_return"] and all(length > 100 for _, length in scalars["charts/episodic_length"])
+
+    result = run_command(
+        [sys.executable, str(ROOT / "ppo_atari_multigpu.py"), "--eval-checkpoint", str(run_dir / "model.pt")]
+        + ["--eval-episodes", "1"],
+        tmp_path,
+    )
+    assert_ok(result)
+    last_line = result.stdout.strip().splitlines()[-1]
+    assert last_line.startswith("eval: episodes=1 return_mean="), last_line
+
+
+# --- bad input -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("flags", "world_size", "message"),
+    [
+        (["--env-id", "CartPole-v1"], 1, "is not an Atari game"),
+        (["--env-id", "NoSuchGame-v4"], 1, "unknown --env-id 'NoSuchGame-v4'"),
+        (["--env-id", "Breakout-v4"], 1, "skips a random number of frames"),
+        (["--local-num-envs", "3", "--num-steps", "5"], 1, "does not split into --num-minibatches 4"),
+        (["--total-timesteps", "1024"], 2, "zero iterations"),
+        (["--num-steps", "0"], 1, "--num-steps must be at least 1"),
+        (["--target-kl", "0"], 1, "--target-kl must be positive"),
+        (["--eval-checkpoint", "missing/model.pt"], 1, "does not exist"),
+    ],
+)
+def test_bad_input_is_one_clear_message(flags, world_size, message, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", str(world_size))
+    with pytest.raises(SystemExit) as exit_info:
+        ppo.main(tyro.cli(ppo.Args, args=flags))
+    assert exit_info.value.code == 2
+    stderr = capsys.readouterr().err
+    assert stderr.startswith("ppo_atari_multigpu.py: error: ") and message in stderr and stderr.count("\n") == 1, stderr
+    assert not (tmp_path / "runs").exists()
+
+
+def test_non_atari_env_from_the_command_line_exits_without_traceback(tmp_path):
+    result = run_command([sys.executable, str(ROOT / "ppo_atari_multigpu.py"), "--env-id", "CartPole-v1"], tmp_path)
+    assert result.returncode == 2
+    assert "is not an Atari game" in result.stderr and "Traceback" not in result.stderr
