@@ -22,6 +22,7 @@ one-learner pattern) the rollouts are gathered to rank 0, which updates alone an
 weights. Both modes end an epoch with the same weights on every rank, up to float rounding.
 """
 
+import gc
 import math
 import os
 import random
@@ -263,6 +264,22 @@ def gather_to_rank0(tensor: torch.Tensor) -> torch.Tensor | None:
     return torch.cat(pieces) if is_root else None
 
 
+def pack_batch(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """One [n, width] float tensor holding a rank's batch, so --sync gather needs one collective."""
+    dtype = batch["obs"].dtype  # actions of a Discrete space are small integers: exact in any float type
+    return torch.cat([tensor.reshape(len(tensor), -1).to(dtype) for tensor in batch.values()], dim=1)
+
+
+def unpack_batch(packed: torch.Tensor, like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Inverse of pack_batch, with the field shapes of `like`."""
+    batch, offset = {}, 0
+    for key, tensor in like.items():
+        width = tensor[0].numel()
+        batch[key] = packed[:, offset : offset + width].reshape((-1,) + tensor.shape[1:]).to(tensor.dtype)
+        offset += width
+    return batch
+
+
 def rank_seed(seed: int, rank: int) -> int:
     """Seed of python, numpy and action sampling on `rank` (SpinningUp's stride: nearby seeds never collide)."""
     return seed + 10_000 * rank
@@ -300,6 +317,9 @@ def mlp(in_size: int, hidden_sizes: tuple[int, ...], out_size: int, out_std: flo
         layers += [layer_init(nn.Linear(size, hidden)), nn.Tanh()]
         size = hidden
     return nn.Sequential(*layers, layer_init(nn.Linear(size, out_size), std=out_std))
+
+
+LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
 
 
 class Agent(nn.Module):
@@ -347,9 +367,6 @@ class Agent(nn.Module):
                 actions = torch.multinomial(log_probs.exp(), 1).squeeze(-1)
             log_prob = log_probs.gather(-1, actions.unsqueeze(-1)).squeeze(-1)
         return actions, log_prob, self.value(obs)
-
-
-LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
 
 
 def compute_gae(
@@ -430,6 +447,30 @@ def update(
         stats = torch.stack([policy_loss.detach(), first_value_loss, entropy.mean().detach(), approx_kl])
         stats = allreduce_mean(torch.cat([stats, explained_variance.reshape(1)]).double(), group)
     return stats, sync_time
+
+
+def update_one_learner(
+    agent: Agent,
+    pi_optimizer: torch.optim.Optimizer,
+    vf_optimizer: torch.optim.Optimizer,
+    batch: dict[str, torch.Tensor],
+    train_v_iters: int,
+    learner_group: dist.ProcessGroup | None,
+) -> tuple[torch.Tensor, float]:
+    """--sync gather: rollouts gathered to rank 0, which updates alone (in `learner_group`, a group of one),
+    then broadcasts its weights. Returns rank 0's statistics (zeros elsewhere) and the seconds spent in
+    the gather and the broadcast."""
+    start = time.perf_counter()
+    gathered = gather_to_rank0(pack_batch(batch))
+    sync_time = time.perf_counter() - start
+    stats = torch.zeros(5, dtype=torch.float64)
+    if gathered is not None:
+        stats, _ = update(
+            agent, pi_optimizer, vf_optimizer, unpack_batch(gathered, batch), train_v_iters, learner_group
+        )
+    start = time.perf_counter()
+    broadcast_parameters(agent)
+    return stats, sync_time + time.perf_counter() - start
 
 
 def save_checkpoint(path: str, agent: Agent, args: Args) -> None:
@@ -513,29 +554,20 @@ def check_args(args: Args, world_size: int) -> None:
             f"{args.steps_per_epoch}: zero epochs to train; raise --total-timesteps"
         )
     try:
-        gym.spec(args.env_id)
+        probe = gym.make(args.env_id)  # one env, closed at once, to learn the spaces
     except gym.error.Error as error:
         fail(f"unknown --env-id {args.env_id!r} ({error})")
+    action_space, observation_space = probe.action_space, probe.observation_space
+    probe.close()
+    if not isinstance(action_space, gym.spaces.Box | gym.spaces.Discrete):
+        fail(f"{args.env_id} has {type(action_space).__name__} actions; {SCRIPT} trains Box or Discrete action spaces")
+    if not isinstance(observation_space, gym.spaces.Box):
+        fail(f"{args.env_id} has {type(observation_space).__name__} observations; {SCRIPT} needs a Box space")
     if args.capture_video:
         try:
             import moviepy  # noqa: F401
         except ImportError:
             fail("--capture-video needs moviepy: pip install moviepy")
-
-
-def pack_batch(batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """One [n, width] float tensor holding a rank's batch, so --sync gather needs one collective."""
-    return torch.cat([tensor.reshape(len(tensor), -1).to(torch.float32) for tensor in batch.values()], dim=1)
-
-
-def unpack_batch(packed: torch.Tensor, like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Inverse of pack_batch, with the field shapes of `like`."""
-    batch, offset = {}, 0
-    for key, tensor in like.items():
-        width = tensor[0].numel()
-        batch[key] = packed[:, offset : offset + width].reshape((-1,) + tensor.shape[1:]).to(tensor.dtype)
-        offset += width
-    return batch
 
 
 def print_batch_table(args: Args) -> None:
@@ -601,10 +633,6 @@ def main(args: Args) -> Agent | None:
         [make_env(args.env_id, args.max_ep_len) for _ in range(args.local_num_envs)],
         autoreset_mode=gym.vector.AutoresetMode.SAME_STEP,
     )
-    if not isinstance(envs.single_action_space, gym.spaces.Box | gym.spaces.Discrete):
-        fail(f"{args.env_id} has {type(envs.single_action_space).__name__} actions; {SCRIPT} trains Box or Discrete")
-    if not isinstance(envs.single_observation_space, gym.spaces.Box):
-        fail(f"{args.env_id} has {type(envs.single_observation_space).__name__} observations; {SCRIPT} needs Box")
 
     start_time = torch.tensor(int(time.time()), dtype=torch.int64)
     dist.broadcast(start_time, src=0)  # every rank names the run folder alike
@@ -713,16 +741,9 @@ def main(args: Args) -> Agent | None:
         if args.sync == "allreduce":
             stats, sync_time = update(agent, pi_optimizer, vf_optimizer, batch, args.train_v_iters)
         else:
-            gathered = gather_to_rank0(pack_batch(batch))
-            sync_time = time.perf_counter() - update_start
-            stats = torch.zeros(5, dtype=torch.float64)
-            if rank == 0:
-                stats, _ = update(
-                    agent, pi_optimizer, vf_optimizer, unpack_batch(gathered, batch), args.train_v_iters, learner_group
-                )
-            broadcast_start = time.perf_counter()
-            broadcast_parameters(agent)
-            sync_time += time.perf_counter() - broadcast_start
+            stats, sync_time = update_one_learner(
+                agent, pi_optimizer, vf_optimizer, batch, args.train_v_iters, learner_group
+            )
         update_time = time.perf_counter() - update_start
 
         # --- logging (world-wide episode statistics in one collective) ---
@@ -754,7 +775,9 @@ def main(args: Args) -> Agent | None:
             import wandb
 
             wandb.finish()
+    dist.barrier()
     dist.destroy_process_group()
+    gc.collect()  # free gloo's worker threads now: left to interpreter shutdown they can abort the process
     return agent
 
 

@@ -4,9 +4,12 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -82,3 +85,46 @@ def assert_same_parameters(states: list[dict[str, torch.Tensor]], atol: float = 
         assert state.keys() == states[0].keys()
         for key in state:
             assert torch.allclose(state[key], states[0][key], rtol=0, atol=atol), f"rank {rank} differs in {key}"
+
+
+def _rank_main(
+    rank: int, worker, world_size: int, port: int, out_dir: str, worker_args: tuple, join_group: bool = True
+) -> None:
+    """One spawned rank: join a gloo group as the scripts would under torchrun, run `worker`, save its result."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    os.environ.update(LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    if not join_group:  # the worker forms (and destroys) the group itself, e.g. by calling a script's main
+        torch.save(worker(rank, world_size, *worker_args), os.path.join(out_dir, f"result{rank}.pt"))
+        return
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        torch.save(worker(rank, world_size, *worker_args), os.path.join(out_dir, f"result{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(
+    worker, world_size: int, out_dir: Path, *worker_args, timeout: float = 120, join_group: bool = True
+) -> list:
+    """Run `worker(rank, world_size, *worker_args)` on `world_size` spawned ranks joined in a gloo group.
+
+    `worker` must be a module-level function (spawn pickles it by name); each rank's return value is
+    saved with torch.save and the list of them, in rank order, is returned. A hang fails after `timeout`.
+    With `join_group=False` the ranks only get the launcher variables (RANK, MASTER_PORT...) that torchrun
+    would set, so the worker can run a script's whole `main`, which forms its own group.
+    """
+    context = mp.start_processes(
+        _rank_main,
+        args=(worker, world_size, free_port(), str(out_dir), worker_args, join_group),
+        nprocs=world_size,
+        join=False,
+        start_method="spawn",
+    )
+    deadline = time.monotonic() + timeout
+    while not context.join(timeout=1):
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                process.kill()
+            raise TimeoutError(f"{world_size} ranks of {worker.__name__} did not finish within {timeout} s")
+    return [torch.load(out_dir / f"result{rank}.pt", weights_only=False) for rank in range(world_size)]

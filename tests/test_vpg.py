@@ -1,0 +1,370 @@
+"""vpg_mpi.py: GAE, seeding, distributed equivalence, every launcher, and bad input."""
+
+import subprocess
+import sys
+
+import gymnasium as gym
+import numpy as np
+import pytest
+import torch
+import tyro
+
+import vpg_mpi
+from tests.helpers import (
+    ROOT,
+    assert_ok,
+    assert_same_parameters,
+    clean_env,
+    free_port,
+    rank_parameters,
+    read_scalars,
+    run_command,
+    run_dirs,
+    run_ranks,
+    torchrun,
+)
+
+CARTPOLE = ["--env-id", "CartPole-v1", "--steps-per-epoch", "1000", "--total-timesteps", "3000", "--train-v-iters", "5"]
+
+
+# --- GAE and rewards-to-go ---------------------------------------------------------------------------
+
+
+def discount_cumsum(x: np.ndarray, discount: float) -> np.ndarray:
+    out, running = np.zeros_like(x), 0.0
+    for t in reversed(range(len(x))):
+        running = x[t] + discount * running
+        out[t] = running
+    return out
+
+
+def spinningup_reference(rewards, values, next_values, terminated, truncated, gamma, lam):
+    """SpinningUp's GAEBuffer.finish_path, applied path by path to each env's column."""
+    advantages, returns = np.zeros_like(rewards), np.zeros_like(rewards)
+    steps, num_envs = rewards.shape
+    for env in range(num_envs):
+        start = 0
+        for t in range(steps):
+            if not (terminated[t, env] or truncated[t, env] or t == steps - 1):
+                continue
+            last_value = 0.0 if terminated[t, env] else next_values[t, env]
+            path_rewards = np.append(rewards[start : t + 1, env], last_value)
+            path_values = np.append(values[start : t + 1, env], last_value)
+            deltas = path_rewards[:-1] + gamma * path_values[1:] - path_values[:-1]
+            advantages[start : t + 1, env] = discount_cumsum(deltas, gamma * lam)
+            returns[start : t + 1, env] = discount_cumsum(path_rewards, gamma)[:-1]
+            start = t + 1
+    return advantages, returns
+
+
+def test_gae_and_rewards_to_go_match_spinningup_on_random_paths():
+    rng = np.random.default_rng(0)
+    steps, num_envs, gamma, lam = 60, 4, 0.99, 0.97
+    rewards = rng.normal(size=(steps, num_envs))
+    values = rng.normal(size=(steps, num_envs))
+    terminated = rng.random((steps, num_envs)) < 0.08
+    truncated = rng.random((steps, num_envs)) < 0.08  # some steps are both: termination wins
+    ended = terminated | truncated
+    final_values = rng.normal(size=(steps, num_envs))  # V(final observation) of a cut episode
+    last_values = rng.normal(size=num_envs)  # V(observation after the epoch's last step)
+    next_values = np.where(ended, final_values, np.concatenate([values[1:], last_values[None]]))
+    assert terminated.any() and (truncated & ~terminated).any() and not ended[-1].all()
+
+    advantages, returns = vpg_mpi.compute_gae(
+        rewards, values, next_values, terminated.astype(float), ended.astype(float), gamma, lam
+    )
+    expected_advantages, expected_returns = spinningup_reference(
+        rewards, values, next_values, terminated, truncated, gamma, lam
+    )
+    np.testing.assert_allclose(advantages, expected_advantages, rtol=0, atol=1e-12)
+    np.testing.assert_allclose(returns, expected_returns, rtol=0, atol=1e-12)
+
+
+def test_truncation_bootstraps_from_final_value_and_termination_from_zero():
+    rewards = np.array([[1.0, 1.0], [1.0, 1.0]])
+    values = np.zeros((2, 2))
+    # env 0 is truncated at step 0 with V(final obs) = 10; env 1 terminates there with the same value
+    next_values = np.array([[10.0, 10.0], [0.0, 0.0]])
+    terminated = np.array([[0.0, 1.0], [0.0, 0.0]])
+    ended = np.array([[1.0, 1.0], [0.0, 0.0]])
+    _, returns = vpg_mpi.compute_gae(rewards, values, next_values, terminated, ended, gamma=0.5, lam=1.0)
+    assert returns[0].tolist() == [1.0 + 0.5 * 10.0, 1.0]
+
+
+# --- seeding -------------------------------------------------------------------------------------------
+
+
+def test_no_two_envs_or_ranks_share_a_seed():
+    local_num_envs = 3
+    seeds = [s for rank in range(2) for s in vpg_mpi.env_seeds(1, rank, local_num_envs)]
+    assert len(set(seeds)) == 2 * local_num_envs
+    # nearby run seeds never reuse each other's streams
+    assert not set(seeds) & {s for rank in range(2) for s in vpg_mpi.env_seeds(2, rank, local_num_envs)}
+    assert vpg_mpi.rank_seed(1, 0) != vpg_mpi.rank_seed(1, 1)
+    first_obs = set()
+    for seed in seeds:
+        env = gym.make("CartPole-v1")
+        first_obs.add(tuple(env.reset(seed=seed)[0].round(6)))
+        env.close()
+    assert len(first_obs) == len(seeds)
+
+
+# --- distributed equivalence ---------------------------------------------------------------------------
+
+OBS_DIM, ACT_DIM, BATCH, V_ITERS = 5, 2, 64, 4
+
+
+def fixed_batch() -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(3)
+    return {
+        "obs": torch.randn(BATCH, OBS_DIM, generator=generator, dtype=torch.float64),
+        "actions": torch.randn(BATCH, ACT_DIM, generator=generator, dtype=torch.float64),
+        "log_probs": torch.randn(BATCH, generator=generator, dtype=torch.float64) - 2,
+        "values": torch.randn(BATCH, generator=generator, dtype=torch.float64),
+        "advantages": 3 * torch.randn(BATCH, generator=generator, dtype=torch.float64) + 1,
+        "returns": torch.randn(BATCH, generator=generator, dtype=torch.float64),
+    }
+
+
+def new_learner() -> tuple[vpg_mpi.Agent, torch.optim.Optimizer, torch.optim.Optimizer]:
+    torch.set_default_dtype(torch.float64)
+    torch.manual_seed(0)
+    space = gym.spaces.Box(-1.0, 1.0, (ACT_DIM,))
+    agent = vpg_mpi.Agent(OBS_DIM, space, (16, 16))
+    pi_optimizer = torch.optim.Adam(agent.policy_parameters(), lr=0.05)
+    vf_optimizer = torch.optim.Adam(agent.critic.parameters(), lr=0.05)
+    return agent, pi_optimizer, vf_optimizer
+
+
+def vpg_rank(rank: int, world_size: int) -> dict[str, tuple[dict, torch.Tensor]]:
+    """One update on this rank's half of the fixed batch, in each sync mode from the same start."""
+    half = BATCH // world_size
+    local = {key: value[rank * half : (rank + 1) * half] for key, value in fixed_batch().items()}
+    agent, pi_optimizer, vf_optimizer = new_learner()
+    allreduce = vpg_mpi.update(agent, pi_optimizer, vf_optimizer, local, V_ITERS)[0], agent.state_dict()
+    agent, pi_optimizer, vf_optimizer = new_learner()
+    learner_group = torch.distributed.new_group([0])
+    gather = vpg_mpi.update_one_learner(agent, pi_optimizer, vf_optimizer, local, V_ITERS, learner_group)[0]
+    return {"allreduce": (allreduce[1], allreduce[0]), "gather": (agent.state_dict(), gather)}
+
+
+def test_two_ranks_end_an_epoch_with_the_one_rank_weights_in_both_sync_modes(tmp_path):
+    try:
+        initial = new_learner()[0].state_dict()
+        agent, pi_optimizer, vf_optimizer = new_learner()
+        expected_stats, _ = vpg_mpi.update(agent, pi_optimizer, vf_optimizer, fixed_batch(), V_ITERS)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    expected = agent.state_dict()
+    assert not torch.allclose(expected["actor.0.weight"], initial["actor.0.weight"])  # the update moved them
+
+    ranks = run_ranks(vpg_rank, 2, tmp_path)
+    for sync in ("allreduce", "gather"):
+        (state0, stats0), (state1, _) = ranks[0][sync], ranks[1][sync]
+        assert_same_parameters([state0, state1])  # bit for bit: every rank took the same step
+        assert_same_parameters([expected, state0], atol=1e-10)
+        # policy loss, first value loss, entropy and KL are world-wide, equal to the one-rank figures
+        torch.testing.assert_close(stats0[:4], expected_stats[:4], rtol=0, atol=1e-10)
+
+
+# --- end to end under each launcher --------------------------------------------------------------------
+
+
+def epochs_logged(run_dir) -> int:
+    return len(read_scalars(run_dir)["losses/policy_loss"])
+
+
+def test_cartpole_two_ranks_train_identically_reproducibly_and_evaluate(tmp_path):
+    first, second = tmp_path / "first", tmp_path / "second"
+    first.mkdir()
+    second.mkdir()
+    assert_ok(torchrun("vpg_mpi.py", [*CARTPOLE, "--save-model"], first, save_ranks=True))
+    assert_same_parameters(rank_parameters(first, 2))
+    [run_dir] = run_dirs(first)
+    scalars = read_scalars(run_dir)
+    assert [step for step, _ in scalars["losses/policy_loss"]] == [1000, 2000, 3000]
+    for key in (
+        "charts/episodic_return",
+        "charts/episodic_length",
+        "charts/SPS",
+        "losses/value_loss",
+        "losses/entropy",
+        "losses/approx_kl",
+        "perf/rollout_time",
+        "perf/update_time",
+        "perf/sync_time",
+    ):
+        assert key in scalars, key
+    assert all(length >= 8 for _, length in scalars["charts/episodic_length"])  # CartPole lasts >= 8 steps
+
+    # same seed and world size: the same curve
+    assert_ok(torchrun("vpg_mpi.py", CARTPOLE, second))
+    again = read_scalars(run_dirs(second)[0])
+    for key in ("charts/episodic_return", "losses/policy_loss", "losses/value_loss"):
+        assert again[key] == scalars[key], key
+
+    result = run_command(
+        [
+            sys.executable,
+            str(ROOT / "vpg_mpi.py"),
+            "--eval-checkpoint",
+            str(run_dir / "model.pt"),
+            "--eval-episodes",
+            "3",
+        ],
+        first,
+    )
+    assert_ok(result)
+    last_line = result.stdout.strip().splitlines()[-1]
+    assert last_line.startswith("eval: episodes=3 return_mean="), last_line
+
+
+def test_halfcheetah_two_ranks_gather_mode(tmp_path):
+    args = [
+        "--env-id",
+        "HalfCheetah-v5",
+        "--steps-per-epoch",
+        "2000",
+        "--total-timesteps",
+        "4000",
+        "--train-v-iters",
+        "5",
+        "--sync",
+        "gather",
+    ]
+    assert_ok(torchrun("vpg_mpi.py", args, tmp_path, save_ranks=True))
+    assert_same_parameters(rank_parameters(tmp_path, 2))
+    [run_dir] = run_dirs(tmp_path)
+    scalars = read_scalars(run_dir)
+    assert epochs_logged(run_dir) == 2
+    assert len(scalars["charts/episodic_return"]) == 2  # 1000-step episodes: one per env per epoch
+    assert scalars["charts/episodic_length"][0][1] == 1000
+
+
+def test_mpirun_launch(tmp_path):
+    command = [
+        "mpirun",
+        "--allow-run-as-root",
+        "--oversubscribe",
+        "-np",
+        "2",
+        "-x",
+        f"MASTER_PORT={free_port()}",
+        "-x",
+        "PYTHONPATH",
+        sys.executable,
+        str(ROOT / "vpg_mpi.py"),
+        *CARTPOLE,
+    ]
+    assert_ok(run_command(command, tmp_path))
+    [run_dir] = run_dirs(tmp_path)
+    assert epochs_logged(run_dir) == 3
+
+
+def launch_all(commands_and_envs: list[tuple[list[str], dict, object]], timeout: float = 180) -> list:
+    """Start several processes at once (ranks that must meet) and wait for all of them."""
+    processes = [
+        subprocess.Popen(
+            command, cwd=cwd, env=clean_env(**env), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for command, env, cwd in commands_and_envs
+    ]
+    results = []
+    for process in processes:
+        try:
+            stdout, stderr = process.communicate(timeout=timeout)
+        finally:
+            process.kill()
+        results.append(subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr))
+    return results
+
+
+def test_slurm_variables_two_tasks_train_together(tmp_path):
+    port = str(free_port())
+    command = [sys.executable, str(ROOT / "vpg_mpi.py"), *CARTPOLE]
+    tasks = [
+        (command, {"SLURM_PROCID": str(r), "SLURM_NTASKS": "2", "SLURM_LOCALID": str(r), "MASTER_PORT": port}, tmp_path)
+        for r in range(2)
+    ]
+    for result in launch_all(tasks):
+        assert_ok(result)
+    [run_dir] = run_dirs(tmp_path)
+    assert epochs_logged(run_dir) == 3
+
+
+def test_two_torchrun_nodes_train_as_one_world(tmp_path):
+    port = str(free_port())
+    nodes = []
+    for node_rank in range(2):
+        cwd = tmp_path / f"node{node_rank}"
+        cwd.mkdir()
+        command = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes=2",
+            f"--node-rank={node_rank}",
+            "--nproc-per-node=1",
+            "--master-addr=127.0.0.1",
+            f"--master-port={port}",
+            str(ROOT / "tests" / "rank_entry.py"),
+            "vpg_mpi.py",
+            *CARTPOLE,
+        ]
+        nodes.append((command, {}, cwd))
+    for result in launch_all(nodes):
+        assert_ok(result)
+    # global rank 0 alone logs; node 1's local rank 0 is global rank 1 and writes nothing
+    [run_dir] = run_dirs(tmp_path / "node0")
+    assert not (tmp_path / "node1" / "runs").exists()
+    assert epochs_logged(run_dir) == 3
+    states = [torch.load(tmp_path / f"node{node}" / f"rank{node}.pt") for node in range(2)]
+    assert_same_parameters(states)
+
+
+def test_nprocs_relaunches_under_torchrun(tmp_path):
+    result = run_command([sys.executable, str(ROOT / "vpg_mpi.py"), "--nprocs", "2", *CARTPOLE], tmp_path)
+    assert_ok(result)
+    assert "ranks                        2" in result.stdout
+    assert epochs_logged(run_dirs(tmp_path)[0]) == 3
+
+
+# --- bad input -----------------------------------------------------------------------------------------
+
+
+class TupleActions(gym.Env):
+    observation_space = gym.spaces.Box(-1.0, 1.0, (2,))
+    action_space = gym.spaces.Tuple((gym.spaces.Discrete(2), gym.spaces.Discrete(2)))
+
+
+gym.register("ddrl-test/TupleActions-v0", entry_point=TupleActions)
+
+
+@pytest.mark.parametrize(
+    ("flags", "world_size", "message"),
+    [
+        (["--steps-per-epoch", "4000"], 3, "does not split evenly across 3 ranks"),
+        (["--steps-per-epoch", "4000", "--local-num-envs", "3"], 2, "does not split across --local-num-envs 3"),
+        (["--total-timesteps", "1000"], 1, "zero epochs"),
+        (["--env-id", "NoSuchEnv-v0"], 1, "unknown --env-id 'NoSuchEnv-v0'"),
+        (["--env-id", "ddrl-test/TupleActions-v0"], 1, "has Tuple actions"),
+        (["--eval-checkpoint", "missing/model.pt"], 1, "does not exist"),
+        (["--nprocs", "0"], 1, "--nprocs must be at least 1"),
+    ],
+)
+def test_bad_input_is_one_clear_message(flags, world_size, message, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", str(world_size))
+    with pytest.raises(SystemExit) as exit_info:
+        vpg_mpi.main(tyro.cli(vpg_mpi.Args, args=flags))
+    assert exit_info.value.code == 2
+    stderr = capsys.readouterr().err
+    assert stderr.startswith("vpg_mpi.py: error: ") and message in stderr and stderr.count("\n") == 1, stderr
+    assert not (tmp_path / "runs").exists()
+
+
+def test_unknown_sync_mode_is_refused_by_the_command_line(tmp_path):
+    result = run_command([sys.executable, str(ROOT / "vpg_mpi.py"), "--sync", "ring"], tmp_path, timeout=60)
+    assert result.returncode == 2
+    assert "--sync" in result.stderr and "Traceback" not in result.stderr
