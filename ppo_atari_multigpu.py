@@ -30,7 +30,6 @@ import random
 import subprocess
 import sys
 import time
-import warnings
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from typing import NoReturn
@@ -212,10 +211,11 @@ def init_distributed(args: Args) -> tuple[int, int, torch.device]:
         if num_gpus < local_world_size and not args.backend:
             backend = "gloo"  # NCCL refuses two ranks on one GPU
             if local_rank == 0:
-                warnings.warn(
-                    f"{local_world_size} ranks share {num_gpus} GPU(s) on this node: using gloo instead of NCCL "
-                    "(slower); launch one rank per GPU for NCCL",
-                    stacklevel=1,
+                print(
+                    f"{SCRIPT}: warning: {local_world_size} ranks share {num_gpus} GPU(s) on this node, so they "
+                    "talk over gloo instead of NCCL (slower); launch one rank per GPU for NCCL",
+                    file=sys.stderr,
+                    flush=True,
                 )
     device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
     timeout = timedelta(seconds=args.dist_timeout)
