@@ -1,0 +1,860 @@
+"""PPO for continuous control (MuJoCo), data-parallel over any number of processes.
+
+CleanRL's continuous-action PPO recipe in one file (ppo_continuous_action.py, so results compare with
+its published table): separate 64-64 tanh actor and critic MLPs with orthogonal init, a state-independent
+log-std, clipped surrogate and clipped value loss, GAE-lambda, annealed learning rate, actions clipped to
+the space, observations normalised and rewards scaled by a running return std (each clipped to +-10).
+
+Launch it any of these ways (no mpi4py needed):
+
+    python ppo_continuous_mpi.py --env-id Hopper-v5                     # one process
+    torchrun --standalone --nproc_per_node=2 ppo_continuous_mpi.py      # 2 processes on this machine
+    python ppo_continuous_mpi.py --nprocs 2                             # the same, re-launched under torchrun
+    mpirun -np 2 python ppo_continuous_mpi.py                           # Open MPI, MPICH or Intel MPI
+    srun --ntasks=8 python ppo_continuous_mpi.py                        # SLURM (across nodes: export MASTER_ADDR)
+    torchrun --nnodes=2 --node-rank=0 --master-addr=HOST --master-port=29500 --nproc_per_node=4 ppo_continuous_mpi.py
+    python ppo_continuous_mpi.py --eval-checkpoint runs/RUN/model.pt    # evaluate a --save-model checkpoint
+
+Distributed story: `--local-num-envs` and `--num-steps` are per rank (as in CleanRL's multi-GPU script),
+so N ranks collect an N times larger batch per iteration; `--num-steps 2048/N` keeps CleanRL's batch.
+Each rank steps its own envs (seeded `seed + 10_000 * global_env_index`) and computes GAE on its share.
+The world's minibatch k is the union of every rank's minibatch k: advantages are normalised with that
+union's mean and std (one collective per epoch carries every minibatch's moments), and after each
+backward() one allreduce of one flat buffer averages the gradients, plus the scalars every rank must agree
+on (the KL for `--target-kl`, the logged losses), before gradient clipping. Observation and return
+statistics are frozen during a rollout and merged world-wide once per iteration, so every rank
+normalises with the same numbers. Every rank therefore takes the step one process would take on the
+concatenated batch and holds the same weights.
+"""
+
+import math
+import os
+import random
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+from typing import NoReturn
+
+import gymnasium as gym
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import tyro
+
+SCRIPT = os.path.basename(__file__)
+
+
+@dataclass
+class Args:
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    """the name of this experiment (part of the run folder's name)"""
+    run_name: str = ""
+    """the run folder under runs/; default `{env_id}__{exp_name}__{seed}__{unix_time}`"""
+    seed: int = 1
+    """seed of the experiment; rank r uses `seed + 10_000 * r`, env g uses `seed + 10_000 * g`"""
+    torch_deterministic: bool = True
+    """if toggled, `torch.backends.cudnn.deterministic=True`"""
+    cuda: bool = False
+    """if toggled and CUDA is available, rank r uses cuda:LOCAL_RANK (small MLPs are usually faster on CPU)"""
+    track: bool = False
+    """if toggled, the run is also sent to Weights and Biases (needs `pip install wandb`)"""
+    wandb_project_name: str = "ddrl"
+    """the Weights and Biases project"""
+    wandb_entity: str | None = None
+    """the Weights and Biases entity (team)"""
+    capture_video: bool = False
+    """if toggled, rank 0 records evaluation episodes to `runs/{run_name}/videos` (needs moviepy)"""
+    save_model: bool = False
+    """if toggled, rank 0 writes `runs/{run_name}/model.pt` (weights and normalisation statistics)"""
+    eval_checkpoint: str = ""
+    """if set, load this model.pt, play `--eval-episodes` episodes on rank 0 and exit"""
+    eval_episodes: int = 10
+    """episodes played by `--eval-checkpoint` and after training with `--capture-video`"""
+    eval_deterministic: bool = False
+    """if toggled, evaluation takes the policy's mean action instead of sampling"""
+    torch_threads: int = 0
+    """torch threads per rank; 0 = usable cores divided by the ranks on this node"""
+    nprocs: int = 1
+    """if > 1 and not already launched, re-launch this script under `torch.distributed.run --standalone`"""
+    backend: str = ""
+    """torch.distributed backend; empty = nccl with --cuda on a GPU, gloo otherwise"""
+    dist_timeout: float = 1800.0
+    """seconds a collective may wait for a peer before the run stops with an error"""
+
+    # Algorithm specific arguments (names and defaults as in CleanRL's ppo_continuous_action.py)
+    env_id: str = "HalfCheetah-v5"
+    """the id of the gymnasium environment (Box actions)"""
+    total_timesteps: int = 1_000_000
+    """global env steps over all ranks; sets the number of iterations"""
+    learning_rate: float = 3e-4
+    """the learning rate of the optimizer (Adam)"""
+    local_num_envs: int = 1
+    """envs stepped by each rank"""
+    num_steps: int = 2048
+    """steps per env per rollout"""
+    anneal_lr: bool = True
+    """if toggled, the learning rate decays linearly to zero over the iterations"""
+    gamma: float = 0.99
+    """the discount factor (also of the return whose running std scales the rewards)"""
+    gae_lambda: float = 0.95
+    """the lambda of generalized advantage estimation"""
+    num_minibatches: int = 32
+    """minibatches per update epoch; the world's minibatch k is the union of every rank's minibatch k"""
+    update_epochs: int = 10
+    """passes over the batch per iteration"""
+    norm_adv: bool = True
+    """if toggled, advantages are normalised with the world-wide mean and std of each global minibatch"""
+    clip_coef: float = 0.2
+    """the surrogate clipping coefficient"""
+    clip_vloss: bool = True
+    """if toggled, the value loss is clipped around the rollout's values, as in the PPO paper's code"""
+    ent_coef: float = 0.0
+    """coefficient of the entropy bonus"""
+    vf_coef: float = 0.5
+    """coefficient of the value loss"""
+    max_grad_norm: float = 0.5
+    """the maximum norm of the (world-averaged) gradient"""
+    target_kl: float | None = None
+    """if set, stop the update epochs once the world-averaged approximate KL exceeds it"""
+
+    # to be filled in at run time
+    world_size: int = 0
+    """number of ranks (computed at run time)"""
+    local_batch_size: int = 0
+    """env steps per iteration on one rank: local_num_envs * num_steps (computed at run time)"""
+    batch_size: int = 0
+    """env steps per iteration on all ranks (computed at run time)"""
+    local_minibatch_size: int = 0
+    """one rank's share of a minibatch (computed at run time)"""
+    minibatch_size: int = 0
+    """the world's minibatch size (computed at run time)"""
+    num_iterations: int = 0
+    """number of iterations: total_timesteps // batch_size (computed at run time)"""
+
+
+# --- errors and launch ------------------------------------------------------------------------------
+
+
+def fail(message: str) -> NoReturn:
+    """Stop with one readable line naming the fix and exit code 2; only global rank 0 prints it."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"{SCRIPT}: error: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(2)
+
+
+# (rank, world size, local rank, local world size) as each launcher names them; the first match wins,
+# so torchrun's variables win under `srun torchrun` or `mpirun torchrun`.
+LAUNCHER_VARIABLES = (
+    ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"),
+    ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
+    ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
+    ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE"),
+)
+
+
+def read_launcher_environment() -> tuple[int, int, int, int]:
+    """(rank, world_size, local_rank, local_world_size) from torchrun, MPI or SLURM; a world of one if none."""
+    for rank_key, size_key, local_rank_key, local_size_key in LAUNCHER_VARIABLES:
+        if rank_key not in os.environ or size_key not in os.environ:
+            continue
+        try:
+            rank, world_size = int(os.environ[rank_key]), int(os.environ[size_key])
+            local_rank = int(os.environ.get(local_rank_key, rank))
+            # SLURM may write "2(x3)"; without a per-node count we assume one node
+            local_world_size = int(os.environ.get(local_size_key, str(world_size)).split("(")[0].split(",")[0])
+        except ValueError:
+            fail(f"the launcher's {rank_key}/{size_key}/{local_rank_key}/{local_size_key} are not integers")
+        if not (0 <= rank < world_size and 0 <= local_rank < local_world_size <= world_size):
+            fail(
+                f"inconsistent launcher variables {rank_key}={rank} {size_key}={world_size} "
+                f"{local_rank_key}={local_rank} {local_size_key}={local_world_size}"
+            )
+        return rank, world_size, local_rank, local_world_size
+    return 0, 1, 0, 1
+
+
+def relaunch_under_torchrun(nprocs: int) -> NoReturn:
+    """SpinningUp's mpi_fork: run this same command as `nprocs` ranks under torch.distributed.run."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nprocs}"]
+    raise SystemExit(subprocess.call([*command, os.path.abspath(__file__), *sys.argv[1:]]))
+
+
+# --- distributed helpers ---------------------------------------------------------------------------
+
+
+def init_distributed(args: Args) -> tuple[int, int, torch.device]:
+    """Join the process group; returns (global rank, world size, device). A world of one needs no network."""
+    rank, world_size, local_rank, local_world_size = read_launcher_environment()
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size))
+    os.environ.update(LOCAL_RANK=str(local_rank), LOCAL_WORLD_SIZE=str(local_world_size))
+    if world_size > 1 and not ("MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ):
+        if local_world_size != world_size:
+            fail("the ranks span several nodes: export MASTER_ADDR (rank 0's host) and MASTER_PORT on every node")
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29500")
+
+    use_cuda = args.cuda and torch.cuda.is_available()
+    if use_cuda:
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+    device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
+    backend = args.backend or ("nccl" if use_cuda else "gloo")
+    timeout = timedelta(seconds=args.dist_timeout)
+    try:
+        if world_size == 1:
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        else:
+            dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size, timeout=timeout)
+    except (RuntimeError, ValueError) as error:
+        address = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+        fail(f"could not form a process group of {world_size} ranks at {address} with {backend}: {error}")
+
+    # torchrun's OMP_NUM_THREADS=1 does not decide this: share the usable cores among the ranks of this node
+    threads = args.torch_threads or max(1, len(os.sched_getaffinity(0)) // local_world_size)
+    torch.set_num_threads(threads)
+    return rank, world_size, device
+
+
+def group_size(group: dist.ProcessGroup | None = None) -> int:
+    """Ranks in `group` (the world by default); 1 where no process group exists, so helpers become no-ops."""
+    return dist.get_world_size(group) if dist.is_initialized() else 1
+
+
+def allreduce_mean(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Average `tensor` over the ranks of `group`, in place."""
+    if group_size(group) > 1:
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+        tensor /= group_size(group)
+    return tensor
+
+
+def average_gradients(parameters: list[nn.Parameter], extras: torch.Tensor) -> torch.Tensor:
+    """Average the gradients over ranks with one allreduce of one flat buffer (not one call per tensor).
+
+    `extras` (scalars every rank must agree on: the KL that decides early stopping, the logged losses)
+    ride at the end of the same buffer; their world average is returned.
+    """
+    if group_size() == 1:
+        return extras
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in parameters]
+    flat = allreduce_mean(torch.cat([*(g.reshape(-1) for g in grads), extras.reshape(-1)]))
+    offset = 0
+    for parameter, grad in zip(parameters, grads, strict=True):
+        parameter.grad = flat[offset : offset + grad.numel()].view_as(grad)
+        offset += grad.numel()
+    return flat[offset:]
+
+
+def broadcast_parameters(module: nn.Module, src: int = 0) -> None:
+    """Copy rank `src`'s parameters and buffers to every rank with one flat broadcast."""
+    if group_size() == 1:
+        return
+    tensors = [t for t in (*module.parameters(), *module.buffers()) if t.is_floating_point()]
+    with torch.no_grad():
+        flat = torch.cat([t.reshape(-1) for t in tensors])
+        dist.broadcast(flat, src=src)
+        offset = 0
+        for tensor in tensors:
+            tensor.copy_(flat[offset : offset + tensor.numel()].view_as(tensor))
+            offset += tensor.numel()
+
+
+def global_moments(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Count, mean and sum of squared deviations (M2) along the last dim of `x`, over all ranks' elements as if
+    concatenated: one all_gather of every row's local moments, merged with the parallel variance update."""
+    local_mean = x.mean(-1)
+    local_m2 = ((x - local_mean.unsqueeze(-1)) ** 2).sum(-1)
+    local = torch.stack([torch.full_like(local_mean, x.shape[-1]), local_mean, local_m2])
+    if group_size() == 1:
+        return local[0], local[1], local[2]
+    gathered = [torch.empty_like(local) for _ in range(group_size())]
+    dist.all_gather(gathered, local)
+    count_i, mean_i, m2_i = torch.stack(gathered, dim=1)  # each [ranks, rows...]
+    count = count_i.sum(0)
+    mean = (count_i * mean_i).sum(0) / count
+    m2 = (m2_i + count_i * (mean_i - mean) ** 2).sum(0)
+    return count, mean, m2
+
+
+def global_mean_std(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean and unbiased std along the last dim of `x` over all ranks' elements, as if concatenated (one collective)."""
+    count, mean, m2 = global_moments(x)
+    return mean, torch.sqrt(m2 / (count - 1))
+
+
+def rank_seed(seed: int, rank: int) -> int:
+    """Seed of python, numpy and action sampling on `rank` (SpinningUp's stride: nearby seeds never collide)."""
+    return seed + 10_000 * rank
+
+
+def env_seeds(seed: int, rank: int, local_num_envs: int) -> list[int]:
+    """Seeds of this rank's envs: env j of rank r has global index g = r * local_num_envs + j."""
+    return [seed + 10_000 * (rank * local_num_envs + j) for j in range(local_num_envs)]
+
+
+# --- environment, normalisation, agent, GAE --------------------------------------------------------
+
+NORM_CLIP = 10.0  # normalised observations and scaled rewards are clipped to +-10, as in CleanRL
+NORM_EPS = 1e-8
+
+
+def make_env(env_id: str, video_folder: str | None = None) -> callable:
+    """A thunk building one env with its registered time limit (a cut episode is a truncation).
+
+    Normalisation and action clipping live in main, not in wrappers: gymnasium's normalising wrappers
+    keep per-env statistics and refuse same-step autoreset vector envs.
+    """
+
+    def thunk() -> gym.Env:
+        env = gym.make(env_id, render_mode="rgb_array" if video_folder else None)
+        if video_folder:
+            env = gym.wrappers.RecordVideo(env, video_folder, episode_trigger=lambda episode: True)
+        return env
+
+    return thunk
+
+
+class RunningMeanStd(nn.Module):
+    """Running mean and (population) variance, as float64 buffers so state_dict and checkpoints carry them.
+
+    It starts empty (mean 0, var 1, count 0, so the first rollout sees raw values) rather than with
+    gymnasium's 1e-4 pseudo-count: after any update the statistics are exactly those of the data seen.
+    """
+
+    def __init__(self, shape: tuple[int, ...]):
+        super().__init__()
+        self.register_buffer("mean", torch.zeros(shape, dtype=torch.float64))
+        self.register_buffer("var", torch.ones(shape, dtype=torch.float64))
+        self.register_buffer("count", torch.zeros((), dtype=torch.float64))
+
+    @torch.no_grad()
+    def update(self, count: torch.Tensor, mean: torch.Tensor, m2: torch.Tensor) -> None:
+        """Merge a batch's moments (parallel variance update): the result is the statistics of all data seen."""
+        total = self.count + count
+        delta = mean - self.mean
+        m2_total = self.var * self.count + m2 + delta**2 * self.count * count / total
+        self.mean += delta * count / total
+        self.var.copy_(m2_total / total)
+        self.count.copy_(total)
+
+    def frozen(self) -> tuple[np.ndarray, np.ndarray]:
+        """(mean, std) as numpy arrays, fixed for a rollout."""
+        return self.mean.cpu().numpy().copy(), np.sqrt(self.var.cpu().numpy() + NORM_EPS)
+
+
+def normalize(x: np.ndarray, mean: np.ndarray, std: np.ndarray) -> np.ndarray:
+    """Observations as the agent sees them: standardised with frozen statistics, clipped, float32."""
+    return np.clip((x - mean) / std, -NORM_CLIP, NORM_CLIP).astype(np.float32)
+
+
+def layer_init(layer: nn.Linear, std: float = math.sqrt(2), bias_const: float = 0.0) -> nn.Linear:
+    torch.nn.init.orthogonal_(layer.weight, std)
+    torch.nn.init.constant_(layer.bias, bias_const)
+    return layer
+
+
+LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
+
+
+class Agent(nn.Module):
+    """CleanRL's continuous agent: separate 64-64 tanh MLPs, a state-independent log-std, and the
+    observation and return statistics (buffers, so they travel with the weights)."""
+
+    def __init__(self, obs_dim: int, action_dim: int):
+        super().__init__()
+        self.critic = nn.Sequential(
+            layer_init(nn.Linear(obs_dim, 64)),
+            nn.Tanh(),
+            layer_init(nn.Linear(64, 64)),
+            nn.Tanh(),
+            layer_init(nn.Linear(64, 1), std=1.0),
+        )
+        self.actor_mean = nn.Sequential(
+            layer_init(nn.Linear(obs_dim, 64)),
+            nn.Tanh(),
+            layer_init(nn.Linear(64, 64)),
+            nn.Tanh(),
+            layer_init(nn.Linear(64, action_dim), std=0.01),
+        )
+        self.actor_logstd = nn.Parameter(torch.zeros(action_dim))
+        self.obs_rms = RunningMeanStd((obs_dim,))
+        self.return_rms = RunningMeanStd(())
+
+    def get_value(self, obs: torch.Tensor) -> torch.Tensor:
+        return self.critic(obs).squeeze(-1)
+
+    def log_prob_entropy_value(
+        self, obs: torch.Tensor, actions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Log-probability of `actions`, the policy's entropy and the value at `obs` (closed-form Gaussian)."""
+        mean = self.actor_mean(obs)
+        log_prob = (-0.5 * ((actions - mean) / self.actor_logstd.exp()) ** 2 - self.actor_logstd - LOG_SQRT_2PI).sum(-1)
+        entropy = (0.5 + LOG_SQRT_2PI + self.actor_logstd).sum().expand(len(obs))
+        return log_prob, entropy, self.get_value(obs)
+
+    @torch.inference_mode()
+    def act(self, obs: torch.Tensor, deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Sampled (or mean) actions, their log-probabilities and the values at `obs`, for rollouts."""
+        mean = self.actor_mean(obs)
+        noise = torch.zeros_like(mean) if deterministic else torch.randn_like(mean)
+        actions = mean + self.actor_logstd.exp() * noise
+        log_prob = (-0.5 * noise**2 - self.actor_logstd - LOG_SQRT_2PI).sum(-1)
+        return actions, log_prob, self.get_value(obs)
+
+
+def compute_gae(
+    rewards: np.ndarray,
+    values: np.ndarray,
+    last_values: np.ndarray,
+    final_values: np.ndarray,
+    terminations: np.ndarray,
+    truncations: np.ndarray,
+    gamma: float,
+    gae_lambda: float,
+) -> tuple[np.ndarray, np.ndarray]:
+    """GAE-lambda advantages and value targets (advantages + values) for arrays of shape [T, envs].
+
+    The state after step t is the next row's state, or after the last row the state whose values are
+    `last_values`, unless the episode ended at t: a termination bootstraps from zero, a truncation from
+    `final_values[t]` = V(final observation), since truncation is not termination.
+    """
+    next_values = np.concatenate([values[1:], last_values[None]])
+    next_values = np.where(truncations > 0, final_values, next_values)
+    deltas = rewards + gamma * (1.0 - terminations) * next_values - values
+    continues = 1.0 - np.maximum(terminations, truncations)
+    advantages = np.zeros_like(rewards)
+    last_advantage = np.zeros_like(rewards[0])
+    for t in reversed(range(len(rewards))):
+        last_advantage = deltas[t] + gamma * gae_lambda * continues[t] * last_advantage
+        advantages[t] = last_advantage
+    return advantages, advantages + values
+
+
+def update(
+    agent: Agent,
+    optimizer: torch.optim.Optimizer,
+    batch: dict[str, torch.Tensor],
+    args: Args,
+    orders: torch.Tensor,
+) -> tuple[torch.Tensor, float, int]:
+    """PPO's update epochs on this rank's batch, the world's minibatch k being the union of all ranks' minibatch k.
+
+    `orders[e]` is a permutation of this rank's batch for epoch e; its k-th slice of `local_minibatch_size`
+    indices is this rank's share of minibatch k. Returns the world-averaged [policy_loss, value_loss,
+    entropy, old_approx_kl, approx_kl] of the last minibatch and clipfrac over all minibatches, the
+    seconds spent in collectives, and the number of epochs run (fewer than update_epochs after a
+    `--target-kl` stop, identical on every rank).
+    """
+    parameters = list(agent.parameters())
+    sync_time = 0.0
+    clipfrac_sum = torch.zeros((), dtype=batch["advantages"].dtype, device=batch["advantages"].device)
+    minibatches_run = 0
+    for epoch in range(args.update_epochs):
+        order = orders[epoch].view(args.num_minibatches, args.local_minibatch_size)
+        if args.norm_adv:  # every global minibatch's mean and std in one collective per epoch
+            start = time.perf_counter()
+            adv_mean, adv_std = global_mean_std(batch["advantages"][order])
+            sync_time += time.perf_counter() - start
+        for k, mb_inds in enumerate(order):
+            new_log_prob, entropy, new_value = agent.log_prob_entropy_value(
+                batch["obs"][mb_inds], batch["actions"][mb_inds]
+            )
+            logratio = new_log_prob - batch["log_probs"][mb_inds]
+            ratio = logratio.exp()
+            with torch.no_grad():
+                # calculate approx_kl http://joschu.net/blog/kl-approx.html
+                old_approx_kl = (-logratio).mean()
+                approx_kl = ((ratio - 1) - logratio).mean()
+                clipfrac_sum += ((ratio - 1.0).abs() > args.clip_coef).to(clipfrac_sum.dtype).mean()
+
+            mb_advantages = batch["advantages"][mb_inds]
+            if args.norm_adv:
+                mb_advantages = (mb_advantages - adv_mean[k]) / (adv_std[k] + 1e-8)
+
+            # Policy loss
+            pg_loss1 = -mb_advantages * ratio
+            pg_loss2 = -mb_advantages * torch.clamp(ratio, 1 - args.clip_coef, 1 + args.clip_coef)
+            pg_loss = torch.max(pg_loss1, pg_loss2).mean()
+
+            # Value loss
+            mb_returns, mb_values = batch["returns"][mb_inds], batch["values"][mb_inds]
+            if args.clip_vloss:
+                v_loss_unclipped = (new_value - mb_returns) ** 2
+                v_clipped = mb_values + torch.clamp(new_value - mb_values, -args.clip_coef, args.clip_coef)
+                v_loss_clipped = (v_clipped - mb_returns) ** 2
+                v_loss = 0.5 * torch.max(v_loss_unclipped, v_loss_clipped).mean()
+            else:
+                v_loss = 0.5 * ((new_value - mb_returns) ** 2).mean()
+
+            entropy_loss = entropy.mean()
+            loss = pg_loss - args.ent_coef * entropy_loss + v_loss * args.vf_coef
+
+            optimizer.zero_grad()
+            loss.backward()
+            minibatches_run += 1
+            stats = torch.stack([pg_loss, v_loss, entropy_loss, old_approx_kl, approx_kl]).detach()
+            stats = torch.cat([stats, (clipfrac_sum / minibatches_run).reshape(1)])
+            # equal local minibatch sizes make the mean of local gradients the gradient of the union; clipping
+            # after averaging means every rank clips the same gradient
+            start = time.perf_counter()
+            stats = average_gradients(parameters, stats)
+            sync_time += time.perf_counter() - start
+            nn.utils.clip_grad_norm_(parameters, args.max_grad_norm)
+            optimizer.step()
+
+        # the KL is the world average carried by the last gradient allreduce: every rank stops together
+        if args.target_kl is not None and stats[4] > args.target_kl:
+            break
+    return stats, sync_time, epoch + 1
+
+
+# --- checkpoints and evaluation --------------------------------------------------------------------
+
+
+def save_checkpoint(path: str, agent: Agent, args: Args) -> None:
+    """Everything an evaluation needs (weights and normalisation statistics), written atomically."""
+    payload = {"script": SCRIPT, "env_id": args.env_id, "args": asdict(args), "model": agent.state_dict()}
+    torch.save(payload, path + ".tmp")
+    os.replace(path + ".tmp", path)
+
+
+def evaluate(agent: Agent, env_id: str, args: Args, video_folder: str | None = None) -> list[float]:
+    """Play `args.eval_episodes` whole episodes with one env (observation statistics frozen); raw env returns."""
+    env = make_env(env_id, video_folder)()
+    obs_mean, obs_std = agent.obs_rms.frozen()
+    device = next(agent.parameters()).device
+    returns = []
+    obs, _ = env.reset(seed=args.seed)
+    episode_return = 0.0
+    while len(returns) < args.eval_episodes:
+        obs_tensor = torch.as_tensor(normalize(obs.reshape(1, -1), obs_mean, obs_std), device=device)
+        action, _, _ = agent.act(obs_tensor, deterministic=args.eval_deterministic)
+        action = np.clip(action[0].cpu().numpy(), env.action_space.low, env.action_space.high)
+        obs, reward, terminated, truncated, _ = env.step(action)
+        episode_return += float(reward)
+        if terminated or truncated:
+            returns.append(episode_return)
+            episode_return = 0.0
+            obs, _ = env.reset()
+    env.close()
+    return returns
+
+
+def run_evaluation(args: Args) -> None:
+    """`--eval-checkpoint`: load a model.pt of this script and print one `eval:` line (rank 0 only)."""
+    if not os.path.isfile(args.eval_checkpoint):
+        fail(f"--eval-checkpoint {args.eval_checkpoint!r} does not exist; pass the model.pt that --save-model wrote")
+    try:
+        checkpoint = torch.load(args.eval_checkpoint, map_location="cpu", weights_only=False)
+    except Exception as error:  # a truncated or foreign file
+        fail(f"--eval-checkpoint {args.eval_checkpoint!r} is not a readable checkpoint ({error})")
+    if not isinstance(checkpoint, dict) or checkpoint.get("script") != SCRIPT:
+        fail(f"--eval-checkpoint {args.eval_checkpoint!r} was not written by {SCRIPT}; use that script to evaluate it")
+    if args.eval_episodes < 1:
+        fail(f"--eval-episodes must be at least 1, got {args.eval_episodes}")
+    if int(os.environ.get("RANK", "0")) != 0:
+        return
+    env = gym.make(checkpoint["env_id"])
+    agent = Agent(int(np.prod(env.observation_space.shape)), int(np.prod(env.action_space.shape)))
+    env.close()
+    agent.load_state_dict(checkpoint["model"])
+    torch.manual_seed(args.seed)  # reproducible sampled actions
+    video_folder = os.path.join(os.path.dirname(args.eval_checkpoint), "videos") if args.capture_video else None
+    returns = evaluate(agent, checkpoint["env_id"], args, video_folder)
+    print(f"eval: episodes={len(returns)} return_mean={np.mean(returns):.2f} return_std={np.std(returns):.2f}")
+
+
+# --- arguments, batch table, logging ---------------------------------------------------------------
+
+
+def check_args(args: Args, world_size: int) -> None:
+    """Derive the batch arithmetic and refuse what cannot run, before any process group or rollout env exists."""
+    if args.nprocs < 1:
+        fail(f"--nprocs must be at least 1, got {args.nprocs}")
+    for name in ("total_timesteps", "local_num_envs", "num_steps", "num_minibatches", "update_epochs", "eval_episodes"):
+        if getattr(args, name) < 1:
+            fail(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if args.dist_timeout <= 0:
+        fail(f"--dist-timeout must be > 0, got {args.dist_timeout}")
+    args.world_size = world_size
+    args.local_batch_size = args.local_num_envs * args.num_steps
+    args.batch_size = args.local_batch_size * world_size
+    if args.local_batch_size % args.num_minibatches:
+        fail(
+            f"--num-minibatches {args.num_minibatches} does not divide the local batch of {args.local_batch_size} "
+            f"steps (--local-num-envs {args.local_num_envs} x --num-steps {args.num_steps}); use a divisor of it"
+        )
+    args.local_minibatch_size = args.local_batch_size // args.num_minibatches
+    args.minibatch_size = args.local_minibatch_size * world_size
+    args.num_iterations = args.total_timesteps // args.batch_size
+    if args.num_iterations < 1:
+        fail(
+            f"--total-timesteps {args.total_timesteps} is less than one iteration's batch of {args.batch_size} steps "
+            f"({world_size} ranks x {args.local_num_envs} envs x {args.num_steps} steps): raise --total-timesteps"
+        )
+    try:
+        gym.spec(args.env_id)
+        probe = gym.make(args.env_id)  # only to read its spaces
+    except gym.error.Error as error:
+        fail(f"unknown or unusable --env-id {args.env_id!r} ({error})")
+    action_space, observation_space = probe.action_space, probe.observation_space
+    probe.close()
+    if not isinstance(action_space, gym.spaces.Box):
+        fail(f"{args.env_id} has {type(action_space).__name__} actions; {SCRIPT} needs Box (continuous) actions")
+    if not isinstance(observation_space, gym.spaces.Box):
+        fail(f"{args.env_id} has {type(observation_space).__name__} observations; {SCRIPT} needs Box observations")
+    if args.capture_video:
+        try:
+            import moviepy  # noqa: F401
+        except ImportError:
+            fail("--capture-video needs moviepy: pip install moviepy")
+
+
+def print_batch_table(args: Args) -> None:
+    rows = [
+        ("ranks", args.world_size, ""),
+        ("envs", args.local_num_envs, args.world_size * args.local_num_envs),
+        ("batch", args.local_batch_size, args.batch_size),
+        ("minibatch", args.local_minibatch_size, args.minibatch_size),
+        ("iterations", "", args.num_iterations),
+        ("total env steps", "", args.num_iterations * args.batch_size),
+    ]
+    print(f"{'':18}{'per rank':>12}{'world':>12}")
+    for name, local, world in rows:
+        print(f"{name:18}{local!s:>12}{world!s:>12}")
+
+
+def log_iteration(
+    writer,
+    args: Args,
+    iteration: int,
+    global_step: int,
+    train_start: float,
+    world_sums: torch.Tensor,
+    stats: torch.Tensor,
+    times: tuple[float, float, float],
+    learning_rate: float,
+) -> None:
+    """Write one iteration's world-wide scalars to TensorBoard and print the progress line (rank 0)."""
+    sps = int(global_step / (time.time() - train_start))
+    return_sum, length_sum, episodes, n, y_sum, y_sq_sum, residual_sum, residual_sq_sum = world_sums.tolist()
+    if episodes:
+        writer.add_scalar("charts/episodic_return", return_sum / episodes, global_step)
+        writer.add_scalar("charts/episodic_length", length_sum / episodes, global_step)
+    var_y = y_sq_sum / n - (y_sum / n) ** 2
+    explained_var = np.nan if var_y <= 0 else 1 - (residual_sq_sum / n - (residual_sum / n) ** 2) / var_y
+    policy_loss, value_loss, entropy, old_approx_kl, approx_kl, clipfrac = stats.tolist()
+    for key, value in (
+        ("charts/SPS", sps),
+        ("charts/learning_rate", learning_rate),
+        ("losses/value_loss", value_loss),
+        ("losses/policy_loss", policy_loss),
+        ("losses/entropy", entropy),
+        ("losses/old_approx_kl", old_approx_kl),
+        ("losses/approx_kl", approx_kl),
+        ("losses/clipfrac", clipfrac),
+        ("losses/explained_variance", explained_var),
+        ("perf/rollout_time", times[0]),
+        ("perf/update_time", times[1]),
+        ("perf/sync_time", times[2]),
+    ):
+        writer.add_scalar(key, value, global_step)
+    recent = f"{return_sum / episodes:.1f}" if episodes else "n/a"
+    print(f"iteration {iteration}/{args.num_iterations} step {global_step} SPS {sps} return {recent}", flush=True)
+
+
+def main(args: Args) -> Agent | None:
+    """Train (or, with --eval-checkpoint, evaluate); returns this rank's trained agent."""
+    # --- launch and set-up ---
+    _, world_size, _, _ = read_launcher_environment()
+    if args.nprocs > 1 and world_size == 1:
+        relaunch_under_torchrun(args.nprocs)
+    if args.eval_checkpoint:
+        return run_evaluation(args)
+    check_args(args, world_size)
+    rank, world_size, device = init_distributed(args)
+
+    envs = gym.vector.SyncVectorEnv(
+        [make_env(args.env_id) for _ in range(args.local_num_envs)],
+        autoreset_mode=gym.vector.AutoresetMode.SAME_STEP,
+    )
+    start_time = torch.tensor(int(time.time()), dtype=torch.int64, device=device)
+    dist.broadcast(start_time, src=0)  # every rank names the run folder alike
+    run_name = args.run_name or f"{args.env_id.replace('/', '-')}__{args.exp_name}__{args.seed}__{start_time.item()}"
+    writer = None
+    if rank == 0:
+        print_batch_table(args)
+        if args.track:
+            import wandb
+
+            wandb.init(
+                project=args.wandb_project_name,
+                entity=args.wandb_entity,
+                sync_tensorboard=True,
+                config=asdict(args),
+                name=run_name,
+                save_code=True,
+            )
+        from torch.utils.tensorboard import SummaryWriter
+
+        writer = SummaryWriter(f"runs/{run_name}")
+        table = "\n".join(f"|{key}|{value}|" for key, value in asdict(args).items())
+        writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
+
+    # identical initial weights everywhere: built from `seed`, then broadcast from rank 0
+    torch.manual_seed(args.seed)
+    obs_dim = int(np.prod(envs.single_observation_space.shape))
+    action_dim = int(np.prod(envs.single_action_space.shape))
+    agent = Agent(obs_dim, action_dim).to(device)
+    broadcast_parameters(agent)
+    random.seed(rank_seed(args.seed, rank))
+    np.random.seed(rank_seed(args.seed, rank))
+    torch.manual_seed(rank_seed(args.seed, rank))
+    torch.backends.cudnn.deterministic = args.torch_deterministic
+    optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5)
+
+    # rollout storage (numpy, one row per step of the local envs; moved to `device` once per iteration)
+    shape = (args.num_steps, args.local_num_envs)
+    raw_obs_buf = np.zeros(shape + (obs_dim,))  # unnormalised, for the statistics
+    obs_buf = np.zeros(shape + (obs_dim,), dtype=np.float32)  # normalised, as the agent saw them
+    actions_buf = np.zeros(shape + (action_dim,), dtype=np.float32)
+    log_probs_buf = np.zeros(shape, dtype=np.float32)
+    values_buf = np.zeros(shape, dtype=np.float32)
+    rewards_buf = np.zeros(shape, dtype=np.float32)  # raw env rewards
+    terminations_buf = np.zeros(shape, dtype=np.float32)
+    truncations_buf = np.zeros(shape, dtype=np.float32)
+    final_values_buf = np.zeros(shape, dtype=np.float32)  # V(final observation) where an episode was truncated
+    discounted_returns_buf = np.zeros(shape)  # the running return whose std scales the rewards
+    action_low, action_high = envs.single_action_space.low, envs.single_action_space.high
+
+    next_obs, _ = envs.reset(seed=env_seeds(args.seed, rank, args.local_num_envs))
+    envs.action_space.seed(rank_seed(args.seed, rank))
+    episode_return = np.zeros(args.local_num_envs)
+    episode_length = np.zeros(args.local_num_envs, dtype=np.int64)
+    discounted_return = np.zeros(args.local_num_envs)
+    global_step = 0
+    train_start = time.time()
+
+    for iteration in range(1, args.num_iterations + 1):
+        if args.anneal_lr:
+            frac = 1.0 - (iteration - 1.0) / args.num_iterations
+            optimizer.param_groups[0]["lr"] = frac * args.learning_rate
+
+        # --- rollout (normalisation statistics frozen, so every rank normalises alike) ---
+        rollout_start = time.perf_counter()
+        obs_mean, obs_std = agent.obs_rms.frozen()
+        finished = np.zeros(3)  # world-summed below: returns, lengths, count of episodes ended this iteration
+        for step in range(args.num_steps):
+            raw_obs = next_obs.reshape(args.local_num_envs, -1)
+            raw_obs_buf[step] = raw_obs
+            obs_buf[step] = normalize(raw_obs, obs_mean, obs_std)
+            action, log_prob, value = agent.act(torch.from_numpy(obs_buf[step]).to(device))
+            action = action.cpu().numpy()
+            actions_buf[step], log_probs_buf[step], values_buf[step] = action, log_prob.cpu(), value.cpu()
+            next_obs, reward, terminated, truncated, info = envs.step(np.clip(action, action_low, action_high))
+            rewards_buf[step], terminations_buf[step], truncations_buf[step] = reward, terminated, truncated
+            discounted_return = discounted_return * args.gamma + reward
+            discounted_returns_buf[step] = discounted_return
+            episode_return += reward
+            episode_length += 1
+            ended = terminated | truncated
+            if ended.any():
+                finished += (episode_return[ended].sum(), episode_length[ended].sum(), ended.sum())
+                episode_return[ended], episode_length[ended], discounted_return[ended] = 0.0, 0, 0.0
+                cut = truncated & ~terminated
+                if cut.any():  # truncation is not termination: bootstrap from V(final observation), normalised alike
+                    final_obs = normalize(np.stack(info["final_obs"][cut]).reshape(cut.sum(), -1), obs_mean, obs_std)
+                    with torch.inference_mode():
+                        final_values = agent.get_value(torch.from_numpy(final_obs).to(device))
+                    final_values_buf[step, cut] = final_values.cpu().numpy()
+        global_step += args.batch_size
+        last_obs = normalize(next_obs.reshape(args.local_num_envs, -1), obs_mean, obs_std)
+        with torch.inference_mode():
+            last_values = agent.get_value(torch.from_numpy(last_obs).to(device)).cpu().numpy()
+        rollout_time = time.perf_counter() - rollout_start
+
+        # --- normalisation statistics: merged over all ranks' rollouts in one collective ---
+        local_data = np.concatenate([raw_obs_buf.reshape(-1, obs_dim).T, discounted_returns_buf.reshape(1, -1)])
+        count, mean, m2 = global_moments(torch.as_tensor(local_data, device=device))
+        agent.obs_rms.update(count[0], mean[:obs_dim], m2[:obs_dim])
+        agent.return_rms.update(count[obs_dim], mean[obs_dim], m2[obs_dim])
+        # the rewards are used only from here on, so they are scaled with statistics that include this rollout
+        reward_scale = math.sqrt(agent.return_rms.var.item() + NORM_EPS)
+        scaled_rewards = np.clip(rewards_buf / reward_scale, -NORM_CLIP, NORM_CLIP)
+
+        # --- GAE ---
+        advantages, returns = compute_gae(
+            scaled_rewards,
+            values_buf,
+            last_values,
+            final_values_buf,
+            terminations_buf,
+            truncations_buf,
+            args.gamma,
+            args.gae_lambda,
+        )
+        batch = {
+            "obs": obs_buf.reshape(-1, obs_dim),
+            "actions": actions_buf.reshape(-1, action_dim),
+            "log_probs": log_probs_buf.reshape(-1),
+            "values": values_buf.reshape(-1),
+            "advantages": advantages.reshape(-1),
+            "returns": returns.reshape(-1),
+        }
+        batch = {key: torch.as_tensor(value, dtype=torch.float32, device=device) for key, value in batch.items()}
+
+        # --- update ---
+        update_start = time.perf_counter()
+        orders = torch.stack([torch.randperm(args.local_batch_size, device=device) for _ in range(args.update_epochs)])
+        stats, sync_time, _ = update(agent, optimizer, batch, args, orders)
+        update_time = time.perf_counter() - update_start
+
+        # --- logging (world-wide episode statistics and explained variance in one collective) ---
+        residuals = returns - values_buf
+        world_sums = torch.tensor(
+            [
+                *finished,
+                returns.size,
+                returns.sum(dtype=np.float64),
+                (returns.astype(np.float64) ** 2).sum(),
+                residuals.sum(dtype=np.float64),
+                (residuals.astype(np.float64) ** 2).sum(),
+            ],
+            dtype=torch.float64,
+            device=device,
+        )
+        dist.all_reduce(world_sums)
+        if rank == 0:
+            log_iteration(
+                writer,
+                args,
+                iteration,
+                global_step,
+                train_start,
+                world_sums,
+                stats,
+                (rollout_time, update_time, sync_time),
+                optimizer.param_groups[0]["lr"],
+            )
+
+    # --- checkpoint and clean-up ---
+    envs.close()
+    if rank == 0:
+        if args.save_model:
+            save_checkpoint(f"runs/{run_name}/model.pt", agent, args)
+            print(f"model saved to runs/{run_name}/model.pt")
+        if args.capture_video:
+            evaluate(agent, args.env_id, args, video_folder=f"runs/{run_name}/videos")
+        writer.close()
+        if args.track:
+            import wandb
+
+            wandb.finish()
+    dist.destroy_process_group()
+    return agent
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))

@@ -1,0 +1,353 @@
+"""ppo_continuous_mpi.py: GAE with truncation, distributed equivalence, world-wide normalisation,
+--target-kl on ranks that disagree, end to end on MuJoCo under torchrun, and bad input."""
+
+import copy
+import dataclasses
+import os
+import re
+import sys
+
+import gymnasium as gym
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import tyro
+
+import ppo_continuous_mpi as ppo
+from tests.helpers import (
+    ROOT,
+    assert_ok,
+    assert_same_parameters,
+    rank_parameters,
+    read_scalars,
+    run_command,
+    run_dirs,
+    run_ranks,
+    torchrun,
+)
+
+# --- GAE ---------------------------------------------------------------------------------------------
+
+
+def test_truncation_bootstraps_from_final_value_and_termination_from_zero():
+    """A hand-made path per env (gamma = lambda = 0.5, four steps, next value after the last step 8)."""
+    ones, zeros = np.ones((4, 4)), np.zeros((4, 4))
+    values = zeros.copy()
+    values[:, 0] = [1, 2, 0, 0]
+    final_values, terminations, truncations = zeros.copy(), zeros.copy(), zeros.copy()
+    final_values[1, :] = 4.0  # V(final observation) of an episode that ended at step 1 (ignored if terminated)
+    truncations[1, 0] = 1  # env 0: truncated at step 1, so step 1 bootstraps from 4, not from values[2]
+    terminations[1, 1] = 1  # env 1: terminated at step 1, so step 1 bootstraps from zero
+    final_values[3, 2], truncations[3, 2] = 4.0, 1  # env 2: truncated at the last step: 4, not the last value 8
+    terminations[1, 3] = truncations[1, 3] = 1  # env 3: both at once: a termination
+    advantages, returns = ppo.compute_gae(
+        ones, values, np.full(4, 8.0), final_values, terminations, truncations, 0.5, 0.5
+    )
+    # e.g. env 0, step 1: delta = 1 + 0.5 * 4 - 2 = 1 and its episode ends; step 0: delta = 1 + 0.5 * 2 - 1 = 1,
+    # advantage = 1 + 0.25 * 1; steps 3, 2: 1 + 0.5 * 8 = 5, then 1 + 0.25 * 5 = 2.25
+    expected = np.array(
+        [
+            [1.25, 1.25, 1.359375, 1.25],
+            [1.0, 1.0, 1.4375, 1.0],
+            [2.25, 2.25, 1.75, 2.25],
+            [5.0, 5.0, 3.0, 5.0],
+        ]
+    )
+    np.testing.assert_allclose(advantages, expected, rtol=0, atol=1e-12)
+    np.testing.assert_allclose(returns, expected + values, rtol=0, atol=1e-12)
+
+
+# --- distributed equivalence of the update ------------------------------------------------------------
+
+OBS_DIM, ACTION_DIM, BATCH, MINIBATCHES, EPOCHS = 5, 2, 64, 4, 2
+UPDATE_ARGS = ppo.Args(num_minibatches=MINIBATCHES, update_epochs=EPOCHS, max_grad_norm=0.05, learning_rate=0.01)
+
+
+def new_learner() -> tuple[ppo.Agent, torch.optim.Optimizer]:
+    """Built in float64 from the start: orthogonal init's float32 QR differs with the thread count (1e-7)."""
+    torch.manual_seed(0)
+    torch.set_default_dtype(torch.float64)
+    try:
+        agent = ppo.Agent(OBS_DIM, ACTION_DIM)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    return agent, torch.optim.Adam(agent.parameters(), lr=UPDATE_ARGS.learning_rate, eps=1e-5)
+
+
+def fixed_batch(obs_scale: float = 1.0, seed: int = 3) -> dict[str, torch.Tensor]:
+    """Old log-probabilities near the initial policy's, so ratios both clip and do not."""
+    generator = torch.Generator().manual_seed(seed)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=generator, dtype=torch.float64)
+
+    obs, actions = obs_scale * randn(BATCH, OBS_DIM), randn(BATCH, ACTION_DIM)
+    with torch.no_grad():
+        log_probs = new_learner()[0].log_prob_entropy_value(obs, actions)[0]
+    return {
+        "obs": obs,
+        "actions": actions,
+        "log_probs": log_probs + 0.3 * randn(BATCH),
+        "values": randn(BATCH),
+        "advantages": 3 * randn(BATCH) + 1,  # normalisation matters: the minibatches' means and stds differ
+        "returns": randn(BATCH),
+    }
+
+
+def local_orders(rank: int, size: int, epochs: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(100 + rank)
+    return torch.stack([torch.randperm(size, generator=generator) for _ in range(epochs)])
+
+
+def update_rank(rank: int, world_size: int) -> tuple[dict, torch.Tensor, int]:
+    agent, optimizer = new_learner()
+    half = BATCH // world_size
+    local = {key: value[rank * half : (rank + 1) * half] for key, value in fixed_batch().items()}
+    args = dataclasses.replace(UPDATE_ARGS, local_minibatch_size=half // MINIBATCHES)
+    stats, _, epochs = ppo.update(agent, optimizer, local, args, local_orders(rank, half, EPOCHS))
+    return agent.state_dict(), stats, epochs
+
+
+def test_two_ranks_end_the_update_with_the_one_rank_weights(tmp_path):
+    # the one-rank reference visits the same global minibatches: minibatch k = rank 0's k-th slice + rank 1's
+    half, local_size = BATCH // 2, BATCH // 2 // MINIBATCHES
+    orders = [local_orders(rank, half, EPOCHS) + rank * half for rank in range(2)]
+    reference_orders = torch.stack(
+        [
+            torch.cat(
+                [
+                    orders[rank][epoch, k * local_size : (k + 1) * local_size]
+                    for k in range(MINIBATCHES)
+                    for rank in range(2)
+                ]
+            )
+            for epoch in range(EPOCHS)
+        ]
+    )
+    assert not dist.is_initialized()  # the helpers are no-ops: one rank alone
+    agent, optimizer = new_learner()
+    initial = copy.deepcopy(agent.state_dict())
+    args = dataclasses.replace(UPDATE_ARGS, local_minibatch_size=2 * local_size)
+    expected_stats, _, _ = ppo.update(agent, optimizer, fixed_batch(), args, reference_orders)
+    expected = agent.state_dict()
+    assert (expected["actor_mean.0.weight"] - initial["actor_mean.0.weight"]).abs().max() > 1e-3  # it moved
+    assert 0 < expected_stats[5] < 1  # some ratios were clipped, some not
+
+    (state0, stats0, epochs0), (state1, stats1, epochs1) = run_ranks(update_rank, 2, tmp_path)
+    assert epochs0 == epochs1 == EPOCHS
+    assert_same_parameters([state0, state1])  # bit for bit: every rank took the same step
+    assert_same_parameters([expected, state0], atol=1e-10)
+    # policy loss, value loss, entropy, both KLs of the last minibatch and the clip fraction are world-wide
+    torch.testing.assert_close(stats0, expected_stats, rtol=0, atol=1e-10)
+    torch.testing.assert_close(stats1, expected_stats, rtol=0, atol=1e-10)
+
+
+# --- --target-kl: ranks whose local KLs differ stop together --------------------------------------------
+
+
+def local_kl(agent: ppo.Agent, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    with torch.no_grad():
+        logratio = agent.log_prob_entropy_value(batch["obs"], batch["actions"])[0] - batch["log_probs"]
+        return ((logratio.exp() - 1) - logratio).mean()
+
+
+def target_kl_rank(rank: int, world_size: int) -> tuple[torch.Tensor, int, dict]:
+    """One minibatch per epoch: epoch 1 starts at the old policy (KL 0); epoch 2's check sees the KL after one
+    step, which differs by rank (rank 1's observations are 3x larger). The target lies between the two."""
+    agent, optimizer = new_learner()
+    batch = fixed_batch(obs_scale=1.0 + 2.0 * rank, seed=10 + rank)
+    with torch.no_grad():
+        batch["log_probs"] = agent.log_prob_entropy_value(batch["obs"], batch["actions"])[0]
+    args = dataclasses.replace(UPDATE_ARGS, num_minibatches=1, update_epochs=6, local_minibatch_size=BATCH)
+    orders = local_orders(rank, BATCH, args.update_epochs)
+
+    probe = copy.deepcopy(agent)  # one epoch on a copy, to read the local KLs
+    probe_optimizer = torch.optim.Adam(probe.parameters(), lr=UPDATE_ARGS.learning_rate, eps=1e-5)
+    ppo.update(probe, probe_optimizer, batch, dataclasses.replace(args, update_epochs=1), orders)
+    local_kls = [torch.zeros((), dtype=torch.float64) for _ in range(world_size)]
+    dist.all_gather(local_kls, local_kl(probe, batch))
+    args.target_kl = float(torch.stack(local_kls).prod().sqrt())  # between them, below their mean
+
+    _, _, epochs = ppo.update(agent, optimizer, batch, args, orders)  # with a local check one rank runs on: a hang
+    return torch.stack(local_kls), epochs, agent.state_dict()
+
+
+def test_target_kl_stops_every_rank_at_the_same_epoch(tmp_path):
+    (kls, epochs0, state0), (_, epochs1, state1) = run_ranks(target_kl_rank, 2, tmp_path, timeout=90)
+    assert kls.max() > 1.2 * kls.min() > 0, kls  # the local KLs really differ: a rank-local check would split
+    assert epochs0 == epochs1 == 2  # world-averaged KL exceeds the target after epoch 2, on both
+    assert_same_parameters([state0, state1])
+
+
+# --- normalisation statistics are world-wide ----------------------------------------------------------
+
+
+class Recorder(gym.Wrapper):
+    """What a same-step-autoreset vector env shows the agent: reset observations and the observations of
+    steps that did not end an episode (a final observation is replaced by the next reset's); rewards; ends."""
+
+    instances: list["Recorder"] = []  # filled in the spawned rank only
+
+    def __init__(self, env: gym.Env):
+        super().__init__(env)
+        self.seen, self.rewards, self.ends = [], [], []
+        Recorder.instances.append(self)
+
+    def reset(self, **kwargs):
+        obs, info = super().reset(**kwargs)
+        self.seen.append(obs)
+        return obs, info
+
+    def step(self, action):
+        obs, reward, terminated, truncated, info = super().step(action)
+        self.rewards.append(float(reward))
+        self.ends.append(terminated or truncated)
+        if not (terminated or truncated):
+            self.seen.append(obs)
+        return obs, reward, terminated, truncated, info
+
+
+def recording_main_rank(rank: int, world_size: int, out_dir: str, flags: list[str]) -> dict:
+    """Run the script's whole main as one rank of a launch, with a Recorder around each of its envs."""
+    os.chdir(out_dir)
+    make_env = ppo.make_env
+    ppo.make_env = lambda env_id, video_folder=None: lambda: Recorder(make_env(env_id, video_folder)())
+    args = tyro.cli(ppo.Args, args=flags)
+    agent = ppo.main(args)
+    return {
+        "state": agent.state_dict(),
+        "num_iterations": args.num_iterations,
+        "seen": [np.array(env.seen) for env in Recorder.instances],
+        "rewards": [np.array(env.rewards) for env in Recorder.instances],
+        "ends": [np.array(env.ends) for env in Recorder.instances],
+    }
+
+
+def test_normalisation_statistics_equal_those_of_the_union_of_all_ranks_observations(tmp_path):
+    steps, envs, gamma = 64, 2, 0.99  # Hopper falls often, so episodes end (and reset) inside the rollouts
+    flags = ["--env-id", "Hopper-v5", "--local-num-envs", str(envs), "--num-steps", str(steps)]
+    flags += ["--num-minibatches", "2", "--update-epochs", "1", "--total-timesteps", str(2 * 2 * envs * steps)]
+    results = run_ranks(recording_main_rank, 2, tmp_path, str(tmp_path), flags, join_group=False, timeout=120)
+    assert [result["num_iterations"] for result in results] == [2, 2]
+    assert_same_parameters([result["state"] for result in results])  # weights and statistics, bit for bit
+    used = 2 * steps  # two rollouts of `steps` observations per env, starting from the reset observation
+
+    observations, discounted_returns = [], []
+    for result in results:
+        assert len(result["seen"]) == envs and any(ends[:used].any() for ends in result["ends"])
+        for seen, rewards, ends in zip(result["seen"], result["rewards"], result["ends"], strict=True):
+            observations.append(seen[:used])
+            running = 0.0
+            for reward, ended in zip(rewards[:used], ends[:used], strict=True):
+                running = gamma * running + reward
+                discounted_returns.append(running)
+                running = 0.0 if ended else running
+    observations, discounted_returns = np.concatenate(observations), np.array(discounted_returns)
+    assert len(observations) == len(discounted_returns) == 2 * envs * used
+
+    state = results[0]["state"]
+    assert state["obs_rms.count"].item() == state["return_rms.count"].item() == len(observations)
+    np.testing.assert_allclose(state["obs_rms.mean"].numpy(), observations.mean(0), rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(state["obs_rms.var"].numpy(), observations.var(0), rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(state["return_rms.mean"].item(), discounted_returns.mean(), rtol=1e-9)
+    np.testing.assert_allclose(state["return_rms.var"].item(), discounted_returns.var(), rtol=1e-9)
+
+
+# --- end to end under torchrun --------------------------------------------------------------------------
+
+LOG_KEYS = (
+    "charts/episodic_return",
+    "charts/episodic_length",
+    "charts/SPS",
+    "charts/learning_rate",
+    "losses/value_loss",
+    "losses/policy_loss",
+    "losses/entropy",
+    "losses/old_approx_kl",
+    "losses/approx_kl",
+    "losses/clipfrac",
+    "losses/explained_variance",
+    "perf/rollout_time",
+    "perf/update_time",
+    "perf/sync_time",
+)
+TINY = ["--num-minibatches", "4", "--update-epochs", "2"]
+
+
+def test_halfcheetah_two_ranks_train_identically_and_save_the_statistics(tmp_path):
+    # 2 iterations of 512 steps per rank: each rank's env is truncated once, at step 1000
+    flags = ["--env-id", "HalfCheetah-v5", "--num-steps", "512", "--total-timesteps", "2048", "--save-model", *TINY]
+    assert_ok(torchrun("ppo_continuous_mpi.py", flags, tmp_path, save_ranks=True))
+    states = rank_parameters(tmp_path, 2)
+    assert_same_parameters(states)
+    [run_dir] = run_dirs(tmp_path)
+    scalars = read_scalars(run_dir)
+    assert [step for step, _ in scalars["charts/SPS"]] == [1024, 2048]  # two iterations of the global batch
+    for key in LOG_KEYS:
+        assert key in scalars, key
+    assert scalars["charts/episodic_length"] == [(2048, 1000.0)]  # the world-wide mean of both ranks' episodes
+    assert scalars["charts/learning_rate"][1][1] == pytest.approx(1.5e-4)  # annealed: half-way at iteration 2
+    assert all(np.isfinite(value) for _, value in scalars["losses/explained_variance"])
+
+    checkpoint = torch.load(run_dir / "model.pt", weights_only=False)
+    assert checkpoint["env_id"] == "HalfCheetah-v5"
+    assert_same_parameters([states[0], checkpoint["model"]])  # weights and normalisation statistics
+    assert checkpoint["model"]["obs_rms.count"].item() == 2048  # every rank's observations of both iterations
+
+
+def test_hopper_two_ranks_train_and_the_saved_model_evaluates_like_training(tmp_path, monkeypatch, capsys):
+    flags = ["--env-id", "Hopper-v5", "--num-steps", "256", "--total-timesteps", "2048", "--save-model", *TINY]
+    flags += ["--target-kl", "0.002"]  # real data: the ranks' KLs differ, yet the run must finish
+    assert_ok(torchrun("ppo_continuous_mpi.py", flags, tmp_path, save_ranks=True))
+    assert_same_parameters(rank_parameters(tmp_path, 2))
+    [run_dir] = run_dirs(tmp_path)
+    scalars = read_scalars(run_dir)
+    assert len(scalars["charts/SPS"]) == 4
+    training_return = np.mean([value for _, value in scalars["charts/episodic_return"][-2:]])
+
+    monkeypatch.chdir(tmp_path)
+    assert ppo.main(ppo.Args(eval_checkpoint=str(run_dir / "model.pt"), eval_episodes=30)) is None
+    last_line = capsys.readouterr().out.strip().splitlines()[-1]
+    match = re.fullmatch(r"eval: episodes=30 return_mean=(\S+) return_std=(\S+)", last_line)
+    assert match, last_line
+    # raw env returns of the same policy: within a few episodes' noise of training's (random-ish Hopper: ~10-40)
+    assert abs(float(match[1]) - training_return) < 0.3 * training_return + 3, (last_line, training_return)
+
+
+# --- bad input ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("flags", "world_size", "message"),
+    [
+        (["--num-steps", "100"], 1, "--num-minibatches 32 does not divide the local batch of 100 steps"),
+        (
+            ["--num-steps", "64", "--local-num-envs", "2", "--num-minibatches", "3"],
+            2,
+            "does not divide the local batch",
+        ),
+        (["--total-timesteps", "4000"], 2, "less than one iteration's batch of 4096 steps"),
+        (["--env-id", "NoSuchEnv-v0"], 1, "unknown or unusable --env-id 'NoSuchEnv-v0'"),
+        (["--env-id", "CartPole-v1"], 1, "CartPole-v1 has Discrete actions; ppo_continuous_mpi.py needs Box"),
+        (["--eval-checkpoint", "missing/model.pt"], 1, "--eval-checkpoint 'missing/model.pt' does not exist"),
+        (["--update-epochs", "0"], 1, "--update-epochs must be at least 1"),
+    ],
+)
+def test_bad_input_is_one_clear_message(flags, world_size, message, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", str(world_size))
+    with pytest.raises(SystemExit) as exit_info:
+        ppo.main(tyro.cli(ppo.Args, args=flags))
+    assert exit_info.value.code == 2
+    stderr = capsys.readouterr().err
+    assert stderr.startswith("ppo_continuous_mpi.py: error: ") and message in stderr, stderr
+    assert stderr.count("\n") == 1, stderr
+    assert not (tmp_path / "runs").exists() and not dist.is_initialized()
+
+
+def test_bad_input_exits_without_a_traceback(tmp_path):
+    result = run_command([sys.executable, str(ROOT / "ppo_continuous_mpi.py"), "--num-minibatches", "7"], tmp_path, 60)
+    assert result.returncode == 2
+    assert "does not divide" in result.stderr and "Traceback" not in result.stderr, result.stderr
