@@ -27,6 +27,7 @@ normalises with the same numbers. Every rank therefore takes the step one proces
 concatenated batch and holds the same weights.
 """
 
+import gc
 import math
 import os
 import random
@@ -852,7 +853,9 @@ def main(args: Args) -> Agent | None:
             import wandb
 
             wandb.finish()
+    dist.barrier()
     dist.destroy_process_group()
+    gc.collect()  # free gloo's worker threads now: left to interpreter shutdown they can abort the process
     return agent
 
 
