@@ -555,6 +555,7 @@ def run_evaluation(args: Args) -> None:
         fail(f"--eval-checkpoint {args.eval_checkpoint!r} was not written by {SCRIPT}; use that script to evaluate it")
     if args.eval_episodes < 1:
         fail(f"--eval-episodes must be at least 1, got {args.eval_episodes}")
+    check_video_support(args)
     if int(os.environ.get("RANK", "0")) != 0:
         return
     env = gym.make(checkpoint["env_id"])
@@ -606,6 +607,10 @@ def check_args(args: Args, world_size: int) -> None:
         fail(f"{args.env_id} has {type(action_space).__name__} actions; {SCRIPT} needs Box (continuous) actions")
     if not isinstance(observation_space, gym.spaces.Box):
         fail(f"{args.env_id} has {type(observation_space).__name__} observations; {SCRIPT} needs Box observations")
+    check_video_support(args)
+
+
+def check_video_support(args: Args) -> None:
     if args.capture_video:
         try:
             import moviepy  # noqa: F401

@@ -3,6 +3,7 @@
 
 import copy
 import dataclasses
+import importlib.util
 import os
 import re
 import sys
@@ -332,6 +333,12 @@ def test_hopper_two_ranks_train_and_the_saved_model_evaluates_like_training(tmp_
         (["--env-id", "CartPole-v1"], 1, "CartPole-v1 has Discrete actions; ppo_continuous_mpi.py needs Box"),
         (["--eval-checkpoint", "missing/model.pt"], 1, "--eval-checkpoint 'missing/model.pt' does not exist"),
         (["--update-epochs", "0"], 1, "--update-epochs must be at least 1"),
+        pytest.param(
+            ["--capture-video"],
+            1,
+            "--capture-video needs moviepy",
+            marks=pytest.mark.skipif(importlib.util.find_spec("moviepy") is not None, reason="moviepy is installed"),
+        ),
     ],
 )
 def test_bad_input_is_one_clear_message(flags, world_size, message, tmp_path, monkeypatch, capsys):
