@@ -316,6 +316,23 @@ def test_hopper_two_ranks_train_and_the_saved_model_evaluates_like_training(tmp_
     assert abs(float(match[1]) - training_return) < 0.3 * training_return + 3, (last_line, training_return)
 
 
+def test_evaluation_normalises_observations_with_the_frozen_statistics(monkeypatch):
+    env = gym.make("Hopper-v5")
+    reset_obs, _ = env.reset(seed=7)
+    env.close()
+    agent = ppo.Agent(len(reset_obs), 3)
+    float64 = {"dtype": torch.float64}
+    agent.obs_rms.update(
+        torch.tensor(10.0, **float64), torch.full((11,), 0.5, **float64), torch.full((11,), 40.0, **float64)
+    )
+    seen, act = [], agent.act
+    monkeypatch.setattr(agent, "act", lambda obs, deterministic=False: (seen.append(obs), act(obs, deterministic))[1])
+    assert len(ppo.evaluate(agent, "Hopper-v5", ppo.Args(seed=7, eval_episodes=1))) == 1
+    expected = np.clip((reset_obs - 0.5) / np.sqrt(4.0 + 1e-8), -10, 10)  # mean 0.5, variance 40 / 10
+    np.testing.assert_allclose(seen[0][0].numpy(), expected, rtol=1e-6)
+    assert len(seen) > 1 and agent.obs_rms.count.item() == 10  # frozen: playing does not update them
+
+
 # --- bad input ----------------------------------------------------------------------------------------------
 
 
