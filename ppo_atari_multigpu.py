@@ -25,6 +25,7 @@ With CUDA each rank uses cuda:LOCAL_RANK and NCCL; with fewer GPUs than ranks on
 gloo; on CPU, gloo.
 """
 
+import gc
 import os
 import random
 import subprocess
@@ -885,7 +886,9 @@ def main(args: Args) -> Agent | None:
             import wandb
 
             wandb.finish()
+    dist.barrier()
     dist.destroy_process_group()
+    gc.collect()  # free gloo's worker threads now: left to interpreter shutdown they can abort the process
     return agent
 
 
