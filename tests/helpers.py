@@ -10,7 +10,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from benchmark.common import read_scalars, torchrun_launcher  # noqa: F401 (read_scalars: the tests import it from here)
 
 ROOT = Path(__file__).resolve().parent.parent
 RANK_ENTRY = Path(__file__).resolve().parent / "rank_entry.py"
@@ -53,8 +54,7 @@ def torchrun(script: str, args: list[str], cwd: Path, nprocs: int = 2, save_rank
     agent's parameters to `cwd/rank{RANK}.pt`, so a test can compare the ranks' weights.
     """
     target = [str(RANK_ENTRY), script] if save_ranks else [str(ROOT / script)]
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nprocs}"]
-    return run_command([*command, *target, *args], cwd, timeout)
+    return run_command([*torchrun_launcher(nprocs), *target, *args], cwd, timeout)
 
 
 def assert_ok(result: subprocess.CompletedProcess) -> None:
@@ -66,13 +66,6 @@ def assert_ok(result: subprocess.CompletedProcess) -> None:
 def run_dirs(cwd: Path) -> list[Path]:
     """The run folders a launch in `cwd` wrote under runs/."""
     return sorted(path for path in (cwd / "runs").iterdir() if path.is_dir())
-
-
-def read_scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
-    """Every scalar series in a run folder's TensorBoard event files, as (step, value) pairs."""
-    accumulator = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
-    accumulator.Reload()
-    return {tag: [(e.step, e.value) for e in accumulator.Scalars(tag)] for tag in accumulator.Tags()["scalars"]}
 
 
 def rank_parameters(cwd: Path, world_size: int) -> list[dict[str, torch.Tensor]]:
@@ -128,3 +121,82 @@ def run_ranks(
                 process.kill()
             raise TimeoutError(f"{world_size} ranks of {worker.__name__} did not finish within {timeout} s")
     return [torch.load(out_dir / f"result{rank}.pt", weights_only=False) for rank in range(world_size)]
+
+
+# --- processes killed or signalled mid-run (reliability tests) --------------------------------------
+
+
+def torchrun_with(launcher_flags: list[str], script: str, args: list[str], nprocs: int = 2) -> list[str]:
+    """The command that launches `script` (a file in the repo root) under torch.distributed.run with `launcher_flags`
+    (e.g. `--standalone --max-restarts 1`)."""
+    run = [sys.executable, "-m", "torch.distributed.run", *launcher_flags, f"--nproc_per_node={nprocs}"]
+    return [*run, str(ROOT / script), *args]
+
+
+def start(command: list[str], cwd: Path, name: str = "launch", **env: str) -> subprocess.Popen:
+    """Start `command` in `cwd`, its stdout and stderr going to `cwd/{name}.out` and `cwd/{name}.err`."""
+    stdout, stderr = open(cwd / f"{name}.out", "w"), open(cwd / f"{name}.err", "w")
+    process = subprocess.Popen(command, cwd=cwd, env=clean_env(**env), stdout=stdout, stderr=stderr, text=True)
+    process.output_files = (cwd / f"{name}.out", cwd / f"{name}.err")
+    stdout.close()
+    stderr.close()
+    return process
+
+
+def output(process: subprocess.Popen) -> tuple[str, str]:
+    """What a `start`ed process has written so far to stdout and stderr."""
+    return tuple(path.read_text() for path in process.output_files)
+
+
+def wait_for(condition, timeout: float, what: str, processes: tuple[subprocess.Popen, ...] = ()) -> None:
+    """Poll `condition()` every 50 ms; fail the test after `timeout` s, or when a process ended first."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        ended = [p for p in processes if p.poll() is not None]
+        if ended or time.monotonic() > deadline:
+            for process in processes:
+                process.kill()
+            logs = "\n".join(f"--- {p.args[-1]}\n{output(p)[0][-2000:]}\n{output(p)[1][-3000:]}" for p in processes)
+            raise AssertionError(f"never saw {what} ({'a process ended' if ended else 'timeout'})\n{logs}")
+        time.sleep(0.05)
+
+
+def finish(process: subprocess.Popen, timeout: float) -> subprocess.CompletedProcess:
+    """Wait for a `start`ed process (killed after `timeout` s, failing the test) and return what it wrote."""
+    try:
+        process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+        raise AssertionError(f"{process.args} still ran after {timeout} s\n{output(process)[1][-3000:]}") from None
+    return subprocess.CompletedProcess(process.args, process.returncode, *output(process))
+
+
+def rank_pid(launcher_pid: int, rank: int) -> int | None:
+    """The pid of the worker with RANK=`rank` among the children of a torchrun launcher (read from /proc)."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except (OSError, IndexError, ValueError):
+            continue
+        if parent == launcher_pid and f"RANK={rank}".encode() in environ:
+            return int(entry.name)
+    return None
+
+
+def signal_rank_when(launcher: subprocess.Popen, rank: int, sig: int, condition, timeout: float = 120) -> None:
+    """Once `condition()` holds, send `sig` to the worker of `rank` under the torchrun `launcher`."""
+    wait_for(condition, timeout, "the moment to signal a worker", (launcher,))
+    pid = rank_pid(launcher.pid, rank)
+    assert pid is not None, f"no worker of rank {rank} under {launcher.pid}"
+    os.kill(pid, sig)
+
+
+def progress_lines(stdout: str) -> list[int]:
+    """The iteration (epoch) numbers of the progress lines `{epoch|iteration} N/M step ...` in a script's stdout."""
+    return [
+        int(line.split()[1].split("/")[0]) for line in stdout.splitlines() if line.startswith(("epoch ", "iteration "))
+    ]

@@ -1,0 +1,186 @@
+"""What the benchmark modules (and the tests) share: launching a script under torchrun, streaming its
+output, reading TensorBoard event files, and the header every results file starts with."""
+
+import datetime
+import os
+import platform
+import re
+import shlex
+import subprocess
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+"""the repository root, where the scripts live"""
+SCRIPTS = ("vpg_mpi.py", "ppo_continuous_mpi.py", "ppo_atari_multigpu.py")
+"""the training scripts the benchmarks know"""
+PROGRESS_LINE = re.compile(r"^(?:iteration|epoch) (\d+)/(\d+) step (\d+) SPS (\d+) return (\S+)")
+"""the per-iteration line rank 0 of every script prints: (iteration, iterations, global step, SPS, return)"""
+
+
+# --- launching ---------------------------------------------------------------------------------------
+
+
+def torchrun_launcher(nprocs: int) -> list[str]:
+    """`python -m torch.distributed.run --standalone --nproc_per_node=N`: what precedes the program to launch."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nprocs}"]
+
+
+def torchrun_command(script: str, nprocs: int, script_args: Sequence[str] = ()) -> list[str]:
+    """The command that runs `script` (a file in the repo root) as `nprocs` ranks on this machine."""
+    if script not in SCRIPTS:
+        raise ValueError(f"unknown script {script!r}; expected one of {', '.join(SCRIPTS)}")
+    return [*torchrun_launcher(nprocs), str(ROOT / script), *script_args]
+
+
+def split_script_args(argv: Sequence[str]) -> tuple[list[str], list[str]]:
+    """Split a command line at the first `--`: (the benchmark's own arguments, arguments passed to the script)."""
+    argv = list(argv)
+    if "--" not in argv:
+        return argv, []
+    cut = argv.index("--")
+    return argv[:cut], argv[cut + 1 :]
+
+
+def run_streaming(
+    command: Sequence[str], cwd: Path, log_path: Path, on_line: Callable[[str], None] | None = None
+) -> int:
+    """Run `command` in `cwd`, copy its stdout and stderr to `log_path`, call `on_line` on each line; the exit code."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    cwd.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    with open(log_path, "w") as log:
+        log.write(f"$ (cd {shlex.quote(str(cwd))} && {shlex.join(command)})\n")
+        log.flush()
+        process = subprocess.Popen(
+            command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
+        )
+        assert process.stdout is not None
+        for line in process.stdout:
+            log.write(line)
+            if on_line is not None:
+                on_line(line.rstrip("\n"))
+        return process.wait()
+
+
+def last_lines(path: Path, count: int = 15) -> str:
+    """The last `count` lines of a log file (to show why a run failed)."""
+    return "\n".join(path.read_text(errors="replace").splitlines()[-count:])
+
+
+# --- reading TensorBoard -----------------------------------------------------------------------------
+
+
+def _accumulator(run_dir: Path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    accumulator = EventAccumulator(str(run_dir), size_guidance={"scalars": 0, "tensors": 0})
+    accumulator.Reload()
+    return accumulator
+
+
+def read_scalar_events(run_dir: Path) -> dict[str, list[tuple[float, int, float]]]:
+    """Every scalar series in a run folder's event files, as (wall_time, step, value) triples in logged order."""
+    accumulator = _accumulator(run_dir)
+    return {
+        tag: [(event.wall_time, event.step, event.value) for event in accumulator.Scalars(tag)]
+        for tag in accumulator.Tags()["scalars"]
+    }
+
+
+def read_scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar series in a run folder's TensorBoard event files, as (step, value) pairs."""
+    return {tag: [(step, value) for _, step, value in events] for tag, events in read_scalar_events(run_dir).items()}
+
+
+def read_hyperparameters(run_dir: Path) -> dict[str, str]:
+    """The `hyperparameters` text table every script writes (its Args, as strings); empty if there is none."""
+    accumulator = _accumulator(run_dir)
+    if "hyperparameters/text_summary" not in accumulator.Tags()["tensors"]:
+        return {}
+    text = accumulator.Tensors("hyperparameters/text_summary")[0].tensor_proto.string_val[0].decode()
+    rows = [line.strip().strip("|").split("|", 1) for line in text.splitlines()[2:]]
+    return {row[0]: row[1] for row in rows if len(row) == 2}
+
+
+def find_run_dirs(paths: Sequence[Path]) -> list[Path]:
+    """Every folder under (or equal to) `paths` that holds TensorBoard event files, sorted."""
+    found = set()
+    for path in paths:
+        if not path.exists():
+            raise FileNotFoundError(f"{path} does not exist")
+        found.update(event.parent for event in path.rglob("events.out.tfevents.*"))
+    return sorted(found)
+
+
+# --- results files -----------------------------------------------------------------------------------
+
+
+def cpu_model() -> str:
+    """The CPU's model name from /proc/cpuinfo (the platform's processor string elsewhere)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def load_average() -> str:
+    """The 1, 5 and 15 minute load averages, as `uptime` shows them."""
+    try:
+        return ", ".join(f"{value:.2f}" for value in os.getloadavg())
+    except OSError:
+        return "unknown"
+
+
+def machine_description() -> str:
+    """One line: CPU model, usable cores, OS, Python and torch versions."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return (
+        f"{cpu_model()}, {cores} usable cores ({os.cpu_count()} online), {platform.system()} {platform.release()}, "
+        f"Python {platform.python_version()}, torch {torch.__version__}"
+    )
+
+
+def command_line(module: str, argv: Sequence[str]) -> str:
+    """The shell command that reproduces a `python -m benchmark.X` invocation."""
+    return shlex.join(["python", "-m", module, *argv])
+
+
+def results_header(title: str, command: str, notes: Sequence[str] = ()) -> str:
+    """The markdown header of a results file: title, producing command, date, machine, load, notes."""
+    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    lines = [
+        f"# {title}",
+        "",
+        f"- command: `{command}` (from the repository root)",
+        f"- date: {now}",
+        f"- machine: {machine_description()}",
+        f"- load average (1, 5, 15 min) when written: {load_average()}",
+        *(f"- {note}" for note in notes),
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """A markdown table; columns whose cells all start with a number are right-aligned, the others left-aligned."""
+
+    def numeric(column: int) -> bool:
+        return all(re.match(r"^[-+]?[\d.]", str(row[column])) for row in rows if str(row[column]))
+
+    alignments = ["--:" if rows and numeric(column) else ":--" for column in range(len(headers))]
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join(alignments) + "|"]
+    lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def output_paths(stem: Path) -> tuple[Path, Path]:
+    """STEM.md and STEM.png, with the parent folder created."""
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    return stem.with_name(stem.name + ".md"), stem.with_name(stem.name + ".png")

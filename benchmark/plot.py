@@ -1,0 +1,240 @@
+"""Learning curves (PNG) and a final-return table (markdown) from the TensorBoard event files of run folders.
+
+    python -m benchmark.plot bench/runs --out benchmark/results/ppo_continuous \\
+        --reference HalfCheetah-v5="1442.64 +- 46.03" --reference-name "CleanRL, v4 envs, 1M steps"
+
+Every folder under the given paths that holds event files is one run. Its env id, seed and label come from the
+`hyperparameters` table the scripts write (the label is `exp_name` unless `--label-keys` says otherwise), so
+runs of any name can be mixed. One panel per env id, one line per label: the mean over seeds of each seed's
+`charts/episodic_return` (smoothed over `--smooth` logged points, interpolated onto a common step grid), shaded
++- one std over seeds. A run's final return is the mean of its last `--last-points` logged values of
+`charts/episodic_return` (each the mean return of the episodes that ended in one iteration); the table gives
+the mean +- std (ddof 0) of that over seeds.
+"""
+
+import math
+import re
+import statistics
+import sys
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import tyro
+
+from benchmark.common import (
+    command_line,
+    find_run_dirs,
+    markdown_table,
+    output_paths,
+    read_hyperparameters,
+    read_scalars,
+    results_header,
+)
+
+RETURN_KEY = "charts/episodic_return"
+
+
+@dataclass
+class Args:
+    paths: tyro.conf.Positional[tuple[Path, ...]]
+    """run folders, or folders holding run folders (searched recursively for event files)"""
+    out: Path = Path("benchmark_results/learning_curves")
+    """output stem: writes OUT.png and OUT.md"""
+    label_keys: tuple[str, ...] = ("exp_name",)
+    """hyperparameters whose values name a line (e.g. exp_name world_size)"""
+    last_points: int = 10
+    """a run's final return is the mean of its last this many logged episodic returns"""
+    smooth: int = 10
+    """plotted curves are a trailing mean over this many logged points"""
+    reference: tuple[str, ...] = ()
+    """reference returns per env id as ENV_ID=TEXT, e.g. HalfCheetah-v5="1442.64 +- 46.03" (a dashed line at the
+    first number, a table column with the text)"""
+    reference_name: str = "reference"
+    """the heading of the reference column (say where the numbers come from)"""
+    title: str = "Learning curves and final returns"
+    """the heading of the markdown file"""
+    notes: tuple[str, ...] = field(default_factory=tuple)
+    """extra lines for the header of the markdown file (e.g. how many seeds and why)"""
+
+
+@dataclass
+class Run:
+    """One run folder's identity and return curve."""
+
+    path: Path
+    env_id: str
+    seed: str
+    label: str
+    steps: np.ndarray
+    returns: np.ndarray
+
+
+def load_run(path: Path, label_keys: tuple[str, ...]) -> Run | None:
+    """A run folder as a Run (identity from its hyperparameters, else from a CleanRL-style name); None if empty."""
+    series = read_scalars(path).get(RETURN_KEY, [])
+    if not series:
+        return None
+    hyper = read_hyperparameters(path)
+    if not hyper:
+        parts = path.name.split("__")  # the scripts' default name: {env_id}__{exp_name}__{seed}__{unix_time}
+        if len(parts) < 3:
+            raise SystemExit(f"benchmark.plot: error: {path} has no hyperparameters table and no env__exp__seed name")
+        hyper = {"env_id": parts[0], "exp_name": parts[1], "seed": parts[2]}
+    label = " ".join(
+        f"{hyper.get(key, '?')}" if len(label_keys) == 1 else f"{key}={hyper.get(key)}" for key in label_keys
+    )
+    steps, returns = (np.array(values, dtype=np.float64) for values in zip(*series, strict=True))
+    return Run(path, hyper.get("env_id", "?"), hyper.get("seed", "?"), label, steps, returns)
+
+
+def final_return(run: Run, last_points: int) -> float:
+    """Mean of the run's last `last_points` logged episodic returns."""
+    return float(np.mean(run.returns[-last_points:]))
+
+
+def trailing_mean(values: np.ndarray, window: int) -> np.ndarray:
+    """Mean of each value and the up to window-1 values before it."""
+    cumulative = np.cumsum(np.insert(values, 0, 0.0))
+    counts = np.minimum(np.arange(1, len(values) + 1), window)
+    return (cumulative[1:] - cumulative[np.arange(1, len(values) + 1) - counts]) / counts
+
+
+def mean_curve(runs: list[Run], smooth: int, points: int = 200) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(steps, mean, std over seeds) of the runs' smoothed curves on a common step grid; at each step only the
+    runs that reached it count (all of them where the runs have the same length)."""
+    grid = np.linspace(min(run.steps[0] for run in runs), max(run.steps[-1] for run in runs), points)
+    curves = np.stack(
+        [
+            np.where(
+                (grid >= run.steps[0]) & (grid <= run.steps[-1]),
+                np.interp(grid, run.steps, trailing_mean(run.returns, smooth)),
+                np.nan,
+            )
+            for run in runs
+        ]
+    )
+    with warnings.catch_warnings():  # a grid point only one run reached has no spread
+        warnings.simplefilter("ignore", RuntimeWarning)
+        return grid, np.nanmean(curves, axis=0), np.nan_to_num(np.nanstd(curves, axis=0))
+
+
+def parse_references(items: tuple[str, ...]) -> dict[str, str]:
+    """ENV_ID=TEXT items as a dict."""
+    references = {}
+    for item in items:
+        env_id, sep, text = item.partition("=")
+        if not sep or not env_id or not text:
+            raise SystemExit(f"benchmark.plot: error: --reference {item!r} is not ENV_ID=TEXT")
+        references[env_id] = text
+    return references
+
+
+def first_number(text: str) -> float | None:
+    match = re.search(r"-?\d+(?:\.\d+)?", text)
+    return float(match.group()) if match else None
+
+
+def count_seeds(group: list[Run]) -> str:
+    """`3 seeds`, or `4 runs of 3 seeds` where a seed appears more than once."""
+    distinct = len({run.seed for run in group})
+    seeds = f"{distinct} seed{'s' * (distinct > 1)}"
+    return seeds if distinct == len(group) else f"{len(group)} runs of {seeds}"
+
+
+def summarize(runs: list[Run], last_points: int, references: dict[str, str], reference_name: str) -> str:
+    """The final-return table: one row per env id, one column per label (mean +- std over seeds), references."""
+    env_ids = sorted({run.env_id for run in runs} | set(references))
+    labels = sorted({run.label for run in runs})
+    rows = []
+    for env_id in env_ids:
+        row: list[object] = [env_id]
+        for label in labels:
+            group = [run for run in runs if run.env_id == env_id and run.label == label]
+            if not group:
+                row.append("")
+                continue
+            finals = [final_return(run, last_points) for run in group]
+            low, high = min(int(run.steps[-1]) for run in group), max(int(run.steps[-1]) for run in group)
+            steps = f"{low:,}" if low == high else f"{low:,}-{high:,}"
+            spread = f" +- {statistics.pstdev(finals):.2f}" if len(finals) > 1 else ""
+            seeds = count_seeds(group)
+            row.append(f"{statistics.fmean(finals):.2f}{spread} ({seeds}, {steps} steps)")
+        if references:
+            row.append(references.get(env_id, ""))
+        rows.append(row)
+    headers = ["env", *labels, *([reference_name] if references else [])]
+    return markdown_table(headers, rows)
+
+
+def plot(runs: list[Run], smooth: int, references: dict[str, str], reference_name: str, path: Path) -> None:
+    """One panel per env id, one line (mean over seeds, +- std shaded) per label, references dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    env_ids = sorted({run.env_id for run in runs})
+    labels = sorted({run.label for run in runs})
+    columns = min(3, len(env_ids))
+    rows = math.ceil(len(env_ids) / columns)
+    figure, axes = plt.subplots(rows, columns, figsize=(5 * columns, 3.8 * rows), squeeze=False)
+    for axis, env_id in zip(axes.flat, env_ids, strict=False):
+        for color, label in enumerate(labels):
+            group = [run for run in runs if run.env_id == env_id and run.label == label]
+            if not group:
+                continue
+            steps, mean, std = mean_curve(group, smooth)
+            axis.plot(steps, mean, color=f"C{color}", label=f"{label} ({count_seeds(group)})")
+            if len(group) > 1:
+                axis.fill_between(steps, mean - std, mean + std, color=f"C{color}", alpha=0.2)
+        value = first_number(references.get(env_id, ""))
+        if value is not None:
+            axis.axhline(value, color="gray", linestyle="--", label=reference_name)
+        axis.set_title(env_id)
+        axis.set_xlabel("global env steps")
+        axis.set_ylabel("episodic return")
+        axis.grid(alpha=0.3)
+        axis.legend(fontsize="small")
+    for axis in list(axes.flat)[len(env_ids) :]:
+        axis.set_visible(False)
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+
+
+def main(argv: list[str] | None = None) -> tuple[Path, Path]:
+    """Read the runs, write OUT.png and OUT.md; returns their paths."""
+    argv = sys.argv[1:] if argv is None else argv
+    args = tyro.cli(Args, args=argv, description=__doc__)
+    references = parse_references(args.reference)
+    runs = [run for path in find_run_dirs(args.paths) if (run := load_run(path, args.label_keys)) is not None]
+    if not runs:
+        raise SystemExit(f"benchmark.plot: error: no {RETURN_KEY} in any event file under {args.paths}")
+    seen: dict[tuple[str, str, str], Path] = {}
+    for run in runs:
+        key = (run.label, run.env_id, run.seed)
+        if key in seen:
+            print(f"benchmark.plot: warning: {run.path} and {seen[key]} are both {' '.join(key)}", file=sys.stderr)
+        seen[key] = run.path
+    table_path, png_path = output_paths(args.out)
+    plot(runs, args.smooth, references, args.reference_name, png_path)
+    notes = [
+        f"final return: mean of the last {args.last_points} logged `{RETURN_KEY}` values of a run (each the mean "
+        "return of the episodes that ended in one iteration), then mean +- std (ddof 0) over seeds",
+        *args.notes,
+    ]
+    runs_list = "\n".join(f"- {run.label} {run.env_id} seed {run.seed}: `{run.path}`" for run in runs)
+    text = results_header(args.title, command_line("benchmark.plot", argv), notes)
+    text += (
+        f"\n![learning curves]({png_path.name})\n\n{summarize(runs, args.last_points, references, args.reference_name)}"
+    )
+    text += f"\nRuns read:\n\n{runs_list}\n"
+    table_path.write_text(text)
+    print(f"wrote {png_path} and {table_path}")
+    return table_path, png_path
+
+
+if __name__ == "__main__":
+    main()
