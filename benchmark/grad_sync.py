@@ -360,7 +360,10 @@ def main(argv: list[str] | None = None) -> Path:
         "each counted on the slowest rank",
         "syncs per iteration at the scripts' defaults: vpg_mpi.py 1 policy + 80 value steps per epoch with "
         "--sync allreduce, one gather+broadcast per epoch with --sync gather; ppo_continuous_mpi.py 32 "
-        "minibatches x 10 epochs; ppo_atari_multigpu.py 4 minibatches x 4 epochs",
+        "minibatches x 10 epochs; ppo_atari_multigpu.py 4 minibatches x 4 epochs (each sync here covers the "
+        "whole model; vpg_mpi.py's policy step syncs only the policy's gradient and its value steps only the "
+        "critic's, about half the floats, so its per-iteration figures are an upper bound)",
+        "DDP rows for the MLPs show what DDP would cost there; only ppo_atari_multigpu.py uses DDP",
         f"load average (1, 5, 15 min) before the measurement: {load_before}",
         *args.notes,
     ]

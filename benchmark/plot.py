@@ -49,8 +49,8 @@ class Args:
     smooth: int = 10
     """plotted curves are a trailing mean over this many logged points"""
     reference: tuple[str, ...] = ()
-    """reference returns per env id as ENV_ID=TEXT, e.g. HalfCheetah-v5="1442.64 +- 46.03" (a dashed line at the
-    first number, a table column with the text)"""
+    """reference returns per env id as ENV_ID=TEXT, e.g. HalfCheetah-v5="1442.64 +- 46.03": a table column with the
+    text, and a dashed line where the text starts with a number"""
     reference_name: str = "reference"
     """the heading of the reference column (say where the numbers come from)"""
     title: str = "Learning curves and final returns"
@@ -132,7 +132,8 @@ def parse_references(items: tuple[str, ...]) -> dict[str, str]:
 
 
 def first_number(text: str) -> float | None:
-    match = re.search(r"-?\d+(?:\.\d+)?", text)
+    """The number TEXT starts with (drawn as a dashed line), or None (e.g. "~630 at 3M steps": not comparable)."""
+    match = re.match(r"\s*-?\d+(?:\.\d+)?", text)
     return float(match.group()) if match else None
 
 
