@@ -22,10 +22,14 @@ one-learner pattern) the rollouts are gathered to rank 0, which updates alone an
 weights. Both modes end an epoch with the same weights on every rank, up to float rounding.
 """
 
+import contextlib
 import gc
+import hashlib
 import math
 import os
 import random
+import re
+import signal
 import subprocess
 import sys
 import time
@@ -79,6 +83,12 @@ class Args:
     """torch.distributed backend; empty = nccl with --cuda on a GPU, gloo otherwise"""
     dist_timeout: float = 1800.0
     """seconds a collective may wait for a peer before the run stops with an error"""
+    checkpoint_every: int = 0
+    """write `runs/{run_name}/checkpoints/iter_{n:06d}.pt` every this many epochs (0 = only on SIGTERM)"""
+    resume: bool = False
+    """continue the run `--run-name` from its newest checkpoint (automatic when torchrun restarts the ranks)"""
+    check_sync_every: int = 0
+    """compare a checksum of the weights across ranks every this many epochs and stop if they differ (0 = never)"""
 
     # Algorithm specific arguments (names as in SpinningUp)
     env_id: str = "HalfCheetah-v5"
@@ -120,9 +130,16 @@ class Args:
 # --- errors and launch ------------------------------------------------------------------------------
 
 
-def fail(message: str) -> NoReturn:
-    """Stop with one readable line naming the fix and exit code 2; only global rank 0 prints it."""
-    if int(os.environ.get("RANK", "0")) == 0:
+def fail(message: str, every_rank: bool = False) -> NoReturn:
+    """Stop with one readable line naming the fix and exit code 2; only global rank 0 prints it, unless
+    `every_rank` (a failure some ranks may survive alone, such as a lost peer: each says it, naming itself)."""
+    if dist.is_initialized() and not every_rank:  # every rank stops here together: leave the group cleanly
+        dist.destroy_process_group()
+        gc.collect()
+    rank = int(os.environ.get("RANK", "0"))
+    if every_rank and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        print(f"{SCRIPT}: error: rank {rank}: {message}", file=sys.stderr, flush=True)
+    elif rank == 0:
         print(f"{SCRIPT}: error: {message}", file=sys.stderr, flush=True)
     raise SystemExit(2)
 
@@ -212,30 +229,45 @@ def allreduce_mean(tensor: torch.Tensor, group: dist.ProcessGroup | None = None)
     return tensor
 
 
-def average_gradients(parameters: list[nn.Parameter], group: dist.ProcessGroup | None = None) -> None:
-    """Average the gradients over ranks with one allreduce of one flat buffer (not one call per tensor)."""
-    if group_size(group) == 1:
-        return
+class NonFiniteError(Exception):
+    """A non-finite loss or gradient, raised alike on every rank (the check reads a buffer every rank shares)."""
+
+
+def average_gradients(
+    parameters: list[nn.Parameter], group: dist.ProcessGroup | None = None, extras: torch.Tensor | None = None
+) -> None:
+    """Average the gradients over ranks with one allreduce of one flat buffer (not one call per tensor).
+
+    `extras` (the loss) ride at the end of the buffer. A NaN or inf anywhere in the world spreads through the
+    sum, so every rank finds it in its copy and raises NonFiniteError before any optimizer step.
+    """
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in parameters]
-    flat = allreduce_mean(torch.cat([g.reshape(-1) for g in grads]), group)
+    pieces = [*(g.reshape(-1) for g in grads), *([] if extras is None else [extras.detach().reshape(-1)])]
+    flat = allreduce_mean(torch.cat(pieces), group)
+    if not torch.isfinite(flat).all():
+        raise NonFiniteError("a non-finite loss or gradient")
     offset = 0
     for parameter, grad in zip(parameters, grads, strict=True):
         parameter.grad = flat[offset : offset + grad.numel()].view_as(grad)
         offset += grad.numel()
 
 
-def broadcast_parameters(module: nn.Module, src: int = 0) -> None:
-    """Copy rank `src`'s parameters and buffers to every rank with one flat broadcast."""
+def broadcast_parameters(module: nn.Module, src: int = 0, extras: torch.Tensor | None = None) -> torch.Tensor | None:
+    """Copy rank `src`'s parameters and buffers to every rank with one flat broadcast; `extras` (flags rank
+    `src` must tell everyone) ride at its end and come back, as rank `src` sent them."""
     if group_size() == 1:
-        return
+        return extras
     tensors = [t for t in (*module.parameters(), *module.buffers()) if t.is_floating_point()]
     with torch.no_grad():
         flat = torch.cat([t.reshape(-1) for t in tensors])
+        if extras is not None:
+            flat = torch.cat([flat, extras.to(flat.dtype).reshape(-1)])
         dist.broadcast(flat, src=src)
         offset = 0
         for tensor in tensors:
             tensor.copy_(flat[offset : offset + tensor.numel()].view_as(tensor))
             offset += tensor.numel()
+    return None if extras is None else flat[offset:]
 
 
 def global_mean_std(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -285,9 +317,12 @@ def rank_seed(seed: int, rank: int) -> int:
     return seed + 10_000 * rank
 
 
-def env_seeds(seed: int, rank: int, local_num_envs: int) -> list[int]:
-    """Seeds of this rank's envs: env j of rank r has global index g = r * local_num_envs + j."""
-    return [seed + 10_000 * (rank * local_num_envs + j) for j in range(local_num_envs)]
+def env_seeds(seed: int, rank: int, local_num_envs: int, index_offset: int = 0) -> list[int]:
+    """Seeds of this rank's envs: env j of rank r has global index g = index_offset + r * local_num_envs + j.
+
+    A resumed run passes `index_offset` = restarts x the world's envs, so its fresh episodes never replay a seed.
+    """
+    return [seed + 10_000 * (index_offset + rank * local_num_envs + j) for j in range(local_num_envs)]
 
 
 # --- environment, agent, GAE -----------------------------------------------------------------------
@@ -423,7 +458,7 @@ def update(
     pi_optimizer.zero_grad()
     policy_loss.backward()
     start = time.perf_counter()
-    average_gradients(agent.policy_parameters(), group)
+    average_gradients(agent.policy_parameters(), group, extras=policy_loss)
     sync_time += time.perf_counter() - start
     pi_optimizer.step()
 
@@ -435,7 +470,7 @@ def update(
         vf_optimizer.zero_grad()
         value_loss.backward()
         start = time.perf_counter()
-        average_gradients(list(agent.critic.parameters()), group)
+        average_gradients(list(agent.critic.parameters()), group, extras=value_loss)
         sync_time += time.perf_counter() - start
         vf_optimizer.step()
 
@@ -464,20 +499,197 @@ def update_one_learner(
     gathered = gather_to_rank0(pack_batch(batch))
     sync_time = time.perf_counter() - start
     stats = torch.zeros(5, dtype=torch.float64)
+    nonfinite = torch.zeros(1)  # rank 0 learns alone: it tells the others in the weights' broadcast
     if gathered is not None:
-        stats, _ = update(
-            agent, pi_optimizer, vf_optimizer, unpack_batch(gathered, batch), train_v_iters, learner_group
-        )
+        try:
+            stats, _ = update(
+                agent, pi_optimizer, vf_optimizer, unpack_batch(gathered, batch), train_v_iters, learner_group
+            )
+        except NonFiniteError:
+            nonfinite[0] = 1.0
     start = time.perf_counter()
-    broadcast_parameters(agent)
+    nonfinite = broadcast_parameters(agent, extras=nonfinite)
+    if nonfinite.item():
+        raise NonFiniteError("a non-finite loss or gradient")
     return stats, sync_time + time.perf_counter() - start
 
 
-def save_checkpoint(path: str, agent: Agent, args: Args) -> None:
-    """Everything an evaluation needs, written atomically (a kill never leaves half a file)."""
-    payload = {"script": SCRIPT, "env_id": args.env_id, "args": asdict(args), "model": agent.state_dict()}
+def save_checkpoint(path: str, agent: Agent, args: Args, **state) -> None:
+    """Everything an evaluation needs, plus `state` (what a resumed run needs), written atomically: a kill at any
+    moment leaves the previous file intact."""
+    payload = {"script": SCRIPT, "env_id": args.env_id, "args": asdict(args), "model": agent.state_dict(), **state}
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     torch.save(payload, path + ".tmp")
     os.replace(path + ".tmp", path)
+
+
+# --- reliability: run names, checkpoints, restarts, agreement between ranks -------------------------
+
+
+def resolve_run_name(args: Args) -> str:
+    """The run folder's name when restarted ranks must find it again (--resume, torchrun --max-restarts); else ''
+    (named after rank 0's clock once the process group exists)."""
+    if args.run_name:
+        return args.run_name
+    restartable = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0
+    if not (args.resume or restartable):
+        return ""
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")  # `none` under static rendezvous
+    if run_id in ("", "none"):
+        flag = "--resume" if args.resume else "torchrun --max-restarts"
+        fail(f"{flag} needs a run folder that every (re)started rank finds again: pass --run-name NAME")
+    return f"{args.env_id.replace('/', '-')}__{args.exp_name}__{args.seed}__{run_id}"
+
+
+def checkpoint_path(run_name: str, iteration: int) -> str:
+    return os.path.join("runs", run_name, "checkpoints", f"iter_{iteration:06d}.pt")
+
+
+def find_latest_checkpoint(run_name: str) -> str | None:
+    """The newest `iter_*.pt` of the run (the highest iteration), or None."""
+    folder = os.path.join("runs", run_name, "checkpoints")
+    names = os.listdir(folder) if os.path.isdir(folder) else []
+    iterations = [int(match[1]) for name in names if (match := re.fullmatch(r"iter_(\d+)\.pt", name))]
+    return checkpoint_path(run_name, max(iterations)) if iterations else None
+
+
+def load_checkpoint(path: str, args: Args, world_size: int) -> dict:
+    """Read a training checkpoint and refuse one of another script, env or world size (before any env exists)."""
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as error:  # a truncated or foreign file
+        fail(f"{path} is not a readable checkpoint ({error}); delete it to resume from the one before")
+    if not isinstance(checkpoint, dict) or checkpoint.get("script") != SCRIPT or "iteration" not in checkpoint:
+        fail(f"{path} is not a training checkpoint of {SCRIPT}; resume it with the script that wrote it")
+    if checkpoint["env_id"] != args.env_id:
+        fail(f"{path} trains {checkpoint['env_id']}, not --env-id {args.env_id}; pass --env-id {checkpoint['env_id']}")
+    if checkpoint["world_size"] != world_size:
+        fail(f"{path} was written by {checkpoint['world_size']} ranks, not {world_size}; resume with as many ranks")
+    return checkpoint
+
+
+def resume_checkpoint(args: Args, run_name: str, world_size: int) -> dict | None:
+    """The checkpoint this run continues from: with --resume or after a torchrun restart, the run's newest one."""
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    path = find_latest_checkpoint(run_name) if run_name and (args.resume or restarted) else None
+    if args.resume and path is None and not restarted:
+        fail(f"--resume found no checkpoint in runs/{run_name}/checkpoints; check --run-name, or drop --resume")
+    if not args.resume and not restarted and run_name and find_latest_checkpoint(run_name):
+        fail(f"runs/{run_name} already holds checkpoints: pass --resume to continue it, or choose another --run-name")
+    return None if path is None else load_checkpoint(path, args, world_size)
+
+
+def rng_states() -> dict:
+    """This rank's python, numpy and torch random states (what its next samples depend on)."""
+    states = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states["cuda"] = torch.cuda.get_rng_state_all()
+    return states
+
+
+def set_rng_states(states: dict) -> None:
+    random.setstate(states["python"])
+    np.random.set_state(states["numpy"])
+    torch.set_rng_state(states["torch"])
+    if "cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(states["cuda"])
+
+
+def gather_objects(obj: object) -> list | None:
+    """Every rank's `obj` on rank 0 (rank order), None elsewhere; one collective."""
+    if group_size() == 1:
+        return [obj]
+    gathered = [None] * group_size() if dist.get_rank() == 0 else None
+    dist.gather_object(obj, gathered, dst=0)
+    return gathered
+
+
+def save_training_checkpoint(path: str, agent: Agent, args: Args, **state) -> None:
+    """Every rank's RNG states gathered to rank 0, which writes `path` with them and `state` (all ranks call this)."""
+    rngs = gather_objects(rng_states())
+    if rngs is not None:
+        save_checkpoint(path, agent, args, rng=rngs, world_size=group_size(), **state)
+
+
+def digest(data: bytes) -> int:
+    """A 63-bit digest of `data`, to compare across ranks in an int64 tensor."""
+    return int.from_bytes(hashlib.sha256(data).digest()[:8], "little") >> 1
+
+
+def check_same_command(args: Args, resumed_iteration: int) -> None:
+    """Stop every rank before training unless all run the same source with the same arguments, from the same
+    checkpoint (one all_gather)."""
+    with open(__file__, "rb") as source:
+        mine = [digest(source.read()), digest(repr(sorted(asdict(args).items())).encode()), resumed_iteration]
+    local = torch.tensor(mine, dtype=torch.int64)
+    if group_size() == 1:
+        return
+    gathered = [torch.empty_like(local) for _ in range(group_size())]
+    dist.all_gather(gathered, local)
+    table = torch.stack(gathered)
+    for column, problem, fix in (
+        (0, f"run a different copy of {SCRIPT} than rank 0", "copy the same script to every node"),
+        (1, "were given different arguments than rank 0", "launch every rank with the same command line"),
+        (2, "resume from a different checkpoint than rank 0", "put runs/ on a filesystem every node shares"),
+    ):
+        differ = (table[:, column] != table[0, column]).nonzero().flatten().tolist()
+        if differ:
+            fail(f"ranks {differ} {problem}; {fix}")
+
+
+def check_parameters_in_sync(module: nn.Module, iteration: int) -> None:
+    """Stop every rank if the weights differ between ranks (a checksum of their bytes, one all_gather)."""
+    if group_size() == 1:
+        return
+    with torch.no_grad():
+        flat = torch.cat([p.detach().reshape(-1) for p in module.parameters()]).cpu()
+    local = torch.tensor([digest(flat.numpy().tobytes())], dtype=torch.int64)
+    gathered = [torch.empty_like(local) for _ in range(group_size())]
+    dist.all_gather(gathered, local)
+    differ = [rank for rank, checksum in enumerate(gathered) if checksum.item() != local.item()]
+    if differ:
+        fail(
+            f"the weights of ranks {differ} differ from this rank's at iteration {iteration}: the ranks no longer "
+            "train one model (a bug, or a faulty node); resume from the last checkpoint with --resume"
+        )
+
+
+def is_lost_peer(error: BaseException) -> bool:
+    """Whether `error` is the backend's report of a dead or stalled peer (gloo, NCCL, the store)."""
+    text = str(error)
+    return isinstance(error, dist.DistError) or any(
+        word in text for word in ("gloo", "NCCL", "Connection closed", "Connection reset", "Timed out", "timed out")
+    )
+
+
+@contextlib.contextmanager
+def stop_on_lost_peer(args: Args, run_name: str):
+    """Turn the backend's error about a dead or silent peer into one clear message on every surviving rank."""
+    try:
+        yield
+    except RuntimeError as error:
+        if not is_lost_peer(error):
+            raise
+        reason = re.sub(r"^\[[^\]]*\]\s*", "", str(error).strip().splitlines()[0]).split(". ")[0]
+        fail(
+            f"lost contact with another rank ({reason}): it died, or stalled longer than --dist-timeout "
+            f"{args.dist_timeout:g} s; see its log, then resume with --resume --run-name {run_name}",
+            every_rank=True,
+        )
+
+
+class StopRequest:
+    """SIGTERM (a cluster's preemption notice) sets a flag; the loop agrees on it across ranks at an epoch's end."""
+
+    def __init__(self):
+        self.requested = False
+        self.previous = signal.signal(signal.SIGTERM, self.handle)
+
+    def handle(self, signum, frame) -> None:
+        self.requested = True
+
+    def restore(self) -> None:
+        signal.signal(signal.SIGTERM, self.previous)
 
 
 def evaluate(agent: Agent, env_id: str, args: Args, video_folder: str | None = None) -> list[float]:
@@ -534,6 +746,8 @@ def check_args(args: Args, world_size: int) -> None:
             fail(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     if args.train_v_iters < 0 or args.dist_timeout <= 0:
         fail("--train-v-iters must be >= 0 and --dist-timeout > 0")
+    if args.checkpoint_every < 0 or args.check_sync_every < 0:
+        fail("--checkpoint-every and --check-sync-every must be >= 0 (0 = off)")
     args.world_size = world_size
     if args.steps_per_epoch % world_size:
         fail(
@@ -589,14 +803,15 @@ def log_epoch(
     epoch: int,
     global_step: int,
     train_start: float,
+    start_step: int,
     finished: torch.Tensor,
     stats: torch.Tensor,
     times: tuple[float, float, float],
     pi_optimizer: torch.optim.Optimizer,
 ) -> None:
     """Write one epoch's world-wide scalars to TensorBoard and print the progress line (rank 0)."""
-    sps = int(global_step / (time.time() - train_start))
-    return_sum, length_sum, episodes = finished.tolist()
+    sps = int((global_step - start_step) / (time.time() - train_start))
+    return_sum, length_sum, episodes = finished.tolist()[:3]
     if episodes:
         writer.add_scalar("charts/episodic_return", return_sum / episodes, global_step)
         writer.add_scalar("charts/episodic_length", length_sum / episodes, global_step)
@@ -627,19 +842,25 @@ def main(args: Args) -> Agent | None:
     if args.eval_checkpoint:
         return run_evaluation(args)
     check_args(args, world_size)
+    run_name = resolve_run_name(args)
+    checkpoint = resume_checkpoint(args, run_name, world_size)
     rank, world_size, device = init_distributed(args)
+    resumed_iteration = checkpoint["iteration"] if checkpoint else 0
+    check_same_command(args, resumed_iteration)
 
+    start_time = torch.tensor(int(time.time()), dtype=torch.int64)
+    dist.broadcast(start_time, src=0)  # every rank names the run folder alike
+    run_name = run_name or f"{args.env_id.replace('/', '-')}__{args.exp_name}__{args.seed}__{start_time.item()}"
+    restarts = checkpoint["restarts"] + 1 if checkpoint else 0
     envs = gym.vector.SyncVectorEnv(
         [make_env(args.env_id, args.max_ep_len) for _ in range(args.local_num_envs)],
         autoreset_mode=gym.vector.AutoresetMode.SAME_STEP,
     )
-
-    start_time = torch.tensor(int(time.time()), dtype=torch.int64)
-    dist.broadcast(start_time, src=0)  # every rank names the run folder alike
-    run_name = args.run_name or f"{args.env_id.replace('/', '-')}__{args.exp_name}__{args.seed}__{start_time.item()}"
     writer = None
     if rank == 0:
         print_batch_table(args)
+        if checkpoint:
+            print(f"resuming from {checkpoint_path(run_name, resumed_iteration)} (epoch {resumed_iteration})")
         if args.track:
             import wandb
 
@@ -650,12 +871,16 @@ def main(args: Args) -> Agent | None:
                 config=asdict(args),
                 name=run_name,
                 save_code=True,
+                resume="allow" if checkpoint else None,
             )
         from torch.utils.tensorboard import SummaryWriter
 
-        writer = SummaryWriter(f"runs/{run_name}")
-        table = "\n".join(f"|{key}|{value}|" for key, value in asdict(args).items())
-        writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
+        # a resumed run drops what the interrupted one logged after its checkpoint, then continues the curves
+        purge_step = checkpoint["global_step"] + 1 if checkpoint else None
+        writer = SummaryWriter(f"runs/{run_name}", purge_step=purge_step)
+        if not checkpoint:
+            table = "\n".join(f"|{key}|{value}|" for key, value in asdict(args).items())
+            writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
 
     # identical initial weights everywhere: built from `seed`, then broadcast from rank 0
     torch.manual_seed(args.seed)
@@ -668,6 +893,13 @@ def main(args: Args) -> Agent | None:
     torch.backends.cudnn.deterministic = args.torch_deterministic
     pi_optimizer = torch.optim.Adam(agent.policy_parameters(), lr=args.pi_lr)
     vf_optimizer = torch.optim.Adam(agent.critic.parameters(), lr=args.vf_lr)
+    global_step = 0
+    if checkpoint:  # weights, optimizers, position and this rank's random streams as they were
+        agent.load_state_dict(checkpoint["model"])
+        pi_optimizer.load_state_dict(checkpoint["pi_optimizer"])
+        vf_optimizer.load_state_dict(checkpoint["vf_optimizer"])
+        set_rng_states(checkpoint["rng"][rank])
+        global_step = checkpoint["global_step"]
     # --sync gather: rank 0 learns alone, so its collectives run in a group of one
     learner_group = dist.new_group([0]) if args.sync == "gather" else None
 
@@ -682,100 +914,138 @@ def main(args: Args) -> Agent | None:
     episode_ends_buf = np.zeros(shape, dtype=np.float32)
     final_values_buf = np.zeros(shape, dtype=np.float32)  # V(final observation) where an episode was truncated
 
-    next_obs, _ = envs.reset(seed=env_seeds(args.seed, rank, args.local_num_envs))
-    envs.action_space.seed(rank_seed(args.seed, rank))
+    # a resumed run starts fresh episodes, on envs seeded after all the earlier attempts' envs
+    index_offset = restarts * world_size * args.local_num_envs
+    next_obs, _ = envs.reset(seed=env_seeds(args.seed, rank, args.local_num_envs, index_offset))
+    envs.action_space.seed(rank_seed(args.seed, rank) + index_offset)
     episode_return = np.zeros(args.local_num_envs)
     episode_length = np.zeros(args.local_num_envs, dtype=np.int64)
-    global_step = 0
+    start_step = global_step
     train_start = time.time()
+    stop_request = StopRequest()
 
-    for epoch in range(1, args.num_epochs + 1):
-        # --- rollout ---
-        rollout_start = time.perf_counter()
-        finished = np.zeros(3)  # world-summed below: returns, lengths, count of episodes ended this epoch
-        for step in range(args.num_steps):
-            obs = torch.as_tensor(next_obs, dtype=torch.float32, device=device).reshape(args.local_num_envs, -1)
-            action, log_prob, value = agent.act(obs)
-            obs_buf[step], actions_buf[step], log_probs_buf[step] = obs, action, log_prob
-            values_buf[step] = value.cpu().numpy()
-            env_action = action.cpu().numpy()
-            if agent.continuous:
-                env_action = np.clip(env_action, envs.single_action_space.low, envs.single_action_space.high)
-            next_obs, reward, terminated, truncated, info = envs.step(env_action)
-            rewards_buf[step], terminations_buf[step] = reward, terminated
-            ended = terminated | truncated
-            episode_ends_buf[step] = ended
-            episode_return += reward
-            episode_length += 1
-            if ended.any():
-                finished += (episode_return[ended].sum(), episode_length[ended].sum(), ended.sum())
-                episode_return[ended], episode_length[ended] = 0.0, 0
-                cut = truncated & ~terminated
-                if cut.any():  # truncation is not termination: bootstrap from V(final observation)
-                    final_obs = np.stack(info["final_obs"][cut]).reshape(cut.sum(), -1)
-                    final_obs = torch.as_tensor(final_obs, dtype=torch.float32, device=device)
-                    final_values_buf[step, cut] = agent.act(final_obs)[2].cpu().numpy()
-        global_step += args.steps_per_epoch
-        last_obs = torch.as_tensor(next_obs, dtype=torch.float32, device=device).reshape(args.local_num_envs, -1)
-        last_values = agent.act(last_obs)[2].cpu().numpy()
-        rollout_time = time.perf_counter() - rollout_start
-
-        # --- GAE ---
-        next_values = np.concatenate([values_buf[1:], last_values[None]])
-        next_values = np.where(episode_ends_buf > 0, final_values_buf, next_values)
-        advantages, rewards_to_go = compute_gae(
-            rewards_buf, values_buf, next_values, terminations_buf, episode_ends_buf, args.gamma, args.lam
+    def save(epoch: int) -> str:
+        path = checkpoint_path(run_name, epoch)
+        state = {"pi_optimizer": pi_optimizer.state_dict(), "vf_optimizer": vf_optimizer.state_dict()}
+        save_training_checkpoint(
+            path, agent, args, iteration=epoch, global_step=global_step, restarts=restarts, **state
         )
-        final_values_buf[:] = 0.0
-        batch = {
-            "obs": obs_buf.reshape(-1, obs_dim),
-            "actions": actions_buf.reshape((-1,) + envs.single_action_space.shape),
-            "log_probs": log_probs_buf.reshape(-1),
-            "values": torch.as_tensor(values_buf.reshape(-1), device=device),
-            "advantages": torch.as_tensor(advantages.reshape(-1), device=device),
-            "returns": torch.as_tensor(rewards_to_go.reshape(-1), device=device),
-        }
+        return path
 
-        # --- update ---
-        update_start = time.perf_counter()
-        if args.sync == "allreduce":
-            stats, sync_time = update(agent, pi_optimizer, vf_optimizer, batch, args.train_v_iters)
-        else:
-            stats, sync_time = update_one_learner(
-                agent, pi_optimizer, vf_optimizer, batch, args.train_v_iters, learner_group
-            )
-        update_time = time.perf_counter() - update_start
+    epoch, stopping = resumed_iteration, False
+    try:
+        with stop_on_lost_peer(args, run_name):
+            for epoch in range(resumed_iteration + 1, args.num_epochs + 1):
+                # --- rollout ---
+                rollout_start = time.perf_counter()
+                finished = np.zeros(3)  # world-summed below: returns, lengths, count of episodes ended this epoch
+                for step in range(args.num_steps):
+                    obs = torch.as_tensor(next_obs, dtype=torch.float32, device=device)
+                    obs = obs.reshape(args.local_num_envs, -1)
+                    action, log_prob, value = agent.act(obs)
+                    obs_buf[step], actions_buf[step], log_probs_buf[step] = obs, action, log_prob
+                    values_buf[step] = value.cpu().numpy()
+                    env_action = action.cpu().numpy()
+                    if agent.continuous:
+                        env_action = np.clip(env_action, envs.single_action_space.low, envs.single_action_space.high)
+                    next_obs, reward, terminated, truncated, info = envs.step(env_action)
+                    rewards_buf[step], terminations_buf[step] = reward, terminated
+                    ended = terminated | truncated
+                    episode_ends_buf[step] = ended
+                    episode_return += reward
+                    episode_length += 1
+                    if ended.any():
+                        finished += (episode_return[ended].sum(), episode_length[ended].sum(), ended.sum())
+                        episode_return[ended], episode_length[ended] = 0.0, 0
+                        cut = truncated & ~terminated
+                        if cut.any():  # truncation is not termination: bootstrap from V(final observation)
+                            final_obs = np.stack(info["final_obs"][cut]).reshape(cut.sum(), -1)
+                            final_obs = torch.as_tensor(final_obs, dtype=torch.float32, device=device)
+                            final_values_buf[step, cut] = agent.act(final_obs)[2].cpu().numpy()
+                global_step += args.steps_per_epoch
+                last_obs = torch.as_tensor(next_obs, dtype=torch.float32, device=device)
+                last_values = agent.act(last_obs.reshape(args.local_num_envs, -1))[2].cpu().numpy()
+                rollout_time = time.perf_counter() - rollout_start
 
-        # --- logging (world-wide episode statistics in one collective) ---
-        finished = torch.as_tensor(finished, dtype=torch.float64)
-        dist.all_reduce(finished)
-        if rank == 0:
-            log_epoch(
-                writer,
-                args,
-                epoch,
-                global_step,
-                train_start,
-                finished,
-                stats,
-                (rollout_time, update_time, sync_time),
-                pi_optimizer,
-            )
+                # --- GAE ---
+                next_values = np.concatenate([values_buf[1:], last_values[None]])
+                next_values = np.where(episode_ends_buf > 0, final_values_buf, next_values)
+                advantages, rewards_to_go = compute_gae(
+                    rewards_buf, values_buf, next_values, terminations_buf, episode_ends_buf, args.gamma, args.lam
+                )
+                final_values_buf[:] = 0.0
+                batch = {
+                    "obs": obs_buf.reshape(-1, obs_dim),
+                    "actions": actions_buf.reshape((-1,) + envs.single_action_space.shape),
+                    "log_probs": log_probs_buf.reshape(-1),
+                    "values": torch.as_tensor(values_buf.reshape(-1), device=device),
+                    "advantages": torch.as_tensor(advantages.reshape(-1), device=device),
+                    "returns": torch.as_tensor(rewards_to_go.reshape(-1), device=device),
+                }
 
-    # --- checkpoint and clean-up ---
-    envs.close()
-    if rank == 0:
-        if args.save_model:
-            save_checkpoint(f"runs/{run_name}/model.pt", agent, args)
-            print(f"model saved to runs/{run_name}/model.pt")
-        if args.capture_video:
-            evaluate(agent, args.env_id, args, video_folder=f"runs/{run_name}/videos")
-        writer.close()
-        if args.track:
-            import wandb
+                # --- update ---
+                update_start = time.perf_counter()
+                if args.sync == "allreduce":
+                    stats, sync_time = update(agent, pi_optimizer, vf_optimizer, batch, args.train_v_iters)
+                else:
+                    stats, sync_time = update_one_learner(
+                        agent, pi_optimizer, vf_optimizer, batch, args.train_v_iters, learner_group
+                    )
+                update_time = time.perf_counter() - update_start
 
-            wandb.finish()
-    dist.barrier()
+                # --- logging (world-wide episode statistics and any rank's SIGTERM in one collective) ---
+                finished = torch.as_tensor([*finished, stop_request.requested], dtype=torch.float64)
+                dist.all_reduce(finished)
+                if rank == 0:
+                    log_epoch(
+                        writer,
+                        args,
+                        epoch,
+                        global_step,
+                        train_start,
+                        start_step,
+                        finished,
+                        stats,
+                        (rollout_time, update_time, sync_time),
+                        pi_optimizer,
+                    )
+
+                # --- checkpoint (and, on SIGTERM anywhere, stop: every rank decides alike) ---
+                if args.check_sync_every and epoch % args.check_sync_every == 0:
+                    check_parameters_in_sync(agent, epoch)
+                stopping = finished[3].item() > 0
+                if stopping or (args.checkpoint_every and epoch % args.checkpoint_every == 0):
+                    path = save(epoch)
+                    if rank == 0:
+                        print(f"checkpoint saved to {path}", flush=True)
+                if stopping:
+                    if rank == 0:
+                        print(f"stopped by SIGTERM at epoch {epoch}; continue with --resume --run-name {run_name}")
+                    break
+
+            # --- final model and clean-up ---
+            envs.close()
+            if rank == 0:
+                if args.save_model and not stopping:
+                    save_checkpoint(f"runs/{run_name}/model.pt", agent, args)
+                    print(f"model saved to runs/{run_name}/model.pt")
+                if args.capture_video and not stopping:
+                    evaluate(agent, args.env_id, args, video_folder=f"runs/{run_name}/videos")
+                writer.close()
+                if args.track:
+                    import wandb
+
+                    wandb.finish()
+            dist.barrier()
+    except NonFiniteError:
+        last = find_latest_checkpoint(run_name)
+        kept = f"the last good checkpoint is {last}" if last else "no checkpoint was written"
+        fail(
+            f"non-finite loss or gradient at epoch {epoch}, so no rank took the step ({kept}); lower --pi-lr/--vf-lr "
+            "or check the env's observations and rewards, then --resume"
+        )
+    finally:
+        stop_request.restore()
     dist.destroy_process_group()
     gc.collect()  # free gloo's worker threads now: left to interpreter shutdown they can abort the process
     return agent

@@ -1,0 +1,306 @@
+"""Issue 6, for every script: checkpoints and elastic restarts, SIGTERM, dead peers, ranks that disagree, bad input."""
+
+import importlib
+import os
+import re
+import signal
+import sys
+import time
+
+import gymnasium as gym
+import pytest
+import torch
+import torch.distributed as dist
+import tyro
+
+from tests.helpers import (
+    ROOT,
+    assert_ok,
+    finish,
+    free_port,
+    output,
+    progress_lines,
+    read_scalars,
+    run_command,
+    run_dirs,
+    run_ranks,
+    signal_rank_when,
+    start,
+    torchrun_with,
+    wait_for,
+)
+
+# tiny runs on 2 ranks: (flags, global env steps of one iteration)
+SCRIPTS = {
+    "vpg_mpi.py": (["--env-id", "CartPole-v1", "--steps-per-epoch", "1000", "--train-v-iters", "5"], 1000),
+}
+
+
+def flags(script: str, iterations: int, *extra: str) -> list[str]:
+    script_flags, batch = SCRIPTS[script]
+    return [*script_flags, "--total-timesteps", str(iterations * batch), *extra]
+
+
+def logged_steps(run_dir) -> list[int]:
+    return [step for step, _ in read_scalars(run_dir)["charts/SPS"]]
+
+
+def load(path) -> dict:
+    return torch.load(path, weights_only=False)
+
+
+def checkpoints(cwd) -> list:
+    return sorted(cwd.glob("runs/*/checkpoints/iter_*.pt"))
+
+
+# --- checkpoints, elastic restart, SIGTERM -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_a_killed_worker_restarts_the_group_which_resumes_from_its_checkpoint(script, tmp_path):
+    """torchrun --max-restarts 1 (no --run-name: the rendezvous id names the run), SIGKILL rank 1 after checkpoint 2."""
+    iterations, batch = 8, SCRIPTS[script][1]
+    killed, reference = tmp_path / "killed", tmp_path / "reference"
+    killed.mkdir()
+    reference.mkdir()
+    run_flags = flags(script, iterations, "--checkpoint-every", "1", "--save-model")
+    launcher = start(torchrun_with(["--standalone", "--max-restarts", "1"], script, run_flags), killed)
+    signal_rank_when(
+        launcher, 1, signal.SIGKILL, lambda: any(path.name == "iter_000002.pt" for path in checkpoints(killed))
+    )
+    result = finish(launcher, 240)
+    assert_ok(result)
+
+    # one run folder, found again by the restarted ranks; it resumed from a checkpoint, not from scratch
+    [run_dir] = run_dirs(killed)
+    resumed = [line for line in result.stdout.splitlines() if line.startswith("resuming from ")]
+    assert len(resumed) == 1, result.stdout
+    resumed_at = int(resumed[0].split("iter_")[1].split(".pt")[0])
+    lines = progress_lines(result.stdout)
+    assert 2 <= resumed_at < iterations and lines.count(1) == 1 and lines[-1] == iterations, result.stdout
+    # at most one iteration (--checkpoint-every 1) was trained twice
+    assert sorted(set(lines)) == list(range(1, iterations + 1)) and len(lines) - iterations <= 1, lines
+    # TensorBoard continues at the restored step: every iteration logged once, none from the lost attempt
+    assert logged_steps(run_dir) == [batch * i for i in range(1, iterations + 1)]
+    assert (run_dir / "model.pt").exists()
+
+    # every rank's random streams went on from the checkpoint as if never interrupted: they match an
+    # uninterrupted run's at the end (the weights differ: the envs restarted from fresh episodes)
+    run_flags = flags(script, iterations, "--checkpoint-every", str(iterations))
+    assert_ok(run_command(torchrun_with(["--standalone"], script, run_flags), reference))
+    final, uninterrupted = load(checkpoints(killed)[-1]), load(checkpoints(reference)[-1])
+    assert final["iteration"] == uninterrupted["iteration"] == iterations and final["restarts"] == 1
+    assert final["global_step"] == uninterrupted["global_step"] == iterations * batch
+    for rank in range(2):
+        assert torch.equal(final["rng"][rank]["torch"], uninterrupted["rng"][rank]["torch"]), rank
+    assert not torch.equal(final["rng"][0]["torch"], final["rng"][1]["torch"])
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_sigterm_checkpoints_and_stops_every_rank_and_resume_finishes_the_run(script, tmp_path):
+    iterations, batch = 6, SCRIPTS[script][1]
+    run_flags = flags(script, iterations, "--run-name", "preempted")
+    launcher = start(torchrun_with(["--standalone"], script, run_flags), tmp_path)
+    # a preemption notice to one rank only: both must agree to stop at the same iteration
+    signal_rank_when(launcher, 1, signal.SIGTERM, lambda: progress_lines(output(launcher)[0]))
+    result = finish(launcher, 180)
+    assert_ok(result)
+    stopped = re.findall(r"^stopped by SIGTERM at (?:epoch|iteration) (\d+);", result.stdout, re.MULTILINE)
+    assert len(stopped) == 1, result.stdout
+    stopped_at = int(stopped[0])
+    assert 1 <= stopped_at < iterations and progress_lines(result.stdout)[-1] == stopped_at
+    run_dir = tmp_path / "runs" / "preempted"
+    assert [path.name for path in checkpoints(tmp_path)] == [f"iter_{stopped_at:06d}.pt"]
+    assert not (run_dir / "model.pt").exists()
+
+    result = run_command(torchrun_with(["--standalone"], script, [*run_flags, "--resume", "--save-model"]), tmp_path)
+    assert_ok(result)
+    assert progress_lines(result.stdout) == list(range(stopped_at + 1, iterations + 1))
+    assert logged_steps(run_dir) == [batch * i for i in range(1, iterations + 1)]
+    assert load(run_dir / "model.pt")["script"] == script
+
+
+# --- a dead or silent peer never hangs the others ------------------------------------------------------
+
+
+def start_ranks(script: str, args: list[str], cwd, scripts: tuple | None = None, rank_args: tuple = ((), ())) -> list:
+    """Two ranks launched by hand (no torchrun), as a user or a cluster without one would."""
+    port = str(free_port())
+    processes = []
+    for rank in range(2):
+        path = scripts[rank] if scripts else ROOT / script
+        env = {"RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+        processes.append(start([sys.executable, str(path), *args, *rank_args[rank]], cwd, f"rank{rank}", **env))
+    return processes
+
+
+@pytest.mark.parametrize(
+    ("script", "sig"),
+    [pytest.param(script, signal.SIGKILL, id=f"{script}-SIGKILL") for script in SCRIPTS]
+    + [pytest.param("vpg_mpi.py", signal.SIGSTOP, id="vpg_mpi.py-SIGSTOP")],
+)
+def test_a_dead_or_silent_peer_stops_the_survivor_within_the_timeout(script, sig, tmp_path):
+    timeout = 15
+    ranks = start_ranks(script, flags(script, 50, "--dist-timeout", str(timeout)), tmp_path)
+    try:
+        wait_for(lambda: progress_lines(output(ranks[0])[0]), 120, "the first iteration", tuple(ranks))
+        os.kill(ranks[1].pid, sig)
+        killed_at = time.monotonic()
+        result = finish(ranks[0], timeout + 30)
+    finally:
+        ranks[1].kill()
+    assert time.monotonic() - killed_at < timeout + 10
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    [message] = [line for line in result.stderr.splitlines() if "error" in line]
+    assert message.startswith(f"{script}: error: rank 0: lost contact with another rank"), message
+    assert "--dist-timeout" in message and "--resume" in message
+
+
+# --- ranks that disagree -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_ranks_with_an_edited_copy_or_other_arguments_stop_before_training(script, tmp_path):
+    edited = tmp_path / "node1" / script
+    edited.parent.mkdir()
+    edited.write_text((ROOT / script).read_text() + "\n# edited on node 1\n")
+    for scripts, rank_args, problem in (
+        ((ROOT / script, edited), ((), ()), f"ranks [1] run a different copy of {script} than rank 0"),
+        (None, ((), ("--seed", "2")), "ranks [1] were given different arguments than rank 0"),
+    ):
+        ranks = start_ranks(script, flags(script, 2), tmp_path, scripts, rank_args)
+        results = [finish(process, 120) for process in ranks]
+        assert [r.returncode for r in results] == [2, 2], [r.stderr for r in results]
+        assert results[0].stderr.strip() == f"{script}: error: {problem}; " + (
+            "copy the same script to every node" if scripts else "launch every rank with the same command line"
+        )
+        assert "Traceback" not in results[1].stderr and not progress_lines(results[0].stdout)
+        assert not (tmp_path / "runs").exists()
+
+
+def module(script: str):
+    return importlib.import_module(script.removesuffix(".py"))
+
+
+def disagreement_rank(rank: int, world_size: int, script: str) -> dict:
+    """A non-finite loss on rank 1 in update(); then check_parameters_in_sync on equal, then unequal weights."""
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    ddrl = module(script)
+    outcome = dict(zip(("nonfinite", "unchanged"), nonfinite_update(ddrl, script, rank), strict=True))
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(3, 2)
+    ddrl.check_parameters_in_sync(layer, 1)  # equal: passes on every rank
+    with torch.no_grad():
+        layer.bias[0] += 1e-6 * rank  # a few ulps apart on rank 1
+    try:
+        ddrl.check_parameters_in_sync(layer, 2)
+    except SystemExit as stop:
+        outcome["sync"] = stop.code
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return outcome
+
+
+def nonfinite_update(ddrl, script: str, rank: int) -> tuple[str, bool]:
+    """Run the script's update on a batch that is NaN on rank 1 only (observations for VPG, whose policy step comes
+    first; value targets for PPO); who raises, and were the weights left alone (no rank stepped)?"""
+    torch.manual_seed(1)
+    poison = float("nan") if rank == 1 else 0.0
+    batch = {
+        "obs": torch.randn(16, 4),
+        "actions": torch.randn(16, 2),
+        "log_probs": torch.full((16,), -0.7),
+        "values": torch.zeros(16),
+        "advantages": torch.randn(16),
+        "returns": torch.randn(16),
+    }
+    if script == "vpg_mpi.py":
+        agent = ddrl.Agent(4, gym.spaces.Box(-1.0, 1.0, (2,)), (8,))
+        batch["obs"][3] += poison
+        pi_optimizer = torch.optim.Adam(agent.policy_parameters(), lr=0.01)
+        vf_optimizer = torch.optim.Adam(agent.critic.parameters(), lr=0.01)
+        step = lambda: ddrl.update(agent, pi_optimizer, vf_optimizer, batch, 2)  # noqa: E731
+    else:
+        if script == "ppo_continuous_mpi.py":
+            agent = ddrl.Agent(4, 2)
+        else:
+            agent = ddrl.Agent(4)
+            batch["obs"] = torch.randint(0, 255, (16, 4, 84, 84), dtype=torch.uint8)
+            batch["actions"] = torch.randint(0, 4, (16,))
+        batch["returns"][3] += poison
+        args = ddrl.Args(num_minibatches=2, update_epochs=2)
+        args.local_batch_size, args.local_minibatch_size = 16, 8
+        optimizer = torch.optim.Adam(agent.parameters(), lr=0.01)
+        order = torch.stack([torch.randperm(16), torch.randperm(16)])
+        if script == "ppo_continuous_mpi.py":
+            step = lambda: ddrl.update(agent, optimizer, batch, args, order)  # noqa: E731
+        else:
+            model = torch.nn.parallel.DistributedDataParallel(agent)
+            step = lambda: ddrl.update(model, optimizer, batch, order.view(2, 2, 8), args)  # noqa: E731
+    before = {key: value.clone() for key, value in agent.state_dict().items()}
+    try:
+        step()
+        raised = "no"
+    except ddrl.NonFiniteError:
+        raised = "NonFiniteError"
+    unchanged = all(torch.equal(before[key], value) for key, value in agent.state_dict().items())
+    return raised, unchanged
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_weights_out_of_sync_or_a_non_finite_loss_on_one_rank_stop_every_rank(script, tmp_path):
+    for rank, outcome in enumerate(run_ranks(disagreement_rank, 2, tmp_path, script, join_group=False)):
+        assert outcome == {"sync": 2, "nonfinite": "NonFiniteError", "unchanged": True}, (rank, outcome)
+
+
+# --- bad input: one clear message before any env, nothing written ---------------------------------------
+
+
+def foreign_checkpoint(tmp_path, script: str, changes: dict) -> None:
+    """A checkpoint in runs/old/checkpoints as `script` would write it, with `changes`."""
+    folder = tmp_path / "runs" / "old" / "checkpoints"
+    folder.mkdir(parents=True)
+    payload = {"script": script, "env_id": SCRIPTS[script][0][1], "iteration": 1, "world_size": 1, **changes}
+    torch.save(payload, folder / "iter_000001.pt")
+
+
+BAD_INPUT = [
+    (["--checkpoint-every", "-1"], {}, None, "--checkpoint-every and --check-sync-every must be >= 0"),
+    (["--check-sync-every", "-2"], {}, None, "--checkpoint-every and --check-sync-every must be >= 0"),
+    (["--resume"], {}, None, "--resume needs a run folder that every (re)started rank finds again: pass --run-name"),
+    (
+        [],
+        {"TORCHELASTIC_MAX_RESTARTS": "1", "TORCHELASTIC_RUN_ID": "none"},
+        None,
+        "torchrun --max-restarts needs a run folder that every (re)started rank finds again: pass --run-name NAME",
+    ),
+    (["--resume", "--run-name", "new"], {}, None, "--resume found no checkpoint in runs/new/checkpoints"),
+    (["--run-name", "old"], {}, {}, "runs/old already holds checkpoints: pass --resume"),
+    (["--resume", "--run-name", "old"], {}, {"script": "other.py"}, "is not a training checkpoint of"),
+    (["--resume", "--run-name", "old"], {}, {"env_id": "Hopper-v5"}, "trains Hopper-v5, not --env-id"),
+    (["--resume", "--run-name", "old"], {}, {"world_size": 4}, "was written by 4 ranks, not 1"),
+    (["--dist-timeout", "0"], {}, None, "--dist-timeout"),
+]
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+@pytest.mark.parametrize(("extra", "env", "checkpoint", "message"), BAD_INPUT)
+def test_bad_reliability_input_is_one_clear_message(
+    script, extra, env, checkpoint, message, tmp_path, monkeypatch, capsys
+):
+    monkeypatch.chdir(tmp_path)
+    if checkpoint is not None:
+        foreign_checkpoint(tmp_path, script, checkpoint)
+    ddrl = module(script)
+    for key, value in {"RANK": "0", "WORLD_SIZE": "1", **env}.items():
+        monkeypatch.setenv(key, value)
+    args = tyro.cli(ddrl.Args, args=[*flags(script, 2), *extra])
+    with pytest.raises(SystemExit) as exit_info:
+        ddrl.main(args)
+    assert exit_info.value.code == 2
+    stderr = capsys.readouterr().err
+    assert stderr.startswith(f"{script}: error: ") and message in stderr and stderr.count("\n") == 1, stderr
+    assert sorted(path.name for path in tmp_path.rglob("*") if path.is_file()) == (
+        ["iter_000001.pt"] if checkpoint is not None else []
+    )
+    assert not dist.is_initialized()
