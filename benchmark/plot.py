@@ -53,6 +53,8 @@ class Args:
     text, and a dashed line where the text starts with a number"""
     reference_name: str = "reference"
     """the heading of the reference column (say where the numbers come from)"""
+    reference_label: str = "reference"
+    """the reference line's (short) name in the plots' legends"""
     title: str = "Learning curves and final returns"
     """the heading of the markdown file"""
     notes: tuple[str, ...] = field(default_factory=tuple)
@@ -169,7 +171,7 @@ def summarize(runs: list[Run], last_points: int, references: dict[str, str], ref
     return markdown_table(headers, rows)
 
 
-def plot(runs: list[Run], smooth: int, references: dict[str, str], reference_name: str, path: Path) -> None:
+def plot(runs: list[Run], smooth: int, references: dict[str, str], reference_label: str, path: Path) -> None:
     """One panel per env id, one line (mean over seeds, +- std shaded) per label, references dashed."""
     import matplotlib
 
@@ -192,7 +194,7 @@ def plot(runs: list[Run], smooth: int, references: dict[str, str], reference_nam
                 axis.fill_between(steps, mean - std, mean + std, color=f"C{color}", alpha=0.2)
         value = first_number(references.get(env_id, ""))
         if value is not None:
-            axis.axhline(value, color="gray", linestyle="--", label=reference_name)
+            axis.axhline(value, color="gray", linestyle="--", label=reference_label)
         axis.set_title(env_id)
         axis.set_xlabel("global env steps")
         axis.set_ylabel("episodic return")
@@ -220,7 +222,7 @@ def main(argv: list[str] | None = None) -> tuple[Path, Path]:
             print(f"benchmark.plot: warning: {run.path} and {seen[key]} are both {' '.join(key)}", file=sys.stderr)
         seen[key] = run.path
     table_path, png_path = output_paths(args.out)
-    plot(runs, args.smooth, references, args.reference_name, png_path)
+    plot(runs, args.smooth, references, args.reference_label, png_path)
     notes = [
         f"final return: mean of the last {args.last_points} logged `{RETURN_KEY}` values of a run (each the mean "
         "return of the episodes that ended in one iteration), then mean +- std (ddof 0) over seeds",
