@@ -138,6 +138,20 @@ def load_average() -> str:
         return "unknown"
 
 
+def load_warning(max_load: float) -> str | None:
+    """A loud warning for a timing results file when the 1-minute load average exceeds `max_load`, else None."""
+    try:
+        one_minute = os.getloadavg()[0]
+    except OSError:
+        return None
+    if one_minute <= max_load:
+        return None
+    return (
+        f"MEASURED UNDER LOAD: the 1-minute load average was {one_minute:.2f} when the measurement started (more "
+        f"than {max_load}): other processes shared the CPU, so these timings are distorted. Re-run on a quiet machine."
+    )
+
+
 def machine_description() -> str:
     """One line: CPU model, usable cores, OS, Python and torch versions."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
@@ -152,12 +166,14 @@ def command_line(module: str, argv: Sequence[str]) -> str:
     return shlex.join(["python", "-m", module, *argv])
 
 
-def results_header(title: str, command: str, notes: Sequence[str] = ()) -> str:
-    """The markdown header of a results file: title, producing command, date, machine, load, notes."""
+def results_header(title: str, command: str, notes: Sequence[str] = (), warning: str | None = None) -> str:
+    """The markdown header of a results file: title, a bold warning if any, producing command, date, machine, load,
+    notes."""
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     lines = [
         f"# {title}",
         "",
+        *([f"**{warning}**", ""] if warning else []),
         f"- command: `{command}` (from the repository root)",
         f"- date: {now}",
         f"- machine: {machine_description()}",

@@ -36,7 +36,15 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 import tyro
 
-from benchmark.common import ROOT, command_line, load_average, markdown_table, output_paths, results_header
+from benchmark.common import (
+    ROOT,
+    command_line,
+    load_average,
+    load_warning,
+    markdown_table,
+    output_paths,
+    results_header,
+)
 
 MODELS = ("vpg", "ppo_continuous", "atari")
 OBS_DIM, ACTION_DIM, ATARI_ACTIONS = 17, 6, 4  # HalfCheetah; Breakout
@@ -65,6 +73,8 @@ class Args:
     """output stem: writes OUT.md"""
     notes: tuple[str, ...] = ()
     """extra lines for the header of the markdown file"""
+    max_load: float = 1.0
+    """above this 1-minute load average at the start, the results file opens with a MEASURED UNDER LOAD warning"""
 
 
 class LossOf(nn.Module):
@@ -341,7 +351,9 @@ def main(argv: list[str] | None = None) -> Path:
     args = tyro.cli(Args, args=argv, description=__doc__)
     if args.nprocs < 2 or args.repeats < 1 or any(name not in MODELS for name in args.models):
         raise SystemExit(f"benchmark.grad_sync: error: need --nprocs >= 2, --repeats >= 1, models among {MODELS}")
-    load_before = load_average()
+    load_before, warning = load_average(), load_warning(args.max_load)
+    if warning:
+        print(f"benchmark: warning: {warning}", file=sys.stderr)
     with tempfile.TemporaryDirectory(prefix="ddrl_grad_sync_") as tmp:
         result_path = Path(tmp) / "rows.json"
         mp.start_processes(
@@ -368,7 +380,7 @@ def main(argv: list[str] | None = None) -> Path:
         *args.notes,
     ]
     table_path, _ = output_paths(args.out)
-    text = results_header("Gradient sync: time per sync", command_line("benchmark.grad_sync", argv), notes)
+    text = results_header("Gradient sync: time per sync", command_line("benchmark.grad_sync", argv), notes, warning)
     table_path.write_text(text + "\n" + format_table(rows))
     print(table_path.read_text())
     return table_path

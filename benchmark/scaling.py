@@ -31,6 +31,7 @@ from benchmark.common import (
     command_line,
     last_lines,
     load_average,
+    load_warning,
     markdown_table,
     output_paths,
     read_scalar_events,
@@ -84,6 +85,8 @@ class Args:
     """where the runs are launched (runs/ and logs/ land there, and are kept); default: a temporary folder"""
     notes: tuple[str, ...] = ()
     """extra lines for the header of the markdown file"""
+    max_load: float = 1.0
+    """above this 1-minute load average at the start, the results file opens with a MEASURED UNDER LOAD warning"""
 
 
 @dataclass
@@ -233,7 +236,9 @@ def main(argv: list[str] | None = None) -> tuple[Path, Path]:
     if unknown or not args.ranks or min(args.ranks) < 1 or args.iterations < 2:
         raise SystemExit(f"benchmark.scaling: error: scripts must be in {SCRIPTS}, ranks >= 1, iterations >= 2")
     work_dir = args.out_dir.resolve() if args.out_dir else Path(tempfile.mkdtemp(prefix="ddrl_scaling_"))
-    load_before = load_average()
+    load_before, warning = load_average(), load_warning(args.max_load)
+    if warning:
+        print(f"benchmark: warning: {warning}", file=sys.stderr)
     results: dict[str, list[Measurement]] = {}
     try:
         for script in args.scripts:
@@ -267,7 +272,7 @@ def main(argv: list[str] | None = None) -> tuple[Path, Path]:
         f"load average (1, 5, 15 min) before the runs: {load_before}",
         *args.notes,
     ]
-    text = results_header("Scaling: SPS against ranks", command_line("benchmark.scaling", argv), notes)
+    text = results_header("Scaling: SPS against ranks", command_line("benchmark.scaling", argv), notes, warning)
     text += f"\n![scaling]({png_path.name})\n"
     for script, measurements in results.items():
         env_id = args.env_id or SCRIPT_DEFAULTS[script][0]

@@ -124,9 +124,10 @@ def test_scaling_one_and_two_ranks(tmp_path):
     work = tmp_path / "work"
     argv = ["--scripts", "vpg_mpi.py", "--ranks", "1", "2", "--iterations", "3", "--local-steps", "100"]
     argv += ["--env-id", "CartPole-v1", "--out", str(tmp_path / "scaling"), "--out-dir", str(work)]
-    table_path, png_path = scaling.main(argv)
+    table_path, png_path = scaling.main([*argv, "--max-load", "1000"])
     assert_png(png_path)
     text = table_path.read_text()
+    assert "MEASURED UNDER LOAD" not in text
     assert "## vpg_mpi.py on CartPole-v1" in text and "546 -> 1040" in text
     rows = table_rows(text, "ranks")
     assert [row[:2] for row in rows] == [["1", "100"], ["2", "200"]]
@@ -146,8 +147,9 @@ def test_scaling_one_and_two_ranks(tmp_path):
 
 def test_grad_sync_table_with_few_repetitions(tmp_path):
     argv = ["--nprocs", "2", "--repeats", "2", "--warmup", "1", "--cnn-batch", "4", "--mlp-batch", "8"]
-    table_path = grad_sync.main([*argv, "--out", str(tmp_path / "grad_sync")])
+    table_path = grad_sync.main([*argv, "--out", str(tmp_path / "grad_sync"), "--max-load", "-1"])
     text = table_path.read_text()
+    assert text.splitlines()[2].startswith("**MEASURED UNDER LOAD")  # above the load limit: said at the top
     rows = table_rows(text, "model")
     methods = {(row[0].split(".")[0], row[2]) for row in rows}
     expected = {("vpg_mpi", "gather+broadcast")}
