@@ -161,6 +161,18 @@ def machine_description() -> str:
     )
 
 
+def code_version() -> str:
+    """The git commit of the checkout the benchmark runs from, and which scripts differ from it, if any."""
+    try:
+        git = ["git", "-C", str(ROOT)]
+        commit = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True)
+        changed = subprocess.run([*git, "status", "--porcelain", "--", *SCRIPTS], capture_output=True, text=True)
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown (not a git checkout)"
+    dirty = [line[3:] for line in changed.stdout.splitlines()]
+    return commit.stdout.strip() + (f" with uncommitted changes to {', '.join(dirty)}" if dirty else "")
+
+
 def command_line(module: str, argv: Sequence[str]) -> str:
     """The shell command that reproduces a `python -m benchmark.X` invocation."""
     return shlex.join(["python", "-m", module, *argv])
@@ -177,6 +189,7 @@ def results_header(title: str, command: str, notes: Sequence[str] = (), warning:
         f"- command: `{command}` (from the repository root)",
         f"- date: {now}",
         f"- machine: {machine_description()}",
+        f"- checkout: commit {code_version()}",
         f"- load average (1, 5, 15 min) when written: {load_average()}",
         *(f"- {note}" for note in notes),
         "",

@@ -44,6 +44,7 @@ def test_results_header_names_command_machine_and_torch():
     header = common.results_header("T", "python -m benchmark.x --a 1", ["a note"])
     assert "`python -m benchmark.x --a 1`" in header and "- a note" in header
     assert common.cpu_model() in header and torch.__version__ in header
+    assert re.search(r"- checkout: commit [0-9a-f]{7}", header)
     cores = len(os.sched_getaffinity(0))
     assert f"{cores} usable cores" in header
     if Path("/proc/cpuinfo").exists():
