@@ -25,9 +25,13 @@ With CUDA each rank uses cuda:LOCAL_RANK and NCCL; with fewer GPUs than ranks on
 gloo; on CPU, gloo.
 """
 
+import contextlib
 import gc
+import hashlib
 import os
 import random
+import re
+import signal
 import subprocess
 import sys
 import time
@@ -84,6 +88,12 @@ class Args:
     """torch.distributed backend; empty = nccl with --cuda on a GPU per rank, gloo otherwise"""
     dist_timeout: float = 1800.0
     """seconds a collective may wait for a peer before the run stops with an error"""
+    checkpoint_every: int = 0
+    """write `runs/{run_name}/checkpoints/iter_{n:06d}.pt` every this many iterations (0 = only on SIGTERM)"""
+    resume: bool = False
+    """continue the run `--run-name` from its newest checkpoint (automatic when torchrun restarts the ranks)"""
+    check_sync_every: int = 0
+    """compare a checksum of the weights across ranks every this many iterations and stop if they differ (0 = never)"""
 
     # Algorithm specific arguments (names as in CleanRL)
     env_id: str = "BreakoutNoFrameskip-v4"
@@ -141,9 +151,16 @@ class Args:
 # --- errors and launch ------------------------------------------------------------------------------
 
 
-def fail(message: str) -> NoReturn:
-    """Stop with one readable line naming the fix and exit code 2; only global rank 0 prints it."""
-    if int(os.environ.get("RANK", "0")) == 0:
+def fail(message: str, every_rank: bool = False) -> NoReturn:
+    """Stop with one readable line naming the fix and exit code 2; only global rank 0 prints it, unless
+    `every_rank` (a failure some ranks may survive alone, such as a lost peer: each says it, naming itself)."""
+    if dist.is_initialized() and not every_rank:  # every rank stops here together: leave the group cleanly
+        dist.destroy_process_group()
+        gc.collect()
+    rank = int(os.environ.get("RANK", "0"))
+    if every_rank and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        print(f"{SCRIPT}: error: rank {rank}: {message}", file=sys.stderr, flush=True)
+    elif rank == 0:
         print(f"{SCRIPT}: error: {message}", file=sys.stderr, flush=True)
     raise SystemExit(2)
 
@@ -273,9 +290,12 @@ def rank_seed(seed: int, rank: int) -> int:
     return seed + 10_000 * rank
 
 
-def env_seeds(seed: int, rank: int, local_num_envs: int) -> list[int]:
-    """Seeds of this rank's envs: env j of rank r has global index g = r * local_num_envs + j."""
-    return [seed + 10_000 * (rank * local_num_envs + j) for j in range(local_num_envs)]
+def env_seeds(seed: int, rank: int, local_num_envs: int, index_offset: int = 0) -> list[int]:
+    """Seeds of this rank's envs: env j of rank r has global index g = index_offset + r * local_num_envs + j.
+
+    A resumed run passes `index_offset` = restarts x the world's envs, so its fresh episodes never replay a seed.
+    """
+    return [seed + 10_000 * (index_offset + rank * local_num_envs + j) for j in range(local_num_envs)]
 
 
 # --- environment, agent, GAE -----------------------------------------------------------------------
@@ -508,6 +528,10 @@ def compute_gae(
     return advantages, advantages + values
 
 
+class NonFiniteError(Exception):
+    """A non-finite loss or gradient, raised alike on every rank (DDP gave every rank the same averaged gradient)."""
+
+
 def minibatch_order(args: Args, device: torch.device) -> torch.Tensor:
     """[update_epochs, num_minibatches, local_minibatch_size] indices into the local batch; one shuffle per epoch."""
     shuffles = [torch.randperm(args.local_batch_size, device=device) for _ in range(args.update_epochs)]
@@ -565,7 +589,9 @@ def update(
             start = time.perf_counter()
             loss.backward()  # DDP averages the gradients over ranks here
             sync_time += time.perf_counter() - start
-            nn.utils.clip_grad_norm_(parameters, args.max_grad_norm)  # after the sync: the same clip on every rank
+            grad_norm = nn.utils.clip_grad_norm_(parameters, args.max_grad_norm)  # after the sync: alike everywhere
+            if not torch.isfinite(grad_norm):  # a NaN or inf on any rank spread through DDP's average to every rank
+                raise NonFiniteError("a non-finite loss or gradient")
             optimizer.step()
 
         # one collective per epoch: world-averaged statistics, which also decide target_kl alike on every rank
@@ -581,17 +607,192 @@ def update(
 # --- checkpoint and evaluation ---------------------------------------------------------------------
 
 
-def save_checkpoint(path: str, agent: Agent, args: Args) -> None:
-    """Everything an evaluation needs (no normalisation statistics here), written atomically."""
+def save_checkpoint(path: str, agent: Agent, args: Args, **state) -> None:
+    """Everything an evaluation needs (no normalisation statistics here), plus `state` (what a resumed run needs),
+    written atomically: a kill at any moment leaves the previous file intact."""
     payload = {
         "script": SCRIPT,
         "env_id": args.env_id,
         "num_actions": agent.actor.out_features,
         "args": asdict(args),
         "model": agent.state_dict(),
+        **state,
     }
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     torch.save(payload, path + ".tmp")
     os.replace(path + ".tmp", path)
+
+
+# --- reliability: run names, checkpoints, restarts, agreement between ranks -------------------------
+
+
+def resolve_run_name(args: Args) -> str:
+    """The run folder's name when restarted ranks must find it again (--resume, torchrun --max-restarts); else ''
+    (named after rank 0's clock once the process group exists)."""
+    if args.run_name:
+        return args.run_name
+    restartable = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0
+    if not (args.resume or restartable):
+        return ""
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")  # `none` under static rendezvous
+    if run_id in ("", "none"):
+        flag = "--resume" if args.resume else "torchrun --max-restarts"
+        fail(f"{flag} needs a run folder that every (re)started rank finds again: pass --run-name NAME")
+    return f"{args.env_id.replace('/', '-')}__{args.exp_name}__{args.seed}__{run_id}"
+
+
+def checkpoint_path(run_name: str, iteration: int) -> str:
+    return os.path.join("runs", run_name, "checkpoints", f"iter_{iteration:06d}.pt")
+
+
+def find_latest_checkpoint(run_name: str) -> str | None:
+    """The newest `iter_*.pt` of the run (the highest iteration), or None."""
+    folder = os.path.join("runs", run_name, "checkpoints")
+    names = os.listdir(folder) if os.path.isdir(folder) else []
+    iterations = [int(match[1]) for name in names if (match := re.fullmatch(r"iter_(\d+)\.pt", name))]
+    return checkpoint_path(run_name, max(iterations)) if iterations else None
+
+
+def load_checkpoint(path: str, args: Args, world_size: int) -> dict:
+    """Read a training checkpoint and refuse one of another script, env or world size (before any env exists)."""
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as error:  # a truncated or foreign file
+        fail(f"{path} is not a readable checkpoint ({error}); delete it to resume from the one before")
+    if not isinstance(checkpoint, dict) or checkpoint.get("script") != SCRIPT or "iteration" not in checkpoint:
+        fail(f"{path} is not a training checkpoint of {SCRIPT}; resume it with the script that wrote it")
+    if checkpoint["env_id"] != args.env_id:
+        fail(f"{path} trains {checkpoint['env_id']}, not --env-id {args.env_id}; pass --env-id {checkpoint['env_id']}")
+    if checkpoint["world_size"] != world_size:
+        fail(f"{path} was written by {checkpoint['world_size']} ranks, not {world_size}; resume with as many ranks")
+    return checkpoint
+
+
+def resume_checkpoint(args: Args, run_name: str, world_size: int) -> dict | None:
+    """The checkpoint this run continues from: with --resume or after a torchrun restart, the run's newest one."""
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    path = find_latest_checkpoint(run_name) if run_name and (args.resume or restarted) else None
+    if args.resume and path is None and not restarted:
+        fail(f"--resume found no checkpoint in runs/{run_name}/checkpoints; check --run-name, or drop --resume")
+    if not args.resume and not restarted and run_name and find_latest_checkpoint(run_name):
+        fail(f"runs/{run_name} already holds checkpoints: pass --resume to continue it, or choose another --run-name")
+    return None if path is None else load_checkpoint(path, args, world_size)
+
+
+def rng_states() -> dict:
+    """This rank's python, numpy and torch random states (what its next samples depend on)."""
+    states = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states["cuda"] = torch.cuda.get_rng_state_all()
+    return states
+
+
+def set_rng_states(states: dict) -> None:
+    random.setstate(states["python"])
+    np.random.set_state(states["numpy"])
+    torch.set_rng_state(states["torch"])
+    if "cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(states["cuda"])
+
+
+def gather_objects(obj: object) -> list | None:
+    """Every rank's `obj` on rank 0 (rank order), None elsewhere; one collective."""
+    if group_size() == 1:
+        return [obj]
+    gathered = [None] * group_size() if dist.get_rank() == 0 else None
+    dist.gather_object(obj, gathered, dst=0)
+    return gathered
+
+
+def save_training_checkpoint(path: str, agent: Agent, args: Args, **state) -> None:
+    """Every rank's RNG states gathered to rank 0, which writes `path` with them and `state` (all ranks call this)."""
+    rngs = gather_objects(rng_states())
+    if rngs is not None:
+        save_checkpoint(path, agent, args, rng=rngs, world_size=group_size(), **state)
+
+
+def digest(data: bytes) -> int:
+    """A 63-bit digest of `data`, to compare across ranks in an int64 tensor."""
+    return int.from_bytes(hashlib.sha256(data).digest()[:8], "little") >> 1
+
+
+def check_same_command(args: Args, resumed_iteration: int) -> None:
+    """Stop every rank before training unless all run the same source with the same arguments, from the same
+    checkpoint (one all_gather)."""
+    with open(__file__, "rb") as source:
+        mine = [digest(source.read()), digest(repr(sorted(asdict(args).items())).encode()), resumed_iteration]
+    local = torch.tensor(mine, dtype=torch.int64)
+    if group_size() == 1:
+        return
+    gathered = [torch.empty_like(local) for _ in range(group_size())]
+    dist.all_gather(gathered, local)
+    table = torch.stack(gathered)
+    for column, problem, fix in (
+        (0, f"run a different copy of {SCRIPT} than rank 0", "copy the same script to every node"),
+        (1, "were given different arguments than rank 0", "launch every rank with the same command line"),
+        (2, "resume from a different checkpoint than rank 0", "put runs/ on a filesystem every node shares"),
+    ):
+        differ = (table[:, column] != table[0, column]).nonzero().flatten().tolist()
+        if differ:
+            fail(f"ranks {differ} {problem}; {fix}")
+
+
+def check_parameters_in_sync(module: nn.Module, iteration: int) -> None:
+    """Stop every rank if the weights differ between ranks (a checksum of their bytes, one all_gather)."""
+    if group_size() == 1:
+        return
+    with torch.no_grad():
+        flat = torch.cat([p.detach().reshape(-1) for p in module.parameters()]).cpu()
+    local = torch.tensor([digest(flat.numpy().tobytes())], dtype=torch.int64)
+    gathered = [torch.empty_like(local) for _ in range(group_size())]
+    dist.all_gather(gathered, local)
+    differ = [rank for rank, checksum in enumerate(gathered) if checksum.item() != local.item()]
+    if differ:
+        fail(
+            f"the weights of ranks {differ} differ from this rank's at iteration {iteration}: the ranks no longer "
+            "train one model (a bug, or a faulty node); resume from the last checkpoint with --resume"
+        )
+
+
+def is_lost_peer(error: BaseException) -> bool:
+    """Whether `error` is the backend's report of a dead or stalled peer (gloo, NCCL, the store)."""
+    text = str(error)
+    return isinstance(error, dist.DistError) or any(
+        word in text for word in ("gloo", "NCCL", "Connection closed", "Connection reset", "Timed out", "timed out")
+    )
+
+
+@contextlib.contextmanager
+def stop_on_lost_peer(args: Args, run_name: str):
+    """Turn the backend's error about a dead or silent peer into one clear message on every surviving rank."""
+    try:
+        yield
+    except RuntimeError as error:
+        if not is_lost_peer(error):
+            raise
+        reason = re.sub(r"^\[[^\]]*\]\s*", "", str(error).strip().splitlines()[0]).split(". ")[0]
+        with contextlib.suppress(SystemExit):
+            fail(
+                f"lost contact with another rank ({reason}): it died, or stalled longer than --dist-timeout "
+                f"{args.dist_timeout:g} s; see its log, then resume with --resume --run-name {run_name}",
+                every_rank=True,
+            )
+        sys.stdout.flush()
+        os._exit(2)  # at once: the broken group's threads can abort an orderly interpreter exit (SIGABRT)
+
+
+class StopRequest:
+    """SIGTERM (a cluster's preemption notice) sets a flag; the loop agrees on it across ranks at an epoch's end."""
+
+    def __init__(self):
+        self.requested = False
+        self.previous = signal.signal(signal.SIGTERM, self.handle)
+
+    def handle(self, signum, frame) -> None:
+        self.requested = True
+
+    def restore(self) -> None:
+        signal.signal(signal.SIGTERM, self.previous)
 
 
 def evaluate(agent: Agent, env_id: str, args: Args, video_folder: str | None = None) -> list[float]:
@@ -659,6 +860,8 @@ def check_args(args: Args, world_size: int) -> dict:
             fail(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     if args.env_threads < 0 or args.torch_threads < 0 or args.dist_timeout <= 0:
         fail("--env-threads and --torch-threads must be >= 0 (0 = automatic) and --dist-timeout > 0")
+    if args.checkpoint_every < 0 or args.check_sync_every < 0:
+        fail("--checkpoint-every and --check-sync-every must be >= 0 (0 = off)")
     if args.target_kl is not None and args.target_kl <= 0:
         fail(f"--target-kl must be positive (or left out to switch early stopping off), got {args.target_kl}")
     args.world_size = world_size
@@ -707,6 +910,7 @@ def log_iteration(
     iteration: int,
     global_step: int,
     train_start: float,
+    start_step: int,
     finished: torch.Tensor,
     stats: torch.Tensor,
     explained_variance: float,
@@ -714,8 +918,8 @@ def log_iteration(
     learning_rate: float,
 ) -> None:
     """Write one iteration's world-wide scalars to TensorBoard and print the progress line (rank 0)."""
-    sps = int(global_step / (time.time() - train_start))
-    return_sum, length_sum, games = finished.tolist()
+    sps = int((global_step - start_step) / (time.time() - train_start))
+    return_sum, length_sum, games = finished.tolist()[:3]
     if games:
         writer.add_scalar("charts/episodic_return", return_sum / games, global_step)
         writer.add_scalar("charts/episodic_length", length_sum / games, global_step)
@@ -748,18 +952,27 @@ def main(args: Args) -> Agent | None:
     if args.eval_checkpoint:
         return run_evaluation(args)
     settings = check_args(args, world_size)
+    run_name = resolve_run_name(args)
+    checkpoint = resume_checkpoint(args, run_name, world_size)
     rank, world_size, device = init_distributed(args)
+    resumed_iteration = checkpoint["iteration"] if checkpoint else 0
+    check_same_command(args, resumed_iteration)
+    restarts = checkpoint["restarts"] + 1 if checkpoint else 0
 
+    # a resumed run starts fresh games, on envs seeded after all the earlier attempts' envs
+    index_offset = restarts * world_size * args.local_num_envs
     envs = make_env(settings, args.local_num_envs, args.env_threads or cores_per_rank())
-    next_obs, info = envs.reset(seed=np.array(env_seeds(args.seed, rank, args.local_num_envs)))
+    next_obs, info = envs.reset(seed=np.array(env_seeds(args.seed, rank, args.local_num_envs, index_offset)))
     games = GameTracker(info)
 
     start_time = torch.tensor(int(time.time()), dtype=torch.int64, device=device)
     dist.broadcast(start_time, src=0)  # every rank names the run folder alike
-    run_name = args.run_name or f"{args.env_id.replace('/', '-')}__{args.exp_name}__{args.seed}__{start_time.item()}"
+    run_name = run_name or f"{args.env_id.replace('/', '-')}__{args.exp_name}__{args.seed}__{start_time.item()}"
     writer = None
     if rank == 0:
         print_batch_table(args)
+        if checkpoint:
+            print(f"resuming from {checkpoint_path(run_name, resumed_iteration)} (iteration {resumed_iteration})")
         if args.track:
             import wandb
 
@@ -770,22 +983,33 @@ def main(args: Args) -> Agent | None:
                 config=asdict(args),
                 name=run_name,
                 save_code=True,
+                resume="allow" if checkpoint else None,
             )
         from torch.utils.tensorboard import SummaryWriter
 
-        writer = SummaryWriter(f"runs/{run_name}")
-        table = "\n".join(f"|{key}|{value}|" for key, value in asdict(args).items())
-        writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
+        # a resumed run drops what the interrupted one logged after its checkpoint, then continues the curves
+        purge_step = checkpoint["global_step"] + 1 if checkpoint else None
+        writer = SummaryWriter(f"runs/{run_name}", purge_step=purge_step)
+        if not checkpoint:
+            table = "\n".join(f"|{key}|{value}|" for key, value in asdict(args).items())
+            writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
 
     # identical initial weights everywhere: built from `seed`; DDP also broadcasts rank 0's at construction
     torch.manual_seed(args.seed)
     agent = Agent(int(envs.single_action_space.n)).to(device)
+    if checkpoint:
+        agent.load_state_dict(checkpoint["model"])
     model = DDP(agent, device_ids=[device.index] if device.type == "cuda" else None)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.learning_rate, eps=1e-5)
     random.seed(rank_seed(args.seed, rank))
     np.random.seed(rank_seed(args.seed, rank))
     torch.manual_seed(rank_seed(args.seed, rank))
     torch.backends.cudnn.deterministic = args.torch_deterministic
+    global_step = 0
+    if checkpoint:  # optimizer, position and this rank's random streams as they were
+        optimizer.load_state_dict(checkpoint["optimizer"])
+        set_rng_states(checkpoint["rng"][rank])
+        global_step = checkpoint["global_step"]
 
     # rollout storage, one row per step of the local envs; frames stay uint8 until a minibatch needs them
     shape = (args.num_steps, args.local_num_envs)
@@ -798,95 +1022,138 @@ def main(args: Args) -> Agent | None:
     rewards_buf = np.zeros(shape, dtype=np.float32)
     terminations_buf = np.zeros(shape, dtype=np.float32)
     episode_ends_buf = np.zeros(shape, dtype=np.float32)
-    global_step = 0
+    start_step = global_step
     train_start = time.time()
+    stop_request = StopRequest()
 
-    for iteration in range(1, args.num_iterations + 1):
-        learning_rate = args.learning_rate
-        if args.anneal_lr:
-            learning_rate *= 1.0 - (iteration - 1.0) / args.num_iterations
-            optimizer.param_groups[0]["lr"] = learning_rate
-
-        # --- rollout (the unwrapped agent: no DDP hooks) ---
-        rollout_start = time.perf_counter()
-        finished = np.zeros(3)  # world-summed below: raw scores, lengths and count of games ended this iteration
-        for step in range(args.num_steps):
-            obs = torch.from_numpy(next_obs).to(device)
-            obs_buf[step] = obs
-            action, log_probs_buf[step], values_buf[step] = agent.act(obs)
-            actions_buf[step] = action
-            next_obs, reward, terminated, truncated, info = envs.step(action.cpu().numpy())
-            rewards_buf[step] = np.clip(reward, -1, 1)  # the learner sees clipped rewards, the log raw scores
-            terminations_buf[step] = terminated  # a lost life included
-            episode_ends_buf[step] = terminated | truncated
-            game_over, game_returns, game_lengths = games.step(reward, terminated, truncated, info)
-            if game_over.any():
-                finished += (game_returns.sum(), game_lengths.sum(), len(game_returns))
-                cut = truncated & ~terminated
-                if cut.any():  # truncation is not termination: bootstrap from V(final observation)
-                    final_obs = torch.from_numpy(info["final_obs"][cut]).to(device)
-                    final_values_buf[step, torch.from_numpy(cut).to(device)] = agent.value(final_obs)
-        global_step += args.batch_size
-        last_values = agent.value(torch.from_numpy(next_obs).to(device))
-        rollout_time = time.perf_counter() - rollout_start
-
-        # --- GAE ---
-        rewards = torch.from_numpy(rewards_buf).to(device)
-        terminations = torch.from_numpy(terminations_buf).to(device)
-        episode_ends = torch.from_numpy(episode_ends_buf).to(device)
-        next_values = torch.cat([values_buf[1:], last_values.unsqueeze(0)])
-        next_values = torch.where(episode_ends > 0, final_values_buf, next_values)
-        advantages, returns = compute_gae(
-            rewards, values_buf, next_values, terminations, episode_ends, args.gamma, args.gae_lambda
+    def save(iteration: int) -> str:
+        path = checkpoint_path(run_name, iteration)
+        save_training_checkpoint(
+            path,
+            agent,
+            args,
+            iteration=iteration,
+            global_step=global_step,
+            restarts=restarts,
+            optimizer=optimizer.state_dict(),
         )
-        final_values_buf.zero_()
-        batch = {
-            "obs": obs_buf.reshape((-1,) + obs_shape),
-            "actions": actions_buf.reshape(-1),
-            "log_probs": log_probs_buf.reshape(-1),
-            "values": values_buf.reshape(-1),
-            "advantages": advantages.reshape(-1),
-            "returns": returns.reshape(-1),
-        }
+        return path
 
-        # --- update (through DDP) ---
-        update_start = time.perf_counter()
-        stats, sync_time = update(model, optimizer, batch, minibatch_order(args, device), args)
-        update_time = time.perf_counter() - update_start
+    iteration, stopping = resumed_iteration, False
+    try:
+        with stop_on_lost_peer(args, run_name):
+            for iteration in range(resumed_iteration + 1, args.num_iterations + 1):
+                learning_rate = args.learning_rate
+                if args.anneal_lr:
+                    learning_rate *= 1.0 - (iteration - 1.0) / args.num_iterations
+                    optimizer.param_groups[0]["lr"] = learning_rate
 
-        # --- logging (world-wide statistics: one all_gather, one all_reduce) ---
-        _, stds = global_mean_std(torch.stack([batch["returns"] - batch["values"], batch["returns"]]))
-        explained_variance = (1 - stds[0] ** 2 / (stds[1] ** 2).clamp_min(1e-8)).item()
-        finished = torch.as_tensor(finished, dtype=torch.float64, device=device)
-        dist.all_reduce(finished)
-        if rank == 0:
-            log_iteration(
-                writer,
-                args,
-                iteration,
-                global_step,
-                train_start,
-                finished,
-                stats,
-                explained_variance,
-                (rollout_time, update_time, sync_time),
-                learning_rate,
-            )
+                # --- rollout (the unwrapped agent: no DDP hooks) ---
+                rollout_start = time.perf_counter()
+                finished = np.zeros(3)  # world-summed below: raw scores, lengths and count of games ended
+                for step in range(args.num_steps):
+                    obs = torch.from_numpy(next_obs).to(device)
+                    obs_buf[step] = obs
+                    action, log_probs_buf[step], values_buf[step] = agent.act(obs)
+                    actions_buf[step] = action
+                    next_obs, reward, terminated, truncated, info = envs.step(action.cpu().numpy())
+                    rewards_buf[step] = np.clip(reward, -1, 1)  # the learner sees clipped rewards, the log raw scores
+                    terminations_buf[step] = terminated  # a lost life included
+                    episode_ends_buf[step] = terminated | truncated
+                    game_over, game_returns, game_lengths = games.step(reward, terminated, truncated, info)
+                    if game_over.any():
+                        finished += (game_returns.sum(), game_lengths.sum(), len(game_returns))
+                        cut = truncated & ~terminated
+                        if cut.any():  # truncation is not termination: bootstrap from V(final observation)
+                            final_obs = torch.from_numpy(info["final_obs"][cut]).to(device)
+                            final_values_buf[step, torch.from_numpy(cut).to(device)] = agent.value(final_obs)
+                global_step += args.batch_size
+                last_values = agent.value(torch.from_numpy(next_obs).to(device))
+                rollout_time = time.perf_counter() - rollout_start
 
-    # --- checkpoint and clean-up ---
-    envs.close()
-    if rank == 0:
-        if args.save_model:
-            save_checkpoint(f"runs/{run_name}/model.pt", agent, args)
-            print(f"model saved to runs/{run_name}/model.pt")
-        if args.capture_video:
-            evaluate(agent, args.env_id, args, video_folder=f"runs/{run_name}/videos")
-        writer.close()
-        if args.track:
-            import wandb
+                # --- GAE ---
+                rewards = torch.from_numpy(rewards_buf).to(device)
+                terminations = torch.from_numpy(terminations_buf).to(device)
+                episode_ends = torch.from_numpy(episode_ends_buf).to(device)
+                next_values = torch.cat([values_buf[1:], last_values.unsqueeze(0)])
+                next_values = torch.where(episode_ends > 0, final_values_buf, next_values)
+                advantages, returns = compute_gae(
+                    rewards, values_buf, next_values, terminations, episode_ends, args.gamma, args.gae_lambda
+                )
+                final_values_buf.zero_()
+                batch = {
+                    "obs": obs_buf.reshape((-1,) + obs_shape),
+                    "actions": actions_buf.reshape(-1),
+                    "log_probs": log_probs_buf.reshape(-1),
+                    "values": values_buf.reshape(-1),
+                    "advantages": advantages.reshape(-1),
+                    "returns": returns.reshape(-1),
+                }
 
-            wandb.finish()
-    dist.barrier()
+                # --- update (through DDP) ---
+                update_start = time.perf_counter()
+                stats, sync_time = update(model, optimizer, batch, minibatch_order(args, device), args)
+                update_time = time.perf_counter() - update_start
+
+                # --- logging (world-wide statistics and any rank's SIGTERM: one all_gather, one all_reduce) ---
+                _, stds = global_mean_std(torch.stack([batch["returns"] - batch["values"], batch["returns"]]))
+                explained_variance = (1 - stds[0] ** 2 / (stds[1] ** 2).clamp_min(1e-8)).item()
+                finished = [*finished, stop_request.requested]
+                finished = torch.as_tensor(finished, dtype=torch.float64, device=device)
+                dist.all_reduce(finished)
+                if rank == 0:
+                    log_iteration(
+                        writer,
+                        args,
+                        iteration,
+                        global_step,
+                        train_start,
+                        start_step,
+                        finished,
+                        stats,
+                        explained_variance,
+                        (rollout_time, update_time, sync_time),
+                        learning_rate,
+                    )
+
+                # --- checkpoint (and, on SIGTERM anywhere, stop: every rank decides alike) ---
+                if args.check_sync_every and iteration % args.check_sync_every == 0:
+                    check_parameters_in_sync(agent, iteration)
+                stopping = finished[3].item() > 0
+                if stopping or (args.checkpoint_every and iteration % args.checkpoint_every == 0):
+                    path = save(iteration)
+                    if rank == 0:
+                        writer.flush()  # the curves on disk reach the checkpoint, whatever happens next
+                        print(f"checkpoint saved to {path}", flush=True)
+                if stopping:
+                    if rank == 0:
+                        resume = f"continue with --resume --run-name {run_name}"
+                        print(f"stopped by SIGTERM at iteration {iteration}; {resume}")
+                    break
+
+            # --- final model and clean-up ---
+            envs.close()
+            if rank == 0:
+                if args.save_model and not stopping:
+                    save_checkpoint(f"runs/{run_name}/model.pt", agent, args)
+                    print(f"model saved to runs/{run_name}/model.pt")
+                if args.capture_video and not stopping:
+                    evaluate(agent, args.env_id, args, video_folder=f"runs/{run_name}/videos")
+                writer.close()
+                if args.track:
+                    import wandb
+
+                    wandb.finish()
+            dist.barrier()
+    except NonFiniteError:
+        last = find_latest_checkpoint(run_name)
+        kept = f"the last good checkpoint is {last}" if last else "no checkpoint was written"
+        fail(
+            f"non-finite loss or gradient at iteration {iteration}, so no rank took the step ({kept}); lower "
+            "--learning-rate or check the env's observations and rewards, then --resume"
+        )
+    finally:
+        stop_request.restore()
     dist.destroy_process_group()
     gc.collect()  # free gloo's worker threads now: left to interpreter shutdown they can abort the process
     return agent

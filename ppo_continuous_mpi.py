@@ -27,10 +27,14 @@ normalises with the same numbers. Every rank therefore takes the step one proces
 concatenated batch and holds the same weights.
 """
 
+import contextlib
 import gc
+import hashlib
 import math
 import os
 import random
+import re
+import signal
 import subprocess
 import sys
 import time
@@ -84,6 +88,12 @@ class Args:
     """torch.distributed backend; empty = nccl with --cuda on a GPU, gloo otherwise"""
     dist_timeout: float = 1800.0
     """seconds a collective may wait for a peer before the run stops with an error"""
+    checkpoint_every: int = 0
+    """write `runs/{run_name}/checkpoints/iter_{n:06d}.pt` every this many iterations (0 = only on SIGTERM)"""
+    resume: bool = False
+    """continue the run `--run-name` from its newest checkpoint (automatic when torchrun restarts the ranks)"""
+    check_sync_every: int = 0
+    """compare a checksum of the weights across ranks every this many iterations and stop if they differ (0 = never)"""
 
     # Algorithm specific arguments (names and defaults as in CleanRL's ppo_continuous_action.py)
     env_id: str = "HalfCheetah-v5"
@@ -139,9 +149,16 @@ class Args:
 # --- errors and launch ------------------------------------------------------------------------------
 
 
-def fail(message: str) -> NoReturn:
-    """Stop with one readable line naming the fix and exit code 2; only global rank 0 prints it."""
-    if int(os.environ.get("RANK", "0")) == 0:
+def fail(message: str, every_rank: bool = False) -> NoReturn:
+    """Stop with one readable line naming the fix and exit code 2; only global rank 0 prints it, unless
+    `every_rank` (a failure some ranks may survive alone, such as a lost peer: each says it, naming itself)."""
+    if dist.is_initialized() and not every_rank:  # every rank stops here together: leave the group cleanly
+        dist.destroy_process_group()
+        gc.collect()
+    rank = int(os.environ.get("RANK", "0"))
+    if every_rank and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        print(f"{SCRIPT}: error: rank {rank}: {message}", file=sys.stderr, flush=True)
+    elif rank == 0:
         print(f"{SCRIPT}: error: {message}", file=sys.stderr, flush=True)
     raise SystemExit(2)
 
@@ -231,16 +248,23 @@ def allreduce_mean(tensor: torch.Tensor, group: dist.ProcessGroup | None = None)
     return tensor
 
 
+class NonFiniteError(Exception):
+    """A non-finite loss or gradient, raised alike on every rank (the check reads a buffer every rank shares)."""
+
+
 def average_gradients(parameters: list[nn.Parameter], extras: torch.Tensor) -> torch.Tensor:
     """Average the gradients over ranks with one allreduce of one flat buffer (not one call per tensor).
 
     `extras` (scalars every rank must agree on: the KL that decides early stopping, the logged losses)
-    ride at the end of the same buffer; their world average is returned.
+    ride at the end of the same buffer; their world average is returned. A NaN or inf anywhere in the world
+    spreads through the sum, so every rank finds it in its copy and raises NonFiniteError before any step.
     """
-    if group_size() == 1:
-        return extras
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in parameters]
     flat = allreduce_mean(torch.cat([*(g.reshape(-1) for g in grads), extras.reshape(-1)]))
+    if not torch.isfinite(flat).all():
+        raise NonFiniteError("a non-finite loss or gradient")
+    if group_size() == 1:
+        return extras
     offset = 0
     for parameter, grad in zip(parameters, grads, strict=True):
         parameter.grad = flat[offset : offset + grad.numel()].view_as(grad)
@@ -290,9 +314,12 @@ def rank_seed(seed: int, rank: int) -> int:
     return seed + 10_000 * rank
 
 
-def env_seeds(seed: int, rank: int, local_num_envs: int) -> list[int]:
-    """Seeds of this rank's envs: env j of rank r has global index g = r * local_num_envs + j."""
-    return [seed + 10_000 * (rank * local_num_envs + j) for j in range(local_num_envs)]
+def env_seeds(seed: int, rank: int, local_num_envs: int, index_offset: int = 0) -> list[int]:
+    """Seeds of this rank's envs: env j of rank r has global index g = index_offset + r * local_num_envs + j.
+
+    A resumed run passes `index_offset` = restarts x the world's envs, so its fresh episodes never replay a seed.
+    """
+    return [seed + 10_000 * (index_offset + rank * local_num_envs + j) for j in range(local_num_envs)]
 
 
 # --- environment, normalisation, agent, GAE --------------------------------------------------------
@@ -514,11 +541,185 @@ def update(
 # --- checkpoints and evaluation --------------------------------------------------------------------
 
 
-def save_checkpoint(path: str, agent: Agent, args: Args) -> None:
-    """Everything an evaluation needs (weights and normalisation statistics), written atomically."""
-    payload = {"script": SCRIPT, "env_id": args.env_id, "args": asdict(args), "model": agent.state_dict()}
+def save_checkpoint(path: str, agent: Agent, args: Args, **state) -> None:
+    """Everything an evaluation needs (weights and normalisation statistics), plus `state` (what a resumed run
+    needs), written atomically: a kill at any moment leaves the previous file intact."""
+    payload = {"script": SCRIPT, "env_id": args.env_id, "args": asdict(args), "model": agent.state_dict(), **state}
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     torch.save(payload, path + ".tmp")
     os.replace(path + ".tmp", path)
+
+
+# --- reliability: run names, checkpoints, restarts, agreement between ranks -------------------------
+
+
+def resolve_run_name(args: Args) -> str:
+    """The run folder's name when restarted ranks must find it again (--resume, torchrun --max-restarts); else ''
+    (named after rank 0's clock once the process group exists)."""
+    if args.run_name:
+        return args.run_name
+    restartable = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0
+    if not (args.resume or restartable):
+        return ""
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")  # `none` under static rendezvous
+    if run_id in ("", "none"):
+        flag = "--resume" if args.resume else "torchrun --max-restarts"
+        fail(f"{flag} needs a run folder that every (re)started rank finds again: pass --run-name NAME")
+    return f"{args.env_id.replace('/', '-')}__{args.exp_name}__{args.seed}__{run_id}"
+
+
+def checkpoint_path(run_name: str, iteration: int) -> str:
+    return os.path.join("runs", run_name, "checkpoints", f"iter_{iteration:06d}.pt")
+
+
+def find_latest_checkpoint(run_name: str) -> str | None:
+    """The newest `iter_*.pt` of the run (the highest iteration), or None."""
+    folder = os.path.join("runs", run_name, "checkpoints")
+    names = os.listdir(folder) if os.path.isdir(folder) else []
+    iterations = [int(match[1]) for name in names if (match := re.fullmatch(r"iter_(\d+)\.pt", name))]
+    return checkpoint_path(run_name, max(iterations)) if iterations else None
+
+
+def load_checkpoint(path: str, args: Args, world_size: int) -> dict:
+    """Read a training checkpoint and refuse one of another script, env or world size (before any env exists)."""
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as error:  # a truncated or foreign file
+        fail(f"{path} is not a readable checkpoint ({error}); delete it to resume from the one before")
+    if not isinstance(checkpoint, dict) or checkpoint.get("script") != SCRIPT or "iteration" not in checkpoint:
+        fail(f"{path} is not a training checkpoint of {SCRIPT}; resume it with the script that wrote it")
+    if checkpoint["env_id"] != args.env_id:
+        fail(f"{path} trains {checkpoint['env_id']}, not --env-id {args.env_id}; pass --env-id {checkpoint['env_id']}")
+    if checkpoint["world_size"] != world_size:
+        fail(f"{path} was written by {checkpoint['world_size']} ranks, not {world_size}; resume with as many ranks")
+    return checkpoint
+
+
+def resume_checkpoint(args: Args, run_name: str, world_size: int) -> dict | None:
+    """The checkpoint this run continues from: with --resume or after a torchrun restart, the run's newest one."""
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    path = find_latest_checkpoint(run_name) if run_name and (args.resume or restarted) else None
+    if args.resume and path is None and not restarted:
+        fail(f"--resume found no checkpoint in runs/{run_name}/checkpoints; check --run-name, or drop --resume")
+    if not args.resume and not restarted and run_name and find_latest_checkpoint(run_name):
+        fail(f"runs/{run_name} already holds checkpoints: pass --resume to continue it, or choose another --run-name")
+    return None if path is None else load_checkpoint(path, args, world_size)
+
+
+def rng_states() -> dict:
+    """This rank's python, numpy and torch random states (what its next samples depend on)."""
+    states = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states["cuda"] = torch.cuda.get_rng_state_all()
+    return states
+
+
+def set_rng_states(states: dict) -> None:
+    random.setstate(states["python"])
+    np.random.set_state(states["numpy"])
+    torch.set_rng_state(states["torch"])
+    if "cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(states["cuda"])
+
+
+def gather_objects(obj: object) -> list | None:
+    """Every rank's `obj` on rank 0 (rank order), None elsewhere; one collective."""
+    if group_size() == 1:
+        return [obj]
+    gathered = [None] * group_size() if dist.get_rank() == 0 else None
+    dist.gather_object(obj, gathered, dst=0)
+    return gathered
+
+
+def save_training_checkpoint(path: str, agent: Agent, args: Args, **state) -> None:
+    """Every rank's RNG states gathered to rank 0, which writes `path` with them and `state` (all ranks call this)."""
+    rngs = gather_objects(rng_states())
+    if rngs is not None:
+        save_checkpoint(path, agent, args, rng=rngs, world_size=group_size(), **state)
+
+
+def digest(data: bytes) -> int:
+    """A 63-bit digest of `data`, to compare across ranks in an int64 tensor."""
+    return int.from_bytes(hashlib.sha256(data).digest()[:8], "little") >> 1
+
+
+def check_same_command(args: Args, resumed_iteration: int) -> None:
+    """Stop every rank before training unless all run the same source with the same arguments, from the same
+    checkpoint (one all_gather)."""
+    with open(__file__, "rb") as source:
+        mine = [digest(source.read()), digest(repr(sorted(asdict(args).items())).encode()), resumed_iteration]
+    local = torch.tensor(mine, dtype=torch.int64)
+    if group_size() == 1:
+        return
+    gathered = [torch.empty_like(local) for _ in range(group_size())]
+    dist.all_gather(gathered, local)
+    table = torch.stack(gathered)
+    for column, problem, fix in (
+        (0, f"run a different copy of {SCRIPT} than rank 0", "copy the same script to every node"),
+        (1, "were given different arguments than rank 0", "launch every rank with the same command line"),
+        (2, "resume from a different checkpoint than rank 0", "put runs/ on a filesystem every node shares"),
+    ):
+        differ = (table[:, column] != table[0, column]).nonzero().flatten().tolist()
+        if differ:
+            fail(f"ranks {differ} {problem}; {fix}")
+
+
+def check_parameters_in_sync(module: nn.Module, iteration: int) -> None:
+    """Stop every rank if the weights differ between ranks (a checksum of their bytes, one all_gather)."""
+    if group_size() == 1:
+        return
+    with torch.no_grad():
+        flat = torch.cat([p.detach().reshape(-1) for p in module.parameters()]).cpu()
+    local = torch.tensor([digest(flat.numpy().tobytes())], dtype=torch.int64)
+    gathered = [torch.empty_like(local) for _ in range(group_size())]
+    dist.all_gather(gathered, local)
+    differ = [rank for rank, checksum in enumerate(gathered) if checksum.item() != local.item()]
+    if differ:
+        fail(
+            f"the weights of ranks {differ} differ from this rank's at iteration {iteration}: the ranks no longer "
+            "train one model (a bug, or a faulty node); resume from the last checkpoint with --resume"
+        )
+
+
+def is_lost_peer(error: BaseException) -> bool:
+    """Whether `error` is the backend's report of a dead or stalled peer (gloo, NCCL, the store)."""
+    text = str(error)
+    return isinstance(error, dist.DistError) or any(
+        word in text for word in ("gloo", "NCCL", "Connection closed", "Connection reset", "Timed out", "timed out")
+    )
+
+
+@contextlib.contextmanager
+def stop_on_lost_peer(args: Args, run_name: str):
+    """Turn the backend's error about a dead or silent peer into one clear message on every surviving rank."""
+    try:
+        yield
+    except RuntimeError as error:
+        if not is_lost_peer(error):
+            raise
+        reason = re.sub(r"^\[[^\]]*\]\s*", "", str(error).strip().splitlines()[0]).split(". ")[0]
+        with contextlib.suppress(SystemExit):
+            fail(
+                f"lost contact with another rank ({reason}): it died, or stalled longer than --dist-timeout "
+                f"{args.dist_timeout:g} s; see its log, then resume with --resume --run-name {run_name}",
+                every_rank=True,
+            )
+        sys.stdout.flush()
+        os._exit(2)  # at once: the broken group's threads can abort an orderly interpreter exit (SIGABRT)
+
+
+class StopRequest:
+    """SIGTERM (a cluster's preemption notice) sets a flag; the loop agrees on it across ranks at an epoch's end."""
+
+    def __init__(self):
+        self.requested = False
+        self.previous = signal.signal(signal.SIGTERM, self.handle)
+
+    def handle(self, signum, frame) -> None:
+        self.requested = True
+
+    def restore(self) -> None:
+        signal.signal(signal.SIGTERM, self.previous)
 
 
 def evaluate(agent: Agent, env_id: str, args: Args, video_folder: str | None = None) -> list[float]:
@@ -580,6 +781,8 @@ def check_args(args: Args, world_size: int) -> None:
             fail(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     if args.dist_timeout <= 0:
         fail(f"--dist-timeout must be > 0, got {args.dist_timeout}")
+    if args.checkpoint_every < 0 or args.check_sync_every < 0:
+        fail("--checkpoint-every and --check-sync-every must be >= 0 (0 = off)")
     args.world_size = world_size
     args.local_batch_size = args.local_num_envs * args.num_steps
     args.batch_size = args.local_batch_size * world_size
@@ -638,14 +841,15 @@ def log_iteration(
     iteration: int,
     global_step: int,
     train_start: float,
+    start_step: int,
     world_sums: torch.Tensor,
     stats: torch.Tensor,
     times: tuple[float, float, float],
     learning_rate: float,
 ) -> None:
     """Write one iteration's world-wide scalars to TensorBoard and print the progress line (rank 0)."""
-    sps = int(global_step / (time.time() - train_start))
-    return_sum, length_sum, episodes, n, y_sum, y_sq_sum, residual_sum, residual_sq_sum = world_sums.tolist()
+    sps = int((global_step - start_step) / (time.time() - train_start))
+    return_sum, length_sum, episodes, n, y_sum, y_sq_sum, residual_sum, residual_sq_sum = world_sums.tolist()[:8]
     if episodes:
         writer.add_scalar("charts/episodic_return", return_sum / episodes, global_step)
         writer.add_scalar("charts/episodic_length", length_sum / episodes, global_step)
@@ -680,7 +884,11 @@ def main(args: Args) -> Agent | None:
     if args.eval_checkpoint:
         return run_evaluation(args)
     check_args(args, world_size)
+    run_name = resolve_run_name(args)
+    checkpoint = resume_checkpoint(args, run_name, world_size)
     rank, world_size, device = init_distributed(args)
+    resumed_iteration = checkpoint["iteration"] if checkpoint else 0
+    check_same_command(args, resumed_iteration)
 
     envs = gym.vector.SyncVectorEnv(
         [make_env(args.env_id) for _ in range(args.local_num_envs)],
@@ -688,10 +896,13 @@ def main(args: Args) -> Agent | None:
     )
     start_time = torch.tensor(int(time.time()), dtype=torch.int64, device=device)
     dist.broadcast(start_time, src=0)  # every rank names the run folder alike
-    run_name = args.run_name or f"{args.env_id.replace('/', '-')}__{args.exp_name}__{args.seed}__{start_time.item()}"
+    run_name = run_name or f"{args.env_id.replace('/', '-')}__{args.exp_name}__{args.seed}__{start_time.item()}"
+    restarts = checkpoint["restarts"] + 1 if checkpoint else 0
     writer = None
     if rank == 0:
         print_batch_table(args)
+        if checkpoint:
+            print(f"resuming from {checkpoint_path(run_name, resumed_iteration)} (iteration {resumed_iteration})")
         if args.track:
             import wandb
 
@@ -702,12 +913,16 @@ def main(args: Args) -> Agent | None:
                 config=asdict(args),
                 name=run_name,
                 save_code=True,
+                resume="allow" if checkpoint else None,
             )
         from torch.utils.tensorboard import SummaryWriter
 
-        writer = SummaryWriter(f"runs/{run_name}")
-        table = "\n".join(f"|{key}|{value}|" for key, value in asdict(args).items())
-        writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
+        # a resumed run drops what the interrupted one logged after its checkpoint, then continues the curves
+        purge_step = checkpoint["global_step"] + 1 if checkpoint else None
+        writer = SummaryWriter(f"runs/{run_name}", purge_step=purge_step)
+        if not checkpoint:
+            table = "\n".join(f"|{key}|{value}|" for key, value in asdict(args).items())
+            writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
 
     # identical initial weights everywhere: built from `seed`, then broadcast from rank 0
     torch.manual_seed(args.seed)
@@ -721,6 +936,12 @@ def main(args: Args) -> Agent | None:
     torch.backends.cudnn.deterministic = args.torch_deterministic
     # fused: one kernel for all parameters (about 25% off the update on CPU), the same Adam step as CleanRL's
     optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5, fused=True)
+    global_step = 0
+    if checkpoint:  # weights, normalisation statistics, optimizer, position and this rank's random streams
+        agent.load_state_dict(checkpoint["model"])
+        optimizer.load_state_dict(checkpoint["optimizer"])
+        set_rng_states(checkpoint["rng"][rank])
+        global_step = checkpoint["global_step"]
 
     # rollout storage (numpy, one row per step of the local envs; moved to `device` once per iteration)
     shape = (args.num_steps, args.local_num_envs)
@@ -736,130 +957,178 @@ def main(args: Args) -> Agent | None:
     discounted_returns_buf = np.zeros(shape)  # the running return whose std scales the rewards
     action_low, action_high = envs.single_action_space.low, envs.single_action_space.high
 
-    next_obs, _ = envs.reset(seed=env_seeds(args.seed, rank, args.local_num_envs))
-    envs.action_space.seed(rank_seed(args.seed, rank))
+    # a resumed run starts fresh episodes, on envs seeded after all the earlier attempts' envs
+    index_offset = restarts * world_size * args.local_num_envs
+    next_obs, _ = envs.reset(seed=env_seeds(args.seed, rank, args.local_num_envs, index_offset))
+    envs.action_space.seed(rank_seed(args.seed, rank) + index_offset)
     episode_return = np.zeros(args.local_num_envs)
     episode_length = np.zeros(args.local_num_envs, dtype=np.int64)
     discounted_return = np.zeros(args.local_num_envs)
-    global_step = 0
+    start_step = global_step
     train_start = time.time()
+    stop_request = StopRequest()
 
-    for iteration in range(1, args.num_iterations + 1):
-        if args.anneal_lr:
-            frac = 1.0 - (iteration - 1.0) / args.num_iterations
-            optimizer.param_groups[0]["lr"] = frac * args.learning_rate
-
-        # --- rollout (normalisation statistics frozen, so every rank normalises alike) ---
-        rollout_start = time.perf_counter()
-        obs_mean, obs_std = agent.obs_rms.frozen()
-        finished = np.zeros(3)  # world-summed below: returns, lengths, count of episodes ended this iteration
-        for step in range(args.num_steps):
-            raw_obs = next_obs.reshape(args.local_num_envs, -1)
-            raw_obs_buf[step] = raw_obs
-            obs_buf[step] = normalize(raw_obs, obs_mean, obs_std)
-            action, log_prob, value = agent.act(torch.from_numpy(obs_buf[step]).to(device))
-            action = action.cpu().numpy()
-            actions_buf[step], log_probs_buf[step], values_buf[step] = action, log_prob.cpu(), value.cpu()
-            next_obs, reward, terminated, truncated, info = envs.step(np.clip(action, action_low, action_high))
-            rewards_buf[step], terminations_buf[step], truncations_buf[step] = reward, terminated, truncated
-            discounted_return = discounted_return * args.gamma + reward
-            discounted_returns_buf[step] = discounted_return
-            episode_return += reward
-            episode_length += 1
-            ended = terminated | truncated
-            if ended.any():
-                finished += (episode_return[ended].sum(), episode_length[ended].sum(), ended.sum())
-                episode_return[ended], episode_length[ended], discounted_return[ended] = 0.0, 0, 0.0
-                cut = truncated & ~terminated
-                if cut.any():  # truncation is not termination: bootstrap from V(final observation), normalised alike
-                    final_obs = normalize(np.stack(info["final_obs"][cut]).reshape(cut.sum(), -1), obs_mean, obs_std)
-                    with torch.inference_mode():
-                        final_values = agent.get_value(torch.from_numpy(final_obs).to(device))
-                    final_values_buf[step, cut] = final_values.cpu().numpy()
-        global_step += args.batch_size
-        last_obs = normalize(next_obs.reshape(args.local_num_envs, -1), obs_mean, obs_std)
-        with torch.inference_mode():
-            last_values = agent.get_value(torch.from_numpy(last_obs).to(device)).cpu().numpy()
-        rollout_time = time.perf_counter() - rollout_start
-
-        # --- normalisation statistics: merged over all ranks' rollouts in one collective ---
-        local_data = np.concatenate([raw_obs_buf.reshape(-1, obs_dim).T, discounted_returns_buf.reshape(1, -1)])
-        count, mean, m2 = global_moments(torch.as_tensor(local_data, device=device))
-        agent.obs_rms.update(count[0], mean[:obs_dim], m2[:obs_dim])
-        agent.return_rms.update(count[obs_dim], mean[obs_dim], m2[obs_dim])
-        # the rewards are used only from here on, so they are scaled with statistics that include this rollout
-        reward_scale = math.sqrt(agent.return_rms.var.item() + NORM_EPS)
-        scaled_rewards = np.clip(rewards_buf / reward_scale, -NORM_CLIP, NORM_CLIP)
-
-        # --- GAE ---
-        advantages, returns = compute_gae(
-            scaled_rewards,
-            values_buf,
-            last_values,
-            final_values_buf,
-            terminations_buf,
-            truncations_buf,
-            args.gamma,
-            args.gae_lambda,
+    def save(iteration: int) -> str:
+        path = checkpoint_path(run_name, iteration)
+        save_training_checkpoint(
+            path,
+            agent,
+            args,
+            iteration=iteration,
+            global_step=global_step,
+            restarts=restarts,
+            optimizer=optimizer.state_dict(),
         )
-        batch = {
-            "obs": obs_buf.reshape(-1, obs_dim),
-            "actions": actions_buf.reshape(-1, action_dim),
-            "log_probs": log_probs_buf.reshape(-1),
-            "values": values_buf.reshape(-1),
-            "advantages": advantages.reshape(-1),
-            "returns": returns.reshape(-1),
-        }
-        batch = {key: torch.as_tensor(value, dtype=torch.float32, device=device) for key, value in batch.items()}
+        return path
 
-        # --- update ---
-        update_start = time.perf_counter()
-        orders = torch.stack([torch.randperm(args.local_batch_size, device=device) for _ in range(args.update_epochs)])
-        stats, sync_time, _ = update(agent, optimizer, batch, args, orders)
-        update_time = time.perf_counter() - update_start
+    iteration, stopping = resumed_iteration, False
+    try:
+        with stop_on_lost_peer(args, run_name):
+            for iteration in range(resumed_iteration + 1, args.num_iterations + 1):
+                if args.anneal_lr:
+                    frac = 1.0 - (iteration - 1.0) / args.num_iterations
+                    optimizer.param_groups[0]["lr"] = frac * args.learning_rate
 
-        # --- logging (world-wide episode statistics and explained variance in one collective) ---
-        residuals = returns - values_buf
-        world_sums = torch.tensor(
-            [
-                *finished,
-                returns.size,
-                returns.sum(dtype=np.float64),
-                (returns.astype(np.float64) ** 2).sum(),
-                residuals.sum(dtype=np.float64),
-                (residuals.astype(np.float64) ** 2).sum(),
-            ],
-            dtype=torch.float64,
-            device=device,
+                # --- rollout (normalisation statistics frozen, so every rank normalises alike) ---
+                rollout_start = time.perf_counter()
+                obs_mean, obs_std = agent.obs_rms.frozen()
+                finished = np.zeros(3)  # world-summed below: returns, lengths, count of episodes ended
+                for step in range(args.num_steps):
+                    raw_obs = next_obs.reshape(args.local_num_envs, -1)
+                    raw_obs_buf[step] = raw_obs
+                    obs_buf[step] = normalize(raw_obs, obs_mean, obs_std)
+                    action, log_prob, value = agent.act(torch.from_numpy(obs_buf[step]).to(device))
+                    action = action.cpu().numpy()
+                    actions_buf[step], log_probs_buf[step], values_buf[step] = action, log_prob.cpu(), value.cpu()
+                    next_obs, reward, terminated, truncated, info = envs.step(np.clip(action, action_low, action_high))
+                    rewards_buf[step], terminations_buf[step], truncations_buf[step] = reward, terminated, truncated
+                    discounted_return = discounted_return * args.gamma + reward
+                    discounted_returns_buf[step] = discounted_return
+                    episode_return += reward
+                    episode_length += 1
+                    ended = terminated | truncated
+                    if ended.any():
+                        finished += (episode_return[ended].sum(), episode_length[ended].sum(), ended.sum())
+                        episode_return[ended], episode_length[ended], discounted_return[ended] = 0.0, 0, 0.0
+                        cut = truncated & ~terminated
+                        if cut.any():  # truncation is not termination: bootstrap from V(final observation)
+                            final_obs = np.stack(info["final_obs"][cut]).reshape(cut.sum(), -1)
+                            final_obs = normalize(final_obs, obs_mean, obs_std)
+                            with torch.inference_mode():
+                                final_values = agent.get_value(torch.from_numpy(final_obs).to(device))
+                            final_values_buf[step, cut] = final_values.cpu().numpy()
+                global_step += args.batch_size
+                last_obs = normalize(next_obs.reshape(args.local_num_envs, -1), obs_mean, obs_std)
+                with torch.inference_mode():
+                    last_values = agent.get_value(torch.from_numpy(last_obs).to(device)).cpu().numpy()
+                rollout_time = time.perf_counter() - rollout_start
+
+                # --- normalisation statistics: merged over all ranks' rollouts in one collective ---
+                returns_row = discounted_returns_buf.reshape(1, -1)
+                local_data = np.concatenate([raw_obs_buf.reshape(-1, obs_dim).T, returns_row])
+                count, mean, m2 = global_moments(torch.as_tensor(local_data, device=device))
+                agent.obs_rms.update(count[0], mean[:obs_dim], m2[:obs_dim])
+                agent.return_rms.update(count[obs_dim], mean[obs_dim], m2[obs_dim])
+                # the rewards are used only from here on, so they are scaled with statistics that include this rollout
+                reward_scale = math.sqrt(agent.return_rms.var.item() + NORM_EPS)
+                scaled_rewards = np.clip(rewards_buf / reward_scale, -NORM_CLIP, NORM_CLIP)
+
+                # --- GAE ---
+                advantages, returns = compute_gae(
+                    scaled_rewards,
+                    values_buf,
+                    last_values,
+                    final_values_buf,
+                    terminations_buf,
+                    truncations_buf,
+                    args.gamma,
+                    args.gae_lambda,
+                )
+                batch = {
+                    "obs": obs_buf.reshape(-1, obs_dim),
+                    "actions": actions_buf.reshape(-1, action_dim),
+                    "log_probs": log_probs_buf.reshape(-1),
+                    "values": values_buf.reshape(-1),
+                    "advantages": advantages.reshape(-1),
+                    "returns": returns.reshape(-1),
+                }
+                batch = {key: torch.as_tensor(v, dtype=torch.float32, device=device) for key, v in batch.items()}
+
+                # --- update ---
+                update_start = time.perf_counter()
+                orders = [torch.randperm(args.local_batch_size, device=device) for _ in range(args.update_epochs)]
+                stats, sync_time, _ = update(agent, optimizer, batch, args, torch.stack(orders))
+                update_time = time.perf_counter() - update_start
+
+                # --- logging (world-wide episode statistics, explained variance and any SIGTERM: one collective) ---
+                residuals = returns - values_buf
+                world_sums = torch.tensor(
+                    [
+                        *finished,
+                        returns.size,
+                        returns.sum(dtype=np.float64),
+                        (returns.astype(np.float64) ** 2).sum(),
+                        residuals.sum(dtype=np.float64),
+                        (residuals.astype(np.float64) ** 2).sum(),
+                        stop_request.requested,
+                    ],
+                    dtype=torch.float64,
+                    device=device,
+                )
+                dist.all_reduce(world_sums)
+                if rank == 0:
+                    log_iteration(
+                        writer,
+                        args,
+                        iteration,
+                        global_step,
+                        train_start,
+                        start_step,
+                        world_sums,
+                        stats,
+                        (rollout_time, update_time, sync_time),
+                        optimizer.param_groups[0]["lr"],
+                    )
+
+                # --- checkpoint (and, on SIGTERM anywhere, stop: every rank decides alike) ---
+                if args.check_sync_every and iteration % args.check_sync_every == 0:
+                    check_parameters_in_sync(agent, iteration)
+                stopping = world_sums[8].item() > 0
+                if stopping or (args.checkpoint_every and iteration % args.checkpoint_every == 0):
+                    path = save(iteration)
+                    if rank == 0:
+                        writer.flush()  # the curves on disk reach the checkpoint, whatever happens next
+                        print(f"checkpoint saved to {path}", flush=True)
+                if stopping:
+                    if rank == 0:
+                        print(
+                            f"stopped by SIGTERM at iteration {iteration}; continue with --resume --run-name {run_name}"
+                        )
+                    break
+
+            # --- final model and clean-up ---
+            envs.close()
+            if rank == 0:
+                if args.save_model and not stopping:
+                    save_checkpoint(f"runs/{run_name}/model.pt", agent, args)
+                    print(f"model saved to runs/{run_name}/model.pt")
+                if args.capture_video and not stopping:
+                    evaluate(agent, args.env_id, args, video_folder=f"runs/{run_name}/videos")
+                writer.close()
+                if args.track:
+                    import wandb
+
+                    wandb.finish()
+            dist.barrier()
+    except NonFiniteError:
+        last = find_latest_checkpoint(run_name)
+        kept = f"the last good checkpoint is {last}" if last else "no checkpoint was written"
+        fail(
+            f"non-finite loss or gradient at iteration {iteration}, so no rank took the step ({kept}); lower "
+            "--learning-rate or check the env's observations and rewards, then --resume"
         )
-        dist.all_reduce(world_sums)
-        if rank == 0:
-            log_iteration(
-                writer,
-                args,
-                iteration,
-                global_step,
-                train_start,
-                world_sums,
-                stats,
-                (rollout_time, update_time, sync_time),
-                optimizer.param_groups[0]["lr"],
-            )
-
-    # --- checkpoint and clean-up ---
-    envs.close()
-    if rank == 0:
-        if args.save_model:
-            save_checkpoint(f"runs/{run_name}/model.pt", agent, args)
-            print(f"model saved to runs/{run_name}/model.pt")
-        if args.capture_video:
-            evaluate(agent, args.env_id, args, video_folder=f"runs/{run_name}/videos")
-        writer.close()
-        if args.track:
-            import wandb
-
-            wandb.finish()
-    dist.barrier()
+    finally:
+        stop_request.restore()
     dist.destroy_process_group()
     gc.collect()  # free gloo's worker threads now: left to interpreter shutdown they can abort the process
     return agent
