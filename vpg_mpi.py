@@ -671,11 +671,14 @@ def stop_on_lost_peer(args: Args, run_name: str):
         if not is_lost_peer(error):
             raise
         reason = re.sub(r"^\[[^\]]*\]\s*", "", str(error).strip().splitlines()[0]).split(". ")[0]
-        fail(
-            f"lost contact with another rank ({reason}): it died, or stalled longer than --dist-timeout "
-            f"{args.dist_timeout:g} s; see its log, then resume with --resume --run-name {run_name}",
-            every_rank=True,
-        )
+        with contextlib.suppress(SystemExit):
+            fail(
+                f"lost contact with another rank ({reason}): it died, or stalled longer than --dist-timeout "
+                f"{args.dist_timeout:g} s; see its log, then resume with --resume --run-name {run_name}",
+                every_rank=True,
+            )
+        sys.stdout.flush()
+        os._exit(2)  # at once: the broken group's threads can abort an orderly interpreter exit (SIGABRT)
 
 
 class StopRequest:
@@ -1017,6 +1020,7 @@ def main(args: Args) -> Agent | None:
                 if stopping or (args.checkpoint_every and epoch % args.checkpoint_every == 0):
                     path = save(epoch)
                     if rank == 0:
+                        writer.flush()  # the curves on disk reach the checkpoint, whatever happens next
                         print(f"checkpoint saved to {path}", flush=True)
                 if stopping:
                     if rank == 0:
