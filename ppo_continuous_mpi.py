@@ -224,7 +224,10 @@ def init_distributed(args: Args) -> tuple[int, int, torch.device]:
         if world_size == 1:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
         else:
-            dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size, timeout=timeout)
+            # torchrun keeps one store across restarts: a restarted group under the old keys would dial dead peers
+            store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world_size, timeout=timeout))
+            store = dist.PrefixStore(f"restart{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     except (RuntimeError, ValueError) as error:
         address = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
         fail(f"could not form a process group of {world_size} ranks at {address} with {backend}: {error}")

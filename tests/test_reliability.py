@@ -62,20 +62,10 @@ def checkpoints(cwd) -> list:
     return sorted(cwd.glob("runs/*/checkpoints/iter_*.pt"))
 
 
-# known problem (issue 6, open): after a SIGKILL, the group that torchrun restarts for ppo_atari_multigpu.py
-# hangs in ProcessGroupGloo's full-mesh connect (seen twice on 2 CPU ranks), until --dist-timeout
-ATARI_RESTART_HANGS = "restarted ppo_atari_multigpu.py ranks hang in gloo's connect (open, see issue 6)"
-
 # --- checkpoints, elastic restart, SIGTERM -------------------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    "script",
-    [
-        pytest.param(script, marks=pytest.mark.skip(reason=ATARI_RESTART_HANGS) if "atari" in script else ())
-        for script in SCRIPTS
-    ],
-)
+@pytest.mark.parametrize("script", SCRIPTS)
 def test_a_killed_worker_restarts_the_group_which_resumes_from_its_checkpoint(script, tmp_path):
     """torchrun --max-restarts 1 (no --run-name: the rendezvous id names the run), SIGKILL rank 1 after checkpoint 2."""
     iterations, batch = 8, SCRIPTS[script][1]
