@@ -1,0 +1,57 @@
+"""benchmark.throughput on tiny budgets (real torchrun runs of every script at its defaults), no timing asserts."""
+
+import pytest
+
+from benchmark import common, throughput
+from tests.helpers import ROOT
+from tests.test_benchmark import table_rows
+
+
+def test_throughput_table_sets_every_script_beside_its_bound(tmp_path, capsys):
+    work = tmp_path / "work"
+    argv = ["--iterations", "2", "--env-seconds", "0.1", "--out", str(tmp_path / "throughput"), "--out-dir", str(work)]
+    text = throughput.main([*argv, "--max-load", "1000"]).read_text()
+    assert "MEASURED UNDER LOAD" not in text and "python -m benchmark.throughput --iterations 2" in text
+    rows = table_rows(text, "script")
+    assert [row[0] for row in rows] == list(common.SCRIPTS)
+    printed = capsys.readouterr().out
+    for script, row in zip(common.SCRIPTS, rows, strict=True):
+        assert row[1].endswith("(this checkout)")
+        bound, kind = row[3].split(" ", 1)
+        assert kind == ("(compute limit)" if script == "ppo_atari_multigpu.py" else "(env only)")
+        # the script's SPS is the one from its own TensorBoard events, iterations 2.. (two iterations logged)
+        events = common.read_scalar_events(work / "runs" / f"throughput__{script[:-3]}__this__0")
+        (wall_1, step_1, _), (wall_2, step_2, _) = events["charts/SPS"]
+        assert row[4] == f"{(step_2 - step_1) / (wall_2 - wall_1):,.0f}"
+        ratio = float(row[4].replace(",", "")) / float(bound.replace(",", ""))
+        if script == "ppo_atari_multigpu.py":
+            assert step_2 - step_1 == 1024 and row[6] == "1.2x"
+            assert float(row[5]) == pytest.approx(ratio, abs=0.011)
+        else:
+            assert step_2 - step_1 == (4000 if script == "vpg_mpi.py" else 2048)
+            assert float(row[5].rstrip("%")) == pytest.approx(100 * ratio, abs=1.01)
+            assert row[6] == ("50%" if script == "vpg_mpi.py" else "30%")
+        assert row[7] in ("yes", "no")
+        assert f"{script}: " in printed
+    assert "Atari compute limit parts: batch-8 act" in text
+
+
+def test_compare_with_another_checkout_alternates_the_two(tmp_path):
+    work = tmp_path / "work"
+    argv = ["--scripts", "vpg_mpi.py", "--env-id", "CartPole-v1", "--iterations", "2", "--env-seconds", "0.1"]
+    argv += ["--compare-with", str(ROOT), "--out", str(tmp_path / "ab"), "--out-dir", str(work), "--max-load", "-1"]
+    text = throughput.main(argv).read_text()
+    assert text.splitlines()[2].startswith("**MEASURED UNDER LOAD")  # above the load limit: said at the top
+    rows = table_rows(text, "script")
+    assert [row[:3:2] for row in rows] == [["vpg_mpi.py", "CartPole-v1"]] * 2
+    assert not rows[0][1].endswith("(this checkout)") and rows[1][1].endswith("(this checkout)")
+    assert rows[0][3] == rows[1][3]  # one bound for both checkouts
+    runs = sorted(path.name for path in (work / "runs").iterdir())
+    assert runs == ["throughput__vpg_mpi__other__0", "throughput__vpg_mpi__this__0"]
+
+
+def test_bad_arguments_are_refused(tmp_path):
+    with pytest.raises(SystemExit, match="iterations >= 2"):
+        throughput.main(["--iterations", "1", "--out", str(tmp_path / "x")])
+    with pytest.raises(SystemExit, match="has no vpg_mpi.py"):
+        throughput.main(["--scripts", "vpg_mpi.py", "--compare-with", str(tmp_path), "--out", str(tmp_path / "x")])
