@@ -386,6 +386,14 @@ def layer_init(layer: nn.Linear, std: float = math.sqrt(2), bias_const: float = 
     return layer
 
 
+def mlp_forward(layers: nn.Sequential, x: torch.Tensor) -> torch.Tensor:
+    """`layers(x)` for a stack of Linear and Tanh, one addmm or tanh call per layer (the same arithmetic as the
+    modules, bit for bit) without nn.Module's dispatch: rollouts call it every env step, for a single observation."""
+    for layer in layers:
+        x = torch.tanh(x) if isinstance(layer, nn.Tanh) else torch.addmm(layer.bias, x, layer.weight.t())
+    return x
+
+
 LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
 
 
@@ -428,11 +436,11 @@ class Agent(nn.Module):
     @torch.inference_mode()
     def act(self, obs: torch.Tensor, deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Sampled (or mean) actions, their log-probabilities and the values at `obs`, for rollouts."""
-        mean = self.actor_mean(obs)
+        mean = mlp_forward(self.actor_mean, obs)
         noise = torch.zeros_like(mean) if deterministic else torch.randn_like(mean)
         actions = mean + self.actor_logstd.exp() * noise
         log_prob = (-0.5 * noise**2 - self.actor_logstd - LOG_SQRT_2PI).sum(-1)
-        return actions, log_prob, self.get_value(obs)
+        return actions, log_prob, mlp_forward(self.critic, obs).squeeze(-1)
 
 
 def compute_gae(

@@ -357,6 +357,14 @@ def mlp(in_size: int, hidden_sizes: tuple[int, ...], out_size: int, out_std: flo
     return nn.Sequential(*layers, layer_init(nn.Linear(size, out_size), std=out_std))
 
 
+def mlp_forward(layers: nn.Sequential, x: torch.Tensor) -> torch.Tensor:
+    """`layers(x)` for a stack of Linear and Tanh, one addmm or tanh call per layer (the same arithmetic as the
+    modules, bit for bit) without nn.Module's dispatch: rollouts call it every env step, for a single observation."""
+    for layer in layers:
+        x = torch.tanh(x) if isinstance(layer, nn.Tanh) else torch.addmm(layer.bias, x, layer.weight.t())
+    return x
+
+
 LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
 
 
@@ -392,7 +400,7 @@ class Agent(nn.Module):
     @torch.inference_mode()
     def act(self, obs: torch.Tensor, deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Sampled (or modal) actions, their log-probabilities and the values at `obs`, for rollouts."""
-        out = self.actor(obs)
+        out = mlp_forward(self.actor, obs)
         if self.continuous:
             noise = torch.zeros_like(out) if deterministic else torch.randn_like(out)
             actions = out + self.log_std.exp() * noise
@@ -404,7 +412,7 @@ class Agent(nn.Module):
             else:
                 actions = torch.multinomial(log_probs.exp(), 1).squeeze(-1)
             log_prob = log_probs.gather(-1, actions.unsqueeze(-1)).squeeze(-1)
-        return actions, log_prob, self.value(obs)
+        return actions, log_prob, mlp_forward(self.critic, obs).squeeze(-1)
 
 
 def compute_gae(
