@@ -7,9 +7,11 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+import tyro
 
 from benchmark.common import read_scalars, torchrun_launcher  # noqa: F401 (read_scalars: the tests import it from here)
 
@@ -200,3 +202,37 @@ def progress_lines(stdout: str) -> list[int]:
     return [
         int(line.split()[1].split("/")[0]) for line in stdout.splitlines() if line.startswith(("epoch ", "iteration "))
     ]
+
+
+# the TensorBoard keys DESIGN.md fixes for the PPO scripts (vpg_mpi.py has no clipfrac or old_approx_kl)
+LOG_KEYS = (
+    "charts/episodic_return",
+    "charts/episodic_length",
+    "charts/SPS",
+    "charts/learning_rate",
+    "losses/value_loss",
+    "losses/policy_loss",
+    "losses/entropy",
+    "losses/old_approx_kl",
+    "losses/approx_kl",
+    "losses/clipfrac",
+    "losses/explained_variance",
+    "perf/rollout_time",
+    "perf/update_time",
+    "perf/sync_time",
+)
+
+
+def refuse(module, flags: list[str], monkeypatch, capsys, **env: str) -> str:
+    """Run a script's `main` in-process on `flags` (launcher variables `env`, a world of one by default) and assert
+    it stops as bad input must: exit 2, one stderr line `SCRIPT.py: error: ...`, no process group left behind.
+    Returns that line."""
+    for key, value in {"RANK": "0", "WORLD_SIZE": "1", **env}.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(SystemExit) as exit_info:
+        module.main(tyro.cli(module.Args, args=flags))
+    assert exit_info.value.code == 2
+    stderr = capsys.readouterr().err
+    assert stderr.startswith(f"{Path(module.__file__).name}: error: ") and stderr.count("\n") == 1, stderr
+    assert not dist.is_initialized()
+    return stderr

@@ -17,11 +17,13 @@ import tyro
 
 import ppo_continuous_mpi as ppo
 from tests.helpers import (
+    LOG_KEYS,
     ROOT,
     assert_ok,
     assert_same_parameters,
     rank_parameters,
     read_scalars,
+    refuse,
     run_command,
     run_dirs,
     run_ranks,
@@ -257,22 +259,6 @@ def test_normalisation_statistics_equal_those_of_the_union_of_all_ranks_observat
 
 # --- end to end under torchrun --------------------------------------------------------------------------
 
-LOG_KEYS = (
-    "charts/episodic_return",
-    "charts/episodic_length",
-    "charts/SPS",
-    "charts/learning_rate",
-    "losses/value_loss",
-    "losses/policy_loss",
-    "losses/entropy",
-    "losses/old_approx_kl",
-    "losses/approx_kl",
-    "losses/clipfrac",
-    "losses/explained_variance",
-    "perf/rollout_time",
-    "perf/update_time",
-    "perf/sync_time",
-)
 TINY = ["--num-minibatches", "4", "--update-epochs", "2"]
 
 
@@ -360,15 +346,8 @@ def test_evaluation_normalises_observations_with_the_frozen_statistics(monkeypat
 )
 def test_bad_input_is_one_clear_message(flags, world_size, message, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("RANK", "0")
-    monkeypatch.setenv("WORLD_SIZE", str(world_size))
-    with pytest.raises(SystemExit) as exit_info:
-        ppo.main(tyro.cli(ppo.Args, args=flags))
-    assert exit_info.value.code == 2
-    stderr = capsys.readouterr().err
-    assert stderr.startswith("ppo_continuous_mpi.py: error: ") and message in stderr, stderr
-    assert stderr.count("\n") == 1, stderr
-    assert not (tmp_path / "runs").exists() and not dist.is_initialized()
+    assert message in refuse(ppo, flags, monkeypatch, capsys, WORLD_SIZE=str(world_size))
+    assert not (tmp_path / "runs").exists()
 
 
 def test_bad_input_exits_without_a_traceback(tmp_path):

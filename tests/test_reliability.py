@@ -11,7 +11,6 @@ import gymnasium as gym
 import pytest
 import torch
 import torch.distributed as dist
-import tyro
 
 from tests.helpers import (
     ROOT,
@@ -21,6 +20,7 @@ from tests.helpers import (
     output,
     progress_lines,
     read_scalars,
+    refuse,
     run_command,
     run_dirs,
     run_ranks,
@@ -301,15 +301,6 @@ def test_bad_reliability_input_is_one_clear_message(
     monkeypatch.chdir(tmp_path)
     if checkpoint is not None:
         foreign_checkpoint(tmp_path, script, checkpoint)
-    ddrl = module(script)
-    for key, value in {"RANK": "0", "WORLD_SIZE": "1", **env}.items():
-        monkeypatch.setenv(key, value)
-    args = tyro.cli(ddrl.Args, args=[*flags(script, 2), *extra])
-    with pytest.raises(SystemExit) as exit_info:
-        ddrl.main(args)
-    assert exit_info.value.code == 2
-    stderr = capsys.readouterr().err
-    assert stderr.startswith(f"{script}: error: ") and message in stderr and stderr.count("\n") == 1, stderr
+    assert message in refuse(module(script), [*flags(script, 2), *extra], monkeypatch, capsys, **env)
     written = sorted(path.name for path in tmp_path.glob("runs/**/*") if path.is_file())
     assert written == (["iter_000001.pt"] if checkpoint is not None else []), written
-    assert not dist.is_initialized()

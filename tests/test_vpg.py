@@ -7,7 +7,6 @@ import gymnasium as gym
 import numpy as np
 import pytest
 import torch
-import tyro
 
 import vpg_mpi
 from tests.helpers import (
@@ -18,6 +17,7 @@ from tests.helpers import (
     free_port,
     rank_parameters,
     read_scalars,
+    refuse,
     run_command,
     run_dirs,
     run_ranks,
@@ -354,13 +354,7 @@ gym.register("ddrl-test/TupleActions-v0", entry_point=TupleActions)
 )
 def test_bad_input_is_one_clear_message(flags, world_size, message, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("RANK", "0")
-    monkeypatch.setenv("WORLD_SIZE", str(world_size))
-    with pytest.raises(SystemExit) as exit_info:
-        vpg_mpi.main(tyro.cli(vpg_mpi.Args, args=flags))
-    assert exit_info.value.code == 2
-    stderr = capsys.readouterr().err
-    assert stderr.startswith("vpg_mpi.py: error: ") and message in stderr and stderr.count("\n") == 1, stderr
+    assert message in refuse(vpg_mpi, flags, monkeypatch, capsys, WORLD_SIZE=str(world_size))
     assert not (tmp_path / "runs").exists()
 
 
