@@ -386,12 +386,14 @@ def layer_init(layer: nn.Linear, std: float = math.sqrt(2), bias_const: float = 
     return layer
 
 
-def mlp_forward(layers: nn.Sequential, x: torch.Tensor) -> torch.Tensor:
-    """`layers(x)` for a stack of Linear and Tanh, one addmm or tanh call per layer (the same arithmetic as the
-    modules, bit for bit) without nn.Module's dispatch: rollouts call it every env step, for a single observation."""
-    for layer in layers:
-        x = torch.tanh(x) if isinstance(layer, nn.Tanh) else torch.addmm(layer.bias, x, layer.weight.t())
-    return x
+def mlp_forward(linears: list[tuple[torch.Tensor, torch.Tensor]], x: torch.Tensor) -> torch.Tensor:
+    """A tanh MLP given as the (weight, bias) of its nn.Linear layers, one addmm per layer and tanh between: the
+    nn.Sequential's arithmetic bit for bit, without its per-call dispatch and attribute look-ups (rollouts run it
+    every env step on a single observation, where those cost as much as the arithmetic)."""
+    *hidden, (weight, bias) = linears
+    for hidden_weight, hidden_bias in hidden:
+        x = torch.tanh(torch.addmm(hidden_bias, x, hidden_weight.t()))
+    return torch.addmm(bias, x, weight.t())
 
 
 LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
@@ -420,6 +422,9 @@ class Agent(nn.Module):
         self.actor_logstd = nn.Parameter(torch.zeros(action_dim))
         self.obs_rms = RunningMeanStd((obs_dim,))
         self.return_rms = RunningMeanStd(())
+        # the same Parameter objects, listed once for act's per-step path (optimizer steps update them in place)
+        self.actor_linears = [(m.weight, m.bias) for m in self.actor_mean if isinstance(m, nn.Linear)]
+        self.critic_linears = [(m.weight, m.bias) for m in self.critic if isinstance(m, nn.Linear)]
 
     def get_value(self, obs: torch.Tensor) -> torch.Tensor:
         return self.critic(obs).squeeze(-1)
@@ -435,12 +440,14 @@ class Agent(nn.Module):
 
     @torch.inference_mode()
     def act(self, obs: torch.Tensor, deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Sampled (or mean) actions, their log-probabilities and the values at `obs`, for rollouts."""
-        mean = mlp_forward(self.actor_mean, obs)
+        """Sampled (or mean) actions, their log-probabilities and the values at `obs`, for rollouts (the arithmetic
+        of `actor_mean` and `critic` through mlp_forward, bit for bit: this runs every env step)."""
+        mean = mlp_forward(self.actor_linears, obs)
+        log_std = self.actor_logstd
         noise = torch.zeros_like(mean) if deterministic else torch.randn_like(mean)
-        actions = mean + self.actor_logstd.exp() * noise
-        log_prob = (-0.5 * noise**2 - self.actor_logstd - LOG_SQRT_2PI).sum(-1)
-        return actions, log_prob, mlp_forward(self.critic, obs).squeeze(-1)
+        actions = mean + log_std.exp() * noise
+        log_prob = (-0.5 * noise**2 - log_std - LOG_SQRT_2PI).sum(-1)
+        return actions, log_prob, mlp_forward(self.critic_linears, obs).squeeze(-1)
 
 
 def compute_gae(

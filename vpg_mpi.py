@@ -357,12 +357,14 @@ def mlp(in_size: int, hidden_sizes: tuple[int, ...], out_size: int, out_std: flo
     return nn.Sequential(*layers, layer_init(nn.Linear(size, out_size), std=out_std))
 
 
-def mlp_forward(layers: nn.Sequential, x: torch.Tensor) -> torch.Tensor:
-    """`layers(x)` for a stack of Linear and Tanh, one addmm or tanh call per layer (the same arithmetic as the
-    modules, bit for bit) without nn.Module's dispatch: rollouts call it every env step, for a single observation."""
-    for layer in layers:
-        x = torch.tanh(x) if isinstance(layer, nn.Tanh) else torch.addmm(layer.bias, x, layer.weight.t())
-    return x
+def mlp_forward(linears: list[tuple[torch.Tensor, torch.Tensor]], x: torch.Tensor) -> torch.Tensor:
+    """A tanh MLP given as the (weight, bias) of its nn.Linear layers, one addmm per layer and tanh between: the
+    nn.Sequential's arithmetic bit for bit, without its per-call dispatch and attribute look-ups (rollouts run it
+    every env step on a single observation, where those cost as much as the arithmetic)."""
+    *hidden, (weight, bias) = linears
+    for hidden_weight, hidden_bias in hidden:
+        x = torch.tanh(torch.addmm(hidden_bias, x, hidden_weight.t()))
+    return torch.addmm(bias, x, weight.t())
 
 
 LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
@@ -379,6 +381,9 @@ class Agent(nn.Module):
         self.critic = mlp(obs_dim, hidden_sizes, 1, out_std=1.0)
         if self.continuous:
             self.log_std = nn.Parameter(torch.full((num_outputs,), -0.5))
+        # the same Parameter objects, listed once for act's per-step path (optimizer steps update them in place)
+        self.actor_linears = [(m.weight, m.bias) for m in self.actor if isinstance(m, nn.Linear)]
+        self.critic_linears = [(m.weight, m.bias) for m in self.critic if isinstance(m, nn.Linear)]
 
     def policy_parameters(self) -> list[nn.Parameter]:
         return [*self.actor.parameters(), *([self.log_std] if self.continuous else [])]
@@ -399,12 +404,14 @@ class Agent(nn.Module):
 
     @torch.inference_mode()
     def act(self, obs: torch.Tensor, deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Sampled (or modal) actions, their log-probabilities and the values at `obs`, for rollouts."""
-        out = mlp_forward(self.actor, obs)
+        """Sampled (or modal) actions, their log-probabilities and the values at `obs`, for rollouts (the arithmetic
+        of `actor` and `critic` through mlp_forward, bit for bit: this runs every env step)."""
+        out = mlp_forward(self.actor_linears, obs)
         if self.continuous:
+            log_std = self.log_std
             noise = torch.zeros_like(out) if deterministic else torch.randn_like(out)
-            actions = out + self.log_std.exp() * noise
-            log_prob = (-0.5 * noise**2 - self.log_std - LOG_SQRT_2PI).sum(-1)
+            actions = out + log_std.exp() * noise
+            log_prob = (-0.5 * noise**2 - log_std - LOG_SQRT_2PI).sum(-1)
         else:
             log_probs = torch.log_softmax(out, dim=-1)
             if deterministic:
@@ -412,7 +419,7 @@ class Agent(nn.Module):
             else:
                 actions = torch.multinomial(log_probs.exp(), 1).squeeze(-1)
             log_prob = log_probs.gather(-1, actions.unsqueeze(-1)).squeeze(-1)
-        return actions, log_prob, mlp_forward(self.critic, obs).squeeze(-1)
+        return actions, log_prob, mlp_forward(self.critic_linears, obs).squeeze(-1)
 
 
 def compute_gae(

@@ -1,6 +1,7 @@
 """benchmark.throughput on tiny budgets (real torchrun runs of every script at its defaults), no timing asserts."""
 
 import pytest
+import torch
 
 from benchmark import common, throughput
 from tests.helpers import ROOT
@@ -55,3 +56,44 @@ def test_bad_arguments_are_refused(tmp_path):
         throughput.main(["--iterations", "1", "--out", str(tmp_path / "x")])
     with pytest.raises(SystemExit, match="has no vpg_mpi.py"):
         throughput.main(["--scripts", "vpg_mpi.py", "--compare-with", str(tmp_path), "--out", str(tmp_path / "x")])
+
+
+@pytest.mark.parametrize(
+    ("script", "env_id"),
+    [("vpg_mpi.py", "HalfCheetah-v5"), ("vpg_mpi.py", "CartPole-v1"), ("ppo_continuous_mpi.py", "HalfCheetah-v5")],
+)
+def test_act_fast_path_equals_the_modules_bit_for_bit_after_updates_and_loads(script, env_id):
+    """Agent.act (mlp_forward over listed parameters) against the nn.Sequential path, after an optimizer step and a
+    load_state_dict, so the listed parameters are seen to follow in-place changes."""
+    import gymnasium as gym
+
+    module = throughput.load_script(script)
+    env = gym.make(env_id)
+    obs_dim = env.observation_space.shape[0]
+    torch.manual_seed(0)
+    if script == "vpg_mpi.py":
+        agent, other = (module.Agent(obs_dim, env.action_space, (64, 64)) for _ in range(2))
+        actor, critic = agent.actor, agent.critic
+    else:
+        agent, other = (module.Agent(obs_dim, env.action_space.shape[0]) for _ in range(2))
+        actor, critic = agent.actor_mean, agent.critic
+    obs = torch.randn(3, obs_dim)
+    for change in ("none", "step", "load"):
+        if change == "step":
+            optimizer = torch.optim.Adam(agent.parameters(), lr=0.1)
+            sum(p.sum() for p in agent.parameters()).backward()
+            optimizer.step()
+        elif change == "load":
+            agent.load_state_dict(other.state_dict())
+        with torch.no_grad():
+            expected_out, expected_value = actor(obs), critic(obs).squeeze(-1)
+        assert torch.equal(module.mlp_forward(agent.actor_linears, obs), expected_out), change
+        torch.manual_seed(1)
+        actions, log_prob, value = agent.act(obs)
+        assert torch.equal(value, expected_value), change
+        if script == "ppo_continuous_mpi.py" or env_id == "HalfCheetah-v5":
+            torch.manual_seed(1)
+            with torch.no_grad():
+                noise = torch.randn_like(expected_out)  # the same draw act made
+                log_std = agent.actor_logstd if script == "ppo_continuous_mpi.py" else agent.log_std
+                assert torch.equal(actions, expected_out + log_std.exp() * noise), change
