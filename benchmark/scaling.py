@@ -61,6 +61,7 @@ SCRIPT_DEFAULTS = {
     ),
 }
 ATARI_ENVS_PER_RANK = 8
+DEFAULT_BATCH_TEXT = "each script's default"
 
 # mpi_util's published throughput (Walker2d, 6-core Xeon X5680 + GTX 1070, rollouts gathered to rank 0), as quoted
 # in the project's reference list: steps/s by number of processes
@@ -205,10 +206,11 @@ def plot(results: dict[str, list[Measurement]], path: Path) -> None:
         base = measurements[0]
         left.plot(ranks, [base.sps * n / base.ranks for n in ranks], "--", color=f"C{color}", alpha=0.5)
         for m in measurements:
-            labels.append(f"{Path(script).stem}\n{m.ranks} rank{'s' * (m.ranks > 1)}")
+            labels.append(f"{Path(script).stem.rsplit('_', 1)[0]}\n{m.ranks} rank{'s' * (m.ranks > 1)}")
             rollout.append(m.rollout)
             update.append(m.update - m.sync)
             sync.append(m.sync)
+    left.set_xticks(sorted({m.ranks for measurements in results.values() for m in measurements}))
     left.set_xlabel("ranks")
     left.set_ylabel("env steps per second")
     left.set_title("weak scaling (dashed: linear)")
@@ -268,7 +270,7 @@ def main(argv: list[str] | None = None) -> tuple[Path, Path]:
     plot(results, png_path)
     notes = [
         f"weak scaling: {args.iterations} iterations per run, a fixed batch per rank "
-        f"({args.local_steps or 'each script’s default'} env steps per rank per iteration)",
+        f"({args.local_steps or DEFAULT_BATCH_TEXT} env steps per rank per iteration)",
         f"load average (1, 5, 15 min) before the runs: {load_before}",
         *args.notes,
     ]
