@@ -1,5 +1,6 @@
 """What every test module shares: launching a script's ranks for real and reading back what they wrote."""
 
+import gc
 import os
 import socket
 import subprocess
@@ -89,14 +90,13 @@ def _rank_main(
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     os.environ.update(LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    if not join_group:  # the worker forms (and destroys) the group itself, e.g. by calling a script's main
-        torch.save(worker(rank, world_size, *worker_args), os.path.join(out_dir, f"result{rank}.pt"))
-        return
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    try:
-        torch.save(worker(rank, world_size, *worker_args), os.path.join(out_dir, f"result{rank}.pt"))
-    finally:
+    if join_group:  # otherwise the worker forms (and destroys) the group itself, e.g. by calling a script's main
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    torch.save(worker(rank, world_size, *worker_args), os.path.join(out_dir, f"result{rank}.pt"))
+    if dist.is_initialized():
+        dist.barrier()
         dist.destroy_process_group()
+    gc.collect()  # as the scripts do: gloo threads left to interpreter shutdown can abort the process (SIGABRT)
 
 
 def run_ranks(
