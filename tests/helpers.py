@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import tyro
 
-from benchmark.common import read_scalars, torchrun_launcher  # noqa: F401 (read_scalars: the tests import it from here)
+from benchmark.common import read_scalars  # noqa: F401 (the tests import it from here)
 
 ROOT = Path(__file__).resolve().parent.parent
 RANK_ENTRY = Path(__file__).resolve().parent / "rank_entry.py"
@@ -56,8 +56,9 @@ def torchrun(script: str, args: list[str], cwd: Path, nprocs: int = 2, save_rank
     With `save_ranks`, each rank runs the script's `main` through rank_entry.py and saves its trained
     agent's parameters to `cwd/rank{RANK}.pt`, so a test can compare the ranks' weights.
     """
-    target = [str(RANK_ENTRY), script] if save_ranks else [str(ROOT / script)]
-    return run_command([*torchrun_launcher(nprocs), *target, *args], cwd, timeout)
+    if save_ranks:
+        script, args = str(RANK_ENTRY.relative_to(ROOT)), [script, *args]
+    return run_command(torchrun_with(["--standalone"], script, args, nprocs), cwd, timeout)
 
 
 def assert_ok(result: subprocess.CompletedProcess) -> None:
@@ -129,8 +130,8 @@ def run_ranks(
 
 
 def torchrun_with(launcher_flags: list[str], script: str, args: list[str], nprocs: int = 2) -> list[str]:
-    """The command that launches `script` (a file in the repo root) under torch.distributed.run with `launcher_flags`
-    (e.g. `--standalone --max-restarts 1`)."""
+    """The command that launches `script` (a path relative to the repo root) under torch.distributed.run with
+    `launcher_flags` (e.g. `--standalone --max-restarts 1`); every torchrun launch in the tests is built here."""
     run = [sys.executable, "-m", "torch.distributed.run", *launcher_flags, f"--nproc_per_node={nprocs}"]
     return [*run, str(ROOT / script), *args]
 

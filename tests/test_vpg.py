@@ -1,6 +1,5 @@
 """vpg_mpi.py: GAE, seeding, distributed equivalence, every launcher, and bad input."""
 
-import subprocess
 import sys
 
 import gymnasium as gym
@@ -13,7 +12,7 @@ from tests.helpers import (
     ROOT,
     assert_ok,
     assert_same_parameters,
-    clean_env,
+    finish,
     free_port,
     rank_parameters,
     read_scalars,
@@ -21,7 +20,9 @@ from tests.helpers import (
     run_command,
     run_dirs,
     run_ranks,
+    start,
     torchrun,
+    torchrun_with,
 )
 
 CARTPOLE = ["--env-id", "CartPole-v1", "--steps-per-epoch", "1000", "--total-timesteps", "3000", "--train-v-iters", "5"]
@@ -261,33 +262,17 @@ def test_mpirun_launch(tmp_path):
     assert epochs_logged(run_dir) == 3
 
 
-def launch_all(commands_and_envs: list[tuple[list[str], dict, object]], timeout: float = 180) -> list:
-    """Start several processes at once (ranks that must meet) and wait for all of them."""
-    processes = [
-        subprocess.Popen(
-            command, cwd=cwd, env=clean_env(**env), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-        )
-        for command, env, cwd in commands_and_envs
-    ]
-    results = []
-    for process in processes:
-        try:
-            stdout, stderr = process.communicate(timeout=timeout)
-        finally:
-            process.kill()
-        results.append(subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr))
-    return results
-
-
 def test_slurm_variables_two_tasks_train_together(tmp_path):
     port = str(free_port())
     command = [sys.executable, str(ROOT / "vpg_mpi.py"), *CARTPOLE]
     tasks = [
-        (command, {"SLURM_PROCID": str(r), "SLURM_NTASKS": "2", "SLURM_LOCALID": str(r), "MASTER_PORT": port}, tmp_path)
+        start(
+            command, tmp_path, f"task{r}", SLURM_PROCID=str(r), SLURM_NTASKS="2", SLURM_LOCALID=str(r), MASTER_PORT=port
+        )
         for r in range(2)
     ]
-    for result in launch_all(tasks):
-        assert_ok(result)
+    for task in tasks:
+        assert_ok(finish(task, 180))
     [run_dir] = run_dirs(tmp_path)
     assert epochs_logged(run_dir) == 3
 
@@ -298,22 +283,11 @@ def test_two_torchrun_nodes_train_as_one_world(tmp_path):
     for node_rank in range(2):
         cwd = tmp_path / f"node{node_rank}"
         cwd.mkdir()
-        command = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nnodes=2",
-            f"--node-rank={node_rank}",
-            "--nproc-per-node=1",
-            "--master-addr=127.0.0.1",
-            f"--master-port={port}",
-            str(ROOT / "tests" / "rank_entry.py"),
-            "vpg_mpi.py",
-            *CARTPOLE,
-        ]
-        nodes.append((command, {}, cwd))
-    for result in launch_all(nodes):
-        assert_ok(result)
+        node_flags = ["--nnodes=2", f"--node-rank={node_rank}", "--master-addr=127.0.0.1", f"--master-port={port}"]
+        command = torchrun_with(node_flags, "tests/rank_entry.py", ["vpg_mpi.py", *CARTPOLE], nprocs=1)
+        nodes.append(start(command, cwd))
+    for node in nodes:
+        assert_ok(finish(node, 180))
     # global rank 0 alone logs; node 1's local rank 0 is global rank 1 and writes nothing
     [run_dir] = run_dirs(tmp_path / "node0")
     assert not (tmp_path / "node1" / "runs").exists()
