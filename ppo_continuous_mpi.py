@@ -255,24 +255,39 @@ class NonFiniteError(Exception):
     """A non-finite loss or gradient, raised alike on every rank (the check reads a buffer every rank shares)."""
 
 
-def average_gradients(parameters: list[nn.Parameter], extras: torch.Tensor) -> torch.Tensor:
-    """Average the gradients over ranks with one allreduce of one flat buffer (not one call per tensor).
+def flat_gradient_buffer(parameters: list[nn.Parameter], num_extras: int) -> torch.Tensor:
+    """One zeroed flat buffer holding every parameter's gradient, followed by `num_extras` slots for scalars.
 
-    `extras` (scalars every rank must agree on: the KL that decides early stopping, the logged losses)
-    ride at the end of the same buffer; their world average is returned. A NaN or inf anywhere in the world
-    spreads through the sum, so every rank finds it in its copy and raises NonFiniteError before any step.
+    Each parameter's `.grad` becomes a view into it, so backward() accumulates straight into the buffer that
+    one allreduce sends and the clipping scales: no copy before the collective, none after. Zero it with
+    `buffer.zero_()`; `optimizer.zero_grad()` would set the views to None.
     """
-    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in parameters]
-    flat = allreduce_mean(torch.cat([*(g.reshape(-1) for g in grads), extras.reshape(-1)]))
+    size = sum(p.numel() for p in parameters) + num_extras
+    flat = torch.zeros(size, dtype=parameters[0].dtype, device=parameters[0].device)
+    offset = 0
+    for parameter in parameters:
+        parameter.grad = flat[offset : offset + parameter.numel()].view_as(parameter)
+        offset += parameter.numel()
+    return flat
+
+
+def average_gradients(flat: torch.Tensor) -> torch.Tensor:
+    """Average a flat_gradient_buffer (gradients plus the scalars riding at its end) over ranks: one allreduce.
+
+    The scalars are those every rank must agree on (the KL that decides early stopping, the logged losses).
+    A NaN or inf anywhere in the world spreads through the sum, so every rank finds it in its copy and raises
+    NonFiniteError before any step.
+    """
+    allreduce_mean(flat)
     if not torch.isfinite(flat).all():
         raise NonFiniteError("a non-finite loss or gradient")
-    if group_size() == 1:
-        return extras
-    offset = 0
-    for parameter, grad in zip(parameters, grads, strict=True):
-        parameter.grad = flat[offset : offset + grad.numel()].view_as(grad)
-        offset += grad.numel()
-    return flat[offset:]
+    return flat
+
+
+def clip_flat_gradients(gradients: torch.Tensor, max_norm: float) -> None:
+    """Scale the flat gradients to a total norm of at most `max_norm` (nn.utils.clip_grad_norm_, in one piece)."""
+    total_norm = gradients.norm()
+    gradients.mul_(torch.clamp(max_norm / (total_norm + 1e-6), max=1.0))
 
 
 def broadcast_parameters(module: nn.Module, src: int = 0) -> None:
@@ -432,11 +447,12 @@ class Agent(nn.Module):
     def log_prob_entropy_value(
         self, obs: torch.Tensor, actions: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Log-probability of `actions`, the policy's entropy and the value at `obs` (closed-form Gaussian)."""
-        mean = self.actor_mean(obs)
+        """Log-probability of `actions`, the policy's entropy and the value at `obs` (closed-form Gaussian; the
+        networks through mlp_forward, the same arithmetic as calling them, with fewer calls per minibatch)."""
+        mean = mlp_forward(self.actor_linears, obs)
         log_prob = (-0.5 * ((actions - mean) / self.actor_logstd.exp()) ** 2 - self.actor_logstd - LOG_SQRT_2PI).sum(-1)
         entropy = (0.5 + LOG_SQRT_2PI + self.actor_logstd).sum().expand(len(obs))
-        return log_prob, entropy, self.get_value(obs)
+        return log_prob, entropy, mlp_forward(self.critic_linears, obs).squeeze(-1)
 
     @torch.inference_mode()
     def act(self, obs: torch.Tensor, deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -494,20 +510,24 @@ def update(
     `--target-kl` stop, identical on every rank).
     """
     parameters = list(agent.parameters())
+    num_gradients = sum(p.numel() for p in parameters)
+    flat = flat_gradient_buffer(parameters, num_extras=6)  # the gradients, then the 6 numbers every rank logs
+    gradients, stats = flat[:num_gradients], flat[num_gradients:]
     sync_time = 0.0
-    clipfrac_sum = torch.zeros((), dtype=batch["advantages"].dtype, device=batch["advantages"].device)
+    clipfrac_sum = torch.zeros((), dtype=flat.dtype, device=flat.device)
     minibatches_run = 0
+    size = args.local_minibatch_size
     for epoch in range(args.update_epochs):
-        order = orders[epoch].view(args.num_minibatches, args.local_minibatch_size)
+        # one gather per tensor per epoch; each minibatch is then a slice, not another gather
+        shuffled = {key: value[orders[epoch]] for key, value in batch.items()}
         if args.norm_adv:  # every global minibatch's mean and std in one collective per epoch
             start = time.perf_counter()
-            adv_mean, adv_std = global_mean_std(batch["advantages"][order])
+            adv_mean, adv_std = global_mean_std(shuffled["advantages"].view(args.num_minibatches, size))
             sync_time += time.perf_counter() - start
-        for k, mb_inds in enumerate(order):
-            new_log_prob, entropy, new_value = agent.log_prob_entropy_value(
-                batch["obs"][mb_inds], batch["actions"][mb_inds]
-            )
-            logratio = new_log_prob - batch["log_probs"][mb_inds]
+        for k in range(args.num_minibatches):
+            mb = {key: value[k * size : (k + 1) * size] for key, value in shuffled.items()}
+            new_log_prob, entropy, new_value = agent.log_prob_entropy_value(mb["obs"], mb["actions"])
+            logratio = new_log_prob - mb["log_probs"]
             ratio = logratio.exp()
             with torch.no_grad():
                 # calculate approx_kl http://joschu.net/blog/kl-approx.html
@@ -515,7 +535,7 @@ def update(
                 approx_kl = ((ratio - 1) - logratio).mean()
                 clipfrac_sum += ((ratio - 1.0).abs() > args.clip_coef).to(clipfrac_sum.dtype).mean()
 
-            mb_advantages = batch["advantages"][mb_inds]
+            mb_advantages = mb["advantages"]
             if args.norm_adv:
                 mb_advantages = (mb_advantages - adv_mean[k]) / (adv_std[k] + 1e-8)
 
@@ -525,35 +545,37 @@ def update(
             pg_loss = torch.max(pg_loss1, pg_loss2).mean()
 
             # Value loss
-            mb_returns, mb_values = batch["returns"][mb_inds], batch["values"][mb_inds]
             if args.clip_vloss:
-                v_loss_unclipped = (new_value - mb_returns) ** 2
-                v_clipped = mb_values + torch.clamp(new_value - mb_values, -args.clip_coef, args.clip_coef)
-                v_loss_clipped = (v_clipped - mb_returns) ** 2
+                v_loss_unclipped = (new_value - mb["returns"]) ** 2
+                v_clipped = mb["values"] + torch.clamp(new_value - mb["values"], -args.clip_coef, args.clip_coef)
+                v_loss_clipped = (v_clipped - mb["returns"]) ** 2
                 v_loss = 0.5 * torch.max(v_loss_unclipped, v_loss_clipped).mean()
             else:
-                v_loss = 0.5 * ((new_value - mb_returns) ** 2).mean()
+                v_loss = 0.5 * ((new_value - mb["returns"]) ** 2).mean()
 
             entropy_loss = entropy.mean()
             loss = pg_loss - args.ent_coef * entropy_loss + v_loss * args.vf_coef
 
-            optimizer.zero_grad()
-            loss.backward()
+            flat.zero_()
+            loss.backward()  # accumulates into the views flat_gradient_buffer gave the parameters
             minibatches_run += 1
-            stats = torch.stack([pg_loss, v_loss, entropy_loss, old_approx_kl, approx_kl]).detach()
-            stats = torch.cat([stats, (clipfrac_sum / minibatches_run).reshape(1)])
+            with torch.no_grad():
+                stats[:5] = torch.stack([pg_loss, v_loss, entropy_loss, old_approx_kl, approx_kl])
+                stats[5] = clipfrac_sum / minibatches_run
             # equal local minibatch sizes make the mean of local gradients the gradient of the union; clipping
             # after averaging means every rank clips the same gradient
             start = time.perf_counter()
-            stats = average_gradients(parameters, stats)
+            average_gradients(flat)
             sync_time += time.perf_counter() - start
-            nn.utils.clip_grad_norm_(parameters, args.max_grad_norm)
+            clip_flat_gradients(gradients, args.max_grad_norm)
             optimizer.step()
 
         # the KL is the world average carried by the last gradient allreduce: every rank stops together
         if args.target_kl is not None and stats[4] > args.target_kl:
             break
-    return stats, sync_time, epoch + 1
+    for parameter in parameters:  # let the buffer go (optimizer.zero_grad() would do the same)
+        parameter.grad = None
+    return stats.clone(), sync_time, epoch + 1
 
 
 # --- checkpoints and evaluation --------------------------------------------------------------------
