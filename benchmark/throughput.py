@@ -80,6 +80,9 @@ class Args:
     """where the runs are launched (runs/ and logs/ land there, and are kept); default: a temporary folder"""
     notes: tuple[str, ...] = ()
     """extra lines for the header of the markdown file"""
+    variants: tuple[str, ...] = ("ppo_atari_multigpu.py --bf16",)
+    """extra rows of this checkout, each `SCRIPT FLAG...`: the script at its defaults plus one documented flag (run
+    when SCRIPT is among --scripts)"""
     max_load: float = 1.2
     """above this 1-minute load average at the start, the results file opens with a MEASURED UNDER LOAD warning"""
 
@@ -176,10 +179,13 @@ def checkout_commit(root: Path) -> str:
     return commit.stdout.strip() + ("+changes" if dirty.stdout.strip() else "")
 
 
-def run_script(script: str, root: Path, env_id: str, iterations: int, work_dir: Path, name: str):
-    """Run `script` of checkout `root` at one rank and its defaults for `iterations`; its scaling.Measurement."""
+def run_script(
+    script: str, root: Path, env_id: str, iterations: int, work_dir: Path, name: str, flags: tuple[str, ...] = ()
+):
+    """Run `script` of checkout `root` at one rank, its defaults plus `flags`, for `iterations`; its
+    scaling.Measurement."""
     default_env, default_steps, _ = SCRIPT_DEFAULTS[script]
-    script_args = ["--env-id", env_id or default_env, "--run-name", name]
+    script_args = [*flags, "--env-id", env_id or default_env, "--run-name", name]
     script_args += budget_args(script, 1, default_steps, iterations)
     command = [*torchrun_launcher(1), str(root / script), *script_args]
     shutil.rmtree(work_dir / "runs" / name, ignore_errors=True)
@@ -193,9 +199,14 @@ def main(argv: list[str] | None = None) -> Path:
     """Measure every script beside its bound, write OUT.md; returns its path."""
     argv = sys.argv[1:] if argv is None else argv
     args = tyro.cli(Args, args=argv, description=__doc__)
+    variants = [tuple(variant.split()) for variant in args.variants]
     unknown = [script for script in args.scripts if script not in TARGETS]
+    unknown += [variant[0] for variant in variants if variant[0] not in TARGETS]
     if unknown or args.iterations < 2 or args.repeats < 1:
-        raise SystemExit(f"benchmark.throughput: error: scripts must be in {tuple(TARGETS)}, iterations >= 2")
+        raise SystemExit(
+            f"benchmark.throughput: error: scripts (and each variant's first word) must be in {tuple(TARGETS)}, "
+            "iterations >= 2"
+        )
     checkouts = {"this": ROOT}
     if args.compare_with is not None:
         other = args.compare_with.resolve()
@@ -231,6 +242,12 @@ def main(argv: list[str] | None = None) -> Path:
                     measurement = run_script(script, root, args.env_id, args.iterations, work_dir, name)
                     runs.setdefault((key, script), []).append(measurement)
                     print(f"  {labels[key]}: SPS {measurement.sps:,.0f}", flush=True)
+                for flags in (variant[1:] for variant in variants if variant[0] == script):
+                    tag = "_".join(flag.strip("-") for flag in flags)
+                    name = f"throughput__{Path(script).stem}__{tag}__{round_index}"
+                    measurement = run_script(script, ROOT, args.env_id, args.iterations, work_dir, name, tuple(flags))
+                    runs.setdefault((" ".join(flags), script), []).append(measurement)
+                    print(f"  {labels['this']} {' '.join(flags)}: SPS {measurement.sps:,.0f}", flush=True)
     finally:
         if args.out_dir is None:
             shutil.rmtree(work_dir, ignore_errors=True)
@@ -239,14 +256,15 @@ def main(argv: list[str] | None = None) -> Path:
     for script in args.scripts:
         bound = statistics.median(bounds[script])
         atari = script == "ppo_atari_multigpu.py"
-        for key in checkouts:
+        flag_keys = [" ".join(variant[1:]) for variant in variants if variant[0] == script]
+        for key in [*checkouts, *flag_keys]:
             measurements = runs[(key, script)]
             sps = statistics.median(m.sps for m in measurements)
             ratio = sps / bound
             rows.append(
                 [
                     script,
-                    labels[key],
+                    labels[key] if key in labels else f"{labels['this']} {key}",
                     "BreakoutNoFrameskip-v4" if atari else args.env_id or SCRIPT_DEFAULTS[script][0],
                     f"{bound:,.0f} ({'compute limit' if atari else 'env only'})",
                     f"{sps:,.0f}",
@@ -286,7 +304,7 @@ def main(argv: list[str] | None = None) -> Path:
         "\nbound: for the MLP scripts, env steps per second of the same env in the same SyncVectorEnv (one env, "
         "same-step autoreset, random actions); for Atari, the fp32 eager compute limit (one batch-8 act per env "
         f"step plus {ATARI_UPDATE_STEPS} minibatch forward/backward/Adam steps of {ATARI_MINIBATCH} per 1,024 "
-        "samples, with the script's Agent). ratio = script SPS / bound.\n"
+        "samples, with the script's Agent as plain PyTorch builds it: float32, NCHW). ratio = script SPS / bound.\n"
     )
     if atari_parts:
         act_ms = statistics.median(part[0] for part in atari_parts)

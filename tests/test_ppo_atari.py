@@ -157,9 +157,10 @@ def atari_batch() -> dict[str, torch.Tensor]:
 
 
 def new_agent(state: dict | None = None) -> ppo.Agent:
-    """A float64 agent; with `state`, exactly those weights (orthogonal init differs with the thread count)."""
+    """A float64, channels-last agent (as main builds it); with `state`, exactly those weights (orthogonal init
+    differs with the thread count)."""
     torch.manual_seed(0)
-    agent = ppo.Agent(4).double()
+    agent = ppo.Agent(4).double().to(memory_format=torch.channels_last)
     if state is not None:
         agent.load_state_dict(state)
     return agent
@@ -223,6 +224,29 @@ def test_two_ddp_ranks_end_the_update_with_the_one_rank_weights(tmp_path):
 # --- end to end under torchrun ---------------------------------------------------------------------------
 
 TINY = ["--local-num-envs", "2", "--num-steps", "128", "--num-minibatches", "2", "--update-epochs", "1"]
+
+
+def test_bf16_computes_the_trunk_in_bfloat16_with_float32_outputs_and_the_float32_gradient_direction():
+    batch = atari_batch()
+    obs, actions = batch["obs"], batch["actions"]
+    torch.manual_seed(0)
+    plain = ppo.Agent(4)
+    fast = ppo.Agent(4, bf16=True).to(memory_format=torch.channels_last)
+    fast.load_state_dict(plain.state_dict())
+    conv_dtypes = []
+    fast.network[0].register_forward_hook(lambda module, inputs, output: conv_dtypes.append(output.dtype))
+    outputs, expected = fast(obs, actions), plain(obs, actions)
+    assert conv_dtypes == [torch.bfloat16]
+    for output, reference in zip(outputs, expected, strict=True):
+        assert output.dtype == torch.float32
+        torch.testing.assert_close(output, reference, atol=0.05, rtol=0.05)
+    for log_prob, entropy, value in (outputs, expected):
+        (-log_prob.mean() - 0.01 * entropy.mean() + 0.5 * (value**2).mean()).backward()
+    for name, parameter in fast.named_parameters():
+        reference = plain.get_parameter(name).grad
+        assert parameter.grad.dtype == torch.float32 and torch.isfinite(parameter.grad).all(), name
+        cosine = torch.nn.functional.cosine_similarity(parameter.grad.flatten(), reference.flatten(), dim=0)
+        assert cosine > 0.98, (name, cosine)
 
 
 def test_breakout_two_ranks_train_identically_log_and_evaluate(tmp_path):

@@ -14,14 +14,18 @@ def test_throughput_table_sets_every_script_beside_its_bound(tmp_path, capsys):
     text = throughput.main([*argv, "--max-load", "1000"]).read_text()
     assert "MEASURED UNDER LOAD" not in text and "python -m benchmark.throughput --iterations 2" in text
     rows = table_rows(text, "script")
-    assert [row[0] for row in rows] == list(common.SCRIPTS)
+    # every script at its defaults, then the default variant: Atari with --bf16, beside the same bound
+    assert [row[0] for row in rows] == [*common.SCRIPTS, "ppo_atari_multigpu.py"]
+    assert rows[-1][1].endswith("(this checkout) --bf16") and rows[-1][3] == rows[-2][3]
     printed = capsys.readouterr().out
-    for script, row in zip(common.SCRIPTS, rows, strict=True):
-        assert row[1].endswith("(this checkout)")
+    runs = [f"throughput__{script[:-3]}__this__0" for script in common.SCRIPTS]
+    runs.append("throughput__ppo_atari_multigpu__bf16__0")
+    for script, row, run in zip([*common.SCRIPTS, "ppo_atari_multigpu.py"], rows, runs, strict=True):
+        assert "(this checkout)" in row[1]
         bound, kind = row[3].split(" ", 1)
         assert kind == ("(compute limit)" if script == "ppo_atari_multigpu.py" else "(env only)")
         # the script's SPS is the one from its own TensorBoard events, iterations 2.. (two iterations logged)
-        events = common.read_scalar_events(work / "runs" / f"throughput__{script[:-3]}__this__0")
+        events = common.read_scalar_events(work / "runs" / run)
         (wall_1, step_1, _), (wall_2, step_2, _) = events["charts/SPS"]
         assert row[4] == f"{(step_2 - step_1) / (wall_2 - wall_1):,.0f}"
         ratio = float(row[4].replace(",", "")) / float(bound.replace(",", ""))
@@ -54,6 +58,8 @@ def test_compare_with_another_checkout_alternates_the_two(tmp_path):
 def test_bad_arguments_are_refused(tmp_path):
     with pytest.raises(SystemExit, match="iterations >= 2"):
         throughput.main(["--iterations", "1", "--out", str(tmp_path / "x")])
+    with pytest.raises(SystemExit, match="variant's first word"):
+        throughput.main(["--variants", "ppo_atari.py --bf16", "--out", str(tmp_path / "x")])
     with pytest.raises(SystemExit, match="has no vpg_mpi.py"):
         throughput.main(["--scripts", "vpg_mpi.py", "--compare-with", str(tmp_path), "--out", str(tmp_path / "x")])
 
