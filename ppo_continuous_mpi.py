@@ -403,12 +403,20 @@ def layer_init(layer: nn.Linear, std: float = math.sqrt(2), bias_const: float = 
 
 def mlp_forward(linears: list[tuple[torch.Tensor, torch.Tensor]], x: torch.Tensor) -> torch.Tensor:
     """A tanh MLP given as the (weight, bias) of its nn.Linear layers, one addmm per layer and tanh between: the
-    nn.Sequential's arithmetic bit for bit, without its per-call dispatch and attribute look-ups (rollouts run it
-    every env step on a single observation, where those cost as much as the arithmetic)."""
+    nn.Sequential's arithmetic bit for bit, without its per-call dispatch and attribute look-ups (the update runs
+    it 320 times an iteration on minibatches of 64, where those cost as much as the arithmetic)."""
     *hidden, (weight, bias) = linears
     for hidden_weight, hidden_bias in hidden:
         x = torch.tanh(torch.addmm(hidden_bias, x, hidden_weight.t()))
     return torch.addmm(bias, x, weight.t())
+
+
+def numpy_mlp_forward(linears: list[tuple[np.ndarray, np.ndarray]], x: np.ndarray) -> np.ndarray:
+    """mlp_forward in numpy: on one observation per env step numpy's calls cost a fraction of torch's."""
+    *hidden, (weight, bias) = linears
+    for hidden_weight, hidden_bias in hidden:
+        x = np.tanh(x @ hidden_weight.T + hidden_bias)
+    return x @ weight.T + bias
 
 
 LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
@@ -437,12 +445,9 @@ class Agent(nn.Module):
         self.actor_logstd = nn.Parameter(torch.zeros(action_dim))
         self.obs_rms = RunningMeanStd((obs_dim,))
         self.return_rms = RunningMeanStd(())
-        # the same Parameter objects, listed once for act's per-step path (optimizer steps update them in place)
+        # the same Parameter objects, listed once for mlp_forward (optimizer steps update them in place)
         self.actor_linears = [(m.weight, m.bias) for m in self.actor_mean if isinstance(m, nn.Linear)]
         self.critic_linears = [(m.weight, m.bias) for m in self.critic if isinstance(m, nn.Linear)]
-
-    def get_value(self, obs: torch.Tensor) -> torch.Tensor:
-        return self.critic(obs).squeeze(-1)
 
     def log_prob_entropy_value(
         self, obs: torch.Tensor, actions: torch.Tensor
@@ -454,16 +459,37 @@ class Agent(nn.Module):
         entropy = (0.5 + LOG_SQRT_2PI + self.actor_logstd).sum().expand(len(obs))
         return log_prob, entropy, mlp_forward(self.critic_linears, obs).squeeze(-1)
 
-    @torch.inference_mode()
-    def act(self, obs: torch.Tensor, deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Sampled (or mean) actions, their log-probabilities and the values at `obs`, for rollouts (the arithmetic
-        of `actor_mean` and `critic` through mlp_forward, bit for bit: this runs every env step)."""
-        mean = mlp_forward(self.actor_linears, obs)
-        log_std = self.actor_logstd
-        noise = torch.zeros_like(mean) if deterministic else torch.randn_like(mean)
-        actions = mean + log_std.exp() * noise
-        log_prob = (-0.5 * noise**2 - log_std - LOG_SQRT_2PI).sum(-1)
-        return actions, log_prob, mlp_forward(self.critic_linears, obs).squeeze(-1)
+    def rollout_policy(self) -> "RolloutPolicy":
+        """The policy and value function as they are now, in numpy, for a rollout (which never changes them)."""
+        return RolloutPolicy(self)
+
+
+class RolloutPolicy:
+    """The agent's current weights as numpy arrays, acting one env step at a time.
+
+    On CPU the arrays are views of the parameters (no copy); with --cuda they are copied once per rollout. Each env
+    step then costs a few numpy calls instead of a dozen torch dispatches, and a GPU is used only for the update.
+    The noise comes from numpy's global generator (seeded per rank and saved in checkpoints).
+    """
+
+    def __init__(self, agent: Agent):
+        def to_numpy(tensor: torch.Tensor) -> np.ndarray:
+            return tensor.detach().cpu().numpy()
+
+        self.actor = [(to_numpy(weight), to_numpy(bias)) for weight, bias in agent.actor_linears]
+        self.critic = [(to_numpy(weight), to_numpy(bias)) for weight, bias in agent.critic_linears]
+        self.log_std = to_numpy(agent.actor_logstd)
+
+    def act(self, obs: np.ndarray, deterministic: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Sampled (or mean) actions, their log-probabilities and the values at `obs` [envs, obs_dim]."""
+        mean = numpy_mlp_forward(self.actor, obs)
+        noise = np.zeros_like(mean) if deterministic else np.random.standard_normal(mean.shape).astype(mean.dtype)
+        actions = mean + np.exp(self.log_std) * noise
+        log_prob = (-0.5 * noise**2 - self.log_std - LOG_SQRT_2PI).sum(-1)
+        return actions, log_prob, self.value(obs)
+
+    def value(self, obs: np.ndarray) -> np.ndarray:
+        return numpy_mlp_forward(self.critic, obs)[:, 0]
 
 
 def compute_gae(
@@ -766,14 +792,13 @@ def evaluate(agent: Agent, env_id: str, args: Args, video_folder: str | None = N
     """Play `args.eval_episodes` whole episodes with one env (observation statistics frozen); raw env returns."""
     env = make_env(env_id, video_folder)()
     obs_mean, obs_std = agent.obs_rms.frozen()
-    device = next(agent.parameters()).device
+    policy = agent.rollout_policy()
     returns = []
     obs, _ = env.reset(seed=args.seed)
     episode_return = 0.0
     while len(returns) < args.eval_episodes:
-        obs_tensor = torch.as_tensor(normalize(obs.reshape(1, -1), obs_mean, obs_std), device=device)
-        action, _, _ = agent.act(obs_tensor, deterministic=args.eval_deterministic)
-        action = np.clip(action[0].cpu().numpy(), env.action_space.low, env.action_space.high)
+        action, _, _ = policy.act(normalize(obs.reshape(1, -1), obs_mean, obs_std), args.eval_deterministic)
+        action = np.clip(action[0], env.action_space.low, env.action_space.high)
         obs, reward, terminated, truncated, _ = env.step(action)
         episode_return += float(reward)
         if terminated or truncated:
@@ -1032,14 +1057,14 @@ def main(args: Args) -> Agent | None:
                 # --- rollout (normalisation statistics frozen, so every rank normalises alike) ---
                 rollout_start = time.perf_counter()
                 obs_mean, obs_std = agent.obs_rms.frozen()
+                policy = agent.rollout_policy()
                 finished = np.zeros(3)  # world-summed below: returns, lengths, count of episodes ended
                 for step in range(args.num_steps):
                     raw_obs = next_obs.reshape(args.local_num_envs, -1)
                     raw_obs_buf[step] = raw_obs
                     obs_buf[step] = normalize(raw_obs, obs_mean, obs_std)
-                    action, log_prob, value = agent.act(torch.from_numpy(obs_buf[step]).to(device))
-                    action = action.cpu().numpy()
-                    actions_buf[step], log_probs_buf[step], values_buf[step] = action, log_prob.cpu(), value.cpu()
+                    action, log_probs_buf[step], values_buf[step] = policy.act(obs_buf[step])
+                    actions_buf[step] = action
                     next_obs, reward, terminated, truncated, info = envs.step(np.clip(action, action_low, action_high))
                     rewards_buf[step], terminations_buf[step], truncations_buf[step] = reward, terminated, truncated
                     discounted_return = discounted_return * args.gamma + reward
@@ -1053,14 +1078,9 @@ def main(args: Args) -> Agent | None:
                         cut = truncated & ~terminated
                         if cut.any():  # truncation is not termination: bootstrap from V(final observation)
                             final_obs = np.stack(info["final_obs"][cut]).reshape(cut.sum(), -1)
-                            final_obs = normalize(final_obs, obs_mean, obs_std)
-                            with torch.inference_mode():
-                                final_values = agent.get_value(torch.from_numpy(final_obs).to(device))
-                            final_values_buf[step, cut] = final_values.cpu().numpy()
+                            final_values_buf[step, cut] = policy.value(normalize(final_obs, obs_mean, obs_std))
                 global_step += args.batch_size
-                last_obs = normalize(next_obs.reshape(args.local_num_envs, -1), obs_mean, obs_std)
-                with torch.inference_mode():
-                    last_values = agent.get_value(torch.from_numpy(last_obs).to(device)).cpu().numpy()
+                last_values = policy.value(normalize(next_obs.reshape(args.local_num_envs, -1), obs_mean, obs_std))
                 rollout_time = time.perf_counter() - rollout_start
 
                 # --- normalisation statistics: merged over all ranks' rollouts in one collective ---

@@ -357,14 +357,13 @@ def mlp(in_size: int, hidden_sizes: tuple[int, ...], out_size: int, out_std: flo
     return nn.Sequential(*layers, layer_init(nn.Linear(size, out_size), std=out_std))
 
 
-def mlp_forward(linears: list[tuple[torch.Tensor, torch.Tensor]], x: torch.Tensor) -> torch.Tensor:
-    """A tanh MLP given as the (weight, bias) of its nn.Linear layers, one addmm per layer and tanh between: the
-    nn.Sequential's arithmetic bit for bit, without its per-call dispatch and attribute look-ups (rollouts run it
-    every env step on a single observation, where those cost as much as the arithmetic)."""
+def numpy_mlp_forward(linears: list[tuple[np.ndarray, np.ndarray]], x: np.ndarray) -> np.ndarray:
+    """A tanh MLP given as the (weight, bias) of its nn.Linear layers, in numpy: on one observation per env step
+    numpy's calls cost a fraction of torch's dispatch and nn.Module calls."""
     *hidden, (weight, bias) = linears
     for hidden_weight, hidden_bias in hidden:
-        x = torch.tanh(torch.addmm(hidden_bias, x, hidden_weight.t()))
-    return torch.addmm(bias, x, weight.t())
+        x = np.tanh(x @ hidden_weight.T + hidden_bias)
+    return x @ weight.T + bias
 
 
 LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
@@ -381,9 +380,6 @@ class Agent(nn.Module):
         self.critic = mlp(obs_dim, hidden_sizes, 1, out_std=1.0)
         if self.continuous:
             self.log_std = nn.Parameter(torch.full((num_outputs,), -0.5))
-        # the same Parameter objects, listed once for act's per-step path (optimizer steps update them in place)
-        self.actor_linears = [(m.weight, m.bias) for m in self.actor if isinstance(m, nn.Linear)]
-        self.critic_linears = [(m.weight, m.bias) for m in self.critic if isinstance(m, nn.Linear)]
 
     def policy_parameters(self) -> list[nn.Parameter]:
         return [*self.actor.parameters(), *([self.log_std] if self.continuous else [])]
@@ -402,24 +398,49 @@ class Agent(nn.Module):
         log_prob = log_probs.gather(-1, actions.long().unsqueeze(-1)).squeeze(-1)
         return log_prob, -(log_probs.exp() * log_probs).sum(-1)
 
-    @torch.inference_mode()
-    def act(self, obs: torch.Tensor, deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Sampled (or modal) actions, their log-probabilities and the values at `obs`, for rollouts (the arithmetic
-        of `actor` and `critic` through mlp_forward, bit for bit: this runs every env step)."""
-        out = mlp_forward(self.actor_linears, obs)
+    def rollout_policy(self) -> "RolloutPolicy":
+        """The policy and value function as they are now, in numpy, for a rollout (which never changes them)."""
+        return RolloutPolicy(self)
+
+
+class RolloutPolicy:
+    """The agent's current weights as numpy arrays, acting one env step at a time.
+
+    On CPU the arrays are views of the parameters (no copy); with --cuda they are copied once per rollout. Each env
+    step then costs a few numpy calls instead of a dozen torch dispatches, and a GPU is used only for the update.
+    Sampling draws from numpy's global generator (seeded per rank and saved in checkpoints).
+    """
+
+    def __init__(self, agent: Agent):
+        def linears(network: nn.Sequential) -> list[tuple[np.ndarray, np.ndarray]]:
+            layers = [m for m in network if isinstance(m, nn.Linear)]
+            return [(m.weight.detach().cpu().numpy(), m.bias.detach().cpu().numpy()) for m in layers]
+
+        self.continuous = agent.continuous
+        self.actor, self.critic = linears(agent.actor), linears(agent.critic)
         if self.continuous:
-            log_std = self.log_std
-            noise = torch.zeros_like(out) if deterministic else torch.randn_like(out)
-            actions = out + log_std.exp() * noise
-            log_prob = (-0.5 * noise**2 - log_std - LOG_SQRT_2PI).sum(-1)
+            self.log_std = agent.log_std.detach().cpu().numpy()
+
+    def act(self, obs: np.ndarray, deterministic: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Sampled (or modal) actions, their log-probabilities and the values at `obs` [envs, obs_dim]."""
+        out = numpy_mlp_forward(self.actor, obs)
+        if self.continuous:
+            noise = np.zeros_like(out) if deterministic else np.random.standard_normal(out.shape).astype(out.dtype)
+            actions = out + np.exp(self.log_std) * noise
+            log_prob = (-0.5 * noise**2 - self.log_std - LOG_SQRT_2PI).sum(-1)
         else:
-            log_probs = torch.log_softmax(out, dim=-1)
+            shifted = out - out.max(-1, keepdims=True)
+            log_probs = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))  # log_softmax
             if deterministic:
                 actions = log_probs.argmax(-1)
-            else:
-                actions = torch.multinomial(log_probs.exp(), 1).squeeze(-1)
-            log_prob = log_probs.gather(-1, actions.unsqueeze(-1)).squeeze(-1)
-        return actions, log_prob, mlp_forward(self.critic_linears, obs).squeeze(-1)
+            else:  # inverse CDF: the first action whose cumulative probability reaches a uniform draw
+                uniform = np.random.random_sample((len(out), 1))
+                actions = np.minimum((np.exp(log_probs).cumsum(-1) < uniform).sum(-1), out.shape[-1] - 1)
+            log_prob = np.take_along_axis(log_probs, actions[:, None], -1)[:, 0]
+        return actions, log_prob, self.value(obs)
+
+    def value(self, obs: np.ndarray) -> np.ndarray:
+        return numpy_mlp_forward(self.critic, obs)[:, 0]
 
 
 def compute_gae(
@@ -716,13 +737,13 @@ class StopRequest:
 def evaluate(agent: Agent, env_id: str, args: Args, video_folder: str | None = None) -> list[float]:
     """Play `args.eval_episodes` whole episodes with one env and return their returns."""
     env = make_env(env_id, args.max_ep_len, video_folder)()
+    policy = agent.rollout_policy()
     returns = []
     obs, _ = env.reset(seed=args.seed)
     episode_return = 0.0
     while len(returns) < args.eval_episodes:
-        obs_tensor = torch.as_tensor(obs, dtype=torch.float32).reshape(1, -1)
-        action, _, _ = agent.act(obs_tensor, deterministic=args.eval_deterministic)
-        action = action[0].numpy()
+        action, _, _ = policy.act(obs.reshape(1, -1).astype(np.float32), args.eval_deterministic)
+        action = action[0]
         if agent.continuous:
             action = np.clip(action, env.action_space.low, env.action_space.high)
         obs, reward, terminated, truncated, _ = env.step(action)
@@ -926,9 +947,9 @@ def main(args: Args) -> Agent | None:
 
     # rollout storage, one row per step of the local envs
     shape = (args.num_steps, args.local_num_envs)
-    obs_buf = torch.zeros(shape + (obs_dim,), device=device)
-    actions_buf = torch.zeros(shape + envs.single_action_space.shape, device=device)
-    log_probs_buf = torch.zeros(shape, device=device)
+    obs_buf = np.zeros(shape + (obs_dim,), dtype=np.float32)
+    actions_buf = np.zeros(shape + envs.single_action_space.shape, dtype=np.float32)
+    log_probs_buf = np.zeros(shape, dtype=np.float32)
     values_buf = np.zeros(shape, dtype=np.float32)
     rewards_buf = np.zeros(shape, dtype=np.float32)
     terminations_buf = np.zeros(shape, dtype=np.float32)
@@ -960,13 +981,11 @@ def main(args: Args) -> Agent | None:
                 # --- rollout ---
                 rollout_start = time.perf_counter()
                 finished = np.zeros(3)  # world-summed below: returns, lengths, count of episodes ended this epoch
+                policy = agent.rollout_policy()
                 for step in range(args.num_steps):
-                    obs = torch.as_tensor(next_obs, dtype=torch.float32, device=device)
-                    obs = obs.reshape(args.local_num_envs, -1)
-                    action, log_prob, value = agent.act(obs)
-                    obs_buf[step], actions_buf[step], log_probs_buf[step] = obs, action, log_prob
-                    values_buf[step] = value.cpu().numpy()
-                    env_action = action.cpu().numpy()
+                    obs_buf[step] = next_obs.reshape(args.local_num_envs, -1)
+                    env_action, log_probs_buf[step], values_buf[step] = policy.act(obs_buf[step])
+                    actions_buf[step] = env_action
                     if agent.continuous:
                         env_action = np.clip(env_action, envs.single_action_space.low, envs.single_action_space.high)
                     next_obs, reward, terminated, truncated, info = envs.step(env_action)
@@ -981,11 +1000,9 @@ def main(args: Args) -> Agent | None:
                         cut = truncated & ~terminated
                         if cut.any():  # truncation is not termination: bootstrap from V(final observation)
                             final_obs = np.stack(info["final_obs"][cut]).reshape(cut.sum(), -1)
-                            final_obs = torch.as_tensor(final_obs, dtype=torch.float32, device=device)
-                            final_values_buf[step, cut] = agent.act(final_obs)[2].cpu().numpy()
+                            final_values_buf[step, cut] = policy.value(final_obs.astype(np.float32))
                 global_step += args.steps_per_epoch
-                last_obs = torch.as_tensor(next_obs, dtype=torch.float32, device=device)
-                last_values = agent.act(last_obs.reshape(args.local_num_envs, -1))[2].cpu().numpy()
+                last_values = policy.value(next_obs.reshape(args.local_num_envs, -1).astype(np.float32))
                 rollout_time = time.perf_counter() - rollout_start
 
                 # --- GAE ---
@@ -999,10 +1016,11 @@ def main(args: Args) -> Agent | None:
                     "obs": obs_buf.reshape(-1, obs_dim),
                     "actions": actions_buf.reshape((-1,) + envs.single_action_space.shape),
                     "log_probs": log_probs_buf.reshape(-1),
-                    "values": torch.as_tensor(values_buf.reshape(-1), device=device),
-                    "advantages": torch.as_tensor(advantages.reshape(-1), device=device),
-                    "returns": torch.as_tensor(rewards_to_go.reshape(-1), device=device),
+                    "values": values_buf.reshape(-1),
+                    "advantages": advantages.reshape(-1),
+                    "returns": rewards_to_go.reshape(-1),
                 }
+                batch = {key: torch.as_tensor(value, device=device) for key, value in batch.items()}
 
                 # --- update ---
                 update_start = time.perf_counter()

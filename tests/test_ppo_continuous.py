@@ -311,11 +311,16 @@ def test_evaluation_normalises_observations_with_the_frozen_statistics(monkeypat
     agent.obs_rms.update(
         torch.tensor(10.0, **float64), torch.full((11,), 0.5, **float64), torch.full((11,), 40.0, **float64)
     )
-    seen, act = [], agent.act
-    monkeypatch.setattr(agent, "act", lambda obs, deterministic=False: (seen.append(obs), act(obs, deterministic))[1])
+    seen, act = [], ppo.RolloutPolicy.act
+
+    def recording_act(policy: ppo.RolloutPolicy, obs: np.ndarray, deterministic: bool = False):
+        seen.append(obs)
+        return act(policy, obs, deterministic)
+
+    monkeypatch.setattr(ppo.RolloutPolicy, "act", recording_act)
     assert len(ppo.evaluate(agent, "Hopper-v5", ppo.Args(seed=7, eval_episodes=1))) == 1
     expected = np.clip((reset_obs - 0.5) / np.sqrt(4.0 + 1e-8), -10, 10)  # mean 0.5, variance 40 / 10
-    np.testing.assert_allclose(seen[0][0].numpy(), expected, rtol=1e-6)
+    np.testing.assert_allclose(seen[0][0], expected, rtol=1e-6)
     assert len(seen) > 1 and agent.obs_rms.count.item() == 10  # frozen: playing does not update them
 
 

@@ -1,5 +1,6 @@
 """benchmark.throughput on tiny budgets (real torchrun runs of every script at its defaults), no timing asserts."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -68,9 +69,9 @@ def test_bad_arguments_are_refused(tmp_path):
     ("script", "env_id"),
     [("vpg_mpi.py", "HalfCheetah-v5"), ("vpg_mpi.py", "CartPole-v1"), ("ppo_continuous_mpi.py", "HalfCheetah-v5")],
 )
-def test_act_fast_path_equals_the_modules_bit_for_bit_after_updates_and_loads(script, env_id):
-    """Agent.act (mlp_forward over listed parameters) against the nn.Sequential path, after an optimizer step and a
-    load_state_dict, so the listed parameters are seen to follow in-place changes."""
+def test_numpy_rollout_policy_acts_as_the_torch_modules_and_follows_updates_and_loads(script, env_id):
+    """RolloutPolicy (numpy views of the parameters) against the nn.Sequential modules and the log-probabilities the
+    update computes, after an optimizer step and a load_state_dict made with the policy already built."""
     import gymnasium as gym
 
     module = throughput.load_script(script)
@@ -80,10 +81,18 @@ def test_act_fast_path_equals_the_modules_bit_for_bit_after_updates_and_loads(sc
     if script == "vpg_mpi.py":
         agent, other = (module.Agent(obs_dim, env.action_space, (64, 64)) for _ in range(2))
         actor, critic = agent.actor, agent.critic
+
+        def log_prob_of(obs: torch.Tensor, actions: torch.Tensor) -> torch.Tensor:
+            return agent.log_prob_entropy(obs, actions)[0]
     else:
         agent, other = (module.Agent(obs_dim, env.action_space.shape[0]) for _ in range(2))
         actor, critic = agent.actor_mean, agent.critic
-    obs = torch.randn(3, obs_dim)
+
+        def log_prob_of(obs: torch.Tensor, actions: torch.Tensor) -> torch.Tensor:
+            return agent.log_prob_entropy_value(obs, actions)[0]
+
+    policy = agent.rollout_policy()
+    obs = torch.randn(5, obs_dim)
     for change in ("none", "step", "load"):
         if change == "step":
             optimizer = torch.optim.Adam(agent.parameters(), lr=0.1)
@@ -93,13 +102,22 @@ def test_act_fast_path_equals_the_modules_bit_for_bit_after_updates_and_loads(sc
             agent.load_state_dict(other.state_dict())
         with torch.no_grad():
             expected_out, expected_value = actor(obs), critic(obs).squeeze(-1)
-        assert torch.equal(module.mlp_forward(agent.actor_linears, obs), expected_out), change
-        torch.manual_seed(1)
-        actions, log_prob, value = agent.act(obs)
-        assert torch.equal(value, expected_value), change
-        if script == "ppo_continuous_mpi.py" or env_id == "HalfCheetah-v5":
-            torch.manual_seed(1)
-            with torch.no_grad():
-                noise = torch.randn_like(expected_out)  # the same draw act made
-                log_std = agent.actor_logstd if script == "ppo_continuous_mpi.py" else agent.log_std
-                assert torch.equal(actions, expected_out + log_std.exp() * noise), change
+        np.random.seed(1)
+        actions, log_prob, value = policy.act(obs.numpy())
+        np.random.seed(1)
+        assert np.array_equal(policy.act(obs.numpy())[0], actions), change  # reproducible from numpy's seed
+        np.testing.assert_allclose(value, expected_value.numpy(), rtol=1e-5, atol=1e-5, err_msg=change)
+        with torch.no_grad():  # the rollout's log-probabilities are the update's: PPO's ratio starts at 1
+            expected_log_prob = log_prob_of(obs, torch.as_tensor(actions, dtype=torch.float32)).numpy()
+        np.testing.assert_allclose(log_prob, expected_log_prob, rtol=1e-5, atol=1e-5, err_msg=change)
+        mode = policy.act(obs.numpy(), deterministic=True)[0]
+        expected_mode = expected_out.argmax(-1) if env_id == "CartPole-v1" else expected_out
+        np.testing.assert_allclose(mode, expected_mode.numpy(), rtol=1e-5, atol=1e-5, err_msg=change)
+    if env_id == "CartPole-v1":  # sampled actions follow the softmax (made far from uniform first)
+        with torch.no_grad():
+            actor[-1].weight.mul_(400.0)
+        probabilities = torch.softmax(actor(obs[:1]), -1)[0].detach().numpy()
+        assert 0.1 < probabilities[0] < 0.4 or 0.6 < probabilities[0] < 0.9, probabilities
+        np.random.seed(2)
+        draws = policy.act(np.repeat(obs[:1].numpy(), 20_000, axis=0))[0]
+        np.testing.assert_allclose(np.bincount(draws, minlength=2) / len(draws), probabilities, atol=0.015)
