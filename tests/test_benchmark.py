@@ -161,6 +161,7 @@ def test_grad_sync_table_with_few_repetitions(tmp_path):
     }
     assert methods == expected and len(rows) == len(expected)
     for row in rows:
-        assert row[6] == "yes", row  # every method averaged (or gathered and broadcast) correctly
+        assert row[7] == "yes", row  # every method averaged (or gathered and broadcast) correctly
         assert re.fullmatch(r"-?\d+\.\d+( \(\d+\.\d+-\d+\.\d+\))?", row[3]), row
+        assert float(row[6]) == pytest.approx(float(row[4]) * int(row[5]), abs=0.1 * int(row[5])), row  # mean x syncs
     assert "1,686,693 in 12 tensors" in text  # the Nature CNN, built by ppo_atari_multigpu.Agent
