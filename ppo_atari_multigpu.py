@@ -23,6 +23,10 @@ gradient of the world minibatch (the union of every rank's minibatch k). Advanta
 world-wide mean and std of each world minibatch; losses, KL and episode statistics are averaged over ranks.
 With CUDA each rank uses cuda:LOCAL_RANK and NCCL; with fewer GPUs than ranks on a node, ranks share GPUs over
 gloo; on CPU, gloo.
+
+Speed: the agent is kept channels-last (oneDNN's fast convolution layout on CPU, tensor cores' on GPU), and
+`--bf16` runs the CNN trunk under bfloat16 autocast, which about doubles the update on CPUs with AVX512-BF16 or
+AMX (benchmark/results/throughput.md; its learning curve is in benchmark/results/ppo_atari_learning_curves.md).
 """
 
 import contextlib
