@@ -244,9 +244,19 @@ def group_size(group: dist.ProcessGroup | None = None) -> int:
 
 
 def allreduce_mean(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """Average `tensor` over the ranks of `group`, in place."""
+    """Average `tensor` over the ranks of `group`, in place.
+
+    With gloo the wait yields the CPU in a loop instead of sleeping until woken: gloo's allreduce of a small buffer
+    takes ~0.3 ms, but a sleeping waiter can take milliseconds to be woken (mean 1.3 ms per gradient sync at 2
+    ranks on 2 cores, 1.0 ms with the loop; benchmark/results/scaling.md). A dead peer still ends the wait:
+    gloo fails the collective, and `wait()` raises.
+    """
     if group_size(group) > 1:
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+        work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)
+        if dist.get_backend(group) == "gloo":
+            while not work.is_completed():
+                os.sched_yield()
+        work.wait()
         tensor /= group_size(group)
     return tensor
 
