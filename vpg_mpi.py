@@ -227,10 +227,10 @@ def group_size(group: dist.ProcessGroup | None = None) -> int:
 def allreduce_mean(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Average `tensor` over the ranks of `group`, in place.
 
-    With gloo the wait yields the CPU in a loop instead of sleeping until woken: gloo's allreduce of a small buffer
-    takes ~0.3 ms, but a sleeping waiter can take milliseconds to be woken (mean 1.3 ms per gradient sync at 2
-    ranks on 2 cores, 1.0 ms with the loop; benchmark/results/scaling.md). A dead peer still ends the wait:
-    gloo fails the collective, and `wait()` raises.
+    With gloo the wait yields the CPU in a loop instead of sleeping until woken: a small allreduce takes ~0.4 ms
+    here but has a tail of several ms (benchmark/results/grad_sync.md), much of it a sleeping waiter being woken
+    late; yielding cut ppo_continuous_mpi.py's mean sync at 2 ranks on 2 cores from 1.3 to 0.9 ms. A dead peer
+    still ends the wait: gloo fails the collective, and `wait()` raises.
     """
     if group_size(group) > 1:
         work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)
