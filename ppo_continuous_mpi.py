@@ -840,6 +840,7 @@ def run_evaluation(args: Args) -> None:
     agent.load_state_dict(checkpoint["model"])
     torch.manual_seed(args.seed)  # reproducible sampled actions
     video_folder = os.path.join(os.path.dirname(args.eval_checkpoint), "videos") if args.capture_video else None
+    np.random.seed(args.seed)  # the rollout policy's sampling, like the env, follows --seed: repeatable evaluations
     returns = evaluate(agent, checkpoint["env_id"], args, video_folder)
     print(f"eval: episodes={len(returns)} return_mean={np.mean(returns):.2f} return_std={np.std(returns):.2f}")
 
