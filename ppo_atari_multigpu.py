@@ -27,6 +27,7 @@ gloo; on CPU, gloo.
 Speed: the agent is kept channels-last (oneDNN's fast convolution layout on CPU, tensor cores' on GPU), and
 `--bf16` runs the CNN trunk under bfloat16 autocast, which about doubles the update on CPUs with AVX512-BF16 or
 AMX (benchmark/results/throughput.md; its learning curve is in benchmark/results/ppo_atari_learning_curves.md).
+`--compile` puts the update's forward and backward through torch.compile.
 """
 
 import contextlib
@@ -35,6 +36,7 @@ import hashlib
 import os
 import random
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -71,6 +73,9 @@ class Args:
     bf16: bool = False
     """if toggled, the convolutions and the 512-unit layer compute in bfloat16 (autocast; weights, Adam and the
     losses stay float32): about 2x the update speed on CPUs with AVX512-BF16 or AMX and on recent GPUs"""
+    compile: bool = False
+    """if toggled, the update's forward and backward run through torch.compile (the first update compiles for
+    several seconds; on CPU this needs a C++ compiler, and it pays off together with --bf16)"""
     track: bool = False
     """if toggled, the run is also sent to Weights and Biases (needs `pip install wandb`)"""
     wandb_project_name: str = "ddrl"
@@ -910,7 +915,15 @@ def check_args(args: Args, world_size: int) -> dict:
     settings = atari_settings(args.env_id)
     if args.capture_video:
         check_moviepy()
+    check_compile_support(args)
     return settings
+
+
+def check_compile_support(args: Args) -> None:
+    """torch.compile builds C++ kernels on CPU: without a compiler it would fail deep inside the first update."""
+    compiler = os.environ.get("CXX", "g++")
+    if args.compile and not (args.cuda and torch.cuda.is_available()) and shutil.which(compiler) is None:
+        fail(f"--compile on CPU needs a C++ compiler and {compiler!r} is not on PATH: install g++ or drop --compile")
 
 
 def print_batch_table(args: Args) -> None:
@@ -1027,6 +1040,8 @@ def main(args: Args) -> Agent | None:
     agent = Agent(int(envs.single_action_space.n), bf16=args.bf16).to(device, memory_format=torch.channels_last)
     if checkpoint:
         agent.load_state_dict(checkpoint["model"])
+    if args.compile:  # only the update's calls, agent(obs, actions); rollouts call agent.act, left eager
+        agent.compile(fullgraph=True, dynamic=False)
     model = DDP(agent, device_ids=[device.index] if device.type == "cuda" else None)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.learning_rate, eps=1e-5)
     random.seed(rank_seed(args.seed, rank))

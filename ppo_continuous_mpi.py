@@ -34,10 +34,12 @@ import math
 import os
 import random
 import re
+import shutil
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from typing import NoReturn
@@ -80,6 +82,9 @@ class Args:
     """episodes played by `--eval-checkpoint` and after training with `--capture-video`"""
     eval_deterministic: bool = False
     """if toggled, evaluation takes the policy's mean action instead of sampling"""
+    compile: bool = False
+    """if toggled, the update's loss runs through torch.compile (the first update compiles for a few seconds;
+    on CPU this needs a C++ compiler)"""
     torch_threads: int = 0
     """torch threads per rank; 0 = usable cores divided by the ranks on this node"""
     nprocs: int = 1
@@ -530,20 +535,70 @@ def compute_gae(
     return advantages, advantages + values
 
 
+def minibatch_loss(
+    agent: Agent,
+    mb: dict[str, torch.Tensor],
+    adv_mean: torch.Tensor | None,
+    adv_std: torch.Tensor | None,
+    args: Args,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO's clipped loss on one minibatch, and [policy_loss, value_loss, entropy, old_approx_kl, approx_kl,
+    clipfrac] about it. Advantages are normalised with `adv_mean` and `adv_std` (the global minibatch's) if given.
+    `--compile` runs this through torch.compile: forward and backward become a few fused kernels."""
+    new_log_prob, entropy, new_value = agent.log_prob_entropy_value(mb["obs"], mb["actions"])
+    logratio = new_log_prob - mb["log_probs"]
+    ratio = logratio.exp()
+    with torch.no_grad():
+        # calculate approx_kl http://joschu.net/blog/kl-approx.html
+        old_approx_kl = (-logratio).mean()
+        approx_kl = ((ratio - 1) - logratio).mean()
+        clipfrac = ((ratio - 1.0).abs() > args.clip_coef).to(ratio.dtype).mean()
+
+    mb_advantages = mb["advantages"]
+    if adv_mean is not None:
+        mb_advantages = (mb_advantages - adv_mean) / (adv_std + 1e-8)
+
+    # Policy loss
+    pg_loss1 = -mb_advantages * ratio
+    pg_loss2 = -mb_advantages * torch.clamp(ratio, 1 - args.clip_coef, 1 + args.clip_coef)
+    pg_loss = torch.max(pg_loss1, pg_loss2).mean()
+
+    # Value loss
+    if args.clip_vloss:
+        v_loss_unclipped = (new_value - mb["returns"]) ** 2
+        v_clipped = mb["values"] + torch.clamp(new_value - mb["values"], -args.clip_coef, args.clip_coef)
+        v_loss_clipped = (v_clipped - mb["returns"]) ** 2
+        v_loss = 0.5 * torch.max(v_loss_unclipped, v_loss_clipped).mean()
+    else:
+        v_loss = 0.5 * ((new_value - mb["returns"]) ** 2).mean()
+
+    entropy_loss = entropy.mean()
+    loss = pg_loss - args.ent_coef * entropy_loss + v_loss * args.vf_coef
+    stats = torch.stack([pg_loss, v_loss, entropy_loss, old_approx_kl, approx_kl, clipfrac]).detach()
+    return loss, stats
+
+
+def loss_function(args: Args) -> Callable:
+    """minibatch_loss, or with `--compile` minibatch_loss through torch.compile (one graph for forward and one for
+    backward; fixed shapes, since every minibatch has the same size)."""
+    return torch.compile(minibatch_loss, fullgraph=True, dynamic=False) if args.compile else minibatch_loss
+
+
 def update(
     agent: Agent,
     optimizer: torch.optim.Optimizer,
     batch: dict[str, torch.Tensor],
     args: Args,
     orders: torch.Tensor,
+    loss_fn: Callable = minibatch_loss,
 ) -> tuple[torch.Tensor, float, int]:
     """PPO's update epochs on this rank's batch, the world's minibatch k being the union of all ranks' minibatch k.
 
     `orders[e]` is a permutation of this rank's batch for epoch e; its k-th slice of `local_minibatch_size`
-    indices is this rank's share of minibatch k. Returns the world-averaged [policy_loss, value_loss,
-    entropy, old_approx_kl, approx_kl] of the last minibatch and clipfrac over all minibatches, the
-    seconds spent in collectives, and the number of epochs run (fewer than update_epochs after a
-    `--target-kl` stop, identical on every rank).
+    indices is this rank's share of minibatch k. `loss_fn` is minibatch_loss or its compiled form. Returns the
+    world-averaged [policy_loss, value_loss, entropy, old_approx_kl, approx_kl] of the last minibatch and
+    clipfrac over all minibatches, the seconds spent in collectives, and the number of epochs run (fewer than
+    update_epochs after a `--target-kl` stop, identical on every rank).
     """
     parameters = list(agent.parameters())
     num_gradients = sum(p.numel() for p in parameters)
@@ -556,47 +611,20 @@ def update(
     for epoch in range(args.update_epochs):
         # one gather per tensor per epoch; each minibatch is then a slice, not another gather
         shuffled = {key: value[orders[epoch]] for key, value in batch.items()}
+        adv_mean = adv_std = [None] * args.num_minibatches
         if args.norm_adv:  # every global minibatch's mean and std in one collective per epoch
             start = time.perf_counter()
             adv_mean, adv_std = global_mean_std(shuffled["advantages"].view(args.num_minibatches, size))
             sync_time += time.perf_counter() - start
         for k in range(args.num_minibatches):
             mb = {key: value[k * size : (k + 1) * size] for key, value in shuffled.items()}
-            new_log_prob, entropy, new_value = agent.log_prob_entropy_value(mb["obs"], mb["actions"])
-            logratio = new_log_prob - mb["log_probs"]
-            ratio = logratio.exp()
-            with torch.no_grad():
-                # calculate approx_kl http://joschu.net/blog/kl-approx.html
-                old_approx_kl = (-logratio).mean()
-                approx_kl = ((ratio - 1) - logratio).mean()
-                clipfrac_sum += ((ratio - 1.0).abs() > args.clip_coef).to(clipfrac_sum.dtype).mean()
-
-            mb_advantages = mb["advantages"]
-            if args.norm_adv:
-                mb_advantages = (mb_advantages - adv_mean[k]) / (adv_std[k] + 1e-8)
-
-            # Policy loss
-            pg_loss1 = -mb_advantages * ratio
-            pg_loss2 = -mb_advantages * torch.clamp(ratio, 1 - args.clip_coef, 1 + args.clip_coef)
-            pg_loss = torch.max(pg_loss1, pg_loss2).mean()
-
-            # Value loss
-            if args.clip_vloss:
-                v_loss_unclipped = (new_value - mb["returns"]) ** 2
-                v_clipped = mb["values"] + torch.clamp(new_value - mb["values"], -args.clip_coef, args.clip_coef)
-                v_loss_clipped = (v_clipped - mb["returns"]) ** 2
-                v_loss = 0.5 * torch.max(v_loss_unclipped, v_loss_clipped).mean()
-            else:
-                v_loss = 0.5 * ((new_value - mb["returns"]) ** 2).mean()
-
-            entropy_loss = entropy.mean()
-            loss = pg_loss - args.ent_coef * entropy_loss + v_loss * args.vf_coef
-
+            loss, minibatch_stats = loss_fn(agent, mb, adv_mean[k], adv_std[k], args)
             flat.zero_()
             loss.backward()  # accumulates into the views flat_gradient_buffer gave the parameters
             minibatches_run += 1
+            clipfrac_sum += minibatch_stats[5]
             with torch.no_grad():
-                stats[:5] = torch.stack([pg_loss, v_loss, entropy_loss, old_approx_kl, approx_kl])
+                stats[:5] = minibatch_stats[:5]
                 stats[5] = clipfrac_sum / minibatches_run
             # equal local minibatch sizes make the mean of local gradients the gradient of the union; clipping
             # after averaging means every rank clips the same gradient
@@ -887,6 +915,14 @@ def check_args(args: Args, world_size: int) -> None:
     if not isinstance(observation_space, gym.spaces.Box):
         fail(f"{args.env_id} has {type(observation_space).__name__} observations; {SCRIPT} needs Box observations")
     check_video_support(args)
+    check_compile_support(args)
+
+
+def check_compile_support(args: Args) -> None:
+    """torch.compile builds C++ kernels on CPU: without a compiler it would fail deep inside the first update."""
+    compiler = os.environ.get("CXX", "g++")
+    if args.compile and not (args.cuda and torch.cuda.is_available()) and shutil.which(compiler) is None:
+        fail(f"--compile on CPU needs a C++ compiler and {compiler!r} is not on PATH: install g++ or drop --compile")
 
 
 def check_video_support(args: Args) -> None:
@@ -1012,6 +1048,7 @@ def main(args: Args) -> Agent | None:
     torch.backends.cudnn.deterministic = args.torch_deterministic
     # fused: one kernel for all parameters (about 25% off the update on CPU), the same Adam step as CleanRL's
     optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5, fused=True)
+    loss_fn = loss_function(args)
     global_step = 0
     if checkpoint:  # weights, normalisation statistics, optimizer, position and this rank's random streams
         agent.load_state_dict(checkpoint["model"])
@@ -1128,7 +1165,7 @@ def main(args: Args) -> Agent | None:
                 # --- update ---
                 update_start = time.perf_counter()
                 orders = [torch.randperm(args.local_batch_size, device=device) for _ in range(args.update_epochs)]
-                stats, sync_time, _ = update(agent, optimizer, batch, args, torch.stack(orders))
+                stats, sync_time, _ = update(agent, optimizer, batch, args, torch.stack(orders), loss_fn)
                 update_time = time.perf_counter() - update_start
 
                 # --- logging (world-wide episode statistics, explained variance and any SIGTERM: one collective) ---

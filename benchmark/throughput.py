@@ -80,8 +80,13 @@ class Args:
     """where the runs are launched (runs/ and logs/ land there, and are kept); default: a temporary folder"""
     notes: tuple[str, ...] = ()
     """extra lines for the header of the markdown file"""
-    variants: tuple[str, ...] = ("ppo_atari_multigpu.py --bf16",)
-    """extra rows of this checkout, each `SCRIPT FLAG...`: the script at its defaults plus one documented flag (run
+    variants: tuple[str, ...] = (
+        "ppo_continuous_mpi.py --compile",
+        "ppo_atari_multigpu.py --bf16",
+        "ppo_atari_multigpu.py --compile",
+        "ppo_atari_multigpu.py --bf16 --compile",
+    )
+    """extra rows of this checkout, each `SCRIPT FLAG...`: the script at its defaults plus documented flags (run
     when SCRIPT is among --scripts)"""
     max_load: float = 1.2
     """above this 1-minute load average at the start, the results file opens with a MEASURED UNDER LOAD warning"""

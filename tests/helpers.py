@@ -50,15 +50,30 @@ def run_command(command: list[str], cwd: Path, timeout: float = 240, **env: str)
     return subprocess.run(command, cwd=cwd, env=clean_env(**env), capture_output=True, text=True, timeout=timeout)
 
 
-def torchrun(script: str, args: list[str], cwd: Path, nprocs: int = 2, save_ranks: bool = False, timeout: float = 240):
-    """Launch `script` (a file in the repo root) with `nprocs` ranks under `torch.distributed.run --standalone`.
+def torchrun(
+    script: str,
+    args: list[str],
+    cwd: Path,
+    nprocs: int = 2,
+    save_ranks: bool = False,
+    timeout: float = 240,
+    **env: str,
+):
+    """Launch `script` (a file in the repo root) with `nprocs` ranks under `torch.distributed.run --standalone`,
+    with `env` added to the environment.
 
     With `save_ranks`, each rank runs the script's `main` through rank_entry.py and saves its trained
     agent's parameters to `cwd/rank{RANK}.pt`, so a test can compare the ranks' weights.
     """
     if save_ranks:
         script, args = str(RANK_ENTRY.relative_to(ROOT)), [script, *args]
-    return run_command(torchrun_with(["--standalone"], script, args, nprocs), cwd, timeout)
+    return run_command(torchrun_with(["--standalone"], script, args, nprocs), cwd, timeout, **env)
+
+
+def compiled_something(cache_dir: Path) -> bool:
+    """Whether torch.compile wrote kernels to `cache_dir` (a run's TORCHINDUCTOR_CACHE_DIR): proof that a
+    `--compile` run compiled, where the flag doing nothing would pass every other check."""
+    return cache_dir.is_dir() and any(path.is_file() for path in cache_dir.rglob("*"))
 
 
 def assert_ok(result: subprocess.CompletedProcess) -> None:

@@ -13,6 +13,7 @@ from tests.helpers import (
     ROOT,
     assert_ok,
     assert_same_parameters,
+    compiled_something,
     rank_parameters,
     read_scalars,
     refuse,
@@ -181,10 +182,16 @@ def ddp_rank(rank: int, world_size: int, batch: dict, orders: list[torch.Tensor]
     half = BATCH // world_size
     local = {key: value[rank * half : (rank + 1) * half] for key, value in batch.items()}
     results = []
-    for target_kl in (None, 1e-12):  # early stopping off, and on after the first epoch
+    # early stopping off; on after the first epoch; off with --compile's agent (as main compiles it)
+    for target_kl, compile in ((None, False), (1e-12, False), (None, True)):
         agent = new_agent(initial)
+        if compile:
+            graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+            agent.compile(fullgraph=True, dynamic=False)
         model = torch.nn.parallel.DistributedDataParallel(agent)
         results.append(run_update(model, agent, local, orders[rank], target_kl))
+        if compile:
+            assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > graphs
     return results
 
 
@@ -210,6 +217,12 @@ def test_two_ddp_ranks_end_the_update_with_the_one_rank_weights(tmp_path):
         assert_same_parameters([expected, state0], atol=1e-10)
         torch.testing.assert_close(stats0, expected_stats, rtol=0, atol=1e-10)  # losses, KL, clipfrac world-wide
         assert not torch.allclose(expected["network.0.weight"], initial["network.0.weight"], atol=1e-4)
+
+    # the compiled agent's forward and backward under DDP: the same steps, to rounding
+    (compiled0, compiled_stats0), (compiled1, _) = ranks[0][2], ranks[1][2]
+    assert_same_parameters([compiled0, compiled1])
+    assert_same_parameters([ranks[0][0][0], compiled0], atol=1e-10)
+    torch.testing.assert_close(compiled_stats0, ranks[0][0][1], rtol=0, atol=1e-10)
 
     # the test can tell: one rank alone on its half (no sync) ends elsewhere
     agent = new_agent(initial)
@@ -249,10 +262,13 @@ def test_bf16_computes_the_trunk_in_bfloat16_with_float32_outputs_and_the_float3
         assert cosine > 0.98, (name, cosine)
 
 
-def test_breakout_two_ranks_train_identically_log_and_evaluate(tmp_path):
-    args = [*TINY, "--total-timesteps", "1024", "--save-model"]  # 2 ranks x 2 envs x 128 steps: 2 iterations
-    result = torchrun("ppo_atari_multigpu.py", args, tmp_path, save_ranks=True)
+def test_breakout_two_ranks_compiled_train_identically_log_and_evaluate(tmp_path):
+    # 2 ranks x 2 envs x 128 steps: 2 iterations; --compile here (test_reliability.py runs the eager default)
+    args = [*TINY, "--total-timesteps", "1024", "--save-model", "--compile"]
+    cache = tmp_path / "inductor"
+    result = torchrun("ppo_atari_multigpu.py", args, tmp_path, save_ranks=True, TORCHINDUCTOR_CACHE_DIR=str(cache))
     assert_ok(result)
+    assert compiled_something(cache)
     assert "ranks                        2" in result.stdout and "iteration 2/2 step 1024" in result.stdout
     assert_same_parameters(rank_parameters(tmp_path, 2))
     [run_dir] = run_dirs(tmp_path)
@@ -296,6 +312,12 @@ def test_bad_input_is_one_clear_message(flags, world_size, message, tmp_path, mo
     monkeypatch.chdir(tmp_path)
     assert message in refuse(ppo, flags, monkeypatch, capsys, WORLD_SIZE=str(world_size))
     assert not (tmp_path / "runs").exists()
+
+
+def test_compile_without_a_cpp_compiler_is_one_clear_message(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    message = refuse(ppo, ["--compile"], monkeypatch, capsys, CXX="no-such-compiler")
+    assert "--compile on CPU needs a C++ compiler and 'no-such-compiler' is not on PATH" in message
 
 
 def test_non_atari_env_from_the_command_line_exits_without_traceback(tmp_path):

@@ -21,6 +21,7 @@ from tests.helpers import (
     ROOT,
     assert_ok,
     assert_same_parameters,
+    compiled_something,
     rank_parameters,
     read_scalars,
     refuse,
@@ -110,6 +111,23 @@ def update_rank(rank: int, world_size: int) -> tuple[dict, torch.Tensor, int]:
     args = dataclasses.replace(UPDATE_ARGS, local_minibatch_size=half // MINIBATCHES)
     stats, _, epochs = ppo.update(agent, optimizer, local, args, local_orders(rank, half, EPOCHS))
     return agent.state_dict(), stats, epochs
+
+
+def test_compiled_loss_takes_the_eager_update_steps():
+    """--compile's loss_fn: the same epochs as eager minibatch_loss (float64, to rounding), and it did compile."""
+    args = dataclasses.replace(UPDATE_ARGS, local_minibatch_size=BATCH // MINIBATCHES)
+    orders = local_orders(0, BATCH, EPOCHS)
+    eager, eager_optimizer = new_learner()
+    initial = copy.deepcopy(eager.state_dict())
+    expected_stats, _, _ = ppo.update(eager, eager_optimizer, fixed_batch(), args, orders)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    agent, optimizer = new_learner()
+    loss_fn = ppo.loss_function(dataclasses.replace(args, compile=True))
+    stats, _, _ = ppo.update(agent, optimizer, fixed_batch(), args, orders, loss_fn)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > graphs
+    assert (eager.actor_mean[0].weight - initial["actor_mean.0.weight"]).abs().max() > 1e-3  # it moved
+    assert_same_parameters([eager.state_dict(), agent.state_dict()], atol=1e-10)
+    torch.testing.assert_close(stats, expected_stats, rtol=0, atol=1e-10)
 
 
 def test_two_ranks_end_the_update_with_the_one_rank_weights(tmp_path):
@@ -283,6 +301,16 @@ def test_halfcheetah_two_ranks_train_identically_and_save_the_statistics(tmp_pat
     assert checkpoint["model"]["obs_rms.count"].item() == 2048  # every rank's observations of both iterations
 
 
+def test_compile_runs_two_ranks_in_step(tmp_path):
+    cache = tmp_path / "inductor"
+    flags = ["--env-id", "Hopper-v5", "--num-steps", "256", "--total-timesteps", "1024", "--compile", *TINY]
+    assert_ok(torchrun("ppo_continuous_mpi.py", flags, tmp_path, save_ranks=True, TORCHINDUCTOR_CACHE_DIR=str(cache)))
+    assert compiled_something(cache)
+    assert_same_parameters(rank_parameters(tmp_path, 2))
+    [run_dir] = run_dirs(tmp_path)
+    assert all(np.isfinite(value) for _, value in read_scalars(run_dir)["losses/value_loss"])
+
+
 def test_hopper_two_ranks_train_and_the_saved_model_evaluates_like_training(tmp_path, monkeypatch, capsys):
     flags = ["--env-id", "Hopper-v5", "--num-steps", "256", "--total-timesteps", "2048", "--save-model", *TINY]
     flags += ["--target-kl", "0.002"]  # real data: the ranks' KLs differ, yet the run must finish
@@ -353,6 +381,12 @@ def test_bad_input_is_one_clear_message(flags, world_size, message, tmp_path, mo
     monkeypatch.chdir(tmp_path)
     assert message in refuse(ppo, flags, monkeypatch, capsys, WORLD_SIZE=str(world_size))
     assert not (tmp_path / "runs").exists()
+
+
+def test_compile_without_a_cpp_compiler_is_one_clear_message(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    message = refuse(ppo, ["--compile"], monkeypatch, capsys, CXX="no-such-compiler")
+    assert "--compile on CPU needs a C++ compiler and 'no-such-compiler' is not on PATH" in message
 
 
 def test_bad_input_exits_without_a_traceback(tmp_path):
