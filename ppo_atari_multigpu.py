@@ -75,7 +75,7 @@ class Args:
     losses stay float32): about 2x the update speed on CPUs with AVX512-BF16 or AMX and on recent GPUs"""
     compile: bool = False
     """if toggled, the update's forward and backward run through torch.compile (the first update compiles for
-    several seconds; on CPU this needs a C++ compiler, and it pays off together with --bf16)"""
+    several seconds; on CPU this needs a C++ compiler)"""
     track: bool = False
     """if toggled, the run is also sent to Weights and Biases (needs `pip install wandb`)"""
     wandb_project_name: str = "ddrl"

@@ -25,6 +25,11 @@ on (the KL for `--target-kl`, the logged losses), before gradient clipping. Obse
 statistics are frozen during a rollout and merged world-wide once per iteration, so every rank
 normalises with the same numbers. Every rank therefore takes the step one process would take on the
 concatenated batch and holds the same weights.
+
+Speed: rollouts act through numpy copies of the weights (a few numpy calls per env step), the update slices
+one shuffled batch per epoch and accumulates gradients into one flat buffer, and `--compile` puts the
+minibatch loss's forward and backward through torch.compile (about 1.25x the SPS on a 2-core CPU;
+benchmark/results/throughput.md).
 """
 
 import contextlib
