@@ -20,6 +20,7 @@ timing, every method's result is checked against an all_gather reference (the av
 batch and broadcast weights).
 """
 
+import gc
 import json
 import os
 import statistics
@@ -315,6 +316,7 @@ def worker(rank: int, world_size: int, init_file: str, args_dict: dict, result_p
         dist.barrier()
     finally:
         dist.destroy_process_group()
+        gc.collect()  # as the scripts do: DDP's gloo threads left to interpreter shutdown can abort the rank (SIGABRT)
 
 
 def format_table(rows: list[dict]) -> str:
