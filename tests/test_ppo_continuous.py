@@ -308,7 +308,9 @@ def test_compile_runs_two_ranks_in_step(tmp_path):
     assert compiled_something(cache)
     assert_same_parameters(rank_parameters(tmp_path, 2))
     [run_dir] = run_dirs(tmp_path)
-    assert all(np.isfinite(value) for _, value in read_scalars(run_dir)["losses/value_loss"])
+    value_losses = read_scalars(run_dir)["losses/value_loss"]
+    assert [step for step, _ in value_losses] == [512, 1024]  # two iterations of the global batch
+    assert all(np.isfinite(value) for _, value in value_losses)
 
 
 def test_hopper_two_ranks_train_and_the_saved_model_evaluates_like_training(tmp_path, monkeypatch, capsys):
