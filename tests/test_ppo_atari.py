@@ -1,4 +1,5 @@
-"""ppo_atari_multigpu.py: the env protocol on the real ROMs, DDP equivalence, end to end under torchrun, bad input."""
+"""ppo_atari_multigpu.py: the env protocol on the real ROMs, DDP equivalence, end to end under torchrun (bad input:
+test_bad_input.py)."""
 
 import sys
 
@@ -16,7 +17,6 @@ from tests.helpers import (
     compiled_something,
     rank_parameters,
     read_scalars,
-    refuse,
     run_command,
     run_dirs,
     run_ranks,
@@ -290,37 +290,3 @@ def test_breakout_two_ranks_compiled_train_identically_log_and_evaluate(tmp_path
     assert_ok(result)
     last_line = result.stdout.strip().splitlines()[-1]
     assert last_line.startswith("eval: episodes=1 return_mean="), last_line
-
-
-# --- bad input -------------------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    ("flags", "world_size", "message"),
-    [
-        (["--env-id", "CartPole-v1"], 1, "is not an Atari game"),
-        (["--env-id", "NoSuchGame-v4"], 1, "unknown --env-id 'NoSuchGame-v4'"),
-        (["--env-id", "Breakout-v4"], 1, "skips a random number of frames"),
-        (["--local-num-envs", "3", "--num-steps", "5"], 1, "does not split into --num-minibatches 4"),
-        (["--total-timesteps", "1024"], 2, "zero iterations"),
-        (["--num-steps", "0"], 1, "--num-steps must be at least 1"),
-        (["--target-kl", "0"], 1, "--target-kl must be positive"),
-        (["--eval-checkpoint", "missing/model.pt"], 1, "does not exist"),
-    ],
-)
-def test_bad_input_is_one_clear_message(flags, world_size, message, tmp_path, monkeypatch, capsys):
-    monkeypatch.chdir(tmp_path)
-    assert message in refuse(ppo, flags, monkeypatch, capsys, WORLD_SIZE=str(world_size))
-    assert not (tmp_path / "runs").exists()
-
-
-def test_compile_without_a_cpp_compiler_is_one_clear_message(tmp_path, monkeypatch, capsys):
-    monkeypatch.chdir(tmp_path)
-    message = refuse(ppo, ["--compile"], monkeypatch, capsys, CXX="no-such-compiler")
-    assert "--compile on CPU needs a C++ compiler and 'no-such-compiler' is not on PATH" in message
-
-
-def test_non_atari_env_from_the_command_line_exits_without_traceback(tmp_path):
-    result = run_command([sys.executable, str(ROOT / "ppo_atari_multigpu.py"), "--env-id", "CartPole-v1"], tmp_path)
-    assert result.returncode == 2
-    assert "is not an Atari game" in result.stderr and "Traceback" not in result.stderr

@@ -1,12 +1,10 @@
 """ppo_continuous_mpi.py: GAE with truncation, distributed equivalence, world-wide normalisation,
---target-kl on ranks that disagree, end to end on MuJoCo under torchrun, and bad input."""
+--target-kl on ranks that disagree, end to end on MuJoCo under torchrun (bad input: test_bad_input.py)."""
 
 import copy
 import dataclasses
-import importlib.util
 import os
 import re
-import sys
 
 import gymnasium as gym
 import numpy as np
@@ -18,14 +16,11 @@ import tyro
 import ppo_continuous_mpi as ppo
 from tests.helpers import (
     LOG_KEYS,
-    ROOT,
     assert_ok,
     assert_same_parameters,
     compiled_something,
     rank_parameters,
     read_scalars,
-    refuse,
-    run_command,
     run_dirs,
     run_ranks,
     torchrun,
@@ -352,46 +347,3 @@ def test_evaluation_normalises_observations_with_the_frozen_statistics(monkeypat
     expected = np.clip((reset_obs - 0.5) / np.sqrt(4.0 + 1e-8), -10, 10)  # mean 0.5, variance 40 / 10
     np.testing.assert_allclose(seen[0][0], expected, rtol=1e-6)
     assert len(seen) > 1 and agent.obs_rms.count.item() == 10  # frozen: playing does not update them
-
-
-# --- bad input ----------------------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    ("flags", "world_size", "message"),
-    [
-        (["--num-steps", "100"], 1, "--num-minibatches 32 does not divide the local batch of 100 steps"),
-        (
-            ["--num-steps", "64", "--local-num-envs", "2", "--num-minibatches", "3"],
-            2,
-            "does not divide the local batch",
-        ),
-        (["--total-timesteps", "4000"], 2, "less than one iteration's batch of 4096 steps"),
-        (["--env-id", "NoSuchEnv-v0"], 1, "unknown or unusable --env-id 'NoSuchEnv-v0'"),
-        (["--env-id", "CartPole-v1"], 1, "CartPole-v1 has Discrete actions; ppo_continuous_mpi.py needs Box"),
-        (["--eval-checkpoint", "missing/model.pt"], 1, "--eval-checkpoint 'missing/model.pt' does not exist"),
-        (["--update-epochs", "0"], 1, "--update-epochs must be at least 1"),
-        pytest.param(
-            ["--capture-video"],
-            1,
-            "--capture-video needs moviepy",
-            marks=pytest.mark.skipif(importlib.util.find_spec("moviepy") is not None, reason="moviepy is installed"),
-        ),
-    ],
-)
-def test_bad_input_is_one_clear_message(flags, world_size, message, tmp_path, monkeypatch, capsys):
-    monkeypatch.chdir(tmp_path)
-    assert message in refuse(ppo, flags, monkeypatch, capsys, WORLD_SIZE=str(world_size))
-    assert not (tmp_path / "runs").exists()
-
-
-def test_compile_without_a_cpp_compiler_is_one_clear_message(tmp_path, monkeypatch, capsys):
-    monkeypatch.chdir(tmp_path)
-    message = refuse(ppo, ["--compile"], monkeypatch, capsys, CXX="no-such-compiler")
-    assert "--compile on CPU needs a C++ compiler and 'no-such-compiler' is not on PATH" in message
-
-
-def test_bad_input_exits_without_a_traceback(tmp_path):
-    result = run_command([sys.executable, str(ROOT / "ppo_continuous_mpi.py"), "--num-minibatches", "7"], tmp_path, 60)
-    assert result.returncode == 2
-    assert "does not divide" in result.stderr and "Traceback" not in result.stderr, result.stderr

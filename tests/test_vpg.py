@@ -1,10 +1,9 @@
-"""vpg_mpi.py: GAE, seeding, distributed equivalence, every launcher, and bad input."""
+"""vpg_mpi.py: GAE, seeding, distributed equivalence, every launcher (bad input: test_bad_input.py)."""
 
 import sys
 
 import gymnasium as gym
 import numpy as np
-import pytest
 import torch
 
 import vpg_mpi
@@ -16,7 +15,6 @@ from tests.helpers import (
     free_port,
     rank_parameters,
     read_scalars,
-    refuse,
     run_command,
     run_dirs,
     run_ranks,
@@ -301,38 +299,3 @@ def test_nprocs_relaunches_under_torchrun(tmp_path):
     assert_ok(result)
     assert "ranks                        2" in result.stdout
     assert epochs_logged(run_dirs(tmp_path)[0]) == 3
-
-
-# --- bad input -----------------------------------------------------------------------------------------
-
-
-class TupleActions(gym.Env):
-    observation_space = gym.spaces.Box(-1.0, 1.0, (2,))
-    action_space = gym.spaces.Tuple((gym.spaces.Discrete(2), gym.spaces.Discrete(2)))
-
-
-gym.register("ddrl-test/TupleActions-v0", entry_point=TupleActions)
-
-
-@pytest.mark.parametrize(
-    ("flags", "world_size", "message"),
-    [
-        (["--steps-per-epoch", "4000"], 3, "does not split evenly across 3 ranks"),
-        (["--steps-per-epoch", "4000", "--local-num-envs", "3"], 2, "does not split across --local-num-envs 3"),
-        (["--total-timesteps", "1000"], 1, "zero epochs"),
-        (["--env-id", "NoSuchEnv-v0"], 1, "unknown --env-id 'NoSuchEnv-v0'"),
-        (["--env-id", "ddrl-test/TupleActions-v0"], 1, "has Tuple actions"),
-        (["--eval-checkpoint", "missing/model.pt"], 1, "does not exist"),
-        (["--nprocs", "0"], 1, "--nprocs must be at least 1"),
-    ],
-)
-def test_bad_input_is_one_clear_message(flags, world_size, message, tmp_path, monkeypatch, capsys):
-    monkeypatch.chdir(tmp_path)
-    assert message in refuse(vpg_mpi, flags, monkeypatch, capsys, WORLD_SIZE=str(world_size))
-    assert not (tmp_path / "runs").exists()
-
-
-def test_unknown_sync_mode_is_refused_by_the_command_line(tmp_path):
-    result = run_command([sys.executable, str(ROOT / "vpg_mpi.py"), "--sync", "ring"], tmp_path, timeout=60)
-    assert result.returncode == 2
-    assert "--sync" in result.stderr and "Traceback" not in result.stderr

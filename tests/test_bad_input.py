@@ -1,0 +1,79 @@
+"""Bad input to each script: one clear message and exit 2, no traceback, nothing written under runs/."""
+
+import importlib.util
+import sys
+
+import gymnasium as gym
+import pytest
+
+import ppo_atari_multigpu
+import ppo_continuous_mpi
+import vpg_mpi
+from tests.helpers import refuse, run_command
+
+SCRIPTS = {"atari": ppo_atari_multigpu, "continuous": ppo_continuous_mpi, "vpg": vpg_mpi}
+
+
+class TupleActions(gym.Env):
+    observation_space = gym.spaces.Box(-1.0, 1.0, (2,))
+    action_space = gym.spaces.Tuple((gym.spaces.Discrete(2), gym.spaces.Discrete(2)))
+
+
+gym.register("ddrl-test/TupleActions-v0", entry_point=TupleActions)
+
+WITHOUT_MOVIEPY = pytest.mark.skipif(importlib.util.find_spec("moviepy") is not None, reason="moviepy is installed")
+
+
+@pytest.mark.parametrize(
+    ("script", "flags", "world_size", "message"),
+    [
+        ("atari", "--env-id CartPole-v1", 1, "is not an Atari game"),
+        ("atari", "--env-id NoSuchGame-v4", 1, "unknown --env-id 'NoSuchGame-v4'"),
+        ("atari", "--env-id Breakout-v4", 1, "skips a random number of frames"),
+        ("atari", "--local-num-envs 3 --num-steps 5", 1, "does not split into --num-minibatches 4"),
+        ("atari", "--total-timesteps 1024", 2, "zero iterations"),
+        ("atari", "--num-steps 0", 1, "--num-steps must be at least 1"),
+        ("atari", "--target-kl 0", 1, "--target-kl must be positive"),
+        ("atari", "--eval-checkpoint missing/model.pt", 1, "does not exist"),
+        ("continuous", "--num-steps 100", 1, "--num-minibatches 32 does not divide the local batch of 100 steps"),
+        ("continuous", "--num-steps 64 --local-num-envs 2 --num-minibatches 3", 2, "does not divide the local batch"),
+        ("continuous", "--total-timesteps 4000", 2, "less than one iteration's batch of 4096 steps"),
+        ("continuous", "--env-id NoSuchEnv-v0", 1, "unknown or unusable --env-id 'NoSuchEnv-v0'"),
+        ("continuous", "--env-id CartPole-v1", 1, "CartPole-v1 has Discrete actions; ppo_continuous_mpi.py needs Box"),
+        ("continuous", "--eval-checkpoint missing/model.pt", 1, "--eval-checkpoint 'missing/model.pt' does not exist"),
+        ("continuous", "--update-epochs 0", 1, "--update-epochs must be at least 1"),
+        pytest.param("continuous", "--capture-video", 1, "--capture-video needs moviepy", marks=WITHOUT_MOVIEPY),
+        ("vpg", "--steps-per-epoch 4000", 3, "does not split evenly across 3 ranks"),
+        ("vpg", "--steps-per-epoch 4000 --local-num-envs 3", 2, "does not split across --local-num-envs 3"),
+        ("vpg", "--total-timesteps 1000", 1, "zero epochs"),
+        ("vpg", "--env-id NoSuchEnv-v0", 1, "unknown --env-id 'NoSuchEnv-v0'"),
+        ("vpg", "--env-id ddrl-test/TupleActions-v0", 1, "has Tuple actions"),
+        ("vpg", "--eval-checkpoint missing/model.pt", 1, "does not exist"),
+        ("vpg", "--nprocs 0", 1, "--nprocs must be at least 1"),
+    ],
+)
+def test_bad_input_is_one_clear_message(script, flags, world_size, message, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert message in refuse(SCRIPTS[script], flags.split(), monkeypatch, capsys, WORLD_SIZE=str(world_size))
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("script", ["atari", "continuous"])
+def test_compile_without_a_cpp_compiler_is_one_clear_message(script, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    message = refuse(SCRIPTS[script], ["--compile"], monkeypatch, capsys, CXX="no-such-compiler")
+    assert "--compile on CPU needs a C++ compiler and 'no-such-compiler' is not on PATH" in message
+
+
+@pytest.mark.parametrize(
+    ("script", "flags", "message", "timeout"),
+    [
+        ("atari", "--env-id CartPole-v1", "is not an Atari game", 240),
+        ("continuous", "--num-minibatches 7", "does not divide", 60),
+        ("vpg", "--sync ring", "--sync", 60),  # refused by tyro: not one of the sync modes
+    ],
+)
+def test_bad_input_from_the_command_line_exits_without_a_traceback(script, flags, message, timeout, tmp_path):
+    result = run_command([sys.executable, SCRIPTS[script].__file__, *flags.split()], tmp_path, timeout)
+    assert result.returncode == 2
+    assert message in result.stderr and "Traceback" not in result.stderr, result.stderr
