@@ -152,6 +152,14 @@ def load_warning(max_load: float) -> str | None:
     )
 
 
+def check_load(max_load: float) -> tuple[str, str | None]:
+    """Before a timing: the load averages now, and `load_warning(max_load)`, which is also printed to stderr."""
+    load, warning = load_average(), load_warning(max_load)
+    if warning:
+        print(f"benchmark: warning: {warning}", file=sys.stderr)
+    return load, warning
+
+
 def machine_description() -> str:
     """One line: CPU model, usable cores, OS, Python and torch versions."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
@@ -174,26 +182,46 @@ def code_version() -> str:
 
 
 def command_line(module: str, argv: Sequence[str]) -> str:
-    """The shell command that reproduces a `python -m benchmark.X` invocation."""
-    return shlex.join(["python", "-m", module, *argv])
+    """The shell command that reproduces a `python -m benchmark.X` invocation, less the values of `--notes` (a results
+    file shows those as prose under its header, not as one long line)."""
+    shown, in_notes = [], False
+    for index, arg in enumerate(argv):
+        if arg == "--":  # the rest goes to the script
+            shown += argv[index:]
+            break
+        if arg.startswith("--"):
+            in_notes = arg == "--notes"
+        if not (in_notes or arg.startswith("--notes=")):
+            shown.append(arg)
+    return shlex.join(["python", "-m", module, *shown])
 
 
-def results_header(title: str, command: str, notes: Sequence[str] = (), warning: str | None = None) -> str:
-    """The markdown header of a results file: title, a bold warning if any, producing command, date, machine, load,
-    notes."""
+def results_header(
+    title: str,
+    module: str,
+    argv: Sequence[str],
+    facts: Sequence[str] = (),
+    notes: Sequence[str] = (),
+    warning: str | None = None,
+) -> str:
+    """The markdown header of a results file: title, a bold warning if any, then a list of the command that reproduces
+    it (`python -m MODULE ARGV` without `--notes`), date, machine, checkout, load and the `facts` the module measured
+    or fixed, then each of `notes` (what was run, by whom and why) as a paragraph of prose."""
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     lines = [
         f"# {title}",
         "",
         *([f"**{warning}**", ""] if warning else []),
-        f"- command: `{command}` (from the repository root)",
+        f"- command: `{command_line(module, argv)}` (from the repository root)",
         f"- date: {now}",
         f"- machine: {machine_description()}",
         f"- checkout: commit {code_version()}",
         f"- load average (1, 5, 15 min) when written: {load_average()}",
-        *(f"- {note}" for note in notes),
+        *(f"- {fact}" for fact in facts),
         "",
     ]
+    for note in notes:
+        lines += [note, ""]
     return "\n".join(lines)
 
 

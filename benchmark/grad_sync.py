@@ -40,9 +40,7 @@ import tyro
 
 from benchmark.common import (
     ROOT,
-    command_line,
-    load_average,
-    load_warning,
+    check_load,
     markdown_table,
     output_paths,
     results_header,
@@ -74,7 +72,8 @@ class Args:
     out: Path = Path("benchmark_results/grad_sync")
     """output stem: writes OUT.md"""
     notes: tuple[str, ...] = ()
-    """extra lines for the header of the markdown file"""
+    """paragraphs of prose under the header of the markdown file (what was run, how and why); the command shown there
+    leaves them out"""
     max_load: float = 1.0
     """above this 1-minute load average at the start, the results file opens with a MEASURED UNDER LOAD warning"""
 
@@ -363,9 +362,7 @@ def main(argv: list[str] | None = None) -> Path:
     args = tyro.cli(Args, args=argv, description=__doc__)
     if args.nprocs < 2 or args.repeats < 1 or any(name not in MODELS for name in args.models):
         raise SystemExit(f"benchmark.grad_sync: error: need --nprocs >= 2, --repeats >= 1, models among {MODELS}")
-    load_before, warning = load_average(), load_warning(args.max_load)
-    if warning:
-        print(f"benchmark: warning: {warning}", file=sys.stderr)
+    load_before, warning = check_load(args.max_load)
     with tempfile.TemporaryDirectory(prefix="ddrl_grad_sync_") as tmp:
         result_path = Path(tmp) / "rows.json"
         mp.start_processes(
@@ -378,7 +375,7 @@ def main(argv: list[str] | None = None) -> Path:
     if not all(row["checked"] for row in rows):
         print("benchmark.grad_sync: warning: a method's result did not match the all_gather reference", file=sys.stderr)
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    notes = [
+    facts = [
         f"{args.nprocs} ranks (spawned processes, gloo), {args.threads or max(1, usable // args.nprocs)} torch "
         f"thread(s) each; {args.repeats} timed repetitions after {args.warmup} warm-up ones, each after a barrier, "
         "each counted on the slowest rank",
@@ -389,10 +386,9 @@ def main(argv: list[str] | None = None) -> Path:
         "critic's, about half the floats, so its per-iteration figures are an upper bound)",
         "DDP rows for the MLPs show what DDP would cost there; only ppo_atari_multigpu.py uses DDP",
         f"load average (1, 5, 15 min) before the measurement: {load_before}",
-        *args.notes,
     ]
     table_path, _ = output_paths(args.out)
-    text = results_header("Gradient sync: time per sync", command_line("benchmark.grad_sync", argv), notes, warning)
+    text = results_header("Gradient sync: time per sync", "benchmark.grad_sync", argv, facts, args.notes, warning)
     table_path.write_text(text + "\n" + format_table(rows))
     print(table_path.read_text())
     return table_path

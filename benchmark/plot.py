@@ -24,7 +24,6 @@ import numpy as np
 import tyro
 
 from benchmark.common import (
-    command_line,
     find_run_dirs,
     markdown_table,
     output_paths,
@@ -58,7 +57,8 @@ class Args:
     title: str = "Learning curves and final returns"
     """the heading of the markdown file"""
     notes: tuple[str, ...] = field(default_factory=tuple)
-    """extra lines for the header of the markdown file (e.g. how many seeds and why)"""
+    """paragraphs of prose under the header of the markdown file (e.g. the commands that made the runs, how many seeds
+    and why, what each line is); the command shown there leaves them out"""
 
 
 @dataclass
@@ -223,13 +223,12 @@ def main(argv: list[str] | None = None) -> tuple[Path, Path]:
         seen[key] = run.path
     table_path, png_path = output_paths(args.out)
     plot(runs, args.smooth, references, args.reference_label, png_path)
-    notes = [
+    facts = [
         f"final return: mean of the last {args.last_points} logged `{RETURN_KEY}` values of a run (each the mean "
         "return of the episodes that ended in one iteration), then mean +- std (ddof 0) over seeds",
-        *args.notes,
     ]
     runs_list = "\n".join(f"- {run.label} {run.env_id} seed {run.seed}: `{run.path}`" for run in runs)
-    text = results_header(args.title, command_line("benchmark.plot", argv), notes)
+    text = results_header(args.title, "benchmark.plot", argv, facts, args.notes)
     text += (
         f"\n![learning curves]({png_path.name})\n\n{summarize(runs, args.last_points, references, args.reference_name)}"
     )

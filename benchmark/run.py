@@ -1,8 +1,8 @@
 """Run one script over several env ids and seeds, each run as N ranks under torchrun, all logging to one folder.
 
     python -m benchmark.run --script ppo_continuous_mpi.py --env-ids HalfCheetah-v5 Hopper-v5 \\
-        --nprocs 2 --out-dir bench -- --num-steps 1024 --total-timesteps 1000000
-    python -m benchmark.plot bench/runs --out benchmark/results/ppo_continuous
+        --nprocs 2 --out-dir runs/bench -- --num-steps 1024 --total-timesteps 1000000
+    python -m benchmark.plot runs/bench/runs --out benchmark/results/ppo_continuous
 
 Arguments after `--` go to every run of the script. Run `{script}__{env}__{seed}` writes TensorBoard to
 OUT_DIR/runs/{run_name} (the scripts write to runs/ under their working directory, which is OUT_DIR) and its

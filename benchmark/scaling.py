@@ -28,10 +28,8 @@ import tyro
 
 from benchmark.common import (
     SCRIPTS,
-    command_line,
+    check_load,
     last_lines,
-    load_average,
-    load_warning,
     markdown_table,
     output_paths,
     read_scalar_events,
@@ -85,7 +83,8 @@ class Args:
     out_dir: Path | None = None
     """where the runs are launched (runs/ and logs/ land there, and are kept); default: a temporary folder"""
     notes: tuple[str, ...] = ()
-    """extra lines for the header of the markdown file"""
+    """paragraphs of prose under the header of the markdown file (what was run, how and why); the command shown there
+    leaves them out"""
     max_load: float = 1.0
     """above this 1-minute load average at the start, the results file opens with a MEASURED UNDER LOAD warning"""
 
@@ -238,9 +237,7 @@ def main(argv: list[str] | None = None) -> tuple[Path, Path]:
     if unknown or not args.ranks or min(args.ranks) < 1 or args.iterations < 2:
         raise SystemExit(f"benchmark.scaling: error: scripts must be in {SCRIPTS}, ranks >= 1, iterations >= 2")
     work_dir = args.out_dir.resolve() if args.out_dir else Path(tempfile.mkdtemp(prefix="ddrl_scaling_"))
-    load_before, warning = load_average(), load_warning(args.max_load)
-    if warning:
-        print(f"benchmark: warning: {warning}", file=sys.stderr)
+    load_before, warning = check_load(args.max_load)
     results: dict[str, list[Measurement]] = {}
     try:
         for script in args.scripts:
@@ -268,13 +265,12 @@ def main(argv: list[str] | None = None) -> tuple[Path, Path]:
 
     table_path, png_path = output_paths(args.out)
     plot(results, png_path)
-    notes = [
+    facts = [
         f"weak scaling: {args.iterations} iterations per run, a fixed batch per rank "
         f"({args.local_steps or DEFAULT_BATCH_TEXT} env steps per rank per iteration)",
         f"load average (1, 5, 15 min) before the runs: {load_before}",
-        *args.notes,
     ]
-    text = results_header("Scaling: SPS against ranks", command_line("benchmark.scaling", argv), notes, warning)
+    text = results_header("Scaling: SPS against ranks", "benchmark.scaling", argv, facts, args.notes, warning)
     text += f"\n![scaling]({png_path.name})\n"
     for script, measurements in results.items():
         env_id = args.env_id or SCRIPT_DEFAULTS[script][0]

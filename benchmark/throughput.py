@@ -1,7 +1,7 @@
 """Throughput at default hyperparameters beside what bounds it, measured side by side in one run (issue 7).
 
     python -m benchmark.throughput --out benchmark/results/throughput
-    python -m benchmark.throughput --compare-with /tmp/before --repeats 3   # A/B against another checkout
+    python -m benchmark.throughput --compare-with ../before --repeats 3     # A/B against another checkout
 
 For each script, one rank at its defaults (the scripts' default torch threads: every usable core):
 
@@ -19,7 +19,7 @@ iteration 1 to the end of the last, over the wall time between them (start-up an
 which pays for lazy initialisation and the first allocator growth, are left out). Its `perf/rollout_time` and
 `perf/update_time` medians over iterations 2.. are shown beside it.
 
-`--compare-with DIR` also runs the scripts of another checkout (e.g. `git worktree add /tmp/before HEAD~1`),
+`--compare-with DIR` also runs the scripts of another checkout (e.g. `git worktree add ../before HEAD~1`),
 alternating with this checkout's in every one of `--repeats` rounds, so load on the machine affects both alike;
 each cell is the median over the rounds. Timing on a loaded machine is distorted: the output records the load.
 """
@@ -42,10 +42,8 @@ import tyro
 from benchmark.common import (
     ROOT,
     SCRIPTS,
-    command_line,
+    check_load,
     last_lines,
-    load_average,
-    load_warning,
     markdown_table,
     results_header,
     run_streaming,
@@ -79,7 +77,8 @@ class Args:
     out_dir: Path | None = None
     """where the runs are launched (runs/ and logs/ land there, and are kept); default: a temporary folder"""
     notes: tuple[str, ...] = ()
-    """extra lines for the header of the markdown file"""
+    """paragraphs of prose under the header of the markdown file (what was run, how and why); the command shown there
+    leaves them out"""
     variants: tuple[str, ...] = (
         "ppo_continuous_mpi.py --compile",
         "ppo_atari_multigpu.py --bf16",
@@ -223,9 +222,7 @@ def main(argv: list[str] | None = None) -> Path:
         key: f"{checkout_commit(root)}{' (this checkout)' if key == 'this' else ''}" for key, root in checkouts.items()
     }
     work_dir = args.out_dir.resolve() if args.out_dir else Path(tempfile.mkdtemp(prefix="ddrl_throughput_"))
-    load_before, warning = load_average(), load_warning(args.max_load)
-    if warning:
-        print(f"benchmark: warning: {warning}", file=sys.stderr)
+    load_before, warning = check_load(args.max_load)
 
     bounds: dict[str, list[float]] = {}  # script -> env-only rate or compute limit, per round
     atari_parts: list[tuple[float, float]] = []
@@ -292,16 +289,17 @@ def main(argv: list[str] | None = None) -> Path:
         "rollout s / it",
         "update s / it",
     ]
-    notes = [
+    facts = [
         f"1 rank, default hyperparameters, {args.iterations} iterations per script run, {args.repeats} round(s); "
         "each cell the median over rounds",
         f"load average (1, 5, 15 min) before the runs: {load_before}",
-        *args.notes,
     ]
     text = results_header(
         "Throughput against the env-only rate and the compute limit",
-        command_line("benchmark.throughput", argv),
-        notes,
+        "benchmark.throughput",
+        argv,
+        facts,
+        args.notes,
         warning,
     )
     text += "\n" + markdown_table(headers, rows)

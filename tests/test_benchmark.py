@@ -40,9 +40,17 @@ def test_every_entry_point_has_help(module, capsys):
     assert "usage" in capsys.readouterr().out.lower()
 
 
-def test_results_header_names_command_machine_and_torch():
-    header = common.results_header("T", "python -m benchmark.x --a 1", ["a note"])
-    assert "`python -m benchmark.x --a 1`" in header and "- a note" in header
+def test_results_header_names_command_machine_and_torch_and_sets_the_notes_apart_as_prose():
+    argv = ["--a", "1", "--notes", "first note", "second note", "--b", "x y", "--notes=third", "--", "--notes", "z"]
+    header = common.results_header("T", "benchmark.x", argv, ["a fact"], ["first note", "second note"])
+    lines = header.splitlines()
+    assert lines[:3] == [
+        "# T",
+        "",
+        "- command: `python -m benchmark.x --a 1 --b 'x y' -- --notes z` (from the repository root)",
+    ]
+    assert header.endswith("\n- a fact\n\nfirst note\n\nsecond note\n")  # the notes: paragraphs after the list
+    assert header.count("first note") == 1
     assert common.cpu_model() in header and torch.__version__ in header
     assert re.search(r"- checkout: commit [0-9a-f]{7}", header)
     cores = len(os.sched_getaffinity(0))
@@ -95,12 +103,12 @@ def test_run_two_seeds_in_parallel_then_plot_them(tmp_path, capsys):
         run.main([*argv, "--out-dir", str(out_dir)])
 
     stem = tmp_path / "results" / "curves"
-    table_path, png_path = plot.main(
-        [str(out_dir / "runs"), "--out", str(stem), "--last-points", "2", "--reference", "CartPole-v1=500 (ref)"]
-    )
+    argv = [str(out_dir / "runs"), "--out", str(stem), "--last-points", "2", "--reference", "CartPole-v1=500 (ref)"]
+    table_path, png_path = plot.main([*argv, "--notes", "two seeds, to test"])
     assert_png(png_path)
     text = table_path.read_text()
-    assert "python -m benchmark.plot" in text and "![learning curves](curves.png)" in text
+    assert f"- command: `{shlex.join(['python', '-m', 'benchmark.plot', *argv])}`" in text
+    assert "\n\ntwo seeds, to test\n\n![learning curves](curves.png)" in text
     [[env_id, cell, reference]] = table_rows(text, "env")
     assert (env_id, reference) == ("CartPole-v1", "500 (ref)")
     assert cell == f"{np.mean(finals):.2f} +- {np.std(finals):.2f} (2 seeds, 400 steps)"
