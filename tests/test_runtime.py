@@ -1,0 +1,90 @@
+"""The runtime block every script shares, where a run needs more than CPU to exercise it, and the project's
+promises about its own files (requirement bounds, test markers)."""
+
+import importlib
+import os
+import re
+import sys
+import types
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.helpers import ROOT, refuse
+
+SCRIPTS = ("ppo_continuous_mpi.py", "ppo_atari_multigpu.py", "vpg_mpi.py")
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+@pytest.mark.parametrize(("gpus", "backend"), [(2, "cpu:gloo,cuda:nccl"), (1, "gloo")])
+def test_a_gpu_run_forms_a_group_that_serves_both_cpu_and_cuda_tensors(script, gpus, backend, monkeypatch, capsys):
+    """With --cuda and a GPU per rank, NCCL carries the CUDA tensors and gloo the CPU ones (NCCL alone has no CPU
+    collectives, so the same-command check or a CPU scalar would fail); ranks sharing a GPU use gloo alone."""
+    module = importlib.import_module(script[:-3])
+    for key, value in {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "1")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda index: None)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(dist, "rendezvous", lambda *args, **kwargs: iter([(dist.HashStore(), 0, 2)]))
+    formed = []
+
+    def init_process_group(backend: str, **kwargs) -> None:
+        formed.append(backend)
+        raise RuntimeError("no network in this test")
+
+    monkeypatch.setattr(dist, "init_process_group", init_process_group)
+    run = module.Run(module.Args(cuda=True))
+    with pytest.raises(SystemExit):
+        run.join_process_group()
+    assert formed == [backend]
+    assert run.device == torch.device("cuda", 0)
+    assert f"with {backend}:" in capsys.readouterr().err
+
+
+def test_requirements_ask_for_what_the_scripts_call():
+    """gymnasium 1.1 introduced AutoresetMode.SAME_STEP, which every script's vector env uses."""
+    bounds = dict(re.findall(r"^([\w\-]+)(?:\[\w+\])?>=([\d.]+)", (ROOT / "requirements.txt").read_text(), re.M))
+    assert all("AutoresetMode.SAME_STEP" in (ROOT / script).read_text() for script in SCRIPTS)
+    assert tuple(int(part) for part in bounds["gymnasium"].split(".")) >= (1, 1)
+
+
+def test_every_declared_pytest_marker_is_used():
+    declared = re.search(r"^markers = \[(.*?)\]", (ROOT / "pyproject.toml").read_text(), re.M | re.S)
+    tests = "".join(path.read_text() for path in (ROOT / "tests").glob("test_*.py"))
+    for name in re.findall(r'"(\w+):', declared[1]) if declared else []:
+        assert f"pytest.mark.{name}" in tests, f"marker {name!r} is declared in pyproject.toml but used nowhere"
+
+
+def test_capture_video_that_cannot_render_stops_before_training(monkeypatch, capsys, tmp_path):
+    """A headless machine without a working renderer: one line naming the fix, before any env steps (the script
+    used to train to the end and then die in a traceback)."""
+    import ppo_continuous_mpi
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MUJOCO_GL", "egl")
+    monkeypatch.setitem(sys.modules, "moviepy", types.ModuleType("moviepy"))  # present, as on a user's machine
+
+    def no_opengl(env_id: str) -> None:
+        raise RuntimeError("an OpenGL platform library has not been loaded into this process")
+
+    monkeypatch.setattr(ppo_continuous_mpi, "render_one_frame", no_opengl)
+    message = refuse(ppo_continuous_mpi, ["--env-id", "InvertedPendulum-v5", "--capture-video"], monkeypatch, capsys)
+    assert "--capture-video cannot render a frame (an OpenGL platform library has not been loaded" in message
+    assert "MUJOCO_GL=egl (apt-get install libegl1) or MUJOCO_GL=osmesa" in message
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize(("display", "chosen"), [("", "egl"), (":0", None)])
+def test_capture_video_on_a_headless_machine_renders_with_egl(display, chosen, monkeypatch):
+    import ppo_continuous_mpi
+
+    monkeypatch.setenv("MUJOCO_GL", "unset below")  # so that monkeypatch restores the variable afterwards
+    monkeypatch.delenv("MUJOCO_GL")
+    monkeypatch.setenv("DISPLAY", display)
+    ppo_continuous_mpi.Run(ppo_continuous_mpi.Args(capture_video=True))
+    assert os.environ.get("MUJOCO_GL") == chosen
