@@ -578,11 +578,10 @@ def unpack_batch(packed: torch.Tensor, like: dict[str, torch.Tensor]) -> dict[st
 
 def check_args(args: Args) -> None:
     """Refuse flags and envs that cannot run, with the fix, before any process group or rollout env exists."""
-    for name in ("total_timesteps", "steps_per_epoch", "local_num_envs", "max_ep_len", "eval_episodes"):
+    counts = ("total_timesteps", "steps_per_epoch", "local_num_envs", "train_v_iters", "max_ep_len", "eval_episodes")
+    for name in counts:
         if getattr(args, name) < 1:
             fail(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
-    if args.train_v_iters < 0:
-        fail(f"--train-v-iters must be at least 0, got {args.train_v_iters}")
     try:
         probe = gym.make(args.env_id)  # only to read its spaces; `module:EnvId` imports the module that registers it
     except (gym.error.Error, ModuleNotFoundError) as error:

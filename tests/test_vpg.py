@@ -15,6 +15,7 @@ from tests.helpers import (
     free_port,
     rank_parameters,
     read_scalars,
+    refuse,
     run_command,
     run_dirs,
     run_ranks,
@@ -106,6 +107,17 @@ def test_no_two_envs_or_ranks_share_a_seed():
         first_obs.add(tuple(env.reset(seed=seed)[0].round(6)))
         env.close()
     assert len(first_obs) == len(seeds)
+
+
+# --- input --------------------------------------------------------------------------------------------
+
+
+def test_no_value_steps_is_refused_before_training(tmp_path, monkeypatch, capsys):
+    """--train-v-iters 0 would leave the value loss the epoch logs undefined: refused with one line instead."""
+    monkeypatch.chdir(tmp_path)
+    message = refuse(vpg_mpi, ["--env-id", "CartPole-v1", "--train-v-iters", "0"], monkeypatch, capsys)
+    assert "--train-v-iters must be at least 1, got 0" in message
+    assert not (tmp_path / "runs").exists()
 
 
 # --- distributed equivalence ---------------------------------------------------------------------------
