@@ -584,8 +584,10 @@ def check_args(args: Args) -> None:
             fail(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     try:
         probe = gym.make(args.env_id)  # only to read its spaces; `module:EnvId` imports the module that registers it
-    except (gym.error.Error, ModuleNotFoundError) as error:
-        fail(f"unknown --env-id {args.env_id!r} ({error})")
+    except Exception as error:  # an unknown id or module, or MuJoCo failing to load the renderer MUJOCO_GL names
+        gl = os.environ.get("MUJOCO_GL")
+        renderer = f"; or MUJOCO_GL={gl} names a renderer this machine lacks (unset it, or install it)" if gl else ""
+        fail(f"unknown or unusable --env-id {args.env_id!r} ({type(error).__name__}: {error}){renderer}")
     action_space, observation_space = probe.action_space, probe.observation_space
     probe.close()
     if not isinstance(action_space, gym.spaces.Box | gym.spaces.Discrete):
