@@ -28,9 +28,9 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from datetime import timedelta
-from typing import NoReturn
+from typing import Literal, NoReturn
 
 import gymnasium as gym
 import numpy as np
@@ -104,6 +104,9 @@ class Args:
     """the maximum norm of the (world-averaged) gradient"""
     target_kl: float | None = None
     """if set, stop the update epochs once the world-averaged approximate KL exceeds it"""
+    sync: Literal["allreduce", "gather"] = "allreduce"
+    """allreduce: every rank updates on its share and the gradients are averaged after each minibatch; gather: the
+    rollouts go to rank 0, which runs the same update on their union alone and broadcasts the weights"""
 
     # Distributed runtime (the same flags in every ddrl script)
     run_name: str = ""
@@ -136,6 +139,10 @@ class Args:
     """the world's minibatch size (computed at run time)"""
     num_iterations: int = 0
     """number of iterations: total_timesteps // batch_size (computed at run time)"""
+
+
+Batch = dict[str, torch.Tensor]  # a rollout's tensors by name: obs, actions, log_probs, values, advantages, returns
+Group = dist.ProcessGroup | None  # None: the world
 
 
 # --- batch arithmetic ---------------------------------------------------------------------------------
@@ -334,12 +341,12 @@ def compute_gae(
 # --- gradient sync ------------------------------------------------------------------------------------
 
 
-def group_size(group: dist.ProcessGroup | None = None) -> int:
+def group_size(group: Group = None) -> int:
     """Ranks in `group` (the world by default); 1 where no process group exists, so helpers become no-ops."""
     return dist.get_world_size(group) if dist.is_initialized() else 1
 
 
-def allreduce_mean(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+def allreduce_mean(tensor: torch.Tensor, group: Group = None) -> torch.Tensor:
     """Average `tensor` over the ranks of `group`, in place. Over gloo the wait yields the CPU in a loop: a sleeping
     waiter is often woken milliseconds late for a sub-millisecond allreduce. A dead peer still fails the wait."""
     if group_size(group) > 1:
@@ -355,19 +362,17 @@ def allreduce_mean(tensor: torch.Tensor, group: dist.ProcessGroup | None = None)
 def flat_gradient_buffer(parameters: list[nn.Parameter], num_extras: int) -> torch.Tensor:
     """One zeroed buffer of every gradient, then `num_extras` scalars; each `.grad` is a view into it, so backward()
     accumulates into what the allreduce sends. Zero it with `zero_()` (`optimizer.zero_grad()` drops the views)."""
-    size = sum(p.numel() for p in parameters) + num_extras
-    flat = torch.zeros(size, dtype=parameters[0].dtype, device=parameters[0].device)
-    offset = 0
-    for parameter in parameters:
-        parameter.grad = flat[offset : offset + parameter.numel()].view_as(parameter)
-        offset += parameter.numel()
+    sizes = [p.numel() for p in parameters]
+    flat = torch.zeros(sum(sizes) + num_extras, dtype=parameters[0].dtype, device=parameters[0].device)
+    for parameter, gradient in zip(parameters, flat[: sum(sizes)].split(sizes), strict=True):
+        parameter.grad = gradient.view_as(parameter)
     return flat
 
 
-def average_gradients(flat: torch.Tensor) -> torch.Tensor:
+def average_gradients(flat: torch.Tensor, group: Group = None) -> torch.Tensor:
     """Average a flat_gradient_buffer (gradients, then the scalars every rank must agree on) over ranks in one
     allreduce. A NaN or inf anywhere spreads through the sum, so every rank raises NonFiniteError before any step."""
-    allreduce_mean(flat)
+    allreduce_mean(flat, group)
     if not torch.isfinite(flat).all():
         raise NonFiniteError("a non-finite loss or gradient")
     return flat
@@ -379,29 +384,27 @@ def clip_flat_gradients(gradients: torch.Tensor, max_norm: float) -> None:
     gradients.mul_(torch.clamp(max_norm / (total_norm + 1e-6), max=1.0))
 
 
-def broadcast_parameters(module: nn.Module, src: int = 0) -> None:
-    """Copy rank `src`'s parameters and buffers to every rank with one flat broadcast."""
-    if group_size() == 1:
-        return
+def broadcast_parameters(module: nn.Module, extras: torch.Tensor | None = None) -> None:
+    """Copy rank 0's parameters and buffers, and `extras` (numbers riding along), to every rank in one broadcast."""
     tensors = [t for t in (*module.parameters(), *module.buffers()) if t.is_floating_point()]
-    with torch.no_grad():
-        flat = torch.cat([t.reshape(-1) for t in tensors])
-        dist.broadcast(flat, src=src)
-        offset = 0
-        for tensor in tensors:
-            tensor.copy_(flat[offset : offset + tensor.numel()].view_as(tensor))
-            offset += tensor.numel()
+    tensors += [] if extras is None else [extras]
+    if group_size() > 1:
+        with torch.no_grad():
+            flat = torch.cat([t.reshape(-1).double() for t in tensors])
+            dist.broadcast(flat, src=0)
+            for tensor, part in zip(tensors, flat.split([t.numel() for t in tensors]), strict=True):
+                tensor.copy_(part.view_as(tensor))
 
 
-def global_moments(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def global_moments(x: torch.Tensor, group: Group = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Count, mean and M2 along the last dim of `x` over all ranks' elements, as if concatenated (one all_gather)."""
     local_mean = x.mean(-1)
     local_m2 = ((x - local_mean.unsqueeze(-1)) ** 2).sum(-1)
     local = torch.stack([torch.full_like(local_mean, x.shape[-1]), local_mean, local_m2])
-    if group_size() == 1:
+    if group_size(group) == 1:
         return local[0], local[1], local[2]
-    gathered = [torch.empty_like(local) for _ in range(group_size())]
-    dist.all_gather(gathered, local)
+    gathered = [torch.empty_like(local) for _ in range(group_size(group))]
+    dist.all_gather(gathered, local, group=group)
     count_i, mean_i, m2_i = torch.stack(gathered, dim=1)  # each [ranks, rows...]
     count = count_i.sum(0)
     mean = (count_i * mean_i).sum(0) / count
@@ -409,9 +412,9 @@ def global_moments(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.T
     return count, mean, m2
 
 
-def global_mean_std(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def global_mean_std(x: torch.Tensor, group: Group = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Mean and unbiased std along the last dim of `x` over all ranks' elements, as if concatenated (one collective)."""
-    count, mean, m2 = global_moments(x)
+    count, mean, m2 = global_moments(x, group)
     return mean, torch.sqrt(m2 / (count - 1))
 
 
@@ -421,11 +424,7 @@ LOSS_KEYS = ("policy_loss", "value_loss", "entropy", "old_approx_kl", "approx_kl
 
 
 def minibatch_loss(
-    agent: Agent,
-    mb: dict[str, torch.Tensor],
-    adv_mean: torch.Tensor | None,
-    adv_std: torch.Tensor | None,
-    args: Args,
+    agent: Agent, mb: Batch, adv_mean: torch.Tensor | None, adv_std: torch.Tensor | None, args: Args
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """PPO's clipped loss on one minibatch and its LOSS_KEYS; advantages normalised with the global minibatch's."""
     new_log_prob, entropy, new_value = agent.log_prob_entropy_value(mb["obs"], mb["actions"])
@@ -469,10 +468,11 @@ def loss_function(args: Args) -> Callable:
 def update(
     agent: Agent,
     optimizer: torch.optim.Optimizer,
-    batch: dict[str, torch.Tensor],
+    batch: Batch,
     args: Args,
     orders: torch.Tensor,
     loss_fn: Callable = minibatch_loss,
+    group: Group = None,
 ) -> tuple[torch.Tensor, float, int]:
     """PPO's update epochs; the world's minibatch k is the union of every rank's k-th slice of `orders[epoch]` (a
     permutation of this rank's batch). Returns the world-averaged LOSS_KEYS (the last minibatch's; clipfrac over all),
@@ -491,7 +491,7 @@ def update(
         adv_mean = adv_std = [None] * args.num_minibatches
         if args.norm_adv:  # every global minibatch's mean and std in one collective per epoch
             start = time.perf_counter()
-            adv_mean, adv_std = global_mean_std(shuffled["advantages"].view(args.num_minibatches, size))
+            adv_mean, adv_std = global_mean_std(shuffled["advantages"].view(args.num_minibatches, size), group)
             sync_time += time.perf_counter() - start
         for k in range(args.num_minibatches):
             mb = {key: value[k * size : (k + 1) * size] for key, value in shuffled.items()}
@@ -505,7 +505,7 @@ def update(
                 stats[5] = clipfrac_sum / minibatches_run
             # equal local sizes: the mean of the ranks' gradients is the union's; clipped alike after averaging
             start = time.perf_counter()
-            average_gradients(flat)
+            average_gradients(flat, group)
             sync_time += time.perf_counter() - start
             clip_flat_gradients(gradients, args.max_grad_norm)
             optimizer.step()
@@ -516,6 +516,35 @@ def update(
     for parameter in parameters:  # let the buffer go (optimizer.zero_grad() would do the same)
         parameter.grad = None
     return stats.clone(), sync_time, epoch + 1
+
+
+def update_one_learner(
+    agent: Agent,
+    optimizer: torch.optim.Optimizer,
+    batch: Batch,
+    args: Args,
+    orders: torch.Tensor,
+    loss_fn: Callable,
+    learner_group: Group,
+) -> tuple[torch.Tensor, float]:
+    """--sync gather: rank 0 runs `update` on the union of the ranks' batches in `learner_group` (a group of one),
+    then one broadcast gives every rank its weights, the logged losses and whether it met a non-finite loss.
+    Returns those losses and the seconds of the gather and the broadcast."""
+    start = time.perf_counter()
+    union = gather_to_learner(batch, orders, args)
+    outcome = torch.zeros(len(LOSS_KEYS) + 1, dtype=torch.float64, device=orders.device)  # losses, non-finite flag
+    update_time = time.perf_counter()
+    if union is not None:
+        learner_args = replace(args, local_batch_size=args.batch_size, local_minibatch_size=args.minibatch_size)
+        try:
+            outcome[:-1] = update(agent, optimizer, union[0], learner_args, union[1], loss_fn, learner_group)[0]
+        except NonFiniteError:
+            outcome[-1] = 1.0
+    update_time = time.perf_counter() - update_time
+    broadcast_parameters(agent, outcome)
+    if outcome[-1] > 0:
+        raise NonFiniteError("a non-finite loss or gradient")
+    return outcome[:-1], time.perf_counter() - start - update_time
 
 
 def main(args: Args) -> Agent | None:
@@ -545,6 +574,7 @@ def main(args: Args) -> Agent | None:
     optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5, fused=True)  # fused: 1 kernel
     loss_fn = loss_function(args)
     global_step = run.restore(model=agent, optimizer=optimizer)  # a resumed run's state, RNG streams included
+    learner_group = dist.new_group([0]) if args.sync == "gather" else None  # rank 0 learning alone
 
     # rollout storage (numpy, one row per step of the local envs; moved to `device` once per iteration)
     shape = (args.num_steps, args.local_num_envs)
@@ -625,7 +655,10 @@ def main(args: Args) -> Agent | None:
             orders = torch.stack(
                 [torch.randperm(args.local_batch_size, device=device) for _ in range(args.update_epochs)]
             )
-            stats, sync_time, _ = update(agent, optimizer, batch, args, orders, loss_fn)
+            if args.sync == "allreduce":
+                stats, sync_time, _ = update(agent, optimizer, batch, args, orders, loss_fn)
+            else:  # the same update, by rank 0 alone on the union of every rank's batch
+                stats, sync_time = update_one_learner(agent, optimizer, batch, args, orders, loss_fn, learner_group)
             update_time = time.perf_counter() - update_start
 
             # --- logging: episodes ended on any rank, losses averaged over ranks, the world's explained variance ---
@@ -662,6 +695,29 @@ def explained_variance(world: dict[str, float]) -> float:
     var_returns = world["returns_squared"] / n - (world["returns"] / n) ** 2
     var_residuals = world["residuals_squared"] / n - (world["residuals"] / n) ** 2
     return np.nan if var_returns <= 0 else 1 - var_residuals / var_returns
+
+
+# --- --sync gather: the ranks' batches as one ---------------------------------------------------------
+
+
+def gather_to_learner(batch: Batch, orders: torch.Tensor, args: Args) -> tuple[Batch, torch.Tensor] | None:
+    """--sync gather: every rank's batch and minibatch orders on rank 0 (one gather), as the union batch and orders
+    under which the world's minibatch k is every rank's k-th slice, as with allreduce; None on the other ranks."""
+    packed = torch.cat([value.reshape(-1).double() for value in (*batch.values(), orders)])
+    gathered = [torch.empty_like(packed) for _ in range(group_size())] if dist.get_rank() == 0 else None
+    dist.gather(packed, gathered, dst=0)
+    if gathered is None:
+        return None
+    parts = [rank_packed.split([value.numel() for value in (*batch.values(), orders)]) for rank_packed in gathered]
+    union = {
+        key: torch.cat([part[i].view_as(value) for part in parts]).to(value.dtype)
+        for i, (key, value) in enumerate(batch.items())
+    }
+    rank_orders = torch.stack(
+        [part[-1].view_as(orders).long() + r * args.local_batch_size for r, part in enumerate(parts)], 1
+    )
+    slices = rank_orders.view(args.update_epochs, group_size(), args.num_minibatches, args.local_minibatch_size)
+    return union, slices.transpose(1, 2).reshape(args.update_epochs, -1)
 
 
 # --- input checks and the batch table -----------------------------------------------------------------

@@ -410,3 +410,36 @@ def test_evaluation_normalises_observations_with_the_frozen_statistics(monkeypat
     expected = np.clip((reset_obs - 0.5) / np.sqrt(4.0 + 1e-8), -10, 10)  # mean 0.5, variance 40 / 10
     np.testing.assert_allclose(seen[0][0], expected, rtol=1e-6)
     assert len(seen) > 1 and agent.obs_rms.count.item() == 10  # frozen: playing does not update them
+
+
+# --- --sync gather takes the allreduce update's steps ---------------------------------------------------
+
+
+def sync_modes_rank(rank: int, world_size: int, target_kl: float | None) -> dict:
+    """Unequal local batches (rank 1's observations 3x larger) through both --sync modes from the same start."""
+    batch = fixed_batch(obs_scale=1.0 + 2.0 * rank, seed=10 + rank)
+    args = dataclasses.replace(UPDATE_ARGS, num_minibatches=2, update_epochs=6, target_kl=target_kl, world_size=2)
+    args = dataclasses.replace(args, local_batch_size=BATCH, batch_size=2 * BATCH)
+    args = dataclasses.replace(args, local_minibatch_size=BATCH // 2, minibatch_size=BATCH)
+    orders = local_orders(rank, BATCH, args.update_epochs)
+    agent, optimizer = new_learner()
+    stats, _, epochs = ppo.update(agent, optimizer, batch, args, orders)
+    outcome = {"allreduce": agent.state_dict(), "stats": stats, "epochs": epochs}
+    agent, optimizer = new_learner()
+    learner_group = dist.new_group([0])
+    outcome["gather_stats"], _ = ppo.update_one_learner(
+        agent, optimizer, batch, args, orders, ppo.minibatch_loss, learner_group
+    )
+    outcome["gather"] = agent.state_dict()
+    return outcome
+
+
+@pytest.mark.parametrize("target_kl", [None, 0.1])
+def test_gather_ends_the_update_with_the_allreduce_weights(target_kl, tmp_path):
+    results = run_ranks(sync_modes_rank, 2, tmp_path, target_kl, timeout=90)
+    epochs = [result["epochs"] for result in results]
+    assert epochs[0] == epochs[1] and (epochs[0] == 6 if target_kl is None else 1 < epochs[0] < 6), epochs
+    for result in results:  # every rank holds the learner's weights, and they are allreduce's
+        assert_same_parameters([results[0]["allreduce"], result["gather"]], atol=1e-10)
+        torch.testing.assert_close(result["gather_stats"], results[0]["stats"], rtol=0, atol=1e-10)
+    assert (results[0]["gather"]["actor_logstd"] - new_learner()[0].actor_logstd).abs().max() > 1e-3  # it moved

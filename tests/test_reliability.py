@@ -45,6 +45,11 @@ SCRIPTS = {
 }
 
 
+# each script, and the modes whose update runs elsewhere: --sync gather (rank 0 learns alone)
+CASES = [*((script, ()) for script in SCRIPTS), ("ppo_continuous_mpi.py", ("--sync", "gather"))]
+CASE_IDS = [script + "".join(f" {flag}" for flag in mode) for script, mode in CASES]
+
+
 def flags(script: str, iterations: int, *extra: str) -> list[str]:
     script_flags, batch = SCRIPTS[script]
     return [*script_flags, "--total-timesteps", str(iterations * batch), *extra]
@@ -65,14 +70,14 @@ def checkpoints(cwd) -> list:
 # --- checkpoints, elastic restart, SIGTERM -------------------------------------------------------------
 
 
-@pytest.mark.parametrize("script", SCRIPTS)
-def test_a_killed_worker_restarts_the_group_which_resumes_from_its_checkpoint(script, tmp_path):
+@pytest.mark.parametrize(("script", "mode"), CASES, ids=CASE_IDS)
+def test_a_killed_worker_restarts_the_group_which_resumes_from_its_checkpoint(script, mode, tmp_path):
     """torchrun --max-restarts 1 (no --run-name: the rendezvous id names the run), SIGKILL rank 1 after checkpoint 2."""
     iterations, batch = 8, SCRIPTS[script][1]
     killed, reference = tmp_path / "killed", tmp_path / "reference"
     killed.mkdir()
     reference.mkdir()
-    run_flags = flags(script, iterations, "--checkpoint-every", "1", "--save-model")
+    run_flags = flags(script, iterations, "--checkpoint-every", "1", "--save-model", *mode)
     launcher = start(torchrun_with(["--standalone", "--max-restarts", "1"], script, run_flags), killed)
     signal_rank_when(
         launcher, 1, signal.SIGKILL, lambda: any(path.name == "iter_000002.pt" for path in checkpoints(killed))
@@ -95,7 +100,7 @@ def test_a_killed_worker_restarts_the_group_which_resumes_from_its_checkpoint(sc
 
     # every rank's random streams went on from the checkpoint as if never interrupted: they match an
     # uninterrupted run's at the end (the weights differ: the envs restarted from fresh episodes)
-    run_flags = flags(script, iterations, "--checkpoint-every", str(iterations))
+    run_flags = flags(script, iterations, "--checkpoint-every", str(iterations), *mode)
     assert_ok(run_command(torchrun_with(["--standalone"], script, run_flags), reference))
     final, uninterrupted = load(checkpoints(killed)[-1]), load(checkpoints(reference)[-1])
     assert final["iteration"] == uninterrupted["iteration"] == iterations and final["restarts"] == 1
@@ -105,10 +110,10 @@ def test_a_killed_worker_restarts_the_group_which_resumes_from_its_checkpoint(sc
     assert not torch.equal(final["rng"][0]["torch"], final["rng"][1]["torch"])
 
 
-@pytest.mark.parametrize("script", SCRIPTS)
-def test_sigterm_checkpoints_and_stops_every_rank_and_resume_finishes_the_run(script, tmp_path):
+@pytest.mark.parametrize(("script", "mode"), CASES, ids=CASE_IDS)
+def test_sigterm_checkpoints_and_stops_every_rank_and_resume_finishes_the_run(script, mode, tmp_path):
     iterations, batch = 6, SCRIPTS[script][1]
-    run_flags = flags(script, iterations, "--run-name", "preempted")
+    run_flags = flags(script, iterations, "--run-name", "preempted", *mode)
     launcher = start(torchrun_with(["--standalone"], script, run_flags), tmp_path)
     # a preemption notice to one rank only: both must agree to stop at the same iteration
     signal_rank_when(launcher, 1, signal.SIGTERM, lambda: progress_lines(output(launcher)[0]))
@@ -144,13 +149,16 @@ def start_ranks(script: str, args: list[str], cwd, scripts: tuple | None = None,
 
 
 @pytest.mark.parametrize(
-    ("script", "sig"),
-    [pytest.param(script, signal.SIGKILL, id=f"{script}-SIGKILL") for script in SCRIPTS]
-    + [pytest.param("vpg_mpi.py", signal.SIGSTOP, id="vpg_mpi.py-SIGSTOP")],
+    ("script", "sig", "mode"),
+    [
+        pytest.param(script, signal.SIGKILL, mode, id=f"{case}-SIGKILL")
+        for (script, mode), case in zip(CASES, CASE_IDS, strict=True)
+    ]
+    + [pytest.param("vpg_mpi.py", signal.SIGSTOP, (), id="vpg_mpi.py-SIGSTOP")],
 )
-def test_a_dead_or_silent_peer_stops_the_survivor_within_the_timeout(script, sig, tmp_path):
+def test_a_dead_or_silent_peer_stops_the_survivor_within_the_timeout(script, sig, mode, tmp_path):
     timeout = 15
-    ranks = start_ranks(script, flags(script, 50, "--dist-timeout", str(timeout)), tmp_path)
+    ranks = start_ranks(script, flags(script, 50, "--dist-timeout", str(timeout), *mode), tmp_path)
     try:
         wait_for(lambda: progress_lines(output(ranks[0])[0]), 120, "the first iteration", tuple(ranks))
         os.kill(ranks[1].pid, sig)
