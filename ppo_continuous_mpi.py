@@ -3,7 +3,9 @@
 CleanRL's ppo_continuous_action.py recipe in one file, so results compare with its published table: separate 64-64
 tanh actor and critic MLPs with orthogonal init, a state-independent log-std, clipped surrogate and value losses,
 GAE-lambda, an annealed learning rate, actions clipped to the space, observations normalised and rewards scaled by a
-running return std (each clipped to +-10).
+running return std (each clipped to +-10). One deviation: that running return restarts with every episode, truncated
+or not (gymnasium's NormalizeReward, which CleanRL uses, restarts it only on termination and so carries HalfCheetah's
+returns across its time-limit cuts), so the reward scale is that of the episodes the learner sees.
 
     torchrun --standalone --nproc_per_node=2 ppo_continuous_mpi.py     # README: every launcher, GPUs, evaluation
 
@@ -12,7 +14,8 @@ Each rank steps its own envs and computes GAE on its share. The world's minibatc
 minibatch k: its advantages are normalised with the union's mean and std, and after each backward one allreduce of
 one flat buffer averages the gradients (the KL for `--target-kl` and the logged losses ride along) before clipping.
 Observation and return statistics are frozen during a rollout and merged world-wide once per iteration. So every
-rank takes the step one process would take on the concatenated batch, and holds the same weights.
+rank takes the step one process would take on the concatenated batch, and holds the same weights. `--sync gather`
+instead sends every batch to rank 0, which runs that same update alone and broadcasts the weights.
 """
 
 import contextlib
