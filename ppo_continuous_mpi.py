@@ -108,8 +108,7 @@ class Args:
     target_kl: float | None = None
     """if set, stop the update epochs once the world-averaged approximate KL exceeds it"""
     sync: Literal["allreduce", "gather"] = "allreduce"
-    """allreduce: every rank updates on its share and the gradients are averaged after each minibatch; gather: the
-    rollouts go to rank 0, which runs the same update on their union alone and broadcasts the weights"""
+    """allreduce: each rank updates on its share, gradients averaged; gather: rank 0 runs the update on the union"""
 
     # Distributed runtime (the same flags in every ddrl script)
     run_name: str = ""
@@ -521,35 +520,6 @@ def update(
     return stats.clone(), sync_time, epoch + 1
 
 
-def update_one_learner(
-    agent: Agent,
-    optimizer: torch.optim.Optimizer,
-    batch: Batch,
-    args: Args,
-    orders: torch.Tensor,
-    loss_fn: Callable,
-    learner_group: Group,
-) -> tuple[torch.Tensor, float]:
-    """--sync gather: rank 0 runs `update` on the union of the ranks' batches in `learner_group` (a group of one),
-    then one broadcast gives every rank its weights, the logged losses and whether it met a non-finite loss.
-    Returns those losses and the seconds of the gather and the broadcast."""
-    start = time.perf_counter()
-    union = gather_to_learner(batch, orders, args)
-    outcome = torch.zeros(len(LOSS_KEYS) + 1, dtype=torch.float64, device=orders.device)  # losses, non-finite flag
-    update_time = time.perf_counter()
-    if union is not None:
-        learner_args = replace(args, local_batch_size=args.batch_size, local_minibatch_size=args.minibatch_size)
-        try:
-            outcome[:-1] = update(agent, optimizer, union[0], learner_args, union[1], loss_fn, learner_group)[0]
-        except NonFiniteError:
-            outcome[-1] = 1.0
-    update_time = time.perf_counter() - update_time
-    broadcast_parameters(agent, outcome)
-    if outcome[-1] > 0:
-        raise NonFiniteError("a non-finite loss or gradient")
-    return outcome[:-1], time.perf_counter() - start - update_time
-
-
 def main(args: Args) -> Agent | None:
     """Train (or, with --eval-checkpoint, evaluate); returns this rank's trained agent."""
     run = Run(args)  # re-launches under torchrun for --nprocs; reads the launcher's world
@@ -584,9 +554,8 @@ def main(args: Args) -> Agent | None:
     raw_obs = np.zeros(shape + (obs_dim,))  # unnormalised, for the statistics
     obs = np.zeros(shape + (obs_dim,), dtype=np.float32)  # normalised, as the agent saw them
     actions = np.zeros(shape + (action_dim,), dtype=np.float32)
-    logprobs, values, rewards = np.zeros(shape, np.float32), np.zeros(shape, np.float32), np.zeros(shape, np.float32)
-    terminations, truncations = np.zeros(shape, np.float32), np.zeros(shape, np.float32)
-    final_values = np.zeros(shape, dtype=np.float32)  # V(final observation) where an episode was truncated
+    # final_values: V(final observation) where an episode was truncated
+    logprobs, values, rewards, terminations, truncations, final_values = np.zeros((6, *shape), dtype=np.float32)
     discounted_returns = np.zeros(shape)  # the running return whose std scales the rewards
 
     # a resumed run starts fresh episodes, on envs seeded after all the earlier attempts' envs
@@ -612,8 +581,7 @@ def main(args: Args) -> Agent | None:
                 clipped_action = np.clip(actions[step], envs.single_action_space.low, envs.single_action_space.high)
                 next_obs, reward, terminated, truncated, info = envs.step(clipped_action)
                 rewards[step], terminations[step], truncations[step] = reward, terminated, truncated
-                discounted_return = discounted_return * args.gamma + reward
-                discounted_returns[step] = discounted_return
+                discounted_returns[step] = discounted_return = discounted_return * args.gamma + reward
                 episode_return += reward
                 episode_length += 1
                 ended = terminated | truncated
@@ -667,14 +635,9 @@ def main(args: Args) -> Agent | None:
             # --- logging: episodes ended on any rank, losses averaged over ranks, the world's explained variance ---
             world = run.sum_over_ranks(**finished, **value_sums(returns, values))
             losses = {f"losses/{key}": value for key, value in zip(LOSS_KEYS, stats.tolist(), strict=True)}
-            scalars = {
-                "charts/learning_rate": optimizer.param_groups[0]["lr"],
-                **losses,
-                "losses/explained_variance": explained_variance(world),
-                "perf/rollout_time": rollout_time,
-                "perf/update_time": update_time,
-                "perf/sync_time": sync_time,
-            }
+            scalars = {"charts/learning_rate": optimizer.param_groups[0]["lr"], **losses}
+            scalars["losses/explained_variance"] = explained_variance(world)
+            scalars |= {"perf/rollout_time": rollout_time, "perf/update_time": update_time, "perf/sync_time": sync_time}
             run.log(global_step, world, scalars)
             if run.end_iteration(global_step):  # weight check, checkpoint; every rank stops here on SIGTERM
                 break
@@ -700,7 +663,36 @@ def explained_variance(world: dict[str, float]) -> float:
     return np.nan if var_returns <= 0 else 1 - var_residuals / var_returns
 
 
-# --- --sync gather: the ranks' batches as one ---------------------------------------------------------
+# --- --sync gather: rank 0 learns alone on the union of the ranks' batches ----------------------------
+
+
+def update_one_learner(
+    agent: Agent,
+    optimizer: torch.optim.Optimizer,
+    batch: Batch,
+    args: Args,
+    orders: torch.Tensor,
+    loss_fn: Callable,
+    learner_group: Group,
+) -> tuple[torch.Tensor, float]:
+    """--sync gather: rank 0 runs `update` on the union of the ranks' batches in `learner_group` (a group of one),
+    then one broadcast gives every rank its weights, the logged losses and whether it met a non-finite loss.
+    Returns those losses and the seconds of the gather and the broadcast."""
+    start = time.perf_counter()
+    union = gather_to_learner(batch, orders, args)
+    outcome = torch.zeros(len(LOSS_KEYS) + 1, dtype=torch.float64, device=orders.device)  # losses, non-finite flag
+    update_time = time.perf_counter()
+    if union is not None:
+        learner_args = replace(args, local_batch_size=args.batch_size, local_minibatch_size=args.minibatch_size)
+        try:
+            outcome[:-1] = update(agent, optimizer, union[0], learner_args, union[1], loss_fn, learner_group)[0]
+        except NonFiniteError:
+            outcome[-1] = 1.0
+    update_time = time.perf_counter() - update_time
+    broadcast_parameters(agent, outcome)
+    if outcome[-1] > 0:
+        raise NonFiniteError("a non-finite loss or gradient")
+    return outcome[:-1], time.perf_counter() - start - update_time
 
 
 def gather_to_learner(batch: Batch, orders: torch.Tensor, args: Args) -> tuple[Batch, torch.Tensor] | None:
@@ -887,9 +879,9 @@ def check_video_support(args, render_frame: Callable[[], object]) -> None:
     except Exception as error:
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         fail(
-            f"--capture-video cannot render a frame ({reason}) with MUJOCO_GL={os.environ.get('MUJOCO_GL', '')!r}: "
-            "on a machine without a display use MUJOCO_GL=egl (apt-get install libegl1) or MUJOCO_GL=osmesa "
-            "(apt-get install libosmesa6), or drop --capture-video"
+            f"--capture-video cannot render a frame ({reason}): for MuJoCo without a display use MUJOCO_GL=egl "
+            "(apt-get install libegl1) or MUJOCO_GL=osmesa (apt-get install libosmesa6); for classic-control envs "
+            "pip install pygame; or drop --capture-video"
         )
 
 
@@ -960,7 +952,7 @@ def all_gather_int64(values: list[int], device: torch.device) -> torch.Tensor:
     return torch.stack(gathered).cpu()
 
 
-def check_parameters_in_sync(module: nn.Module, iteration: int) -> None:
+def check_parameters_in_sync(module: nn.Module, iteration: int, unit: str = "iteration") -> None:
     """Stop every rank if the weights differ between ranks (a checksum of their bytes, one all_gather)."""
     with torch.no_grad():
         flat = torch.cat([p.detach().reshape(-1) for p in module.parameters()]).cpu()
@@ -969,7 +961,7 @@ def check_parameters_in_sync(module: nn.Module, iteration: int) -> None:
     differ = (checksums != checksums[dist.get_rank() if dist.is_initialized() else 0]).nonzero().flatten().tolist()
     if differ:
         fail(
-            f"the weights of ranks {differ} differ from this rank's at iteration {iteration}: the ranks no longer "
+            f"the weights of ranks {differ} differ from this rank's at {unit} {iteration}: the ranks no longer "
             "train one model (a bug, or a faulty node); resume from the last checkpoint with --resume"
         )
 
@@ -1237,7 +1229,7 @@ class Run:
         True when every rank stops here (SIGTERM)."""
         args, iteration = self.args, self.iteration
         if args.check_sync_every and iteration % args.check_sync_every == 0:
-            check_parameters_in_sync(self.states["model"], iteration)
+            check_parameters_in_sync(self.states["model"], iteration, self.unit)
         if self.stopping or (args.checkpoint_every and iteration % args.checkpoint_every == 0):
             self.save_checkpoint(global_step)
         if self.stopping and self.rank == 0:

@@ -60,11 +60,14 @@ def test_every_declared_pytest_marker_is_used():
         assert f"pytest.mark.{name}" in tests, f"marker {name!r} is declared in pyproject.toml but used nowhere"
 
 
-def test_capture_video_that_cannot_render_stops_before_training(monkeypatch, capsys, tmp_path):
-    """A headless machine without a working renderer: one line naming the fix, before any env steps (the script
-    used to train to the end and then die in a traceback)."""
-    import ppo_continuous_mpi
-
+@pytest.mark.parametrize(
+    ("script", "env_id"),
+    [("ppo_continuous_mpi.py", "InvertedPendulum-v5"), ("vpg_mpi.py", "CartPole-v1"), ("ppo_atari_multigpu.py", "")],
+)
+def test_capture_video_that_cannot_render_stops_before_training(script, env_id, monkeypatch, capsys, tmp_path):
+    """A machine without a working renderer: one line naming the fix, before any env steps (the scripts used to
+    train to the end and then die in a traceback)."""
+    module = importlib.import_module(script[:-3])
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("MUJOCO_GL", "egl")
     monkeypatch.setitem(sys.modules, "moviepy", types.ModuleType("moviepy"))  # present, as on a user's machine
@@ -72,8 +75,9 @@ def test_capture_video_that_cannot_render_stops_before_training(monkeypatch, cap
     def no_opengl(env_id: str) -> None:
         raise RuntimeError("an OpenGL platform library has not been loaded into this process")
 
-    monkeypatch.setattr(ppo_continuous_mpi, "render_one_frame", no_opengl)
-    message = refuse(ppo_continuous_mpi, ["--env-id", "InvertedPendulum-v5", "--capture-video"], monkeypatch, capsys)
+    monkeypatch.setattr(module, "render_one_frame", no_opengl)
+    flags = ["--capture-video", *(["--env-id", env_id] if env_id else [])]
+    message = refuse(module, flags, monkeypatch, capsys)
     assert "--capture-video cannot render a frame (an OpenGL platform library has not been loaded" in message
     assert "MUJOCO_GL=egl (apt-get install libegl1) or MUJOCO_GL=osmesa" in message
     assert not (tmp_path / "runs").exists()
