@@ -1,33 +1,22 @@
-"""PPO on Atari (CleanRL's Nature-CNN recipe), data-parallel with torch DistributedDataParallel.
+"""PPO on Atari, data-parallel with torch DistributedDataParallel over any number of processes.
 
-One file: ale-py's native vectorised `AtariVectorEnv` (C++ threads) with the DQN preprocessing (frameskip 4 with
-max-pool, 84x84 grayscale, 4-frame stack, up to 30 no-op starts, fire on reset), a Nature CNN with a shared trunk
-and policy/value heads, GAE, clipped surrogate and clipped value loss, annealed learning rate. The learner sees
-rewards clipped to [-1, 1] and a lost life as a terminal; TensorBoard gets the raw score of whole games.
+CleanRL's ppo_atari.py recipe in one file: ale-py's native vectorised `AtariVectorEnv` (C++ threads) with the DQN
+preprocessing (frameskip 4 with max-pool, 84x84 grayscale, 4-frame stack, up to 30 no-op starts, fire on reset), a
+Nature CNN with a shared trunk and policy and value heads, GAE, clipped surrogate and value losses, an annealed
+learning rate. The learner sees rewards clipped to [-1, 1] and a lost life as a terminal; TensorBoard gets the raw
+score of whole games.
 
-Launch it any of these ways (no mpi4py needed):
+    torchrun --standalone --nproc_per_node=2 ppo_atari_multigpu.py     # README: every launcher, GPUs, evaluation
 
-    python ppo_atari_multigpu.py                                          # one process
-    torchrun --standalone --nproc_per_node=2 ppo_atari_multigpu.py        # 2 processes (GPUs) on this machine
-    python ppo_atari_multigpu.py --nprocs 2                               # the same, re-launched under torchrun
-    mpirun -np 2 python ppo_atari_multigpu.py                             # Open MPI, MPICH or Intel MPI
-    srun --ntasks=8 python ppo_atari_multigpu.py                          # SLURM (across nodes: export MASTER_ADDR)
-    torchrun --nnodes=2 --node-rank=0 --master-addr=HOST --master-port=29500 --nproc_per_node=4 ppo_atari_multigpu.py
-    python ppo_atari_multigpu.py --eval-checkpoint runs/RUN/model.pt      # play 10 games with a saved model
+Distributed story: `--local-num-envs` and `--num-steps` are per rank, so N ranks collect N times the batch of one.
+Each rank steps its own envs and computes GAE on its share. The agent is wrapped in DistributedDataParallel, whose
+backward hooks average the gradients over ranks bucket by bucket while backward still runs, so each rank clips and
+applies the gradient of the world minibatch (the union of every rank's minibatch k). Advantages are normalised with
+the world minibatch's mean and std; losses, KL and episode statistics are world-wide. So every rank takes the step
+one process would take on the concatenated batch, and holds the same weights.
 
-Distributed story: `--local-num-envs` and `--num-steps` are per rank, so N ranks collect N times the batch of
-one. Each rank steps its own envs (env g seeded `seed + 10_000 * g`) and computes GAE on its share. The agent is
-wrapped in DistributedDataParallel: every minibatch goes through `DDP.forward` once, and DDP's backward hooks
-average the gradients over ranks bucket by bucket while backward still runs, so each rank clips and applies the
-gradient of the world minibatch (the union of every rank's minibatch k). Advantages are normalised with the
-world-wide mean and std of each world minibatch; losses, KL and episode statistics are averaged over ranks.
-With CUDA each rank uses cuda:LOCAL_RANK and NCCL; with fewer GPUs than ranks on a node, ranks share GPUs over
-gloo; on CPU, gloo.
-
-Speed: the agent is kept channels-last (oneDNN's fast convolution layout on CPU, tensor cores' on GPU), and
-`--bf16` runs the CNN trunk under bfloat16 autocast, which about doubles the update on CPUs with AVX512-BF16 or
-AMX (benchmark/results/throughput.md; its learning curve is in benchmark/results/ppo_atari_learning_curves.md).
-`--compile` puts the update's forward and backward through torch.compile.
+Speed: the agent is kept channels-last (oneDNN's fast convolution layout on CPU, tensor cores' on GPU); `--bf16`
+runs the CNN trunk under bfloat16 autocast and `--compile` the update's forward and backward through torch.compile.
 """
 
 import contextlib
@@ -41,6 +30,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from typing import NoReturn
@@ -55,27 +45,17 @@ import tyro
 from ale_py.vector_env import AtariVectorEnv
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-SCRIPT = os.path.basename(__file__)
-
 
 @dataclass
 class Args:
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """the name of this experiment (part of the run folder's name)"""
-    run_name: str = ""
-    """the run folder under runs/; default `{env_id}__{exp_name}__{seed}__{unix_time}`"""
     seed: int = 1
     """seed of the experiment; rank r uses `seed + 10_000 * r`, env g uses `seed + 10_000 * g`"""
     torch_deterministic: bool = True
     """if toggled, `torch.backends.cudnn.deterministic=True`"""
     cuda: bool = True
     """if toggled and CUDA is available, rank r uses cuda:LOCAL_RANK"""
-    bf16: bool = False
-    """if toggled, the convolutions and the 512-unit layer compute in bfloat16 (autocast; weights, Adam and the
-    losses stay float32): about 2x the update speed on CPUs with AVX512-BF16 or AMX and on recent GPUs"""
-    compile: bool = False
-    """if toggled, the update's forward and backward run through torch.compile (the first update compiles for
-    several seconds; on CPU this needs a C++ compiler)"""
     track: bool = False
     """if toggled, the run is also sent to Weights and Biases (needs `pip install wandb`)"""
     wandb_project_name: str = "ddrl"
@@ -83,7 +63,7 @@ class Args:
     wandb_entity: str | None = None
     """the Weights and Biases entity (team)"""
     capture_video: bool = False
-    """if toggled, rank 0 records evaluation games to `runs/{run_name}/videos` (needs moviepy)"""
+    """if toggled, rank 0 records evaluation games to `runs/{run_name}/videos` after training (needs moviepy)"""
     save_model: bool = False
     """if toggled, rank 0 writes `runs/{run_name}/model.pt` at the end of training"""
     eval_checkpoint: str = ""
@@ -92,12 +72,60 @@ class Args:
     """games played by `--eval-checkpoint` and after training with `--capture-video`"""
     eval_deterministic: bool = False
     """if toggled, evaluation takes the policy's mode instead of sampling"""
+    bf16: bool = False
+    """if toggled, the convolutions and the 512-unit layer compute in bfloat16 (autocast; weights, Adam and the
+    losses stay float32): faster on CPUs with AVX512-BF16 or AMX and on recent GPUs"""
+    compile: bool = False
+    """if toggled, the update's forward and backward run through torch.compile (the first update compiles for
+    several seconds; on CPU this needs a C++ compiler)"""
+
+    # Algorithm specific arguments (names and defaults as in CleanRL's ppo_atari.py)
+    env_id: str = "BreakoutNoFrameskip-v4"
+    """the id of a gymnasium Atari game (`{Game}NoFrameskip-v4` or `ALE/{Game}-v5`)"""
+    total_timesteps: int = 10_000_000
+    """global env steps (agent steps, 4 frames each) over all ranks; sets the number of iterations"""
+    learning_rate: float = 2.5e-4
+    """the learning rate of the optimizer (Adam)"""
+    local_num_envs: int = 8
+    """game environments stepped by each rank"""
+    num_steps: int = 128
+    """steps per env per rollout"""
+    env_threads: int = 0
+    """AtariVectorEnv threads per rank; 0 = usable cores divided by the ranks on this node"""
+    anneal_lr: bool = True
+    """if toggled, the learning rate decays linearly to zero over the iterations"""
+    gamma: float = 0.99
+    """the discount factor"""
+    gae_lambda: float = 0.95
+    """the lambda of generalized advantage estimation"""
+    num_minibatches: int = 4
+    """minibatches per update epoch; the world's minibatch k is the union of every rank's minibatch k"""
+    update_epochs: int = 4
+    """passes over the batch per iteration"""
+    norm_adv: bool = True
+    """if toggled, advantages are normalised with the world-wide mean and std of each global minibatch"""
+    clip_coef: float = 0.1
+    """the surrogate clipping coefficient"""
+    clip_vloss: bool = True
+    """if toggled, the value loss is clipped around the rollout's values, as in the PPO paper's code"""
+    ent_coef: float = 0.01
+    """coefficient of the entropy bonus"""
+    vf_coef: float = 0.5
+    """coefficient of the value loss"""
+    max_grad_norm: float = 0.5
+    """the maximum norm of the (world-averaged) gradient"""
+    target_kl: float | None = None
+    """if set, stop the update epochs once the world-averaged approximate KL exceeds it"""
+
+    # Distributed runtime (the same flags in every ddrl script)
+    run_name: str = ""
+    """the run folder under runs/; default `{env_id}__{exp_name}__{seed}__{unix_time}`"""
     torch_threads: int = 0
     """torch threads per rank; 0 = usable cores divided by the ranks on this node"""
     nprocs: int = 1
     """if > 1 and not already launched, re-launch this script under `torch.distributed.run --standalone`"""
     backend: str = ""
-    """torch.distributed backend; empty = nccl with --cuda on a GPU per rank, gloo otherwise"""
+    """torch.distributed backend; empty = NCCL for CUDA tensors (gloo for CPU ones) with --cuda, gloo otherwise"""
     dist_timeout: float = 1800.0
     """seconds a collective may wait for a peer before the run stops with an error"""
     checkpoint_every: int = 0
@@ -107,204 +135,47 @@ class Args:
     check_sync_every: int = 0
     """compare a checksum of the weights across ranks every this many iterations and stop if they differ (0 = never)"""
 
-    # Algorithm specific arguments (names as in CleanRL)
-    env_id: str = "BreakoutNoFrameskip-v4"
-    """the id of a gymnasium Atari game (`{Game}NoFrameskip-v4` or `ALE/{Game}-v5`)"""
-    total_timesteps: int = 10_000_000
-    """global env steps (agent steps, 4 frames each) over all ranks; sets the number of iterations"""
-    learning_rate: float = 2.5e-4
-    """the learning rate of the optimizer"""
-    local_num_envs: int = 8
-    """parallel game environments stepped by each rank"""
-    num_steps: int = 128
-    """steps per env in each rollout (per rank)"""
-    env_threads: int = 0
-    """AtariVectorEnv threads per rank; 0 = usable cores divided by the ranks on this node"""
-    anneal_lr: bool = True
-    """if toggled, the learning rate decays linearly to zero over the run"""
-    gamma: float = 0.99
-    """the discount factor"""
-    gae_lambda: float = 0.95
-    """the lambda of generalised advantage estimation"""
-    num_minibatches: int = 4
-    """minibatches per epoch (each rank's batch splits into this many; world minibatch k is their union)"""
-    update_epochs: int = 4
-    """epochs over the batch in each update"""
-    norm_adv: bool = True
-    """if toggled, advantages are normalised with the world-wide mean and std of each minibatch"""
-    clip_coef: float = 0.1
-    """the surrogate clipping coefficient"""
-    clip_vloss: bool = True
-    """if toggled, the value loss is clipped as in the PPO paper's implementation"""
-    ent_coef: float = 0.01
-    """coefficient of the entropy bonus"""
-    vf_coef: float = 0.5
-    """coefficient of the value loss"""
-    max_grad_norm: float = 0.5
-    """the global norm the (rank-averaged) gradient is clipped to"""
-    target_kl: float | None = None
-    """if set, an update stops after the epoch whose world-averaged approximate KL exceeds it"""
-
     # to be filled in at run time
     world_size: int = 0
     """number of ranks (computed at run time)"""
     local_batch_size: int = 0
-    """transitions per rollout on one rank: local_num_envs * num_steps (computed at run time)"""
+    """env steps per iteration on one rank: local_num_envs * num_steps (computed at run time)"""
     batch_size: int = 0
-    """transitions per rollout over all ranks (computed at run time)"""
+    """env steps per iteration on all ranks (computed at run time)"""
     local_minibatch_size: int = 0
-    """transitions per minibatch on one rank (computed at run time)"""
+    """one rank's share of a minibatch (computed at run time)"""
     minibatch_size: int = 0
-    """transitions per minibatch over all ranks (computed at run time)"""
+    """the world's minibatch size (computed at run time)"""
     num_iterations: int = 0
-    """number of rollout-and-update iterations (computed at run time)"""
+    """number of iterations: total_timesteps // batch_size (computed at run time)"""
 
 
-# --- errors and launch ------------------------------------------------------------------------------
+# --- batch arithmetic ---------------------------------------------------------------------------------
 
 
-def fail(message: str, every_rank: bool = False) -> NoReturn:
-    """Stop with one readable line naming the fix and exit code 2; only global rank 0 prints it, unless
-    `every_rank` (a failure some ranks may survive alone, such as a lost peer: each says it, naming itself)."""
-    if dist.is_initialized() and not every_rank:  # every rank stops here together: leave the group cleanly
-        dist.destroy_process_group()
-        gc.collect()
-    rank = int(os.environ.get("RANK", "0"))
-    if every_rank and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        print(f"{SCRIPT}: error: rank {rank}: {message}", file=sys.stderr, flush=True)
-    elif rank == 0:
-        print(f"{SCRIPT}: error: {message}", file=sys.stderr, flush=True)
-    raise SystemExit(2)
+def derive_batch_sizes(args: Args, world_size: int) -> None:
+    """Per-rank and world batch sizes from the per-rank flags; sizes that do not divide or give no iteration stop."""
+    args.world_size = world_size
+    args.local_batch_size = args.local_num_envs * args.num_steps
+    args.batch_size = args.local_batch_size * world_size
+    if args.local_batch_size % args.num_minibatches:
+        fail(
+            f"the local batch of --local-num-envs {args.local_num_envs} x --num-steps {args.num_steps} = "
+            f"{args.local_batch_size} does not split into --num-minibatches {args.num_minibatches}; "
+            f"choose sizes whose product is a multiple of {args.num_minibatches}"
+        )
+    args.local_minibatch_size = args.local_batch_size // args.num_minibatches
+    args.minibatch_size = args.local_minibatch_size * world_size
+    args.num_iterations = args.total_timesteps // args.batch_size
+    if args.num_iterations < 1:
+        fail(
+            f"--total-timesteps {args.total_timesteps} is less than one iteration's global batch of "
+            f"{args.batch_size} ({world_size} ranks x {args.local_batch_size}): zero iterations; "
+            "raise --total-timesteps"
+        )
 
 
-# (rank, world size, local rank, local world size) as each launcher names them; the first match wins,
-# so torchrun's variables win under `srun torchrun` or `mpirun torchrun`.
-LAUNCHER_VARIABLES = (
-    ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"),
-    ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
-    ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
-    ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE"),
-)
-
-
-def read_launcher_environment() -> tuple[int, int, int, int]:
-    """(rank, world_size, local_rank, local_world_size) from torchrun, MPI or SLURM; a world of one if none."""
-    for rank_key, size_key, local_rank_key, local_size_key in LAUNCHER_VARIABLES:
-        if rank_key not in os.environ or size_key not in os.environ:
-            continue
-        try:
-            rank, world_size = int(os.environ[rank_key]), int(os.environ[size_key])
-            local_rank = int(os.environ.get(local_rank_key, rank))
-            # SLURM may write "2(x3)"; without a per-node count we assume one node
-            local_world_size = int(os.environ.get(local_size_key, str(world_size)).split("(")[0].split(",")[0])
-        except ValueError:
-            fail(f"the launcher's {rank_key}/{size_key}/{local_rank_key}/{local_size_key} are not integers")
-        if not (0 <= rank < world_size and 0 <= local_rank < local_world_size <= world_size):
-            fail(
-                f"inconsistent launcher variables {rank_key}={rank} {size_key}={world_size} "
-                f"{local_rank_key}={local_rank} {local_size_key}={local_world_size}"
-            )
-        return rank, world_size, local_rank, local_world_size
-    return 0, 1, 0, 1
-
-
-def relaunch_under_torchrun(nprocs: int) -> NoReturn:
-    """SpinningUp's mpi_fork: run this same command as `nprocs` ranks under torch.distributed.run."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nprocs}"]
-    raise SystemExit(subprocess.call([*command, os.path.abspath(__file__), *sys.argv[1:]]))
-
-
-# --- distributed helpers ---------------------------------------------------------------------------
-
-
-def cores_per_rank() -> int:
-    """Usable cores of this node divided by the ranks on it (LOCAL_WORLD_SIZE), at least 1."""
-    return max(1, len(os.sched_getaffinity(0)) // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-
-
-def init_distributed(args: Args) -> tuple[int, int, torch.device]:
-    """Join the process group; returns (global rank, world size, device). A world of one needs no network."""
-    rank, world_size, local_rank, local_world_size = read_launcher_environment()
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size))
-    os.environ.update(LOCAL_RANK=str(local_rank), LOCAL_WORLD_SIZE=str(local_world_size))
-    if world_size > 1 and not ("MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ):
-        if local_world_size != world_size:
-            fail("the ranks span several nodes: export MASTER_ADDR (rank 0's host) and MASTER_PORT on every node")
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29500")
-
-    use_cuda = args.cuda and torch.cuda.is_available()
-    backend = args.backend or ("nccl" if use_cuda else "gloo")
-    if use_cuda:
-        num_gpus = torch.cuda.device_count()
-        torch.cuda.set_device(local_rank % num_gpus)
-        if num_gpus < local_world_size and not args.backend:
-            backend = "gloo"  # NCCL refuses two ranks on one GPU
-            if local_rank == 0:
-                print(
-                    f"{SCRIPT}: warning: {local_world_size} ranks share {num_gpus} GPU(s) on this node, so they "
-                    "talk over gloo instead of NCCL (slower); launch one rank per GPU for NCCL",
-                    file=sys.stderr,
-                    flush=True,
-                )
-    device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
-    timeout = timedelta(seconds=args.dist_timeout)
-    try:
-        if world_size == 1:
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
-        else:
-            # torchrun keeps one store across restarts: a restarted group under the old keys would dial dead peers
-            store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world_size, timeout=timeout))
-            store = dist.PrefixStore(f"restart{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
-            dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
-    except (RuntimeError, ValueError) as error:
-        address = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
-        fail(f"could not form a process group of {world_size} ranks at {address} with {backend}: {error}")
-
-    # torchrun's OMP_NUM_THREADS=1 does not decide this: share the usable cores among the ranks of this node
-    torch.set_num_threads(args.torch_threads or cores_per_rank())
-    return rank, world_size, device
-
-
-def has_native_bf16(device: torch.device) -> bool:
-    """Whether bfloat16 convolutions and matmuls run natively here (AVX512-BF16 or AMX CPUs, Ampere or newer GPUs)."""
-    if device.type == "cuda":
-        return torch.cuda.is_bf16_supported(including_emulation=False)
-    return torch.ops.mkldnn._is_mkldnn_bf16_supported()
-
-
-def group_size(group: dist.ProcessGroup | None = None) -> int:
-    """Ranks in `group` (the world by default); 1 where no process group exists, so helpers become no-ops."""
-    return dist.get_world_size(group) if dist.is_initialized() else 1
-
-
-def allreduce_mean(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """Average `tensor` over the ranks of `group`, in place."""
-    if group_size(group) > 1:
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
-        tensor /= group_size(group)
-    return tensor
-
-
-def global_mean_std(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mean and unbiased std along the last dim of `x` over all ranks' elements, as if concatenated.
-
-    Every row is merged in one all_gather (parallel variance merge), so the statistics of all minibatches of an
-    update cost one collective. A 1-D `x` gives scalars.
-    """
-    local_mean = x.mean(-1)
-    count = torch.full_like(local_mean, x.shape[-1])
-    local = torch.stack([count, local_mean, ((x - local_mean.unsqueeze(-1)) ** 2).sum(-1)])
-    if group_size(group) > 1:
-        gathered = [torch.empty_like(local) for _ in range(group_size(group))]
-        dist.all_gather(gathered, local, group=group)
-        count_i, mean_i, m2_i = torch.stack(gathered, dim=1)  # each [ranks, *rows]
-        total = count_i.sum(0)
-        mean = (count_i * mean_i).sum(0) / total
-        m2 = (m2_i + count_i * (mean_i - mean) ** 2).sum(0)
-    else:
-        total, mean, m2 = local
-    return mean, torch.sqrt(m2 / (total - 1))
+# --- environment, agent, GAE --------------------------------------------------------------------------
 
 
 def rank_seed(seed: int, rank: int) -> int:
@@ -313,22 +184,15 @@ def rank_seed(seed: int, rank: int) -> int:
 
 
 def env_seeds(seed: int, rank: int, local_num_envs: int, index_offset: int = 0) -> list[int]:
-    """Seeds of this rank's envs: env j of rank r has global index g = index_offset + r * local_num_envs + j.
-
-    A resumed run passes `index_offset` = restarts x the world's envs, so its fresh episodes never replay a seed.
-    """
+    """Seeds of this rank's envs: env j of rank r has global index g = index_offset + r * local_num_envs + j. A resumed
+    run passes `index_offset` = restarts x the world's envs, so its fresh episodes never replay a seed."""
     return [seed + 10_000 * (index_offset + rank * local_num_envs + j) for j in range(local_num_envs)]
-
-
-# --- environment, agent, GAE -----------------------------------------------------------------------
 
 
 def atari_settings(env_id: str) -> dict:
     """The game and protocol of a gymnasium Atari id, read from its registration; a clear error for anything else.
-
-    `{Game}NoFrameskip-v4` plays without sticky actions, `ALE/{Game}-v5` repeats the last action with
-    probability 0.25; both get this script's own 4-frame skip with max-pool.
-    """
+    `{Game}NoFrameskip-v4` plays without sticky actions, `ALE/{Game}-v5` repeats the last action with probability
+    0.25; both get this script's own 4-frame skip with max-pool."""
     gym.register_envs(ale_py)
     try:
         spec = gym.spec(env_id)
@@ -353,13 +217,10 @@ def atari_settings(env_id: str) -> dict:
 
 
 def make_env(settings: dict, num_envs: int, num_threads: int) -> AtariVectorEnv:
-    """This rank's envs: C++ threads with the DQN preprocessing, raw rewards, life losses as terminals.
-
-    AtariVectorEnv's defaults do not fit the recipe: the learner clips rewards itself (the logged score stays
-    raw); `life_loss_info` reports a lost life as a terminal but plays on (`episodic_life` would restart the
-    game); same-step autoreset makes every stored transition a real one and puts the last observation of an
-    ended game in info["final_obs"].
-    """
+    """This rank's envs (`settings` from atari_settings): C++ threads with the DQN preprocessing. Unlike
+    AtariVectorEnv's defaults, rewards stay raw (the learner clips them, the log keeps the score), `life_loss_info`
+    reports a lost life as a terminal but plays on (`episodic_life` would restart the game), and same-step autoreset
+    makes every stored transition a real one, with an ended game's last observation in info["final_obs"]."""
     return AtariVectorEnv(
         settings["game"],
         num_envs,
@@ -383,12 +244,9 @@ def make_env(settings: dict, num_envs: int, num_threads: int) -> AtariVectorEnv:
 
 
 class GameTracker:
-    """Raw score and length (agent steps) of every env's current game, across its lives.
-
-    With `life_loss_info` a lost life is a terminal too; it is told from a finished game by the info: a lost
-    life lowers `lives` while `episode_frame_number` runs on, whereas a finished game is reset at once
-    (same-step autoreset), which restarts the frame count (and restores the lives).
-    """
+    """Raw score and length (agent steps) of every env's current game, across its lives. A lost life is a terminal
+    too (`life_loss_info`); it lowers `lives` while `episode_frame_number` runs on, whereas a finished game is reset
+    at once (same-step autoreset), which restarts the frame count and restores the lives."""
 
     def __init__(self, info: dict):
         self.lives = info["lives"].copy()
@@ -409,11 +267,395 @@ class GameTracker:
         return game_over, returns, lengths
 
 
-def area_resize_matrix(source: int, target: int) -> np.ndarray:
-    """[target, source] weights averaging source pixels by their overlap with each target pixel.
+def layer_init(layer: nn.Module, std: float = np.sqrt(2), bias_const: float = 0.0) -> nn.Module:
+    torch.nn.init.orthogonal_(layer.weight, std)
+    torch.nn.init.constant_(layer.bias, bias_const)
+    return layer
 
-    `rows @ image @ cols.T` is OpenCV's INTER_AREA downscaling (which AtariVectorEnv uses) without OpenCV.
+
+class Agent(nn.Module):
+    """Nature CNN trunk shared by a categorical policy head and a value head (CleanRL's Atari agent)."""
+
+    def __init__(self, num_actions: int, bf16: bool = False):
+        super().__init__()
+        self.bf16 = bf16
+        self.network = nn.Sequential(
+            layer_init(nn.Conv2d(4, 32, 8, stride=4)),
+            nn.ReLU(),
+            layer_init(nn.Conv2d(32, 64, 4, stride=2)),
+            nn.ReLU(),
+            layer_init(nn.Conv2d(64, 64, 3, stride=1)),
+            nn.ReLU(),
+            nn.Flatten(),
+            layer_init(nn.Linear(64 * 7 * 7, 512)),
+            nn.ReLU(),
+        )
+        self.actor = layer_init(nn.Linear(512, num_actions), std=0.01)
+        self.critic = layer_init(nn.Linear(512, 1), std=1)
+
+    def trunk(self, obs: torch.Tensor) -> torch.Tensor:
+        """Features of uint8 frames, converted here (per minibatch) to the weights' dtype and scaled to [0, 1]. With
+        `bf16` the trunk (nearly all the arithmetic) runs under bfloat16 autocast and its features come back in the
+        weights' dtype, so the heads, the log-probabilities and the losses keep full precision."""
+        x = obs.to(self.critic.weight.dtype) / 255.0
+        with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=self.bf16):
+            hidden = self.network(x)
+        return hidden.to(x.dtype)
+
+    def forward(self, obs: torch.Tensor, actions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Log-probability of `actions`, policy entropy and value at `obs`: all the loss needs, in one DDP call."""
+        hidden = self.trunk(obs)
+        log_probs = torch.log_softmax(self.actor(hidden), dim=-1)
+        log_prob = log_probs.gather(-1, actions.long().unsqueeze(-1)).squeeze(-1)
+        entropy = -(log_probs.exp() * log_probs).sum(-1)
+        return log_prob, entropy, self.critic(hidden).squeeze(-1)
+
+    @torch.inference_mode()
+    def act(self, obs: torch.Tensor, deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Sampled (or modal) actions, their log-probabilities and the values at `obs`, for rollouts."""
+        hidden = self.trunk(obs)
+        log_probs = torch.log_softmax(self.actor(hidden), dim=-1)
+        actions = log_probs.argmax(-1) if deterministic else torch.multinomial(log_probs.exp(), 1).squeeze(-1)
+        return actions, log_probs.gather(-1, actions.unsqueeze(-1)).squeeze(-1), self.critic(hidden).squeeze(-1)
+
+    @torch.inference_mode()
+    def value(self, obs: torch.Tensor) -> torch.Tensor:
+        return self.critic(self.trunk(obs)).squeeze(-1)
+
+
+def has_native_bf16(device: torch.device) -> bool:
+    """Whether bfloat16 convolutions and matmuls run natively here (AVX512-BF16 or AMX CPUs, Ampere or newer GPUs)."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported(including_emulation=False)
+    return torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def compute_gae(
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    next_values: torch.Tensor,
+    terminations: torch.Tensor,
+    episode_ends: torch.Tensor,
+    gamma: float,
+    gae_lambda: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GAE-lambda advantages and value targets (advantages + values) for tensors [T, envs]. `next_values[t]` is V of
+    the state that followed step t in its own episode (V(final observation) where it was truncated: truncation is not
+    termination); `terminations[t]` zeroes it; `episode_ends[t]` (terminated or truncated, a lost life included)
+    stops the next episode's advantage from flowing back into step t."""
+    advantages = torch.zeros_like(rewards)
+    next_advantage = torch.zeros_like(rewards[0])
+    for t in reversed(range(len(rewards))):
+        delta = rewards[t] + gamma * (1.0 - terminations[t]) * next_values[t] - values[t]
+        next_advantage = delta + gamma * gae_lambda * (1.0 - episode_ends[t]) * next_advantage
+        advantages[t] = next_advantage
+    return advantages, advantages + values
+
+
+# --- gradient sync (DDP averages the gradients; these carry the rest) ---------------------------------
+
+
+def group_size(group: dist.ProcessGroup | None = None) -> int:
+    """Ranks in `group` (the world by default); 1 where no process group exists, so helpers become no-ops."""
+    return dist.get_world_size(group) if dist.is_initialized() else 1
+
+
+def allreduce_mean(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Average `tensor` over the ranks of `group`, in place. Over gloo the wait yields the CPU in a loop: a sleeping
+    waiter is often woken milliseconds late for a sub-millisecond allreduce. A dead peer still fails the wait."""
+    if group_size(group) > 1:
+        work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)
+        if dist.get_backend(group) == "gloo":
+            while not work.is_completed():
+                os.sched_yield()
+        work.wait()
+        tensor /= group_size(group)
+    return tensor
+
+
+def global_moments(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Count, mean and M2 along the last dim of `x` over all ranks' elements, as if concatenated (one all_gather)."""
+    local_mean = x.mean(-1)
+    local_m2 = ((x - local_mean.unsqueeze(-1)) ** 2).sum(-1)
+    local = torch.stack([torch.full_like(local_mean, x.shape[-1]), local_mean, local_m2])
+    if group_size() == 1:
+        return local[0], local[1], local[2]
+    gathered = [torch.empty_like(local) for _ in range(group_size())]
+    dist.all_gather(gathered, local)
+    count_i, mean_i, m2_i = torch.stack(gathered, dim=1)  # each [ranks, rows...]
+    count = count_i.sum(0)
+    mean = (count_i * mean_i).sum(0) / count
+    m2 = (m2_i + count_i * (mean_i - mean) ** 2).sum(0)
+    return count, mean, m2
+
+
+def global_mean_std(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean and unbiased std along the last dim of `x` over all ranks' elements, as if concatenated (one collective)."""
+    count, mean, m2 = global_moments(x)
+    return mean, torch.sqrt(m2 / (count - 1))
+
+
+# --- update -------------------------------------------------------------------------------------------
+
+LOSS_KEYS = ("policy_loss", "value_loss", "entropy", "old_approx_kl", "approx_kl", "clipfrac")
+
+
+def minibatch_loss(
+    model: nn.Module,
+    mb: dict[str, torch.Tensor],
+    adv_mean: torch.Tensor | None,
+    adv_std: torch.Tensor | None,
+    args: Args,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO's clipped loss on one minibatch and its LOSS_KEYS; advantages normalised with the global minibatch's."""
+    new_log_prob, entropy, new_value = model(mb["obs"], mb["actions"])
+    logratio = new_log_prob - mb["log_probs"]
+    ratio = logratio.exp()
+    with torch.no_grad():
+        # calculate approx_kl http://joschu.net/blog/kl-approx.html
+        old_approx_kl = (-logratio).mean()
+        approx_kl = ((ratio - 1) - logratio).mean()
+        clipfrac = ((ratio - 1.0).abs() > args.clip_coef).to(ratio.dtype).mean()
+
+    mb_advantages = mb["advantages"]
+    if adv_mean is not None:
+        mb_advantages = (mb_advantages - adv_mean) / (adv_std + 1e-8)
+
+    # Policy loss
+    pg_loss1 = -mb_advantages * ratio
+    pg_loss2 = -mb_advantages * torch.clamp(ratio, 1 - args.clip_coef, 1 + args.clip_coef)
+    pg_loss = torch.max(pg_loss1, pg_loss2).mean()
+
+    # Value loss
+    if args.clip_vloss:
+        v_loss_unclipped = (new_value - mb["returns"]) ** 2
+        v_clipped = mb["values"] + torch.clamp(new_value - mb["values"], -args.clip_coef, args.clip_coef)
+        v_loss_clipped = (v_clipped - mb["returns"]) ** 2
+        v_loss = 0.5 * torch.max(v_loss_unclipped, v_loss_clipped).mean()
+    else:
+        v_loss = 0.5 * ((new_value - mb["returns"]) ** 2).mean()
+
+    entropy_loss = entropy.mean()
+    loss = pg_loss - args.ent_coef * entropy_loss + v_loss * args.vf_coef
+    stats = torch.stack([pg_loss, v_loss, entropy_loss, old_approx_kl, approx_kl, clipfrac]).detach()
+    return loss, stats
+
+
+def minibatch_order(args: Args, device: torch.device) -> torch.Tensor:
+    """[update_epochs, num_minibatches, local_minibatch_size] indices into the local batch; one shuffle per epoch."""
+    shuffles = [torch.randperm(args.local_batch_size, device=device) for _ in range(args.update_epochs)]
+    return torch.stack(shuffles).reshape(args.update_epochs, args.num_minibatches, args.local_minibatch_size)
+
+
+def update(
+    model: nn.Module, optimizer: torch.optim.Optimizer, batch: dict[str, torch.Tensor], order: torch.Tensor, args: Args
+) -> tuple[torch.Tensor, float]:
+    """PPO's update epochs through `model`, the DDP-wrapped agent (or a plain one alone). Minibatch k of epoch e is
+    `order[e, k]` on this rank and the union over ranks in the world: with equal local sizes DDP's averaged gradient
+    is the world minibatch's. Returns the world-averaged LOSS_KEYS (the last minibatch's; clipfrac over all so far)
+    and the seconds in backward passes and collectives (DDP's allreduce overlaps backward: it cannot be timed apart).
     """
+    parameters = list(model.parameters())
+    sync_time = 0.0
+    if args.norm_adv:  # the world-wide mean and std of every minibatch this update will see, in one collective
+        start = time.perf_counter()
+        adv_mean, adv_std = global_mean_std(batch["advantages"][order])
+        sync_time += time.perf_counter() - start
+    clipfracs = []
+    for epoch, epoch_order in enumerate(order):
+        for k, index in enumerate(epoch_order):
+            mb = {key: value[index] for key, value in batch.items()}
+            mb_mean, mb_std = (adv_mean[epoch, k], adv_std[epoch, k]) if args.norm_adv else (None, None)
+            loss, minibatch_stats = minibatch_loss(model, mb, mb_mean, mb_std, args)
+            clipfracs.append(minibatch_stats[5])
+            optimizer.zero_grad()
+            start = time.perf_counter()
+            loss.backward()  # DDP averages the gradients over ranks here
+            sync_time += time.perf_counter() - start
+            grad_norm = nn.utils.clip_grad_norm_(parameters, args.max_grad_norm)  # after the sync: alike everywhere
+            if not torch.isfinite(grad_norm):  # a NaN or inf on any rank spread through DDP's average to every rank
+                raise NonFiniteError("a non-finite loss or gradient")
+            optimizer.step()
+
+        # one collective per epoch: world-averaged statistics, which also decide target_kl alike on every rank
+        start = time.perf_counter()
+        stats = allreduce_mean(torch.cat([minibatch_stats[:5], torch.stack(clipfracs).mean()[None]]).double())
+        sync_time += time.perf_counter() - start
+        if args.target_kl is not None and stats[4] > args.target_kl:
+            break
+    return stats, sync_time
+
+
+def main(args: Args) -> Agent | None:
+    """Train (or, with --eval-checkpoint, evaluate); returns this rank's trained agent (unwrapped)."""
+    run = Run(args)  # re-launches under torchrun for --nprocs; reads the launcher's world
+    if args.eval_checkpoint:
+        return evaluate_checkpoint(args)
+    check_args(args)
+    derive_batch_sizes(args, run.world_size)
+    run.start(args.num_iterations, batch_table(args))  # run folder, resume, process group, same command everywhere
+    rank, device = run.rank, run.device
+
+    # --- set-up: envs, identical initial weights on every rank (built from `seed`; DDP broadcasts rank 0's) ---
+    # a resumed run starts fresh games, on envs seeded after all the earlier attempts' envs
+    index_offset = run.restarts * args.world_size * args.local_num_envs
+    envs = make_env(atari_settings(args.env_id), args.local_num_envs, args.env_threads or cores_per_rank())
+    next_obs, info = envs.reset(seed=np.array(env_seeds(args.seed, rank, args.local_num_envs, index_offset)))
+    games = GameTracker(info)
+    torch.manual_seed(args.seed)
+    if args.bf16 and rank == 0 and not has_native_bf16(device):
+        print(f"{SCRIPT}: warning: this {device.type} emulates bfloat16, so --bf16 is slower here", file=sys.stderr)
+    # channels-last: oneDNN's fast convolution layout on CPU, and the layout tensor cores want
+    agent = Agent(int(envs.single_action_space.n), bf16=args.bf16).to(device, memory_format=torch.channels_last)
+    if args.compile:  # only the update's calls, agent(obs, actions); rollouts call agent.act, left eager
+        agent.compile(fullgraph=True, dynamic=False)
+    model = DDP(agent, device_ids=[device.index] if device.type == "cuda" else None)
+    optimizer = torch.optim.Adam(model.parameters(), lr=args.learning_rate, eps=1e-5)
+    random.seed(rank_seed(args.seed, rank))
+    np.random.seed(rank_seed(args.seed, rank))
+    torch.manual_seed(rank_seed(args.seed, rank))
+    torch.backends.cudnn.deterministic = args.torch_deterministic
+    global_step = run.restore(model=agent, optimizer=optimizer)  # a resumed run's state, RNG streams included
+
+    # rollout storage, one row per step of the local envs; frames stay uint8 until a minibatch needs them
+    shape = (args.num_steps, args.local_num_envs)
+    obs_shape = envs.single_observation_space.shape
+    obs = torch.zeros(shape + obs_shape, dtype=torch.uint8, device=device)
+    actions = torch.zeros(shape, dtype=torch.long, device=device)
+    logprobs, values = torch.zeros(shape, device=device), torch.zeros(shape, device=device)
+    final_values = torch.zeros(shape, device=device)  # V(final observation) where a game was truncated
+    rewards, terminations = np.zeros(shape, np.float32), np.zeros(shape, np.float32)  # a lost life terminates
+    episode_ends = np.zeros(shape, np.float32)  # terminated or truncated
+
+    with run.guard(nonfinite_fix="lower --learning-rate or check the env's observations and rewards"):
+        for iteration in run.iterations():
+            if args.anneal_lr:  # linearly to zero
+                optimizer.param_groups[0]["lr"] = args.learning_rate * (1.0 - (iteration - 1.0) / args.num_iterations)
+
+            # --- rollout (the unwrapped agent: no DDP hooks) ---
+            rollout_start = time.perf_counter()
+            finished = {"episodes": 0, "episode_return": 0.0, "episode_length": 0}  # whole games, raw scores
+            for step in range(args.num_steps):
+                obs[step] = torch.from_numpy(next_obs).to(device)
+                action, logprobs[step], values[step] = agent.act(obs[step])
+                actions[step] = action
+                next_obs, reward, terminated, truncated, info = envs.step(action.cpu().numpy())
+                rewards[step] = np.clip(reward, -1, 1)  # the learner sees clipped rewards, the log raw scores
+                terminations[step], episode_ends[step] = terminated, terminated | truncated
+                game_over, game_returns, game_lengths = games.step(reward, terminated, truncated, info)
+                if game_over.any():
+                    finished["episodes"] += len(game_returns)
+                    finished["episode_return"] += float(game_returns.sum())
+                    finished["episode_length"] += int(game_lengths.sum())
+                    cut = truncated & ~terminated
+                    if cut.any():  # truncation is not termination: bootstrap from V(final observation)
+                        final_obs = torch.from_numpy(info["final_obs"][cut]).to(device)
+                        final_values[step, torch.from_numpy(cut).to(device)] = agent.value(final_obs)
+            global_step += args.batch_size
+            last_values = agent.value(torch.from_numpy(next_obs).to(device))
+            rollout_time = time.perf_counter() - rollout_start
+
+            # --- GAE ---
+            ends = torch.from_numpy(episode_ends).to(device)
+            next_values = torch.where(ends > 0, final_values, torch.cat([values[1:], last_values.unsqueeze(0)]))
+            advantages, returns = compute_gae(
+                torch.from_numpy(rewards).to(device),
+                values,
+                next_values,
+                torch.from_numpy(terminations).to(device),
+                ends,
+                args.gamma,
+                args.gae_lambda,
+            )
+            final_values.zero_()
+            batch = {
+                "obs": obs.reshape((-1,) + obs_shape),
+                "actions": actions.reshape(-1),
+                "log_probs": logprobs.reshape(-1),
+                "values": values.reshape(-1),
+                "advantages": advantages.reshape(-1),
+                "returns": returns.reshape(-1),
+            }
+
+            # --- update (through DDP) ---
+            update_start = time.perf_counter()
+            stats, sync_time = update(model, optimizer, batch, minibatch_order(args, device), args)
+            update_time = time.perf_counter() - update_start
+
+            # --- logging: games ended on any rank, losses averaged over ranks, the world's explained variance ---
+            explained_var = explained_variance(batch["returns"], batch["values"])
+            world = run.sum_over_ranks(**finished)
+            losses = {f"losses/{key}": value for key, value in zip(LOSS_KEYS, stats.tolist(), strict=True)}
+            scalars = {
+                "charts/learning_rate": optimizer.param_groups[0]["lr"],
+                **losses,
+                "losses/explained_variance": explained_var,
+                "perf/rollout_time": rollout_time,
+                "perf/update_time": update_time,
+                "perf/sync_time": sync_time,
+            }
+            run.log(global_step, world, scalars)
+            if run.end_iteration(global_step):  # weight check, checkpoint; every rank stops here on SIGTERM
+                break
+
+        envs.close()
+        run.finish(record_video=lambda folder: evaluate(agent, args.env_id, args, folder))
+    return agent
+
+
+def explained_variance(returns: torch.Tensor, values: torch.Tensor) -> float:
+    """1 - Var(returns - values) / Var(returns) over the world's batch (one collective)."""
+    _, stds = global_mean_std(torch.stack([returns - values, returns]))
+    return (1 - stds[0] ** 2 / (stds[1] ** 2).clamp_min(1e-8)).item()
+
+
+# --- input checks and the batch table -----------------------------------------------------------------
+
+
+def check_args(args: Args) -> None:
+    """Refuse flags and envs that cannot run, with the fix, before any process group or rollout env exists."""
+    for name in ("total_timesteps", "local_num_envs", "num_steps", "num_minibatches", "update_epochs", "eval_episodes"):
+        if getattr(args, name) < 1:
+            fail(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if args.env_threads < 0:
+        fail(f"--env-threads must be >= 0 (0 = automatic), got {args.env_threads}")
+    if args.target_kl is not None and args.target_kl <= 0:
+        fail(f"--target-kl must be positive (or left out to switch early stopping off), got {args.target_kl}")
+    atari_settings(args.env_id)  # refuses ids that are not pixel Atari games AtariVectorEnv can play
+    check_video_support(args, lambda: render_one_frame(args.env_id))
+    compiler = os.environ.get("CXX", "g++")  # torch.compile builds C++ kernels on CPU
+    if args.compile and not (args.cuda and torch.cuda.is_available()) and shutil.which(compiler) is None:
+        fail(f"--compile on CPU needs a C++ compiler and {compiler!r} is not on PATH: install g++ or drop --compile")
+
+
+def batch_table(args: Args) -> list[tuple[str, object, object]]:
+    """What rank 0 prints before training: (name, per rank, world)."""
+    return [
+        ("ranks", args.world_size, ""),
+        ("envs", args.local_num_envs, args.world_size * args.local_num_envs),
+        ("steps per env", args.num_steps, args.num_steps),
+        ("batch", args.local_batch_size, args.batch_size),
+        ("minibatches", args.num_minibatches, args.num_minibatches),
+        ("minibatch", args.local_minibatch_size, args.minibatch_size),
+        ("iterations", "", args.num_iterations),
+        ("total env steps", "", args.num_iterations * args.batch_size),
+    ]
+
+
+# --- evaluation (after training, and --eval-checkpoint) -----------------------------------------------
+
+
+def render_one_frame(env_id: str) -> None:
+    gym.register_envs(ale_py)
+    env = gym.make(env_id, render_mode="rgb_array")
+    env.reset(seed=0)
+    env.render()
+    env.close()
+
+
+def area_resize_matrix(source: int, target: int) -> np.ndarray:
+    """[target, source] weights averaging source pixels by their overlap with each target pixel: `rows @ image @
+    cols.T` is OpenCV's INTER_AREA downscaling (which AtariVectorEnv uses) without OpenCV."""
     edges = np.arange(target + 1) * source / target
     pixels = np.arange(source)
     overlap = np.minimum(edges[1:, None], pixels + 1) - np.maximum(edges[:-1, None], pixels)
@@ -421,11 +663,9 @@ def area_resize_matrix(source: int, target: int) -> np.ndarray:
 
 
 class AtariPreprocessing(gym.Wrapper):
-    """AtariVectorEnv's preprocessing on one gymnasium ALE env (grayscale frames, frameskip=1), for evaluation.
-
-    Each action is repeated for 4 frames and the last two are max-pooled, resized to 84x84 by area and stacked 4
-    deep (zeros at reset); a reset plays up to 30 no-op frames and FIRE. An episode is a whole game.
-    """
+    """AtariVectorEnv's preprocessing on one gymnasium ALE env (grayscale frames, frameskip=1), for evaluation: each
+    action is repeated for 4 frames and the last two are max-pooled, resized to 84x84 by area and stacked 4 deep
+    (zeros at reset); a reset plays up to 30 no-op frames and FIRE. An episode is a whole game."""
 
     def __init__(self, env: gym.Env, frameskip: int = 4, stack_num: int = 4, noop_max: int = 30, size: int = 84):
         super().__init__(env)
@@ -476,199 +716,144 @@ def make_eval_env(env_id: str, video_folder: str | None = None) -> gym.Env:
     return AtariPreprocessing(env)
 
 
-def layer_init(layer: nn.Module, std: float = np.sqrt(2), bias_const: float = 0.0) -> nn.Module:
-    torch.nn.init.orthogonal_(layer.weight, std)
-    torch.nn.init.constant_(layer.bias, bias_const)
-    return layer
+def evaluate(agent: Agent, env_id: str, args: Args, video_folder: str | None = None) -> list[float]:
+    """Play `args.eval_episodes` whole games with one env; returns their raw scores."""
+    env = make_eval_env(env_id, video_folder)
+    device = next(agent.parameters()).device
+    returns = []
+    obs, _ = env.reset(seed=args.seed)
+    episode_return = 0.0
+    while len(returns) < args.eval_episodes:
+        action, _, _ = agent.act(torch.as_tensor(obs, device=device).unsqueeze(0), args.eval_deterministic)
+        obs, reward, terminated, truncated, _ = env.step(int(action[0]))
+        episode_return += reward
+        if terminated or truncated:
+            returns.append(episode_return)
+            episode_return = 0.0
+            obs, _ = env.reset()
+    env.close()
+    return returns
 
 
-class Agent(nn.Module):
-    """Nature CNN trunk shared by a categorical policy head and a value head (CleanRL's Atari agent)."""
-
-    def __init__(self, num_actions: int, bf16: bool = False):
-        super().__init__()
-        self.bf16 = bf16
-        self.network = nn.Sequential(
-            layer_init(nn.Conv2d(4, 32, 8, stride=4)),
-            nn.ReLU(),
-            layer_init(nn.Conv2d(32, 64, 4, stride=2)),
-            nn.ReLU(),
-            layer_init(nn.Conv2d(64, 64, 3, stride=1)),
-            nn.ReLU(),
-            nn.Flatten(),
-            layer_init(nn.Linear(64 * 7 * 7, 512)),
-            nn.ReLU(),
-        )
-        self.actor = layer_init(nn.Linear(512, num_actions), std=0.01)
-        self.critic = layer_init(nn.Linear(512, 1), std=1)
-
-    def trunk(self, obs: torch.Tensor) -> torch.Tensor:
-        """Features of uint8 frames, converted here (per minibatch) to the weights' dtype and scaled to [0, 1].
-
-        With `bf16` the trunk (nearly all the arithmetic) runs under bfloat16 autocast and its features come back
-        in the weights' dtype, so the heads, the log-probabilities and the losses keep full precision.
-        """
-        x = obs.to(self.critic.weight.dtype) / 255.0
-        with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=self.bf16):
-            hidden = self.network(x)
-        return hidden.to(x.dtype)
-
-    def forward(self, obs: torch.Tensor, actions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Log-probability of `actions`, policy entropy and value at `obs`: all the loss needs, in one DDP call."""
-        hidden = self.trunk(obs)
-        log_probs = torch.log_softmax(self.actor(hidden), dim=-1)
-        log_prob = log_probs.gather(-1, actions.long().unsqueeze(-1)).squeeze(-1)
-        entropy = -(log_probs.exp() * log_probs).sum(-1)
-        return log_prob, entropy, self.critic(hidden).squeeze(-1)
-
-    @torch.inference_mode()
-    def act(self, obs: torch.Tensor, deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Sampled (or modal) actions, their log-probabilities and the values at `obs`, for rollouts."""
-        hidden = self.trunk(obs)
-        log_probs = torch.log_softmax(self.actor(hidden), dim=-1)
-        actions = log_probs.argmax(-1) if deterministic else torch.multinomial(log_probs.exp(), 1).squeeze(-1)
-        return actions, log_probs.gather(-1, actions.unsqueeze(-1)).squeeze(-1), self.critic(hidden).squeeze(-1)
-
-    @torch.inference_mode()
-    def value(self, obs: torch.Tensor) -> torch.Tensor:
-        return self.critic(self.trunk(obs)).squeeze(-1)
+def evaluate_checkpoint(args: Args) -> None:
+    """`--eval-checkpoint`: play a model.pt of this script on rank 0 and print one `eval:` line."""
+    checkpoint = read_model_checkpoint(args)
+    check_video_support(args, lambda: render_one_frame(checkpoint["env_id"]))
+    if read_launcher_environment()[0] != 0:
+        return
+    num_actions = checkpoint["model"]["actor.weight"].shape[0]  # the policy head's outputs
+    agent = Agent(num_actions, bf16=args.bf16).to(memory_format=torch.channels_last)
+    agent.load_state_dict(checkpoint["model"])
+    video_folder = os.path.join(os.path.dirname(args.eval_checkpoint), "videos") if args.capture_video else None
+    returns = evaluate(agent, checkpoint["env_id"], args, video_folder)
+    print(f"eval: episodes={len(returns)} return_mean={np.mean(returns):.2f} return_std={np.std(returns):.2f}")
 
 
-def compute_gae(
-    rewards: torch.Tensor,
-    values: torch.Tensor,
-    next_values: torch.Tensor,
-    terminations: torch.Tensor,
-    episode_ends: torch.Tensor,
-    gamma: float,
-    gae_lambda: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """GAE-lambda advantages and value targets (advantages + values) for tensors of shape [T, envs].
+# ======================================================================================================
+# RUNTIME: launch, process group, run folder and logging, checkpoints and resume, agreement between ranks,
+# lost peers, SIGTERM, errors. A reader of the algorithm may skip from here to the end of the file. This block
+# is the same text in every ddrl script (tests/test_anatomy.py compares them); what differs comes in as arguments.
+# ======================================================================================================
 
-    `next_values[t]` is V of the state that followed step t in its own episode (V(final observation) where the
-    episode was truncated); `terminations[t]` zeroes it; `episode_ends[t]` (terminated or truncated, a lost life
-    included) stops the advantage of the next episode from flowing back into step t.
-    """
-    advantages = torch.zeros_like(rewards)
-    next_advantage = torch.zeros_like(rewards[0])
-    for t in reversed(range(len(rewards))):
-        delta = rewards[t] + gamma * (1.0 - terminations[t]) * next_values[t] - values[t]
-        next_advantage = delta + gamma * gae_lambda * (1.0 - episode_ends[t]) * next_advantage
-        advantages[t] = next_advantage
-    return advantages, advantages + values
+SCRIPT = os.path.basename(__file__)
+
+
+def fail(message: str, every_rank: bool = False) -> NoReturn:
+    """Stop with one readable line naming the fix and exit code 2; only global rank 0 prints it, unless
+    `every_rank` (a failure some ranks may survive alone, such as a lost peer: each says it, naming itself)."""
+    if dist.is_initialized() and not every_rank:  # every rank stops here together: leave the group cleanly
+        dist.destroy_process_group()
+        gc.collect()
+    rank = int(os.environ.get("RANK", "0"))
+    if every_rank and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        print(f"{SCRIPT}: error: rank {rank}: {message}", file=sys.stderr, flush=True)
+    elif rank == 0:
+        print(f"{SCRIPT}: error: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(2)
+
+
+# (rank, world size, local rank, local world size) as each launcher names them; the first match wins,
+# so torchrun's variables win under `srun torchrun` or `mpirun torchrun`.
+LAUNCHER_VARIABLES = (
+    ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"),
+    ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
+    ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
+    ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE"),
+)
+
+
+def read_launcher_environment() -> tuple[int, int, int, int]:
+    """(rank, world_size, local_rank, local_world_size) from torchrun, MPI or SLURM; a world of one if none."""
+    for rank_key, size_key, local_rank_key, local_size_key in LAUNCHER_VARIABLES:
+        if rank_key not in os.environ or size_key not in os.environ:
+            continue
+        try:
+            rank, world_size = int(os.environ[rank_key]), int(os.environ[size_key])
+            local_rank = int(os.environ.get(local_rank_key, rank))
+            # SLURM may write "2(x3)"; without a per-node count we assume one node
+            local_world_size = int(os.environ.get(local_size_key, str(world_size)).split("(")[0].split(",")[0])
+        except ValueError:
+            fail(f"the launcher's {rank_key}/{size_key}/{local_rank_key}/{local_size_key} are not integers")
+        if not (0 <= rank < world_size and 0 <= local_rank < local_world_size <= world_size):
+            fail(
+                f"inconsistent launcher variables {rank_key}={rank} {size_key}={world_size} "
+                f"{local_rank_key}={local_rank} {local_size_key}={local_world_size}"
+            )
+        return rank, world_size, local_rank, local_world_size
+    return 0, 1, 0, 1
+
+
+def cores_per_rank() -> int:
+    """Usable cores of this node divided by the ranks on it, at least 1 (torchrun's OMP_NUM_THREADS=1 aside)."""
+    return max(1, len(os.sched_getaffinity(0)) // read_launcher_environment()[3])
 
 
 class NonFiniteError(Exception):
-    """A non-finite loss or gradient, raised alike on every rank (DDP gave every rank the same averaged gradient)."""
+    """A non-finite loss or gradient, found alike on every rank (in numbers they all share) before it is applied."""
 
 
-def minibatch_order(args: Args, device: torch.device) -> torch.Tensor:
-    """[update_epochs, num_minibatches, local_minibatch_size] indices into the local batch; one shuffle per epoch."""
-    shuffles = [torch.randperm(args.local_batch_size, device=device) for _ in range(args.update_epochs)]
-    return torch.stack(shuffles).reshape(args.update_epochs, args.num_minibatches, args.local_minibatch_size)
+def check_video_support(args, render_frame: Callable[[], object]) -> None:
+    """With --capture-video, render one frame now rather than fail after training: moviepy must import and the
+    renderer work (headless MuJoCo: MUJOCO_GL=egl, chosen here when no display exists and MUJOCO_GL is unset)."""
+    if not args.capture_video:
+        return
+    try:
+        import moviepy  # noqa: F401
+    except ImportError:
+        fail("--capture-video needs moviepy: pip install moviepy")
+    try:
+        render_frame()
+    except Exception as error:
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        fail(
+            f"--capture-video cannot render a frame ({reason}) with MUJOCO_GL={os.environ.get('MUJOCO_GL', '')!r}: "
+            "on a machine without a display use MUJOCO_GL=egl (apt-get install libegl1) or MUJOCO_GL=osmesa "
+            "(apt-get install libosmesa6), or drop --capture-video"
+        )
 
 
-def update(
-    model: nn.Module, optimizer: torch.optim.Optimizer, batch: dict[str, torch.Tensor], order: torch.Tensor, args: Args
-) -> tuple[torch.Tensor, float]:
-    """PPO's clipped-surrogate epochs on this rank's batch; `model` is the DDP-wrapped agent (or a plain one alone).
-
-    Minibatch k of epoch e is `order[e, k]` on this rank; the world minibatch is the union over ranks, so with
-    equal local sizes DDP's averaged gradient is the gradient of the world minibatch's mean loss. Returns the
-    world-averaged [policy_loss, value_loss, entropy, old_approx_kl, approx_kl, clipfrac] of the last minibatch
-    (clipfrac: mean over all minibatches so far, as CleanRL logs them) and the seconds counted as sync time.
-    """
-    # DDP's gradient allreduce runs inside backward, overlapped with it, so it cannot be timed apart: sync time
-    # counts the backward passes plus the explicit collectives (compare with a 1-rank run for the comm share)
-    sync_time = 0.0
-    start = time.perf_counter()
-    # the world-wide mean and std of every minibatch this update will see, in one collective
-    adv_mean, adv_std = global_mean_std(batch["advantages"][order])
-    sync_time += time.perf_counter() - start
-    parameters = list(model.parameters())
-    clipfracs = []
-    for epoch, epoch_order in enumerate(order):
-        for k, index in enumerate(epoch_order):
-            new_log_prob, entropy, new_value = model(batch["obs"][index], batch["actions"][index])
-            log_ratio = new_log_prob - batch["log_probs"][index]
-            ratio = log_ratio.exp()
-            with torch.no_grad():
-                # http://joschu.net/blog/kl-approx.html
-                old_approx_kl = (-log_ratio).mean()
-                approx_kl = ((ratio - 1) - log_ratio).mean()
-                clipfracs.append(((ratio - 1.0).abs() > args.clip_coef).to(ratio.dtype).mean())
-
-            advantages = batch["advantages"][index]
-            if args.norm_adv:
-                advantages = (advantages - adv_mean[epoch, k]) / (adv_std[epoch, k] + 1e-8)
-            policy_loss_unclipped = -advantages * ratio
-            policy_loss_clipped = -advantages * torch.clamp(ratio, 1 - args.clip_coef, 1 + args.clip_coef)
-            policy_loss = torch.max(policy_loss_unclipped, policy_loss_clipped).mean()
-
-            returns, old_values = batch["returns"][index], batch["values"][index]
-            if args.clip_vloss:
-                value_loss_unclipped = (new_value - returns) ** 2
-                value_clipped = old_values + torch.clamp(new_value - old_values, -args.clip_coef, args.clip_coef)
-                value_loss = 0.5 * torch.max(value_loss_unclipped, (value_clipped - returns) ** 2).mean()
-            else:
-                value_loss = 0.5 * ((new_value - returns) ** 2).mean()
-            entropy_loss = entropy.mean()
-            loss = policy_loss - args.ent_coef * entropy_loss + args.vf_coef * value_loss
-
-            optimizer.zero_grad()
-            start = time.perf_counter()
-            loss.backward()  # DDP averages the gradients over ranks here
-            sync_time += time.perf_counter() - start
-            grad_norm = nn.utils.clip_grad_norm_(parameters, args.max_grad_norm)  # after the sync: alike everywhere
-            if not torch.isfinite(grad_norm):  # a NaN or inf on any rank spread through DDP's average to every rank
-                raise NonFiniteError("a non-finite loss or gradient")
-            optimizer.step()
-
-        # one collective per epoch: world-averaged statistics, which also decide target_kl alike on every rank
-        start = time.perf_counter()
-        last = [policy_loss, value_loss, entropy_loss, old_approx_kl, approx_kl, torch.stack(clipfracs).mean()]
-        stats = allreduce_mean(torch.stack([value.detach() for value in last]).double())
-        sync_time += time.perf_counter() - start
-        if args.target_kl is not None and stats[4] > args.target_kl:
-            break
-    return stats, sync_time
+def read_model_checkpoint(args) -> dict:
+    """The model.pt named by --eval-checkpoint (weights, normalisation statistics, args), or one clear error."""
+    path = args.eval_checkpoint
+    if not os.path.isfile(path):
+        fail(f"--eval-checkpoint {path!r} does not exist; pass the model.pt that --save-model wrote")
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as error:  # a truncated or foreign file
+        fail(f"--eval-checkpoint {path!r} is not a readable checkpoint ({error})")
+    if not isinstance(checkpoint, dict) or checkpoint.get("script") != SCRIPT:
+        fail(f"--eval-checkpoint {path!r} was not written by {SCRIPT}; use that script to evaluate it")
+    if args.eval_episodes < 1:
+        fail(f"--eval-episodes must be at least 1, got {args.eval_episodes}")
+    return checkpoint
 
 
-# --- checkpoint and evaluation ---------------------------------------------------------------------
-
-
-def save_checkpoint(path: str, agent: Agent, args: Args, **state) -> None:
-    """Everything an evaluation needs (no normalisation statistics here), plus `state` (what a resumed run needs),
-    written atomically: a kill at any moment leaves the previous file intact."""
-    payload = {
-        "script": SCRIPT,
-        "env_id": args.env_id,
-        "num_actions": agent.actor.out_features,
-        "args": asdict(args),
-        "model": agent.state_dict(),
-        **state,
-    }
+def write_checkpoint(path: str, args, **state) -> None:
+    """Write `state` with the script, env and args to `path` atomically: a kill at any moment leaves the old file."""
+    payload = {"script": SCRIPT, "env_id": args.env_id, "args": asdict(args), **state}
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     torch.save(payload, path + ".tmp")
     os.replace(path + ".tmp", path)
-
-
-# --- reliability: run names, checkpoints, restarts, agreement between ranks -------------------------
-
-
-def resolve_run_name(args: Args) -> str:
-    """The run folder's name when restarted ranks must find it again (--resume, torchrun --max-restarts); else ''
-    (named after rank 0's clock once the process group exists)."""
-    if args.run_name:
-        return args.run_name
-    restartable = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0
-    if not (args.resume or restartable):
-        return ""
-    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")  # `none` under static rendezvous
-    if run_id in ("", "none"):
-        flag = "--resume" if args.resume else "torchrun --max-restarts"
-        fail(f"{flag} needs a run folder that every (re)started rank finds again: pass --run-name NAME")
-    return f"{args.env_id.replace('/', '-')}__{args.exp_name}__{args.seed}__{run_id}"
 
 
 def checkpoint_path(run_name: str, iteration: int) -> str:
@@ -681,32 +866,6 @@ def find_latest_checkpoint(run_name: str) -> str | None:
     names = os.listdir(folder) if os.path.isdir(folder) else []
     iterations = [int(match[1]) for name in names if (match := re.fullmatch(r"iter_(\d+)\.pt", name))]
     return checkpoint_path(run_name, max(iterations)) if iterations else None
-
-
-def load_checkpoint(path: str, args: Args, world_size: int) -> dict:
-    """Read a training checkpoint and refuse one of another script, env or world size (before any env exists)."""
-    try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as error:  # a truncated or foreign file
-        fail(f"{path} is not a readable checkpoint ({error}); delete it to resume from the one before")
-    if not isinstance(checkpoint, dict) or checkpoint.get("script") != SCRIPT or "iteration" not in checkpoint:
-        fail(f"{path} is not a training checkpoint of {SCRIPT}; resume it with the script that wrote it")
-    if checkpoint["env_id"] != args.env_id:
-        fail(f"{path} trains {checkpoint['env_id']}, not --env-id {args.env_id}; pass --env-id {checkpoint['env_id']}")
-    if checkpoint["world_size"] != world_size:
-        fail(f"{path} was written by {checkpoint['world_size']} ranks, not {world_size}; resume with as many ranks")
-    return checkpoint
-
-
-def resume_checkpoint(args: Args, run_name: str, world_size: int) -> dict | None:
-    """The checkpoint this run continues from: with --resume or after a torchrun restart, the run's newest one."""
-    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
-    path = find_latest_checkpoint(run_name) if run_name and (args.resume or restarted) else None
-    if args.resume and path is None and not restarted:
-        fail(f"--resume found no checkpoint in runs/{run_name}/checkpoints; check --run-name, or drop --resume")
-    if not args.resume and not restarted and run_name and find_latest_checkpoint(run_name):
-        fail(f"runs/{run_name} already holds checkpoints: pass --resume to continue it, or choose another --run-name")
-    return None if path is None else load_checkpoint(path, args, world_size)
 
 
 def rng_states() -> dict:
@@ -725,58 +884,28 @@ def set_rng_states(states: dict) -> None:
         torch.cuda.set_rng_state_all(states["cuda"])
 
 
-def gather_objects(obj: object) -> list | None:
-    """Every rank's `obj` on rank 0 (rank order), None elsewhere; one collective."""
-    if group_size() == 1:
-        return [obj]
-    gathered = [None] * group_size() if dist.get_rank() == 0 else None
-    dist.gather_object(obj, gathered, dst=0)
-    return gathered
-
-
-def save_training_checkpoint(path: str, agent: Agent, args: Args, **state) -> None:
-    """Every rank's RNG states gathered to rank 0, which writes `path` with them and `state` (all ranks call this)."""
-    rngs = gather_objects(rng_states())
-    if rngs is not None:
-        save_checkpoint(path, agent, args, rng=rngs, world_size=group_size(), **state)
-
-
 def digest(data: bytes) -> int:
     """A 63-bit digest of `data`, to compare across ranks in an int64 tensor."""
     return int.from_bytes(hashlib.sha256(data).digest()[:8], "little") >> 1
 
 
-def check_same_command(args: Args, resumed_iteration: int) -> None:
-    """Stop every rank before training unless all run the same source with the same arguments, from the same
-    checkpoint (one all_gather)."""
-    with open(__file__, "rb") as source:
-        mine = [digest(source.read()), digest(repr(sorted(asdict(args).items())).encode()), resumed_iteration]
-    local = torch.tensor(mine, dtype=torch.int64)
-    if group_size() == 1:
-        return
-    gathered = [torch.empty_like(local) for _ in range(group_size())]
+def all_gather_int64(values: list[int], device: torch.device) -> torch.Tensor:
+    """[ranks, len(values)]: every rank's `values` (one all_gather, on the device the process group serves)."""
+    local = torch.tensor(values, dtype=torch.int64, device=device)
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return local.unsqueeze(0).cpu()
+    gathered = [torch.empty_like(local) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, local)
-    table = torch.stack(gathered)
-    for column, problem, fix in (
-        (0, f"run a different copy of {SCRIPT} than rank 0", "copy the same script to every node"),
-        (1, "were given different arguments than rank 0", "launch every rank with the same command line"),
-        (2, "resume from a different checkpoint than rank 0", "put runs/ on a filesystem every node shares"),
-    ):
-        differ = (table[:, column] != table[0, column]).nonzero().flatten().tolist()
-        if differ:
-            fail(f"ranks {differ} {problem}; {fix}")
+    return torch.stack(gathered).cpu()
 
 
 def check_parameters_in_sync(module: nn.Module, iteration: int) -> None:
     """Stop every rank if the weights differ between ranks (a checksum of their bytes, one all_gather)."""
-    if group_size() == 1:
-        return
     with torch.no_grad():
         flat = torch.cat([p.detach().reshape(-1) for p in module.parameters()]).cpu()
-    local = torch.tensor([digest(flat.numpy().tobytes())], dtype=torch.int64)
-    gathered = [torch.empty_like(local) for _ in range(group_size())]
-    dist.all_gather(gathered, local)
-    differ = [rank for rank, checksum in enumerate(gathered) if checksum.item() != local.item()]
+    device = next(module.parameters()).device
+    checksums = all_gather_int64([digest(flat.numpy().tobytes())], device)[:, 0]
+    differ = (checksums != checksums[dist.get_rank() if dist.is_initialized() else 0]).nonzero().flatten().tolist()
     if differ:
         fail(
             f"the weights of ranks {differ} differ from this rank's at iteration {iteration}: the ranks no longer "
@@ -792,414 +921,317 @@ def is_lost_peer(error: BaseException) -> bool:
     )
 
 
-@contextlib.contextmanager
-def stop_on_lost_peer(args: Args, run_name: str):
-    """Turn the backend's error about a dead or silent peer into one clear message on every surviving rank."""
-    try:
-        yield
-    except RuntimeError as error:
-        if not is_lost_peer(error):
-            raise
-        reason = re.sub(r"^\[[^\]]*\]\s*", "", str(error).strip().splitlines()[0]).split(". ")[0]
-        with contextlib.suppress(SystemExit):
-            fail(
-                f"lost contact with another rank ({reason}): it died, or stalled longer than --dist-timeout "
-                f"{args.dist_timeout:g} s; see its log, then resume with --resume --run-name {run_name}",
-                every_rank=True,
-            )
-        sys.stdout.flush()
-        os._exit(2)  # at once: the broken group's threads can abort an orderly interpreter exit (SIGABRT)
+def clock(seconds: float) -> str:
+    """`h:mm:ss`, or `m:ss` under an hour."""
+    minutes, secs = divmod(int(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
 
 
-class StopRequest:
-    """SIGTERM (a cluster's preemption notice) sets a flag; the loop agrees on it across ranks at an epoch's end."""
+class Run:
+    """The runtime of one training run, which main drives with a few calls, in this order:
 
-    def __init__(self):
-        self.requested = False
-        self.previous = signal.signal(signal.SIGTERM, self.handle)
-
-    def handle(self, signum, frame) -> None:
-        self.requested = True
-
-    def restore(self) -> None:
-        signal.signal(signal.SIGTERM, self.previous)
-
-
-def evaluate(agent: Agent, env_id: str, args: Args, video_folder: str | None = None) -> list[float]:
-    """Play `args.eval_episodes` whole games with one env; returns their raw scores."""
-    env = make_eval_env(env_id, video_folder)
-    device = next(agent.parameters()).device
-    returns = []
-    obs, _ = env.reset(seed=args.seed)
-    episode_return = 0.0
-    while len(returns) < args.eval_episodes:
-        obs_tensor = torch.as_tensor(obs, device=device).unsqueeze(0)
-        action, _, _ = agent.act(obs_tensor, deterministic=args.eval_deterministic)
-        obs, reward, terminated, truncated, _ = env.step(int(action[0]))
-        episode_return += reward
-        if terminated or truncated:
-            returns.append(episode_return)
-            episode_return = 0.0
-            obs, _ = env.reset()
-    env.close()
-    return returns
-
-
-def run_evaluation(args: Args) -> None:
-    """`--eval-checkpoint`: load a model.pt of this script and print one `eval:` line (rank 0 only)."""
-    if not os.path.isfile(args.eval_checkpoint):
-        fail(f"--eval-checkpoint {args.eval_checkpoint!r} does not exist; pass the model.pt that --save-model wrote")
-    try:
-        checkpoint = torch.load(args.eval_checkpoint, map_location="cpu", weights_only=False)
-    except Exception as error:  # a truncated or foreign file
-        fail(f"--eval-checkpoint {args.eval_checkpoint!r} is not a readable checkpoint ({error})")
-    if not isinstance(checkpoint, dict) or checkpoint.get("script") != SCRIPT:
-        fail(f"--eval-checkpoint {args.eval_checkpoint!r} was not written by {SCRIPT}; use that script to evaluate it")
-    if args.eval_episodes < 1:
-        fail(f"--eval-episodes must be at least 1, got {args.eval_episodes}")
-    if args.capture_video:
-        check_moviepy()
-    if int(os.environ.get("RANK", "0")) != 0:
-        return
-    agent = Agent(checkpoint["num_actions"], bf16=args.bf16).to(memory_format=torch.channels_last)
-    agent.load_state_dict(checkpoint["model"])
-    video_folder = os.path.join(os.path.dirname(args.eval_checkpoint), "videos") if args.capture_video else None
-    returns = evaluate(agent, checkpoint["env_id"], args, video_folder)
-    print(f"eval: episodes={len(returns)} return_mean={np.mean(returns):.2f} return_std={np.std(returns):.2f}")
-
-
-# --- arguments, batch table, logging ---------------------------------------------------------------
-
-
-def check_moviepy() -> None:
-    try:
-        import moviepy  # noqa: F401
-    except ImportError:
-        fail("--capture-video needs moviepy: pip install moviepy")
-
-
-def check_args(args: Args, world_size: int) -> dict:
-    """Derive the batch arithmetic and refuse what cannot run, before any env or process group exists.
-
-    Returns the game settings of `--env-id` for make_env.
+    `Run(args)` checks the runtime flags, re-launches under torchrun for `--nprocs` and reads the launcher's world;
+    `start` names the run folder, finds the checkpoint to resume, joins the process group, checks that every rank
+    runs the same command and (rank 0) prints the batch table and opens TensorBoard; `restore` names what a
+    checkpoint holds and loads it when resuming; within `guard()`, each of `iterations()` ends with
+    `sum_over_ranks` (which also carries any rank's SIGTERM), `log` and `end_iteration` (weight check,
+    checkpoint, stop); `finish` writes model.pt and leaves the process group with the other ranks.
     """
-    if args.nprocs < 1:
-        fail(f"--nprocs must be at least 1, got {args.nprocs}")
-    for name in ("total_timesteps", "local_num_envs", "num_steps", "num_minibatches", "update_epochs", "eval_episodes"):
-        if getattr(args, name) < 1:
-            fail(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
-    if args.env_threads < 0 or args.torch_threads < 0 or args.dist_timeout <= 0:
-        fail("--env-threads and --torch-threads must be >= 0 (0 = automatic) and --dist-timeout > 0")
-    if args.checkpoint_every < 0 or args.check_sync_every < 0:
-        fail("--checkpoint-every and --check-sync-every must be >= 0 (0 = off)")
-    if args.target_kl is not None and args.target_kl <= 0:
-        fail(f"--target-kl must be positive (or left out to switch early stopping off), got {args.target_kl}")
-    args.world_size = world_size
-    args.local_batch_size = args.local_num_envs * args.num_steps
-    if args.local_batch_size % args.num_minibatches:
-        fail(
-            f"the local batch of --local-num-envs {args.local_num_envs} x --num-steps {args.num_steps} = "
-            f"{args.local_batch_size} does not split into --num-minibatches {args.num_minibatches}; "
-            f"choose sizes whose product is a multiple of {args.num_minibatches}"
-        )
-    args.local_minibatch_size = args.local_batch_size // args.num_minibatches
-    args.batch_size = args.local_batch_size * world_size
-    args.minibatch_size = args.local_minibatch_size * world_size
-    args.num_iterations = args.total_timesteps // args.batch_size
-    if args.num_iterations < 1:
-        fail(
-            f"--total-timesteps {args.total_timesteps} is less than one iteration's global batch of "
-            f"{args.batch_size} ({world_size} ranks x {args.local_batch_size}): zero iterations; "
-            "raise --total-timesteps"
-        )
-    settings = atari_settings(args.env_id)
-    if args.capture_video:
-        check_moviepy()
-    check_compile_support(args)
-    return settings
 
+    def __init__(self, args, unit: str = "iteration"):
+        self.args, self.unit = args, unit  # `unit`: what the progress line calls an iteration ("epoch" in VPG)
+        if args.nprocs < 1:
+            fail(f"--nprocs must be at least 1, got {args.nprocs}")
+        if args.torch_threads < 0 or args.dist_timeout <= 0:
+            fail("--torch-threads must be >= 0 (0 = automatic) and --dist-timeout > 0")
+        if args.checkpoint_every < 0 or args.check_sync_every < 0:
+            fail("--checkpoint-every and --check-sync-every must be >= 0 (0 = off)")
+        if args.capture_video and "MUJOCO_GL" not in os.environ and not os.environ.get("DISPLAY"):
+            os.environ["MUJOCO_GL"] = "egl"  # headless: MuJoCo's GPU-or-CPU EGL renderer, read when mujoco loads
+        self.rank, self.world_size, self.local_rank, self.local_world_size = read_launcher_environment()
+        if args.nprocs > 1 and self.world_size == 1:  # SpinningUp's mpi_fork: this command as `nprocs` ranks
+            command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nprocs}"]
+            raise SystemExit(subprocess.call([*command, os.path.abspath(__file__), *sys.argv[1:]]))
+        self.device, self.name, self.checkpoint, self.writer = torch.device("cpu"), "", None, None
+        self.states, self.iteration, self.stopping = {}, 0, False
 
-def check_compile_support(args: Args) -> None:
-    """torch.compile builds C++ kernels on CPU: without a compiler it would fail deep inside the first update."""
-    compiler = os.environ.get("CXX", "g++")
-    if args.compile and not (args.cuda and torch.cuda.is_available()) and shutil.which(compiler) is None:
-        fail(f"--compile on CPU needs a C++ compiler and {compiler!r} is not on PATH: install g++ or drop --compile")
+    # --- start: run folder, resume, process group, same command, TensorBoard ---
 
-
-def print_batch_table(args: Args) -> None:
-    rows = [
-        ("ranks", args.world_size, ""),
-        ("envs", args.local_num_envs, args.world_size * args.local_num_envs),
-        ("steps per env", args.num_steps, args.num_steps),
-        ("batch", args.local_batch_size, args.batch_size),
-        ("minibatches", args.num_minibatches, args.num_minibatches),
-        ("minibatch", args.local_minibatch_size, args.minibatch_size),
-        ("iterations", "", args.num_iterations),
-        ("total env steps", "", args.num_iterations * args.batch_size),
-    ]
-    print(f"{'':18}{'per rank':>12}{'world':>12}")
-    for name, local, world in rows:
-        print(f"{name:18}{local!s:>12}{world!s:>12}")
-
-
-def log_iteration(
-    writer,
-    args: Args,
-    iteration: int,
-    global_step: int,
-    train_start: float,
-    start_step: int,
-    finished: torch.Tensor,
-    stats: torch.Tensor,
-    explained_variance: float,
-    times: tuple[float, float, float],
-    learning_rate: float,
-) -> None:
-    """Write one iteration's world-wide scalars to TensorBoard and print the progress line (rank 0)."""
-    sps = int((global_step - start_step) / (time.time() - train_start))
-    return_sum, length_sum, games = finished.tolist()[:3]
-    if games:
-        writer.add_scalar("charts/episodic_return", return_sum / games, global_step)
-        writer.add_scalar("charts/episodic_length", length_sum / games, global_step)
-    policy_loss, value_loss, entropy, old_approx_kl, approx_kl, clipfrac = stats.tolist()
-    for key, value in (
-        ("charts/SPS", sps),
-        ("charts/learning_rate", learning_rate),
-        ("losses/policy_loss", policy_loss),
-        ("losses/value_loss", value_loss),
-        ("losses/entropy", entropy),
-        ("losses/old_approx_kl", old_approx_kl),
-        ("losses/approx_kl", approx_kl),
-        ("losses/clipfrac", clipfrac),
-        ("losses/explained_variance", explained_variance),
-        ("perf/rollout_time", times[0]),
-        ("perf/update_time", times[1]),
-        ("perf/sync_time", times[2]),
-    ):
-        writer.add_scalar(key, value, global_step)
-    recent = f"{return_sum / games:.1f}" if games else "n/a"
-    print(f"iteration {iteration}/{args.num_iterations} step {global_step} SPS {sps} return {recent}", flush=True)
-
-
-def main(args: Args) -> Agent | None:
-    """Train (or, with --eval-checkpoint, evaluate); returns this rank's trained agent (unwrapped)."""
-    # --- launch and set-up ---
-    _, world_size, _, _ = read_launcher_environment()
-    if args.nprocs > 1 and world_size == 1:
-        relaunch_under_torchrun(args.nprocs)
-    if args.eval_checkpoint:
-        return run_evaluation(args)
-    settings = check_args(args, world_size)
-    run_name = resolve_run_name(args)
-    checkpoint = resume_checkpoint(args, run_name, world_size)
-    rank, world_size, device = init_distributed(args)
-    resumed_iteration = checkpoint["iteration"] if checkpoint else 0
-    check_same_command(args, resumed_iteration)
-    restarts = checkpoint["restarts"] + 1 if checkpoint else 0
-
-    # a resumed run starts fresh games, on envs seeded after all the earlier attempts' envs
-    index_offset = restarts * world_size * args.local_num_envs
-    envs = make_env(settings, args.local_num_envs, args.env_threads or cores_per_rank())
-    next_obs, info = envs.reset(seed=np.array(env_seeds(args.seed, rank, args.local_num_envs, index_offset)))
-    games = GameTracker(info)
-
-    start_time = torch.tensor(int(time.time()), dtype=torch.int64, device=device)
-    dist.broadcast(start_time, src=0)  # every rank names the run folder alike
-    run_name = run_name or f"{args.env_id.replace('/', '-')}__{args.exp_name}__{args.seed}__{start_time.item()}"
-    writer = None
-    if rank == 0:
-        print_batch_table(args)
-        if checkpoint:
-            print(f"resuming from {checkpoint_path(run_name, resumed_iteration)} (iteration {resumed_iteration})")
+    def start(self, num_iterations: int, batch_table: list[tuple[str, object, object]]) -> None:
+        """Everything before the first env exists; `batch_table` rows are (name, per rank, world)."""
+        args = self.args
+        self.num_iterations = num_iterations
+        self.name = self.restartable_run_name()
+        self.checkpoint = self.find_checkpoint_to_resume()
+        self.join_process_group()
+        self.resumed_iteration = self.checkpoint["iteration"] if self.checkpoint else 0
+        self.restarts = self.checkpoint["restarts"] + 1 if self.checkpoint else 0
+        self.check_same_command()
+        start_time = all_gather_int64([int(time.time())], self.device)[0, 0].item()  # rank 0's clock names the run
+        self.name = self.name or f"{args.env_id.replace('/', '-')}__{args.exp_name}__{args.seed}__{start_time}"
+        if self.rank != 0:
+            return
+        print(f"{'':18}{'per rank':>12}{'world':>12}")
+        for name, local, world in batch_table:
+            print(f"{name:18}{local!s:>12}{world!s:>12}")
+        if self.checkpoint:
+            print(f"resuming from {checkpoint_path(self.name, self.resumed_iteration)}", flush=True)
         if args.track:
             import wandb
 
+            resume = "allow" if self.checkpoint else None
             wandb.init(
                 project=args.wandb_project_name,
                 entity=args.wandb_entity,
                 sync_tensorboard=True,
                 config=asdict(args),
-                name=run_name,
+                name=self.name,
                 save_code=True,
-                resume="allow" if checkpoint else None,
+                resume=resume,
             )
         from torch.utils.tensorboard import SummaryWriter
 
         # a resumed run drops what the interrupted one logged after its checkpoint, then continues the curves
-        purge_step = checkpoint["global_step"] + 1 if checkpoint else None
-        writer = SummaryWriter(f"runs/{run_name}", purge_step=purge_step)
-        if not checkpoint:
+        self.writer = SummaryWriter(
+            f"runs/{self.name}", purge_step=self.checkpoint["global_step"] + 1 if self.checkpoint else None
+        )
+        if not self.checkpoint:
             table = "\n".join(f"|{key}|{value}|" for key, value in asdict(args).items())
-            writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
+            self.writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
 
-    # identical initial weights everywhere: built from `seed`; DDP also broadcasts rank 0's at construction
-    torch.manual_seed(args.seed)
-    if args.bf16 and rank == 0 and not has_native_bf16(device):
-        print(f"{SCRIPT}: warning: this {device.type} emulates bfloat16, so --bf16 is slower here", file=sys.stderr)
-    # channels-last convolutions: about 1.3x the fp32 update on CPU (oneDNN's blocked layout), and what bf16 GPUs want
-    agent = Agent(int(envs.single_action_space.n), bf16=args.bf16).to(device, memory_format=torch.channels_last)
-    if checkpoint:
-        agent.load_state_dict(checkpoint["model"])
-    if args.compile:  # only the update's calls, agent(obs, actions); rollouts call agent.act, left eager
-        agent.compile(fullgraph=True, dynamic=False)
-    model = DDP(agent, device_ids=[device.index] if device.type == "cuda" else None)
-    optimizer = torch.optim.Adam(model.parameters(), lr=args.learning_rate, eps=1e-5)
-    random.seed(rank_seed(args.seed, rank))
-    np.random.seed(rank_seed(args.seed, rank))
-    torch.manual_seed(rank_seed(args.seed, rank))
-    torch.backends.cudnn.deterministic = args.torch_deterministic
-    global_step = 0
-    if checkpoint:  # optimizer, position and this rank's random streams as they were
-        optimizer.load_state_dict(checkpoint["optimizer"])
-        set_rng_states(checkpoint["rng"][rank])
-        global_step = checkpoint["global_step"]
+    def restartable_run_name(self) -> str:
+        """The run folder's name when restarted ranks must find it again (--resume, torchrun --max-restarts); else
+        '' (named after rank 0's clock once the process group exists)."""
+        args = self.args
+        if args.run_name:
+            return args.run_name
+        if not (args.resume or int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0):
+            return ""
+        run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")  # `none` under static rendezvous
+        if run_id in ("", "none"):
+            flag = "--resume" if args.resume else "torchrun --max-restarts"
+            fail(f"{flag} needs a run folder that every (re)started rank finds again: pass --run-name NAME")
+        return f"{args.env_id.replace('/', '-')}__{args.exp_name}__{args.seed}__{run_id}"
 
-    # rollout storage, one row per step of the local envs; frames stay uint8 until a minibatch needs them
-    shape = (args.num_steps, args.local_num_envs)
-    obs_shape = envs.single_observation_space.shape
-    obs_buf = torch.zeros(shape + obs_shape, dtype=torch.uint8, device=device)
-    actions_buf = torch.zeros(shape, dtype=torch.long, device=device)
-    log_probs_buf = torch.zeros(shape, device=device)
-    values_buf = torch.zeros(shape, device=device)
-    final_values_buf = torch.zeros(shape, device=device)  # V(final observation) where a game was truncated
-    rewards_buf = np.zeros(shape, dtype=np.float32)
-    terminations_buf = np.zeros(shape, dtype=np.float32)
-    episode_ends_buf = np.zeros(shape, dtype=np.float32)
-    start_step = global_step
-    train_start = time.time()
-    stop_request = StopRequest()
+    def find_checkpoint_to_resume(self) -> dict | None:
+        """With --resume or after a torchrun restart, the run's newest checkpoint, checked before any env exists."""
+        args, name = self.args, self.name
+        restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+        path = find_latest_checkpoint(name) if name and (args.resume or restarted) else None
+        if args.resume and path is None and not restarted:
+            fail(f"--resume found no checkpoint in runs/{name}/checkpoints; check --run-name, or drop --resume")
+        if not args.resume and not restarted and name and find_latest_checkpoint(name):
+            fail(f"runs/{name} already holds checkpoints: pass --resume to continue it, or choose another --run-name")
+        if path is None:
+            return None
+        try:
+            checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+        except Exception as error:  # a truncated or foreign file
+            fail(f"{path} is not a readable checkpoint ({error}); delete it to resume from the one before")
+        if not isinstance(checkpoint, dict) or checkpoint.get("script") != SCRIPT or "iteration" not in checkpoint:
+            fail(f"{path} is not a training checkpoint of {SCRIPT}; resume it with the script that wrote it")
+        if checkpoint["env_id"] != args.env_id:
+            fail(f"{path} trains {checkpoint['env_id']}, not --env-id {args.env_id}; pass that --env-id")
+        if checkpoint["world_size"] != self.world_size:
+            fail(f"{path} was written by {checkpoint['world_size']} ranks, not {self.world_size}; resume with as many")
+        return checkpoint
 
-    def save(iteration: int) -> str:
-        path = checkpoint_path(run_name, iteration)
-        save_training_checkpoint(
-            path,
-            agent,
-            args,
-            iteration=iteration,
-            global_step=global_step,
-            restarts=restarts,
-            optimizer=optimizer.state_dict(),
-        )
-        return path
-
-    iteration, stopping = resumed_iteration, False
-    try:
-        with stop_on_lost_peer(args, run_name):
-            for iteration in range(resumed_iteration + 1, args.num_iterations + 1):
-                learning_rate = args.learning_rate
-                if args.anneal_lr:
-                    learning_rate *= 1.0 - (iteration - 1.0) / args.num_iterations
-                    optimizer.param_groups[0]["lr"] = learning_rate
-
-                # --- rollout (the unwrapped agent: no DDP hooks) ---
-                rollout_start = time.perf_counter()
-                finished = np.zeros(3)  # world-summed below: raw scores, lengths and count of games ended
-                for step in range(args.num_steps):
-                    obs = torch.from_numpy(next_obs).to(device)
-                    obs_buf[step] = obs
-                    action, log_probs_buf[step], values_buf[step] = agent.act(obs)
-                    actions_buf[step] = action
-                    next_obs, reward, terminated, truncated, info = envs.step(action.cpu().numpy())
-                    rewards_buf[step] = np.clip(reward, -1, 1)  # the learner sees clipped rewards, the log raw scores
-                    terminations_buf[step] = terminated  # a lost life included
-                    episode_ends_buf[step] = terminated | truncated
-                    game_over, game_returns, game_lengths = games.step(reward, terminated, truncated, info)
-                    if game_over.any():
-                        finished += (game_returns.sum(), game_lengths.sum(), len(game_returns))
-                        cut = truncated & ~terminated
-                        if cut.any():  # truncation is not termination: bootstrap from V(final observation)
-                            final_obs = torch.from_numpy(info["final_obs"][cut]).to(device)
-                            final_values_buf[step, torch.from_numpy(cut).to(device)] = agent.value(final_obs)
-                global_step += args.batch_size
-                last_values = agent.value(torch.from_numpy(next_obs).to(device))
-                rollout_time = time.perf_counter() - rollout_start
-
-                # --- GAE ---
-                rewards = torch.from_numpy(rewards_buf).to(device)
-                terminations = torch.from_numpy(terminations_buf).to(device)
-                episode_ends = torch.from_numpy(episode_ends_buf).to(device)
-                next_values = torch.cat([values_buf[1:], last_values.unsqueeze(0)])
-                next_values = torch.where(episode_ends > 0, final_values_buf, next_values)
-                advantages, returns = compute_gae(
-                    rewards, values_buf, next_values, terminations, episode_ends, args.gamma, args.gae_lambda
+    def join_process_group(self) -> None:
+        """Form the process group (a world of one needs no network) and share this node's cores among its ranks.
+        With --cuda each rank takes cuda:LOCAL_RANK, NCCL for CUDA tensors and gloo for CPU ones; ranks sharing a GPU
+        fall back to gloo alone."""
+        args, world_size, local_rank = self.args, self.world_size, self.local_rank
+        os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(world_size))
+        os.environ.update(LOCAL_RANK=str(local_rank), LOCAL_WORLD_SIZE=str(self.local_world_size))
+        if world_size > 1 and not ("MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ):
+            if self.local_world_size != world_size:
+                fail("the ranks span several nodes: export MASTER_ADDR (rank 0's host) and MASTER_PORT on every node")
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", "29500")
+        backend = args.backend or "gloo"
+        if args.cuda and torch.cuda.is_available():
+            torch.cuda.set_device(local_rank % torch.cuda.device_count())
+            self.device = torch.device("cuda", torch.cuda.current_device())
+            shared_gpu = torch.cuda.device_count() < self.local_world_size
+            backend = args.backend or ("gloo" if shared_gpu else "cpu:gloo,cuda:nccl")
+            if shared_gpu and not args.backend and local_rank == 0:
+                print(
+                    f"{SCRIPT}: warning: {self.local_world_size} ranks share {torch.cuda.device_count()} GPU(s) on "
+                    "this node, so they talk over gloo instead of NCCL (slower); launch one rank per GPU for NCCL",
+                    file=sys.stderr,
+                    flush=True,
                 )
-                final_values_buf.zero_()
-                batch = {
-                    "obs": obs_buf.reshape((-1,) + obs_shape),
-                    "actions": actions_buf.reshape(-1),
-                    "log_probs": log_probs_buf.reshape(-1),
-                    "values": values_buf.reshape(-1),
-                    "advantages": advantages.reshape(-1),
-                    "returns": returns.reshape(-1),
-                }
+        timeout = timedelta(seconds=args.dist_timeout)
+        try:
+            if world_size == 1:
+                dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+            else:
+                # torchrun keeps one store across restarts: a restarted group under the old keys would dial dead peers
+                store, _, _ = next(dist.rendezvous("env://", rank=self.rank, world_size=world_size, timeout=timeout))
+                store = dist.PrefixStore(f"restart{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+                dist.init_process_group(backend, store=store, rank=self.rank, world_size=world_size, timeout=timeout)
+        except (RuntimeError, ValueError) as error:
+            address = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+            fail(f"could not form a process group of {world_size} ranks at {address} with {backend}: {error}")
+        torch.set_num_threads(args.torch_threads or cores_per_rank())
 
-                # --- update (through DDP) ---
-                update_start = time.perf_counter()
-                stats, sync_time = update(model, optimizer, batch, minibatch_order(args, device), args)
-                update_time = time.perf_counter() - update_start
+    def check_same_command(self) -> None:
+        """Stop every rank before training unless all run the same source with the same arguments, from the same
+        checkpoint (one all_gather)."""
+        with open(__file__, "rb") as source:
+            mine = [digest(source.read()), digest(repr(sorted(asdict(self.args).items())).encode())]
+        table = all_gather_int64([*mine, self.resumed_iteration], self.device)
+        for column, problem, fix in (
+            (0, f"run a different copy of {SCRIPT} than rank 0", "copy the same script to every node"),
+            (1, "were given different arguments than rank 0", "launch every rank with the same command line"),
+            (2, "resume from a different checkpoint than rank 0", "put runs/ on a filesystem every node shares"),
+        ):
+            differ = (table[:, column] != table[0, column]).nonzero().flatten().tolist()
+            if differ:
+                fail(f"ranks {differ} {problem}; {fix}")
 
-                # --- logging (world-wide statistics and any rank's SIGTERM: one all_gather, one all_reduce) ---
-                _, stds = global_mean_std(torch.stack([batch["returns"] - batch["values"], batch["returns"]]))
-                explained_variance = (1 - stds[0] ** 2 / (stds[1] ** 2).clamp_min(1e-8)).item()
-                finished = [*finished, stop_request.requested]
-                finished = torch.as_tensor(finished, dtype=torch.float64, device=device)
-                dist.all_reduce(finished)
-                if rank == 0:
-                    log_iteration(
-                        writer,
-                        args,
-                        iteration,
-                        global_step,
-                        train_start,
-                        start_step,
-                        finished,
-                        stats,
-                        explained_variance,
-                        (rollout_time, update_time, sync_time),
-                        learning_rate,
-                    )
+    # --- restore, the loop's calls, checkpoints ---
 
-                # --- checkpoint (and, on SIGTERM anywhere, stop: every rank decides alike) ---
-                if args.check_sync_every and iteration % args.check_sync_every == 0:
-                    check_parameters_in_sync(agent, iteration)
-                stopping = finished[3].item() > 0
-                if stopping or (args.checkpoint_every and iteration % args.checkpoint_every == 0):
-                    path = save(iteration)
-                    if rank == 0:
-                        writer.flush()  # the curves on disk reach the checkpoint, whatever happens next
-                        print(f"checkpoint saved to {path}", flush=True)
-                if stopping:
-                    if rank == 0:
-                        resume = f"continue with --resume --run-name {run_name}"
-                        print(f"stopped by SIGTERM at iteration {iteration}; {resume}")
-                    break
+    def restore(self, **states) -> int:
+        """Name what a checkpoint holds (objects with state_dict/load_state_dict: the agent as `model`, then the
+        optimizers); a resumed run loads them and this rank's random streams. Returns the global step to go on from."""
+        self.states = states
+        self.start_step = self.checkpoint["global_step"] if self.checkpoint else 0
+        if self.checkpoint:
+            for key, state in states.items():
+                state.load_state_dict(self.checkpoint[key])
+            set_rng_states(self.checkpoint["rng"][self.rank])
+        return self.start_step
 
-            # --- final model and clean-up ---
-            envs.close()
-            if rank == 0:
-                if args.save_model and not stopping:
-                    save_checkpoint(f"runs/{run_name}/model.pt", agent, args)
-                    print(f"model saved to runs/{run_name}/model.pt")
-                if args.capture_video and not stopping:
-                    evaluate(agent, args.env_id, args, video_folder=f"runs/{run_name}/videos")
-                writer.close()
-                if args.track:
-                    import wandb
+    def iterations(self):
+        """The iterations still to run (all of them, or those after the resumed checkpoint's)."""
+        self.train_start = time.time()
+        for iteration in range(self.resumed_iteration + 1, self.num_iterations + 1):
+            self.iteration = iteration
+            yield iteration
 
-                    wandb.finish()
-            dist.barrier()
-    except NonFiniteError:
-        last = find_latest_checkpoint(run_name)
-        kept = f"the last good checkpoint is {last}" if last else "no checkpoint was written"
-        fail(
-            f"non-finite loss or gradient at iteration {iteration}, so no rank took the step ({kept}); lower "
-            "--learning-rate or check the env's observations and rewards, then --resume"
+    @contextlib.contextmanager
+    def guard(self, nonfinite_fix: str):
+        """Around the training loop: SIGTERM sets a flag instead of killing; a dead or silent peer becomes one message
+        on every surviving rank; a non-finite loss stops every rank together, naming `nonfinite_fix`."""
+        self.sigterm = False
+        previous = signal.signal(signal.SIGTERM, lambda signum, frame: setattr(self, "sigterm", True))
+        try:
+            yield
+        except NonFiniteError:
+            last = find_latest_checkpoint(self.name)
+            kept = f"the last good checkpoint is {last}" if last else "no checkpoint was written"
+            fail(
+                f"non-finite loss or gradient at {self.unit} {self.iteration}: every rank stopped before applying "
+                f"it ({kept}); {nonfinite_fix}, then --resume"
+            )
+        except RuntimeError as error:
+            if not is_lost_peer(error):
+                raise
+            reason = re.sub(r"^\[[^\]]*\]\s*", "", str(error).strip().splitlines()[0]).split(". ")[0]
+            with contextlib.suppress(SystemExit):
+                fail(
+                    f"lost contact with another rank ({reason}): it died, or stalled longer than --dist-timeout "
+                    f"{self.args.dist_timeout:g} s; see its log, then resume with --resume --run-name {self.name}",
+                    every_rank=True,
+                )
+            sys.stdout.flush()
+            os._exit(2)  # at once: the broken group's threads can abort an orderly interpreter exit (SIGABRT)
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+
+    def sum_over_ranks(self, **values: float) -> dict[str, float]:
+        """The named numbers summed over all ranks, in one allreduce that also tells every rank whether any rank got
+        SIGTERM (so all stop at the same iteration)."""
+        tensor = torch.tensor([*values.values(), float(self.sigterm)], dtype=torch.float64, device=self.device)
+        dist.all_reduce(tensor)
+        *sums, sigterms = tensor.tolist()
+        self.stopping = sigterms > 0
+        return dict(zip(values, sums, strict=True))
+
+    def log(self, global_step: int, world: dict[str, float], scalars: dict[str, float]) -> None:
+        """Rank 0: the mean return and length of the episodes that `world` (from sum_over_ranks) counts, charts/SPS
+        and `scalars` to TensorBoard, and the progress line with the time left."""
+        if self.rank != 0:
+            return
+        elapsed = time.time() - self.train_start
+        sps = int((global_step - self.start_step) / elapsed)
+        episodes = {}
+        if world["episodes"]:
+            episodes["charts/episodic_return"] = world["episode_return"] / world["episodes"]
+            episodes["charts/episodic_length"] = world["episode_length"] / world["episodes"]
+        for key, value in {**episodes, "charts/SPS": sps, **scalars}.items():
+            self.writer.add_scalar(key, value, global_step)
+        left = elapsed / (self.iteration - self.resumed_iteration) * (self.num_iterations - self.iteration)
+        recent = f"{episodes['charts/episodic_return']:.1f}" if episodes else "n/a"
+        print(
+            f"{self.unit} {self.iteration}/{self.num_iterations} step {global_step} SPS {sps} return {recent} "
+            f"elapsed {clock(elapsed)} left {clock(left)}",
+            flush=True,
         )
-    finally:
-        stop_request.restore()
-    dist.destroy_process_group()
-    gc.collect()  # free gloo's worker threads now: left to interpreter shutdown they can abort the process
-    return agent
+
+    def end_iteration(self, global_step: int) -> bool:
+        """Compare the weights (--check-sync-every), write a checkpoint (--checkpoint-every, or on SIGTERM anywhere);
+        True when every rank stops here (SIGTERM)."""
+        args, iteration = self.args, self.iteration
+        if args.check_sync_every and iteration % args.check_sync_every == 0:
+            check_parameters_in_sync(self.states["model"], iteration)
+        if self.stopping or (args.checkpoint_every and iteration % args.checkpoint_every == 0):
+            self.save_checkpoint(global_step)
+        if self.stopping and self.rank == 0:
+            print(f"stopped by SIGTERM at {self.unit} {iteration}; continue with --resume --run-name {self.name}")
+        return self.stopping
+
+    def save_checkpoint(self, global_step: int) -> None:
+        """Every rank's RNG states gathered to rank 0, which writes them with the states `restore` named."""
+        rngs = [None] * self.world_size if self.rank == 0 else None
+        if self.world_size > 1:
+            dist.gather_object(rng_states(), rngs, dst=0)
+        else:
+            rngs = [rng_states()]
+        if self.rank != 0:
+            return
+        path = checkpoint_path(self.name, self.iteration)
+        states = {key: state.state_dict() for key, state in self.states.items()}
+        write_checkpoint(
+            path,
+            self.args,
+            **states,
+            rng=rngs,
+            world_size=self.world_size,
+            iteration=self.iteration,
+            global_step=global_step,
+            restarts=self.restarts,
+        )
+        self.writer.flush()  # the curves on disk reach the checkpoint, whatever happens next
+        print(f"checkpoint saved to {path}", flush=True)
+
+    def finish(self, record_video: Callable[[str], None], **model_extras) -> None:
+        """Unless stopped by SIGTERM, rank 0 writes model.pt (--save-model: the weights and `model_extras`) and
+        records evaluation videos (--capture-video); then every rank leaves the process group together."""
+        args = self.args
+        if self.rank == 0:
+            if args.save_model and not self.stopping:
+                write_checkpoint(
+                    f"runs/{self.name}/model.pt", args, model=self.states["model"].state_dict(), **model_extras
+                )
+                print(f"model saved to runs/{self.name}/model.pt")
+            if args.capture_video and not self.stopping:
+                record_video(f"runs/{self.name}/videos")
+            self.writer.close()
+            if args.track:
+                import wandb
+
+                wandb.finish()
+        dist.barrier()
+        dist.destroy_process_group()
+        gc.collect()  # free gloo's worker threads now: left to interpreter shutdown they can abort the process
+
+
+# ======================================================================================================
+# END OF RUNTIME
+# ======================================================================================================
 
 
 if __name__ == "__main__":
