@@ -380,8 +380,9 @@ def update(
     train_v_iters: int,
     group: dist.ProcessGroup | None = None,
 ) -> tuple[torch.Tensor, float]:
-    """One VPG epoch on this rank's batch, gradients averaged over `group` (a group of one learns alone). Returns the
-    group-averaged LOSS_KEYS (the value loss before the value steps) and the seconds spent in collectives."""
+    """One VPG epoch on this rank's batch, gradients averaged over `group`: the policy step, then the value steps. A
+    non-finite loss or gradient stops every rank before its own step, not earlier ones (met in the value steps: after
+    the policy step). Returns the group-averaged LOSS_KEYS (first value loss) and the seconds in collectives."""
     obs, actions, returns, old_log_prob = batch["obs"], batch["actions"], batch["returns"], batch["log_probs"]
     adv_mean, adv_std = global_mean_std(batch["advantages"], group)
     advantages = (batch["advantages"] - adv_mean) / (adv_std + 1e-8)

@@ -178,6 +178,49 @@ def test_two_ranks_end_an_epoch_with_the_one_rank_weights_in_both_sync_modes(tmp
         torch.testing.assert_close(stats0[:4], expected_stats[:4], rtol=0, atol=1e-10)
 
 
+def small_batch() -> dict[str, torch.Tensor]:
+    """16 samples of a 4-dimensional observation and a 2-dimensional Box action."""
+    generator = torch.Generator().manual_seed(1)
+    return {
+        "obs": torch.randn(16, 4, generator=generator),
+        "actions": torch.randn(16, 2, generator=generator),
+        "log_probs": torch.full((16,), -0.7),
+        "values": torch.zeros(16),
+        "advantages": torch.randn(16, generator=generator),
+        "returns": torch.randn(16, generator=generator),
+    }
+
+
+def nan_value_targets_rank(rank: int, world_size: int) -> dict:
+    """One update on a batch whose value targets alone are NaN on rank 1: who raises, what moved."""
+    torch.manual_seed(0)
+    agent = vpg_mpi.Agent(4, gym.spaces.Box(-1.0, 1.0, (2,)), (8,))
+    batch = small_batch()
+    batch["returns"][3] += float("nan") if rank == 1 else 0.0
+    pi_optimizer = torch.optim.Adam(agent.policy_parameters(), lr=0.01)
+    vf_optimizer = torch.optim.Adam(agent.critic.parameters(), lr=0.01)
+    before = {key: value.clone() for key, value in agent.state_dict().items()}
+    try:
+        vpg_mpi.update(agent, pi_optimizer, vf_optimizer, batch, 3)
+        raised = False
+    except vpg_mpi.NonFiniteError:
+        raised = True
+    return {"raised": raised, "before": before, "after": agent.state_dict()}
+
+
+def test_nan_value_targets_on_one_rank_stop_every_rank_after_the_policy_step(tmp_path):
+    """The order update's docstring states: the policy step is taken before the value steps, and a NaN first met in
+    the value steps stops every rank before that value step (the runtime's 'stopped before applying it' is true of
+    the non-finite step, not of the epoch)."""
+    ranks = run_ranks(nan_value_targets_rank, 2, tmp_path)
+    for rank, outcome in enumerate(ranks):
+        assert outcome["raised"], rank
+        before, after = outcome["before"], outcome["after"]
+        assert not torch.equal(before["actor.0.weight"], after["actor.0.weight"]), rank  # the policy step was taken
+        assert all(torch.equal(before[key], after[key]) for key in before if key.startswith("critic.")), rank
+    assert_same_parameters([ranks[0]["after"], ranks[1]["after"]])  # and taken alike on both ranks
+
+
 # --- end to end under each launcher --------------------------------------------------------------------
 
 
