@@ -331,8 +331,8 @@ def broadcast_parameters(module: nn.Module, src: int = 0, extras: torch.Tensor |
     tensors = [t for t in (*module.parameters(), *module.buffers()) if t.is_floating_point()]
     with torch.no_grad():
         flat = torch.cat([t.reshape(-1) for t in tensors])
-        if extras is not None:
-            flat = torch.cat([flat, extras.to(flat.dtype).reshape(-1)])
+        if extras is not None:  # on the weights' device and in their dtype: one tensor for the backend
+            flat = torch.cat([flat, extras.to(flat).reshape(-1)])
         dist.broadcast(flat, src=src)
         offset = 0
         for tensor in tensors:
@@ -428,8 +428,9 @@ def update_one_learner(
     start = time.perf_counter()
     gathered = gather_to_rank0(pack_batch(batch))
     sync_time = time.perf_counter() - start
-    stats = torch.zeros(len(LOSS_KEYS), dtype=torch.float64)
-    nonfinite = torch.zeros(1)  # rank 0 learns alone: it tells the others in the weights' broadcast
+    device = next(agent.parameters()).device  # every tensor of a collective lives there (NCCL has no CPU tensors)
+    stats = torch.zeros(len(LOSS_KEYS), dtype=torch.float64, device=device)
+    nonfinite = torch.zeros(1, device=device)  # rank 0 learns alone: it tells the others in the weights' broadcast
     if gathered is not None:
         try:
             stats, _ = update(

@@ -4,6 +4,7 @@ import sys
 
 import gymnasium as gym
 import numpy as np
+import pytest
 import torch
 
 import vpg_mpi
@@ -219,6 +220,38 @@ def test_nan_value_targets_on_one_rank_stop_every_rank_after_the_policy_step(tmp
         assert not torch.equal(before["actor.0.weight"], after["actor.0.weight"]), rank  # the policy step was taken
         assert all(torch.equal(before[key], after[key]) for key in before if key.startswith("critic.")), rank
     assert_same_parameters([ranks[0]["after"], ranks[1]["after"]])  # and taken alike on both ranks
+
+
+class BroadcastReached(Exception):
+    pass
+
+
+def test_gather_mode_hands_every_collective_tensors_on_the_weights_device(monkeypatch):
+    """--sync gather --cuda joined a CPU non-finite flag onto the CUDA weights in the broadcast. Without a GPU, the
+    agent lives on the meta device (not the CPU; shapes without values) on a rank other than the learner, whose gather
+    and broadcast are recorded instead of run. The learner's own update cannot run on meta tensors (it reads values),
+    so its side is not covered here."""
+    agent = vpg_mpi.Agent(4, gym.spaces.Box(-1.0, 1.0, (2,)), (8,)).to("meta")
+    batch = {key: value.to("meta") for key, value in small_batch().items()}
+    pi_optimizer = torch.optim.Adam(agent.policy_parameters(), lr=0.01)
+    vf_optimizer = torch.optim.Adam(agent.critic.parameters(), lr=0.01)
+    handed = []
+
+    def gather(tensor, gather_list=None, dst=0):
+        handed.append(("gather", tensor.device))
+
+    def broadcast(tensor, src=0):
+        handed.append(("broadcast", tensor.device))
+        raise BroadcastReached  # a meta tensor holds no flag to read back
+
+    monkeypatch.setattr(vpg_mpi, "group_size", lambda group=None: 2)
+    monkeypatch.setattr(vpg_mpi.dist, "get_rank", lambda group=None: 1)
+    monkeypatch.setattr(vpg_mpi.dist, "gather", gather)
+    monkeypatch.setattr(vpg_mpi.dist, "broadcast", broadcast)
+    with pytest.raises(BroadcastReached):
+        vpg_mpi.update_one_learner(agent, pi_optimizer, vf_optimizer, batch, 2, learner_group=None)
+    meta = torch.device("meta")
+    assert handed == [("gather", meta), ("broadcast", meta)]
 
 
 # --- end to end under each launcher --------------------------------------------------------------------
