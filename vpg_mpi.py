@@ -11,6 +11,10 @@ computes GAE on its share; advantages are normalised with the world-wide mean an
 averages the gradients in one flat allreduce per optimizer step, so every rank takes the step one process would take
 on the concatenated batch; `--sync gather` (one learner) gathers the rollouts to rank 0, which updates alone and
 broadcasts the weights. An epoch is one iteration of the runtime at the bottom (checkpoints `iter_{epoch:06d}.pt`).
+
+Two choices differ from SpinningUp and are kept: orthogonal initialisation with a 0.01-scaled policy head (SpinningUp:
+PyTorch's default) and advantages normalised by the unbiased std + 1e-8 (SpinningUp: the population std), as in the
+PPO scripts' world-wide normalisation; benchmark/results/vpg_learning_curves.md was measured with them.
 """
 
 import contextlib
@@ -369,7 +373,7 @@ def gather_to_rank0(tensor: torch.Tensor) -> torch.Tensor | None:
 
 # --- update -------------------------------------------------------------------------------------------
 
-LOSS_KEYS = ("policy_loss", "value_loss", "entropy", "approx_kl", "explained_variance")
+LOSS_KEYS = ("policy_loss", "value_loss", "entropy", "approx_kl")
 
 
 def update(
@@ -409,9 +413,8 @@ def update(
     with torch.no_grad():
         new_log_prob, _ = agent.log_prob_entropy(obs, actions)
         approx_kl = (old_log_prob - new_log_prob).mean()
-        explained_variance = 1 - (returns - batch["values"]).var() / returns.var().clamp_min(1e-8)
         stats = torch.stack([policy_loss.detach(), first_value_loss, entropy.mean().detach(), approx_kl])
-        stats = allreduce_mean(torch.cat([stats, explained_variance.reshape(1)]).double(), group)
+        stats = allreduce_mean(stats.double(), group)
     return stats, sync_time
 
 
@@ -544,8 +547,9 @@ def main(args: Args) -> Agent | None:
             update_time = time.perf_counter() - update_start
 
             # --- logging: episodes ended on any rank; losses averaged over ranks (rank 0's with --sync gather) ---
-            world = run.sum_over_ranks(**finished)
+            world = run.sum_over_ranks(**finished, **value_sums(returns, values))
             losses = {f"losses/{key}": value for key, value in zip(LOSS_KEYS, stats.tolist(), strict=True)}
+            losses["losses/explained_variance"] = explained_variance(world)  # of the world's batch
             perf = {"perf/rollout_time": rollout_time, "perf/update_time": update_time, "perf/sync_time": sync_time}
             run.log(global_step, world, {"charts/learning_rate": pi_optimizer.param_groups[0]["lr"], **losses, **perf})
             if run.end_iteration(global_step):  # weight check, checkpoint; every rank stops here on SIGTERM
@@ -554,6 +558,25 @@ def main(args: Args) -> Agent | None:
         envs.close()
         run.finish(record_video=lambda folder: evaluate(agent, args.env_id, args, folder))
     return agent
+
+
+# --- logging: the explained variance of the world's batch -------------------------------------------
+
+
+def value_sums(returns: np.ndarray, values: np.ndarray) -> dict[str, float]:
+    """This rank's sums from which explained_variance finds the world's, once summed over ranks."""
+    residuals = (returns - values).astype(np.float64)
+    returns = returns.astype(np.float64)
+    sums = (returns.size, returns.sum(), (returns**2).sum(), residuals.sum(), (residuals**2).sum())
+    return dict(zip(("samples", "returns", "returns_squared", "residuals", "residuals_squared"), sums, strict=True))
+
+
+def explained_variance(world: dict[str, float]) -> float:
+    """1 - Var(returns - values) / Var(returns) over the world's batch."""
+    n = world["samples"]
+    var_returns = world["returns_squared"] / n - (world["returns"] / n) ** 2
+    var_residuals = world["residuals_squared"] / n - (world["residuals"] / n) ** 2
+    return np.nan if var_returns <= 0 else 1 - var_residuals / var_returns
 
 
 # --- --sync gather: a rank's batch as one tensor ------------------------------------------------------

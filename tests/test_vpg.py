@@ -1,11 +1,13 @@
 """vpg_mpi.py: GAE, seeding, distributed equivalence, every launcher (bad input: test_bad_input.py)."""
 
+import os
 import sys
 
 import gymnasium as gym
 import numpy as np
 import pytest
 import torch
+import tyro
 
 import vpg_mpi
 from tests.helpers import (
@@ -252,6 +254,39 @@ def test_gather_mode_hands_every_collective_tensors_on_the_weights_device(monkey
         vpg_mpi.update_one_learner(agent, pi_optimizer, vf_optimizer, batch, 2, learner_group=None)
     meta = torch.device("meta")
     assert handed == [("gather", meta), ("broadcast", meta)]
+
+
+# --- the logged explained variance -----------------------------------------------------------------------
+
+
+def explained_variance_rank(rank: int, world_size: int, cwd: str) -> list[dict[str, np.ndarray]]:
+    """Train two CartPole epochs with every rank's main, recording the value targets and values of each epoch."""
+    os.chdir(cwd)
+    batches, update = [], vpg_mpi.update
+
+    def recording_update(agent, pi_optimizer, vf_optimizer, batch, *args, **kwargs):
+        batches.append({key: batch[key].double().numpy() for key in ("returns", "values")})
+        return update(agent, pi_optimizer, vf_optimizer, batch, *args, **kwargs)
+
+    vpg_mpi.update = recording_update
+    flags = ["--env-id", "CartPole-v1", "--steps-per-epoch", "600", "--total-timesteps", "1200", "--train-v-iters", "2"]
+    vpg_mpi.main(tyro.cli(vpg_mpi.Args, args=flags))
+    return batches
+
+
+def test_logged_explained_variance_is_the_world_batch_value(tmp_path):
+    """losses/explained_variance is 1 - Var(returns - values) / Var(returns) on the union of the ranks' batches (it
+    was the mean of the ranks' own values)."""
+    ranks = run_ranks(explained_variance_rank, 2, tmp_path, str(tmp_path), join_group=False)
+    [run_dir] = run_dirs(tmp_path)
+    logged = read_scalars(run_dir)["losses/explained_variance"]
+    assert [step for step, _ in logged] == [600, 1200]
+    for epoch, (_, value) in enumerate(logged):
+        returns, values = (np.concatenate([rank[epoch][key] for rank in ranks]) for key in ("returns", "values"))
+        union = 1 - np.var(returns - values) / np.var(returns)
+        per_rank = [1 - np.var(r[epoch]["returns"] - r[epoch]["values"]) / np.var(r[epoch]["returns"]) for r in ranks]
+        assert np.mean(per_rank) != pytest.approx(union, rel=1e-5, abs=1e-7), epoch  # the test tells the two apart
+        assert value == pytest.approx(union, rel=1e-5, abs=1e-7), epoch
 
 
 # --- end to end under each launcher --------------------------------------------------------------------
