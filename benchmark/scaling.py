@@ -1,21 +1,25 @@
-"""Weak scaling: environment steps per second (SPS) against the number of ranks, with the time split per iteration.
+"""Per-core weak scaling: N ranks on N cores against 1 rank on 1 core, each script and each sync mode.
 
-    python -m benchmark.scaling --scripts vpg_mpi.py ppo_continuous_mpi.py --ranks 1 2 --out benchmark/results/scaling
+    python -m benchmark.scaling --out benchmark/results/scaling
 
-Each script runs once per rank count N under torchrun with a fixed batch per rank (`--local-steps` env steps per
-iteration; the global batch grows with N) for `--iterations` iterations. From its TensorBoard events:
+The baseline is one rank pinned to one core with one torch thread, `taskset -c C0 python SCRIPT --torch-threads 1`;
+N ranks run on N cores, `taskset -c C0,..,C(N-1) python -m torch.distributed.run --standalone --nproc_per_node N
+benchmark/pin_rank.py SCRIPT --torch-threads 1`, where pin_rank.py pins local rank r to core Cr (C0, C1, .. are the
+usable cores, sorted). The Atari script also gets `--env-threads 1`. Each rank keeps the same batch (`--local-steps`
+env steps per iteration; the global batch grows with N) for `--iterations` iterations. Scripts with `--sync` run
+once per mode in `--sync-modes`; the Atari script syncs by DDP only. From rank 0's TensorBoard events:
 
 - SPS: global steps per second from the end of iteration 1 to the end of the last (the event wall times; this
   leaves out start-up and the first iteration's warm-up); the script's own `charts/SPS` (whole run) beside it;
-- speedup = SPS(N) / SPS(1), parallel efficiency = speedup / N;
-- seconds per iteration in rollout, update and gradient sync: medians over iterations 2.. of `perf/rollout_time`,
-  `perf/update_time` and `perf/sync_time` (what sync covers differs per script, see the notes in the output).
+- speedup = SPS(N) / SPS(1 rank, same script and mode), parallel efficiency = speedup / N;
+- seconds per iteration in rollout, update and sync: medians over iterations 2.. of `perf/rollout_time`,
+  `perf/update_time` and `perf/sync_time` (what sync covers differs per script and mode, see the notes in the output).
 
-Arguments after `--` go to every run (e.g. `-- --torch-threads 1`). Each rank gets the scripts' default torch
-threads (usable cores / ranks on the node) unless they say otherwise. Timing on a loaded machine is distorted:
-the output records the load average before and after the runs.
+Arguments after `--` go to every run, after the benchmark's own (so `-- --torch-threads 2` overrides the one thread).
+Timing on a loaded machine is distorted: the output records the load average before and after the runs.
 """
 
+import os
 import shlex
 import shutil
 import statistics
@@ -23,10 +27,12 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import tyro
 
 from benchmark.common import (
+    ROOT,
     SCRIPTS,
     check_load,
     last_lines,
@@ -36,42 +42,70 @@ from benchmark.common import (
     results_header,
     run_streaming,
     split_script_args,
-    torchrun_command,
+    torchrun_launcher,
 )
 
-# per script: (default env id, default env steps per rank per iteration, what perf/sync_time covers)
+PIN_RANK = ROOT / "benchmark" / "pin_rank.py"
+ATARI = "ppo_atari_multigpu.py"
+ATARI_ENVS_PER_RANK = 8
+DDP = "DDP"
+"""the mode of the script without `--sync`"""
+
+# per script: (default env id, default env steps per rank per iteration)
 SCRIPT_DEFAULTS = {
-    "vpg_mpi.py": (
-        "HalfCheetah-v5",
-        4000,
-        "the flat gradient allreduces of the update (1 policy step + 80 value steps per epoch)",
+    "vpg_mpi.py": ("HalfCheetah-v5", 4000),
+    "ppo_continuous_mpi.py": ("HalfCheetah-v5", 2048),
+    ATARI: ("BreakoutNoFrameskip-v4", 1024),
+}
+GATHER_SYNC = (
+    "the gather of every rank's rollout to rank 0 (which also waits for the slowest rank's rollout) and the broadcast "
+    "of the weights; the rest of update is rank 0 learning alone on the world's batch"
+)
+# per (script, mode): what perf/sync_time covers; a script's modes are its keys here
+SYNC_MEANS = {
+    ("vpg_mpi.py", "allreduce"): (
+        "the flat gradient allreduces of the update (1 policy step + 80 value steps per epoch)"
     ),
-    "ppo_continuous_mpi.py": (
-        "HalfCheetah-v5",
-        2048,
-        "the flat gradient allreduce after every minibatch plus one advantage-statistics collective per epoch",
+    ("vpg_mpi.py", "gather"): GATHER_SYNC,
+    ("ppo_continuous_mpi.py", "allreduce"): (
+        "the flat gradient allreduce after every minibatch plus one advantage-statistics collective per epoch"
     ),
-    "ppo_atari_multigpu.py": (
-        "BreakoutNoFrameskip-v4",
-        1024,
+    ("ppo_continuous_mpi.py", "gather"): GATHER_SYNC,
+    (ATARI, DDP): (
         "the backward passes (DDP overlaps its allreduce with backward, so they cannot be timed apart) plus the "
-        "explicit collectives; compare with the 1-rank row for the communication share",
+        "explicit collectives; compare with the 1-rank row for the communication share"
     ),
 }
-ATARI_ENVS_PER_RANK = 8
-DEFAULT_BATCH_TEXT = "each script's default"
 
 # mpi_util's published throughput (Walker2d, 6-core Xeon X5680 + GTX 1070, rollouts gathered to rank 0), as quoted
 # in the project's reference list: steps/s by number of processes
 MPI_UTIL_SPS = {1: 546, 2: 1040, 3: 1712, 4: 2014, 6: 2100, 8: 2400, 9: 2484, 12: 2169}
 
 
+TABLE_HEADERS = (
+    "mode",
+    "ranks (= cores)",
+    "global batch / iteration",
+    "SPS (iterations 2..)",
+    "charts/SPS (whole run)",
+    "speedup",
+    "efficiency",
+    "rollout s / it",
+    "update s / it",
+    "of which sync s / it",
+)
+"""the columns of a script's table"""
+
+
 @dataclass
 class Args:
-    scripts: tuple[str, ...] = ("vpg_mpi.py", "ppo_continuous_mpi.py", "ppo_atari_multigpu.py")
+    scripts: tuple[str, ...] = ("vpg_mpi.py", "ppo_continuous_mpi.py", ATARI)
     """the scripts to measure"""
-    ranks: tuple[int, ...] = (1, 2)
-    """the numbers of ranks to run (the first is the baseline of speedup and efficiency; put 1 first)"""
+    sync_modes: tuple[Literal["allreduce", "gather"], ...] = ("allreduce", "gather")
+    """the `--sync` modes to run, for the scripts that have the flag (the Atari script always runs its DDP)"""
+    ranks: tuple[int, ...] = ()
+    """the numbers of ranks (each on its own core) besides the 1-rank baseline, which always runs; default: 2, 4, 8,
+    .. up to the usable cores, and the usable cores"""
     iterations: int = 6
     """iterations (epochs) per run; at least 2 (the first one is left out of SPS and the time split)"""
     local_steps: int = 0
@@ -91,9 +125,10 @@ class Args:
 
 @dataclass
 class Measurement:
-    """One (script, ranks) run reduced to the table's numbers."""
+    """One (script, mode, ranks) run reduced to the table's numbers."""
 
     script: str
+    mode: str
     ranks: int
     global_batch: int
     iterations: int
@@ -102,6 +137,26 @@ class Measurement:
     rollout: float
     update: float
     sync: float
+
+
+def usable_cores() -> list[int]:
+    """The cores this process may run on, sorted (rank r of a run is pinned to the r-th)."""
+    return sorted(os.sched_getaffinity(0))
+
+
+def rank_counts(ranks: tuple[int, ...], cores: int) -> list[int]:
+    """1 (the baseline) and `ranks`, or by default the powers of two below `cores` and `cores`; sorted, no repeats."""
+    if not ranks:
+        ranks = (*(2**k for k in range(1, cores.bit_length()) if 2**k < cores), cores)
+    if min(ranks) < 1 or max(ranks) > cores:
+        raise SystemExit(f"benchmark.scaling: error: --ranks must be between 1 and the {cores} usable cores")
+    return sorted({1, *ranks})
+
+
+def script_modes(script: str, sync_modes: tuple[str, ...]) -> list[str]:
+    """The modes to run `script` in: the chosen `--sync` modes it has, or DDP for the script without the flag."""
+    modes = [mode for (name, mode) in SYNC_MEANS if name == script]
+    return [DDP] if modes == [DDP] else [mode for mode in sync_modes if mode in modes]
 
 
 def budget_args(script: str, ranks: int, local_steps: int, iterations: int) -> list[str]:
@@ -124,13 +179,32 @@ def budget_args(script: str, ranks: int, local_steps: int, iterations: int) -> l
     ]
 
 
+def script_args(script: str, mode: str, ranks: int, local_steps: int, iterations: int) -> list[str]:
+    """One torch thread per rank (and one env thread for Atari), the sync mode, and the batch for `iterations`."""
+    args = ["--torch-threads", "1"]
+    args += ["--env-threads", "1"] if script == ATARI else []
+    args += [] if mode == DDP else ["--sync", mode]
+    return [*args, *budget_args(script, ranks, local_steps, iterations)]
+
+
+def launch_command(script: str, ranks: int, cores: list[int], args: list[str]) -> list[str]:
+    """1 rank: `taskset -c C0 python SCRIPT ARGS`. N ranks: `taskset -c C0,..,C(N-1)` around torchrun, which launches
+    benchmark/pin_rank.py to pin local rank r to core Cr before it becomes `python SCRIPT ARGS`."""
+    if ranks > len(cores):
+        raise ValueError(f"{ranks} ranks but only {len(cores)} usable cores")
+    pinned = ["taskset", "-c", ",".join(str(core) for core in cores[:ranks])]
+    if ranks == 1:
+        return [*pinned, sys.executable, str(ROOT / script), *args]
+    return [*pinned, *torchrun_launcher(ranks), str(PIN_RANK), str(ROOT / script), *args]
+
+
 def median_after_first(events: list[tuple[float, int, float]]) -> float:
     """Median of a per-iteration series, leaving out the first iteration when there are others."""
     values = [value for _, _, value in events]
     return statistics.median(values[1:] if len(values) > 1 else values)
 
 
-def measure(run_dir: Path, script: str, ranks: int) -> Measurement:
+def measure(run_dir: Path, script: str, mode: str, ranks: int) -> Measurement:
     """Reduce one run's event files to a Measurement."""
     scalars = read_scalar_events(run_dir)
     sps_events = scalars.get("charts/SPS", [])
@@ -139,6 +213,7 @@ def measure(run_dir: Path, script: str, ranks: int) -> Measurement:
     (first_wall, first_step, _), (last_wall, last_step, script_sps) = sps_events[0], sps_events[-1]
     return Measurement(
         script=script,
+        mode=mode,
         ranks=ranks,
         global_batch=(last_step - first_step) // (len(sps_events) - 1),
         iterations=len(sps_events),
@@ -151,13 +226,15 @@ def measure(run_dir: Path, script: str, ranks: int) -> Measurement:
 
 
 def scaling_table(measurements: list[Measurement]) -> str:
-    """One script's rows: ranks, batch, SPS, speedup and efficiency against the first row, seconds per iteration."""
-    base = measurements[0]
+    """One script's rows, mode by mode: SPS, speedup and efficiency against the mode's 1-rank row, seconds per
+    iteration."""
+    baselines = {m.mode: m for m in measurements if m.ranks == 1}
     rows = []
     for m in measurements:
-        speedup = m.sps / base.sps * base.ranks
+        speedup = m.sps / baselines[m.mode].sps
         rows.append(
             [
+                m.mode,
                 m.ranks,
                 f"{m.global_batch:,}",
                 f"{m.sps:,.0f}",
@@ -169,18 +246,7 @@ def scaling_table(measurements: list[Measurement]) -> str:
                 f"{m.sync:.3f}",
             ]
         )
-    headers = [
-        "ranks",
-        "global batch / iteration",
-        "SPS (iterations 2..)",
-        "charts/SPS (whole run)",
-        "speedup",
-        "efficiency",
-        "rollout s / it",
-        "update s / it",
-        "of which sync s / it",
-    ]
-    return markdown_table(headers, rows)
+    return markdown_table(TABLE_HEADERS, rows)
 
 
 def reference_table() -> str:
@@ -190,38 +256,38 @@ def reference_table() -> str:
     return markdown_table(["processes", "steps/s", "speedup", "efficiency"], rows)
 
 
-def plot(results: dict[str, list[Measurement]], path: Path) -> None:
-    """Left: SPS against ranks per script with ideal linear scaling dashed. Right: seconds per iteration, split."""
+def plot(results: dict[tuple[str, str], list[Measurement]], path: Path) -> None:
+    """Left: SPS against ranks per script and mode, ideal linear scaling dashed. Right: seconds per iteration, split."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    figure, (left, right) = plt.subplots(1, 2, figsize=(12, 5.5))
     labels, rollout, update, sync = [], [], [], []
-    for color, (script, measurements) in enumerate(results.items()):
+    for color, ((script, mode), measurements) in enumerate(results.items()):
+        name = f"{Path(script).stem.rsplit('_', 1)[0]} {mode}"
         ranks = [m.ranks for m in measurements]
-        left.plot(ranks, [m.sps for m in measurements], "o-", color=f"C{color}", label=script)
-        base = measurements[0]
-        left.plot(ranks, [base.sps * n / base.ranks for n in ranks], "--", color=f"C{color}", alpha=0.5)
+        left.plot(ranks, [m.sps for m in measurements], "o-", color=f"C{color}", label=name)
+        left.plot(ranks, [measurements[0].sps * n for n in ranks], "--", color=f"C{color}", alpha=0.5)
         for m in measurements:
-            labels.append(f"{Path(script).stem.rsplit('_', 1)[0]}\n{m.ranks} rank{'s' * (m.ranks > 1)}")
+            labels.append(f"{name}, {m.ranks} rank{'s' * (m.ranks > 1)}")
             rollout.append(m.rollout)
             update.append(m.update - m.sync)
             sync.append(m.sync)
     left.set_xticks(sorted({m.ranks for measurements in results.values() for m in measurements}))
-    left.set_xlabel("ranks")
+    left.set_xlabel("ranks, one core each")
     left.set_ylabel("env steps per second")
-    left.set_title("weak scaling (dashed: linear)")
+    left.set_title("weak scaling (dashed: linear from 1 rank on 1 core)")
     left.legend(fontsize="small")
     left.grid(alpha=0.3)
     positions = range(len(labels))
     right.bar(positions, rollout, label="rollout")
     right.bar(positions, update, bottom=rollout, label="update (without sync)")
     right.bar(positions, sync, bottom=[a + b for a, b in zip(rollout, update, strict=True)], label="sync")
-    right.set_xticks(list(positions), labels, fontsize="x-small")
+    right.set_xticks(list(positions), labels, fontsize="x-small", rotation=40, ha="right")
     right.set_ylabel("seconds per iteration (median)")
-    right.set_title("time per iteration")
+    right.set_title("time per iteration (rank 0)")
     right.legend(fontsize="small")
     figure.tight_layout()
     figure.savefig(path, dpi=100)
@@ -229,55 +295,66 @@ def plot(results: dict[str, list[Measurement]], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> tuple[Path, Path]:
-    """Run every (script, ranks), write OUT.md and OUT.png; returns their paths."""
+    """Run every (script, mode, ranks), write OUT.md and OUT.png; returns their paths."""
     argv = sys.argv[1:] if argv is None else argv
     own, extra = split_script_args(argv)
     args = tyro.cli(Args, args=own, description=__doc__)
     unknown = [script for script in args.scripts if script not in SCRIPTS]
-    if unknown or not args.ranks or min(args.ranks) < 1 or args.iterations < 2:
-        raise SystemExit(f"benchmark.scaling: error: scripts must be in {SCRIPTS}, ranks >= 1, iterations >= 2")
+    if unknown or args.iterations < 2:
+        raise SystemExit(f"benchmark.scaling: error: scripts must be in {SCRIPTS}, iterations >= 2")
+    cores = usable_cores()
+    ranks_to_run = rank_counts(args.ranks, len(cores))
     work_dir = args.out_dir.resolve() if args.out_dir else Path(tempfile.mkdtemp(prefix="ddrl_scaling_"))
     load_before, warning = check_load(args.max_load)
-    results: dict[str, list[Measurement]] = {}
+    results: dict[tuple[str, str], list[Measurement]] = {}
     try:
         for script in args.scripts:
-            default_env, default_steps, _ = SCRIPT_DEFAULTS[script]
-            local_steps = args.local_steps or default_steps
-            for ranks in args.ranks:
-                name = f"scaling__{Path(script).stem}__{ranks}ranks"
-                shutil.rmtree(work_dir / "runs" / name, ignore_errors=True)
-                script_args = [
-                    *("--env-id", args.env_id or default_env, "--run-name", name),
-                    *budget_args(script, ranks, local_steps, args.iterations),
-                    *extra,
-                ]
-                command = torchrun_command(script, ranks, script_args)
-                print(f"{script} on {ranks} rank(s): {shlex.join(command)}", flush=True)
-                log_path = work_dir / "logs" / f"{name}.log"
-                if run_streaming(command, work_dir, log_path):
-                    raise SystemExit(f"benchmark.scaling: error: {name} failed; {log_path}:\n{last_lines(log_path)}")
-                measurement = measure(work_dir / "runs" / name, script, ranks)
-                print(f"  SPS {measurement.sps:,.0f} (charts/SPS {measurement.script_sps:,.0f})", flush=True)
-                results.setdefault(script, []).append(measurement)
+            default_env, default_steps = SCRIPT_DEFAULTS[script]
+            for mode in script_modes(script, args.sync_modes):
+                for ranks in ranks_to_run:
+                    name = f"scaling__{Path(script).stem}__{mode}__{ranks}ranks"
+                    shutil.rmtree(work_dir / "runs" / name, ignore_errors=True)
+                    run_args = [
+                        *("--env-id", args.env_id or default_env, "--run-name", name),
+                        *script_args(script, mode, ranks, args.local_steps or default_steps, args.iterations),
+                        *extra,
+                    ]
+                    command = launch_command(script, ranks, cores, run_args)
+                    print(f"{script} {mode} on {ranks} rank(s): {shlex.join(command)}", flush=True)
+                    log_path = work_dir / "logs" / f"{name}.log"
+                    if run_streaming(command, work_dir, log_path):
+                        raise SystemExit(
+                            f"benchmark.scaling: error: {name} failed; {log_path}:\n{last_lines(log_path)}"
+                        )
+                    measurement = measure(work_dir / "runs" / name, script, mode, ranks)
+                    print(f"  SPS {measurement.sps:,.0f} (charts/SPS {measurement.script_sps:,.0f})", flush=True)
+                    results.setdefault((script, mode), []).append(measurement)
     finally:
         if args.out_dir is None:
             shutil.rmtree(work_dir, ignore_errors=True)
 
     table_path, png_path = output_paths(args.out)
     plot(results, png_path)
+    batch = f"{args.local_steps:,}" if args.local_steps else "each script's default"
     facts = [
-        f"weak scaling: {args.iterations} iterations per run, a fixed batch per rank "
-        f"({args.local_steps or DEFAULT_BATCH_TEXT} env steps per rank per iteration)",
+        f"weak scaling: {args.iterations} iterations per run, a fixed batch per rank ({batch} env steps per rank per "
+        "iteration)",
+        f"pinning: the usable cores C0, C1, .. are {', '.join(map(str, cores))}; 1 rank runs as `taskset -c C0 python "
+        "SCRIPT --torch-threads 1`, N ranks as `taskset -c C0,..,C(N-1) python -m torch.distributed.run --standalone "
+        "--nproc_per_node N benchmark/pin_rank.py SCRIPT --torch-threads 1`, pin_rank.py pinning local rank r to core "
+        "Cr; the Atari script also gets --env-threads 1",
         f"load average (1, 5, 15 min) before the runs: {load_before}",
     ]
-    text = results_header("Scaling: SPS against ranks", "benchmark.scaling", argv, facts, args.notes, warning)
+    text = results_header("Scaling: N ranks on N cores", "benchmark.scaling", argv, facts, args.notes, warning)
     text += f"\n![scaling]({png_path.name})\n"
-    for script, measurements in results.items():
+    for script in args.scripts:
+        measurements = [m for (name, _), rows in results.items() if name == script for m in rows]
         env_id = args.env_id or SCRIPT_DEFAULTS[script][0]
-        text += f"\n## {script} on {env_id}\n\n{scaling_table(measurements)}"
-        text += f"\nsync here means {SCRIPT_DEFAULTS[script][2]}.\n"
+        text += f"\n## {script} on {env_id}\n\n{scaling_table(measurements)}\n"
+        for mode in dict.fromkeys(m.mode for m in measurements):
+            text += f"sync with {mode} means {SYNC_MEANS[script, mode]}.\n\n"
     text += (
-        "\n## Reference: mpi_util\n\nmpi_util's published throughput (Walker2d, 6-core Xeon X5680 + GTX 1070, rollouts "
+        "## Reference: mpi_util\n\nmpi_util's published throughput (Walker2d, 6-core Xeon X5680 + GTX 1070, rollouts "
         "gathered to rank 0), as listed in the project's references; 1 -> 2 processes: 546 -> 1040 steps/s.\n\n"
     )
     text += reference_table()

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from benchmark import common, grad_sync, plot, run, scaling
-from tests.helpers import ROOT, read_scalars
+from tests.helpers import ROOT, read_scalars, run_command
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -129,29 +129,89 @@ def test_plot_curves_and_final_returns_on_synthetic_runs():
     assert cell == "9.00 +- 1.00 (2 seeds, 1,000 steps)"
 
 
-def test_scaling_one_and_two_ranks(tmp_path):
+def test_scaling_builds_pinned_one_thread_commands_for_every_script_and_mode():
+    assert scaling.script_modes("vpg_mpi.py", ("allreduce", "gather")) == ["allreduce", "gather"]
+    assert scaling.script_modes("ppo_continuous_mpi.py", ("gather",)) == ["gather"]
+    assert scaling.script_modes("ppo_atari_multigpu.py", ("allreduce", "gather")) == ["DDP"]
+    assert [scaling.rank_counts((), cores) for cores in (1, 2, 6, 8)] == [[1], [1, 2], [1, 2, 4, 6], [1, 2, 4, 8]]
+    assert scaling.rank_counts((3,), 4) == [1, 3]
+    with pytest.raises(SystemExit, match="between 1 and the 4 usable cores"):
+        scaling.rank_counts((5,), 4)
+
+    cores = [3, 5, 7]
+    args = scaling.script_args("ppo_continuous_mpi.py", "gather", 1, 2048, 4)
+    assert args == ["--torch-threads", "1", "--sync", "gather", "--num-steps", "2048", "--total-timesteps", "8192"]
+    assert scaling.launch_command("ppo_continuous_mpi.py", 1, cores, args) == [
+        *("taskset", "-c", "3", sys.executable, str(ROOT / "ppo_continuous_mpi.py"), *args)
+    ]
+    args = scaling.script_args("ppo_atari_multigpu.py", "DDP", 2, 1024, 3)
+    assert args == [
+        *("--torch-threads", "1", "--env-threads", "1", "--local-num-envs", "8", "--num-steps", "128"),
+        *("--total-timesteps", "6144"),
+    ]
+    assert scaling.launch_command("ppo_atari_multigpu.py", 2, cores, args) == [
+        *("taskset", "-c", "3,5", *common.torchrun_launcher(2), str(ROOT / "benchmark" / "pin_rank.py")),
+        *(str(ROOT / "ppo_atari_multigpu.py"), *args),
+    ]
+    args = scaling.script_args("vpg_mpi.py", "allreduce", 3, 100, 2)
+    assert args[-4:] == ["--steps-per-epoch", "300", "--total-timesteps", "600"]  # SpinningUp's global batch
+    with pytest.raises(ValueError, match="4 ranks but only 3 usable cores"):
+        scaling.launch_command("vpg_mpi.py", 4, cores, args)
+
+
+def test_pin_rank_pins_the_local_rank_to_its_core_and_becomes_the_program(tmp_path):
+    cores = sorted(os.sched_getaffinity(0))
+    program = ["-c", "import os, sys; print(sorted(os.sched_getaffinity(0)), sys.argv[1:])", "a", "b"]
+    result = run_command(
+        [sys.executable, str(ROOT / "benchmark" / "pin_rank.py"), *program], tmp_path, LOCAL_RANK=str(len(cores) - 1)
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == [
+        f"pin_rank: local rank {len(cores) - 1} on core {cores[-1]}",
+        f"[{cores[-1]}] ['a', 'b']",
+    ]
+    result = run_command([sys.executable, str(ROOT / "benchmark" / "pin_rank.py"), *program], tmp_path, LOCAL_RANK="99")
+    assert result.returncode == 1 and "local rank 99 but only cores" in result.stderr
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="2 ranks on 2 cores need 2 usable cores")
+def test_scaling_two_ranks_on_two_cores_in_both_sync_modes(tmp_path):
     work = tmp_path / "work"
-    argv = ["--scripts", "vpg_mpi.py", "--ranks", "1", "2", "--iterations", "3", "--local-steps", "100"]
+    argv = ["--scripts", "vpg_mpi.py", "--ranks", "2", "--iterations", "3", "--local-steps", "100"]
     argv += ["--env-id", "CartPole-v1", "--out", str(tmp_path / "scaling"), "--out-dir", str(work)]
     table_path, png_path = scaling.main([*argv, "--max-load", "1000"])
     assert_png(png_path)
     text = table_path.read_text()
-    assert "MEASURED UNDER LOAD" not in text
+    assert "MEASURED UNDER LOAD" not in text and "benchmark/pin_rank.py SCRIPT --torch-threads 1`" in text
     assert "## vpg_mpi.py on CartPole-v1" in text and "546 -> 1040" in text
-    rows = table_rows(text, "ranks")
-    assert [row[:2] for row in rows] == [["1", "100"], ["2", "200"]]
-    sps = []
-    for ranks, row in zip((1, 2), rows, strict=True):
-        events = common.read_scalar_events(work / "runs" / f"scaling__vpg_mpi__{ranks}ranks")
-        steps = [step for _, step, _ in events["charts/SPS"]]
-        assert steps == [100 * ranks * i for i in (1, 2, 3)]  # three iterations of 100 steps per rank
+    assert "sync with allreduce means the flat" in text and "sync with gather means the gather" in text
+    rows = table_rows(text, "mode")
+    assert [row[:3] for row in rows] == [[mode, n, str(100 * int(n))] for mode in ("allreduce", "gather") for n in "12"]
+    cores = sorted(os.sched_getaffinity(0))
+    sps = {}
+    for row in rows:
+        mode, ranks = row[0], int(row[1])
+        name = f"scaling__vpg_mpi__{mode}__{ranks}ranks"
+        events = common.read_scalar_events(work / "runs" / name)
+        assert [step for _, step, _ in events["charts/SPS"]] == [100 * ranks * i for i in (1, 2, 3)]  # 3 iterations
         (wall_1, step_1, _), (wall_3, step_3, _) = events["charts/SPS"][0], events["charts/SPS"][-1]
-        sps.append((step_3 - step_1) / (wall_3 - wall_1))
-        assert row[2] == f"{sps[-1]:,.0f}"
-        assert row[6] == f"{np.median([value for _, _, value in events['perf/rollout_time']][1:]):.3f}"
-        assert float(row[8]) <= float(row[7])  # sync is part of the update
-    assert rows[0][4:6] == ["1.00", "100%"]
-    assert rows[1][4:6] == [f"{sps[1] / sps[0]:.2f}", f"{sps[1] / sps[0] / 2:.0%}"]
+        sps[mode, ranks] = (step_3 - step_1) / (wall_3 - wall_1)
+        assert row[3] == f"{sps[mode, ranks]:,.0f}"
+        assert row[7] == f"{np.median([value for _, _, value in events['perf/rollout_time']][1:]):.3f}"
+        assert row[9] == f"{np.median([value for _, _, value in events['perf/sync_time']][1:]):.3f}"
+        assert float(row[9]) <= float(row[8])  # sync is part of the update
+        hyperparameters = common.read_hyperparameters(work / "runs" / name)
+        assert (hyperparameters["torch_threads"], hyperparameters["sync"]) == ("1", mode)
+        log = (work / "logs" / f"{name}.log").read_text()
+        if ranks == 1:
+            assert log.startswith(f"$ (cd {work} && taskset -c {cores[0]} {sys.executable} {ROOT / 'vpg_mpi.py'} ")
+            assert "pin_rank" not in log
+        else:
+            assert f"taskset -c {cores[0]},{cores[1]} {sys.executable} -m torch.distributed.run" in log
+            assert f"pin_rank: local rank 0 on core {cores[0]}\n" in log
+            assert f"pin_rank: local rank 1 on core {cores[1]}\n" in log
+        speedup = sps[mode, ranks] / sps[mode, 1]  # against the 1-rank row of the same mode
+        assert row[5:7] == [f"{speedup:.2f}", f"{speedup / ranks:.0%}"]
 
 
 def test_grad_sync_table_with_few_repetitions(tmp_path):
