@@ -11,6 +11,7 @@ import tyro
 
 import vpg_mpi
 from tests.helpers import (
+    RANK_ENTRY,
     ROOT,
     assert_ok,
     assert_same_parameters,
@@ -28,6 +29,7 @@ from tests.helpers import (
 )
 
 CARTPOLE = ["--env-id", "CartPole-v1", "--steps-per-epoch", "1000", "--total-timesteps", "3000", "--train-v-iters", "5"]
+TWO_RANKS = "ranks                        2"  # the batch table's line, printed by rank 0 of a world of two
 
 
 # --- GAE and rewards-to-go ---------------------------------------------------------------------------
@@ -363,6 +365,17 @@ def test_halfcheetah_two_ranks_gather_mode(tmp_path):
     assert scalars["charts/episodic_length"][0][1] == 1000
 
 
+def assert_one_world_of_two_ranks(cwd, stdout: str) -> None:
+    """Two launched processes trained as one world: rank 0's batch table says two ranks, one run folder logged every
+    epoch, and ranks 0 and 1 (rank_entry.py's rank0.pt and rank1.pt) end with the same weights. Two worlds of one
+    would each print one rank and both write rank0.pt."""
+    assert TWO_RANKS in stdout, stdout
+    [run_dir] = run_dirs(cwd)
+    assert epochs_logged(run_dir) == 3
+    assert sorted(path.name for path in cwd.glob("rank*.pt")) == ["rank0.pt", "rank1.pt"]
+    assert_same_parameters(rank_parameters(cwd, 2))
+
+
 def test_mpirun_launch(tmp_path):
     command = [
         "mpirun",
@@ -375,27 +388,28 @@ def test_mpirun_launch(tmp_path):
         "-x",
         "PYTHONPATH",
         sys.executable,
-        str(ROOT / "vpg_mpi.py"),
+        str(RANK_ENTRY),
+        "vpg_mpi.py",
         *CARTPOLE,
     ]
-    assert_ok(run_command(command, tmp_path))
-    [run_dir] = run_dirs(tmp_path)
-    assert epochs_logged(run_dir) == 3
+    result = run_command(command, tmp_path)
+    assert_ok(result)
+    assert_one_world_of_two_ranks(tmp_path, result.stdout)
 
 
 def test_slurm_variables_two_tasks_train_together(tmp_path):
     port = str(free_port())
-    command = [sys.executable, str(ROOT / "vpg_mpi.py"), *CARTPOLE]
+    command = [sys.executable, str(RANK_ENTRY), "vpg_mpi.py", *CARTPOLE]
     tasks = [
         start(
             command, tmp_path, f"task{r}", SLURM_PROCID=str(r), SLURM_NTASKS="2", SLURM_LOCALID=str(r), MASTER_PORT=port
         )
         for r in range(2)
     ]
-    for task in tasks:
-        assert_ok(finish(task, 180))
-    [run_dir] = run_dirs(tmp_path)
-    assert epochs_logged(run_dir) == 3
+    results = [finish(task, 180) for task in tasks]
+    for result in results:
+        assert_ok(result)
+    assert_one_world_of_two_ranks(tmp_path, results[0].stdout)
 
 
 def test_two_torchrun_nodes_train_as_one_world(tmp_path):
