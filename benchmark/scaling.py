@@ -17,6 +17,7 @@ once per mode in `--sync-modes`; the Atari script syncs by DDP only. From rank 0
 
 Arguments after `--` go to every run, after the benchmark's own (so `-- --torch-threads 2` overrides the one thread).
 Timing on a loaded machine is distorted: the output records the load average before and after the runs.
+`python -m benchmark.scaling_model` extrapolates the result to more ranks.
 """
 
 import os
@@ -94,7 +95,7 @@ TABLE_HEADERS = (
     "update s / it",
     "of which sync s / it",
 )
-"""the columns of a script's table"""
+"""the columns of a script's table (benchmark.scaling_model reads them back)"""
 
 
 @dataclass

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from benchmark import common, grad_sync, plot, run, scaling
+from benchmark import common, grad_sync, plot, run, scaling, scaling_model
 from tests.helpers import ROOT, read_scalars, run_command
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -32,7 +32,7 @@ def assert_png(path: Path) -> None:
     assert path.read_bytes()[:8] == PNG_MAGIC and path.stat().st_size > 5_000, path
 
 
-@pytest.mark.parametrize("module", [run, plot, scaling, grad_sync])
+@pytest.mark.parametrize("module", [run, plot, scaling, scaling_model, grad_sync])
 def test_every_entry_point_has_help(module, capsys):
     with pytest.raises(SystemExit) as exit_info:
         module.main(["--help"])
@@ -175,7 +175,7 @@ def test_pin_rank_pins_the_local_rank_to_its_core_and_becomes_the_program(tmp_pa
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="2 ranks on 2 cores need 2 usable cores")
-def test_scaling_two_ranks_on_two_cores_in_both_sync_modes(tmp_path):
+def test_scaling_two_ranks_on_two_cores_in_both_sync_modes_then_the_model(tmp_path):
     work = tmp_path / "work"
     argv = ["--scripts", "vpg_mpi.py", "--ranks", "2", "--iterations", "3", "--local-steps", "100"]
     argv += ["--env-id", "CartPole-v1", "--out", str(tmp_path / "scaling"), "--out-dir", str(work)]
@@ -212,6 +212,71 @@ def test_scaling_two_ranks_on_two_cores_in_both_sync_modes(tmp_path):
             assert f"pin_rank: local rank 1 on core {cores[1]}\n" in log
         speedup = sps[mode, ranks] / sps[mode, 1]  # against the 1-rank row of the same mode
         assert row[5:7] == [f"{speedup:.2f}", f"{speedup / ranks:.0%}"]
+
+    model_path = scaling_model.main(["--from", str(table_path), "--out", str(tmp_path / "model")])
+    predictions = table_rows(model_path.read_text(), "script | mode | model: what grows with N")
+    assert [(row[1], row[3]) for row in predictions] == [
+        (mode, n) for mode in ("allreduce", "gather") for _ in range(2) for n in ("2", "8", "64", "512")
+    ]
+    gather_2 = next(row for row in predictions if row[1] == "gather" and row[3] == "2")
+    assert gather_2[6] == rows[3][6]  # the measured 2-rank efficiency beside the model's
+
+
+def model_seconds(**changes: float) -> scaling_model.Seconds:
+    values = dict(iteration=1.0, update=0.25, sync1=0.05, sync2=0.175, update2=0.5, efficiency2=0.8)
+    return scaling_model.Seconds(**{**values, **changes})
+
+
+def test_scaling_model_arithmetic_on_known_seconds():
+    seconds = model_seconds()  # T(1) = 1, u = 0.25, s = 0.05, c = 0.125, learner 0.2 at 1 rank and 0.325 at 2
+    assert [seconds.added, seconds.learner, seconds.learner2] == pytest.approx([0.125, 0.2, 0.325])
+    efficiency = scaling_model.efficiency
+    for n in (1, 2, 8, 64, 512):
+        outside_update = 1.0 - 0.25
+        gather = outside_update + n * 0.2 + 0.05 + 0.125 * (n - 1)  # the learner's update x N, gather + broadcast x N-1
+        fitted = outside_update + 0.2 + (0.325 - 0.2) * (n - 1) + 0.05 + 0.125 * (n - 1)
+        assert efficiency(seconds, "gather", n, "linear", 0.0) == pytest.approx(1.0 / gather)
+        assert efficiency(seconds, "gather", n, "fitted", 0.0) == pytest.approx(1.0 / fitted)
+        assert efficiency(seconds, "allreduce", n, "gloo", 0.0) == pytest.approx(1.0 / (1.0 + 0.125 * (n - 1)))
+        assert efficiency(seconds, "DDP", n, "NCCL", 0.0) == pytest.approx(1.0 / (1.0 + 0.125 * np.log2(n)))
+        ring_bytes = 2 * (n - 1) / n
+        assert efficiency(seconds, "allreduce", n, "gloo", 1.0) == pytest.approx(1.0 / (1.0 + 0.125 * ring_bytes))
+        mixed = 0.25 * (n - 1) + 0.75 * ring_bytes
+        assert efficiency(seconds, "allreduce", n, "gloo", 0.75) == pytest.approx(1.0 / (1.0 + 0.125 * mixed))
+    # gloo: 1 + 0.125 (N-1) > 2 from N = 10; gather (linear): 0.8 + 0.325 N - 0.125 > 2 from N = 5 (4: 1.975)
+    assert scaling_model.stops_paying(seconds, "allreduce", "gloo", 0.0) == 10
+    assert scaling_model.stops_paying(seconds, "gather", "linear", 0.0) == 5
+    assert scaling_model.stops_paying(seconds, "allreduce", "NCCL", 0.0) == 257  # 0.125 log2 N > 1 from N = 2^8 + 1
+    assert scaling_model.stops_paying(model_seconds(sync2=0.05), "allreduce", "gloo", 0.0) is None  # no added sync
+    assert scaling_model.stops_paying(seconds, "allreduce", "gloo", 1.0) is None  # bandwidth: at most 2c
+
+
+def test_scaling_model_reads_back_the_scaling_table(tmp_path):
+    def row(mode: str, ranks: int, sps: float, update: float, sync: float) -> scaling.Measurement:
+        return scaling.Measurement("vpg_mpi.py", mode, ranks, 4000 * ranks, 3, sps, sps, 0.5, update, sync)
+
+    measurements = [
+        row("allreduce", 1, 4000.0, 0.25, 0.05),  # T(1) = 1.0 s
+        row("allreduce", 2, 7000.0, 0.375, 0.175),
+        row("gather", 1, 3200.0, 0.3, 0.0),  # T(1) = 1.25 s
+        row("gather", 2, 5000.0, 0.6, 0.1),
+        row("gather", 4, 9000.0, 1.0, 0.3),
+    ]
+    text = f"## vpg_mpi.py on HalfCheetah-v5\n\n{scaling.scaling_table(measurements)}\nsync with ...\n"
+    text += "\n## Reference: mpi_util\n\n" + scaling.reference_table()
+    measured = scaling_model.read_scaling(text)
+    assert measured == {
+        ("vpg_mpi.py", "allreduce"): scaling_model.Seconds(1.0, 0.25, 0.05, 0.175, 0.375, 0.88),
+        ("vpg_mpi.py", "gather"): scaling_model.Seconds(1.25, 0.3, 0.0, 0.1, 0.6, 0.78),
+    }
+    source = tmp_path / "scaling.md"
+    source.write_text(text)
+    model_text = scaling_model.main(["--from", str(source), "--out", str(tmp_path / "model")]).read_text()
+    assert "MEASURED UNDER LOAD" not in model_text
+    predictions = table_rows(model_text, "script | mode | model: what grows with N")
+    gloo_8 = next(row for row in predictions if row[1] == "allreduce" and row[3] == "8" and "gloo" in row[2])
+    assert gloo_8[4:6] == [f"{8 / (1 + 0.125 * 7):.2f}", f"{1 / (1 + 0.125 * 7):.0%}"]
+    assert "- vpg_mpi.py allreduce (gloo ring: latency x (N-1)): below 50% from 10 ranks" in model_text
 
 
 def test_grad_sync_table_with_few_repetitions(tmp_path):
