@@ -49,7 +49,7 @@ from benchmark.common import (
     run_streaming,
     torchrun_launcher,
 )
-from benchmark.scaling import SCRIPT_DEFAULTS, budget_args, measure
+from benchmark.scaling import SCRIPT_DEFAULTS, budget_args, measure, script_modes
 
 TARGETS = {"vpg_mpi.py": 0.5, "ppo_continuous_mpi.py": 0.3, "ppo_atari_multigpu.py": 1.2}
 """issue 7: the least ratio of a script's SPS to the env-only rate (MLP scripts) or to the compute limit (Atari)"""
@@ -188,7 +188,7 @@ def run_script(
 ):
     """Run `script` of checkout `root` at one rank, its defaults plus `flags`, for `iterations`; its
     scaling.Measurement."""
-    default_env, default_steps, _ = SCRIPT_DEFAULTS[script]
+    default_env, default_steps = SCRIPT_DEFAULTS[script]
     script_args = [*flags, "--env-id", env_id or default_env, "--run-name", name]
     script_args += budget_args(script, 1, default_steps, iterations)
     command = [*torchrun_launcher(1), str(root / script), *script_args]
@@ -196,7 +196,7 @@ def run_script(
     log_path = work_dir / "logs" / f"{name}.log"
     if run_streaming(command, work_dir, log_path):
         raise SystemExit(f"benchmark.throughput: error: {name} failed; {log_path}:\n{last_lines(log_path)}")
-    return measure(work_dir / "runs" / name, script, 1)
+    return measure(work_dir / "runs" / name, script, script_modes(script, ("allreduce",))[0], 1)  # the default mode
 
 
 def main(argv: list[str] | None = None) -> Path:
