@@ -1,6 +1,7 @@
 """vpg_mpi.py: GAE, seeding, distributed equivalence, every launcher (bad input: test_bad_input.py)."""
 
 import os
+import re
 import sys
 
 import gymnasium as gym
@@ -298,13 +299,14 @@ def epochs_logged(run_dir) -> int:
     return len(read_scalars(run_dir)["losses/policy_loss"])
 
 
-def test_cartpole_two_ranks_train_identically_reproducibly_and_evaluate(tmp_path):
+def test_cartpole_two_ranks_train_identically_and_reproducibly(tmp_path):
     first, second = tmp_path / "first", tmp_path / "second"
     first.mkdir()
     second.mkdir()
     assert_ok(torchrun("vpg_mpi.py", [*CARTPOLE, "--save-model"], first, save_ranks=True))
     assert_same_parameters(rank_parameters(first, 2))
     [run_dir] = run_dirs(first)
+    assert (run_dir / "model.pt").is_file()
     scalars = read_scalars(run_dir)
     assert [step for step, _ in scalars["losses/policy_loss"]] == [1000, 2000, 3000]
     for key in (
@@ -327,20 +329,36 @@ def test_cartpole_two_ranks_train_identically_reproducibly_and_evaluate(tmp_path
     for key in ("charts/episodic_return", "losses/policy_loss", "losses/value_loss"):
         assert again[key] == scalars[key], key
 
+
+def evaluate_model(path, capsys) -> float:
+    """--eval-checkpoint `path` (10 sampled episodes, in this process); the return_mean of its last line."""
+    vpg_mpi.main(tyro.cli(vpg_mpi.Args, args=["--eval-checkpoint", str(path), "--eval-episodes", "10"]))
+    last_line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert re.fullmatch(r"eval: episodes=10 return_mean=[-\d.]+ return_std=[\d.]+", last_line), last_line
+    return float(last_line.split()[2].split("=")[1])
+
+
+def test_evaluating_a_trained_cartpole_model_earns_its_training_return(tmp_path, capsys):
+    """A short CartPole run learns (pi-lr 0.01: from ~20 to over 100 in 8 epochs); evaluating its model.pt earns at
+    least what training last logged, and the same checkpoint holding a fresh agent's weights does far worse."""
+    flags = ["--env-id", "CartPole-v1", "--pi-lr", "0.01", "--steps-per-epoch", "2000", "--total-timesteps", "16000"]
     result = run_command(
-        [
-            sys.executable,
-            str(ROOT / "vpg_mpi.py"),
-            "--eval-checkpoint",
-            str(run_dir / "model.pt"),
-            "--eval-episodes",
-            "3",
-        ],
-        first,
+        [sys.executable, str(ROOT / "vpg_mpi.py"), *flags, "--train-v-iters", "20", "--save-model"], tmp_path
     )
     assert_ok(result)
-    last_line = result.stdout.strip().splitlines()[-1]
-    assert last_line.startswith("eval: episodes=3 return_mean="), last_line
+    [run_dir] = run_dirs(tmp_path)
+    returns = read_scalars(run_dir)["charts/episodic_return"]
+    assert len(returns) == 8 and returns[-1][1] > 3 * returns[0][1], returns  # training learned
+
+    trained = evaluate_model(run_dir / "model.pt", capsys)
+    assert trained >= max(0.8 * returns[-1][1], 80), (trained, returns[-1])  # a random policy earns ~20
+
+    checkpoint = torch.load(run_dir / "model.pt", weights_only=False)
+    torch.manual_seed(0)
+    hidden_sizes = tuple(checkpoint["args"]["hidden_sizes"])
+    checkpoint["model"] = vpg_mpi.Agent(4, gym.spaces.Discrete(2), hidden_sizes).state_dict()
+    torch.save(checkpoint, tmp_path / "fresh.pt")
+    assert evaluate_model(tmp_path / "fresh.pt", capsys) < 0.4 * trained
 
 
 def test_halfcheetah_two_ranks_gather_mode(tmp_path):
