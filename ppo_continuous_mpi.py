@@ -886,7 +886,7 @@ def check_video_support(args, render_frame: Callable[[], object]) -> None:
 
 
 def read_model_checkpoint(args) -> dict:
-    """The model.pt named by --eval-checkpoint (weights, normalisation statistics, args), or one clear error."""
+    """The model.pt named by --eval-checkpoint (the weights and what else evaluation needs), or one clear error."""
     path = args.eval_checkpoint
     if not os.path.isfile(path):
         fail(f"--eval-checkpoint {path!r} does not exist; pass the model.pt that --save-model wrote")
@@ -1176,8 +1176,8 @@ class Run:
             last = find_latest_checkpoint(self.name)
             kept = f"the last good checkpoint is {last}" if last else "no checkpoint was written"
             fail(
-                f"non-finite loss or gradient at {self.unit} {self.iteration}: every rank stopped before applying "
-                f"it ({kept}); {nonfinite_fix}, then --resume"
+                f"non-finite loss or gradient at {self.unit} {self.iteration}: every rank stopped before applying that "
+                f"step, earlier steps of the {self.unit} stand ({kept}); {nonfinite_fix}, then --resume"
             )
         except RuntimeError as error:
             if not is_lost_peer(error):

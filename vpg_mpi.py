@@ -761,14 +761,14 @@ def check_video_support(args, render_frame: Callable[[], object]) -> None:
     except Exception as error:
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         fail(
-            f"--capture-video cannot render a frame ({reason}) with MUJOCO_GL={os.environ.get('MUJOCO_GL', '')!r}: "
-            "on a machine without a display use MUJOCO_GL=egl (apt-get install libegl1) or MUJOCO_GL=osmesa "
-            "(apt-get install libosmesa6), or drop --capture-video"
+            f"--capture-video cannot render a frame ({reason}): for MuJoCo without a display use MUJOCO_GL=egl "
+            "(apt-get install libegl1) or MUJOCO_GL=osmesa (apt-get install libosmesa6); for classic-control envs "
+            "pip install pygame; or drop --capture-video"
         )
 
 
 def read_model_checkpoint(args) -> dict:
-    """The model.pt named by --eval-checkpoint (weights, normalisation statistics, args), or one clear error."""
+    """The model.pt named by --eval-checkpoint (the weights and what else evaluation needs), or one clear error."""
     path = args.eval_checkpoint
     if not os.path.isfile(path):
         fail(f"--eval-checkpoint {path!r} does not exist; pass the model.pt that --save-model wrote")
@@ -834,7 +834,7 @@ def all_gather_int64(values: list[int], device: torch.device) -> torch.Tensor:
     return torch.stack(gathered).cpu()
 
 
-def check_parameters_in_sync(module: nn.Module, iteration: int) -> None:
+def check_parameters_in_sync(module: nn.Module, iteration: int, unit: str = "iteration") -> None:
     """Stop every rank if the weights differ between ranks (a checksum of their bytes, one all_gather)."""
     with torch.no_grad():
         flat = torch.cat([p.detach().reshape(-1) for p in module.parameters()]).cpu()
@@ -843,7 +843,7 @@ def check_parameters_in_sync(module: nn.Module, iteration: int) -> None:
     differ = (checksums != checksums[dist.get_rank() if dist.is_initialized() else 0]).nonzero().flatten().tolist()
     if differ:
         fail(
-            f"the weights of ranks {differ} differ from this rank's at iteration {iteration}: the ranks no longer "
+            f"the weights of ranks {differ} differ from this rank's at {unit} {iteration}: the ranks no longer "
             "train one model (a bug, or a faulty node); resume from the last checkpoint with --resume"
         )
 
@@ -1058,8 +1058,8 @@ class Run:
             last = find_latest_checkpoint(self.name)
             kept = f"the last good checkpoint is {last}" if last else "no checkpoint was written"
             fail(
-                f"non-finite loss or gradient at {self.unit} {self.iteration}: every rank stopped before applying "
-                f"it ({kept}); {nonfinite_fix}, then --resume"
+                f"non-finite loss or gradient at {self.unit} {self.iteration}: every rank stopped before applying that "
+                f"step, earlier steps of the {self.unit} stand ({kept}); {nonfinite_fix}, then --resume"
             )
         except RuntimeError as error:
             if not is_lost_peer(error):
@@ -1111,7 +1111,7 @@ class Run:
         True when every rank stops here (SIGTERM)."""
         args, iteration = self.args, self.iteration
         if args.check_sync_every and iteration % args.check_sync_every == 0:
-            check_parameters_in_sync(self.states["model"], iteration)
+            check_parameters_in_sync(self.states["model"], iteration, self.unit)
         if self.stopping or (args.checkpoint_every and iteration % args.checkpoint_every == 0):
             self.save_checkpoint(global_step)
         if self.stopping and self.rank == 0:
