@@ -1,10 +1,14 @@
 """PPO on Atari, data-parallel with torch DistributedDataParallel over any number of processes.
 
 CleanRL's ppo_atari.py recipe in one file: ale-py's native vectorised `AtariVectorEnv` (C++ threads) with the DQN
-preprocessing (frameskip 4 with max-pool, 84x84 grayscale, 4-frame stack, up to 30 no-op starts, fire on reset), a
-Nature CNN with a shared trunk and policy and value heads, GAE, clipped surrogate and value losses, an annealed
-learning rate. The learner sees rewards clipped to [-1, 1] and a lost life as a terminal; TensorBoard gets the raw
-score of whole games.
+preprocessing (frameskip 4 with max-pool, 84x84 grayscale, 4-frame stack), a Nature CNN with a shared trunk and
+policy and value heads, GAE, clipped surrogate and value losses, an annealed learning rate. The learner sees rewards
+clipped to [-1, 1] and a lost life as a terminal; TensorBoard gets the raw score of whole games. Starts and lives as
+CleanRL, in detail ale-py's: a game starts with FIRE for one frame, then 0-28 no-op frames (0-29 in games without
+FIRE; CleanRL: 1-30 no-ops, then FIRE and action 2 for 4 frames each); after a lost life a game with FIRE gets it in
+place of the agent's next action, as CleanRL's FireResetEnv presses it (there within a hidden NOOP, FIRE, action-2
+reset, which ale-py, stepping all envs at once, cannot give one env); the learner keeps the action it sampled.
+Evaluation plays the same protocol.
 
     torchrun --standalone --nproc_per_node=2 ppo_atari_multigpu.py     # README: every launcher, GPUs, evaluation
 
@@ -235,12 +239,18 @@ def make_env(settings: dict, num_envs: int, num_threads: int) -> AtariVectorEnv:
         img_height=84,
         img_width=84,
         grayscale=True,
-        noop_max=30,
+        noop_max=30,  # a reset presses FIRE for one frame, then plays 0-28 no-op frames (0-29 in games without FIRE)
         use_fire_reset=True,
         episodic_life=False,
         life_loss_info=True,
         reward_clipping=False,
     )
+
+
+def fire_action(envs: AtariVectorEnv) -> int | None:
+    """The index of FIRE among the game's actions, or None in games without it (CleanRL's FireResetEnv's test)."""
+    action_set = list(envs.ale.get_action_set())
+    return action_set.index(ale_py.Action.FIRE) if ale_py.Action.FIRE in action_set else None
 
 
 class GameTracker:
@@ -502,6 +512,7 @@ def main(args: Args) -> Agent | None:
     envs = make_env(atari_settings(args.env_id), args.local_num_envs, args.env_threads or cores_per_rank())
     next_obs, info = envs.reset(seed=np.array(env_seeds(args.seed, rank, args.local_num_envs, index_offset)))
     games = GameTracker(info)
+    fire, relaunch = fire_action(envs), np.zeros(args.local_num_envs, dtype=bool)  # relaunch: lost a life last step
     torch.manual_seed(args.seed)
     if args.bf16 and rank == 0 and not has_native_bf16(device):
         print(f"{SCRIPT}: warning: this {device.type} emulates bfloat16, so --bf16 is slower here", file=sys.stderr)
@@ -539,10 +550,14 @@ def main(args: Args) -> Agent | None:
                 obs[step] = torch.from_numpy(next_obs).to(device)
                 action, logprobs[step], values[step] = agent.act(obs[step])
                 actions[step] = action
-                next_obs, reward, terminated, truncated, info = envs.step(action.cpu().numpy())
+                env_action = action.cpu().numpy()
+                if fire is not None:  # CleanRL's FireResetEnv: FIRE after a lost life; the env ignores `action` there
+                    env_action = np.where(relaunch, fire, env_action)
+                next_obs, reward, terminated, truncated, info = envs.step(env_action)
                 rewards[step] = np.clip(reward, -1, 1)  # the learner sees clipped rewards, the log raw scores
                 terminations[step], episode_ends[step] = terminated, terminated | truncated
                 game_over, game_returns, game_lengths = games.step(reward, terminated, truncated, info)
+                relaunch = terminated & ~game_over  # a lost life: the game goes on
                 if game_over.any():
                     finished["episodes"] += len(game_returns)
                     finished["episode_return"] += float(game_returns.sum())
@@ -663,9 +678,11 @@ def area_resize_matrix(source: int, target: int) -> np.ndarray:
 
 
 class AtariPreprocessing(gym.Wrapper):
-    """AtariVectorEnv's preprocessing on one gymnasium ALE env (grayscale frames, frameskip=1), for evaluation: each
-    action is repeated for 4 frames and the last two are max-pooled, resized to 84x84 by area and stacked 4 deep
-    (zeros at reset); a reset plays up to 30 no-op frames and FIRE. An episode is a whole game."""
+    """The training env's protocol on one gymnasium ALE env (grayscale frames, frameskip=1), for evaluation: a reset
+    presses FIRE for one frame (in games with FIRE), then plays 0-28 no-op frames (0-29 in games without FIRE; as in
+    ale-py, a draw from 0-29 less one for the FIRE frame) and observes the last frame; each action is repeated for 4
+    frames and the last two are max-pooled; frames are resized to 84x84 by area and stacked 4 deep (zeros at reset).
+    After a lost life the next action is replaced by FIRE, as the training rollout does. An episode is a whole game."""
 
     def __init__(self, env: gym.Env, frameskip: int = 4, stack_num: int = 4, noop_max: int = 30, size: int = 84):
         super().__init__(env)
@@ -674,7 +691,9 @@ class AtariPreprocessing(gym.Wrapper):
         self.rows, self.cols = area_resize_matrix(height, size), area_resize_matrix(width, size)
         self.stack = np.zeros((stack_num, size, size), dtype=np.uint8)
         self.observation_space = gym.spaces.Box(0, 255, self.stack.shape, np.uint8)
-        self.fire = "FIRE" in env.unwrapped.get_action_meanings()
+        meanings = env.unwrapped.get_action_meanings()
+        self.fire = meanings.index("FIRE") if "FIRE" in meanings else None
+        self.lives, self.relaunch = 0, False
 
     def _push(self, frame: np.ndarray) -> np.ndarray:
         self.stack[:-1] = self.stack[1:]
@@ -696,14 +715,17 @@ class AtariPreprocessing(gym.Wrapper):
     def reset(self, *, seed: int | None = None, options: dict | None = None):
         frame, info = self.env.reset(seed=seed, options=options)
         self.stack[:] = 0
-        for _ in range(self.np_random.integers(0, self.noop_max + 1)):
+        if self.fire is not None:
+            frame, _, _, _, info = self.env.step(self.fire)
+        for _ in range(self.np_random.integers(0, self.noop_max) - (self.fire is not None)):
             frame, _, _, _, info = self.env.step(0)
-        if self.fire:
-            frame, _, _, _, info = self._repeat(1)
+        self.lives, self.relaunch = info["lives"], False
         return self._push(frame), info
 
     def step(self, action: int):
-        frame, reward, terminated, truncated, info = self._repeat(action)
+        frame, reward, terminated, truncated, info = self._repeat(self.fire if self.relaunch else action)
+        self.relaunch = self.fire is not None and info["lives"] < self.lives and not (terminated or truncated)
+        self.lives = info["lives"]
         return self._push(frame), reward, terminated, truncated, info
 
 
@@ -744,6 +766,7 @@ def evaluate_checkpoint(args: Args) -> None:
     num_actions = checkpoint["model"]["actor.weight"].shape[0]  # the policy head's outputs
     agent = Agent(num_actions, bf16=args.bf16).to(memory_format=torch.channels_last)
     agent.load_state_dict(checkpoint["model"])
+    torch.manual_seed(args.seed)  # the policy's sampling: the same --seed plays the same games
     video_folder = os.path.join(os.path.dirname(args.eval_checkpoint), "videos") if args.capture_video else None
     returns = evaluate(agent, checkpoint["env_id"], args, video_folder)
     print(f"eval: episodes={len(returns)} return_mean={np.mean(returns):.2f} return_std={np.std(returns):.2f}")

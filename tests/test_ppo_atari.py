@@ -1,6 +1,8 @@
 """ppo_atari_multigpu.py: the env protocol on the real ROMs, DDP equivalence, end to end under torchrun (bad input:
 test_bad_input.py)."""
 
+import dataclasses
+import os
 import sys
 
 import gymnasium as gym
@@ -114,6 +116,131 @@ def test_evaluation_preprocessing_resizes_as_the_vector_env():
     assert obs.shape == (4, 84, 84) and obs.dtype == np.uint8 and not obs[:3].any() and obs[3].any()
     assert env.unwrapped.ale.getFloat("repeat_action_probability") == pytest.approx(0.25)
     env.close()
+
+
+class RecordingVectorEnv:
+    """The training envs, recording the actions each step sends and the terminations and lives it returns."""
+
+    def __init__(self, envs: ppo.AtariVectorEnv):
+        self.envs, self.actions, self.terminated, self.truncated, self.lives = envs, [], [], [], []
+
+    def __getattr__(self, name: str):
+        return getattr(self.envs, name)
+
+    def step(self, actions: np.ndarray):
+        obs, reward, terminated, truncated, info = self.envs.step(actions)
+        self.actions.append(np.array(actions))
+        self.terminated.append(terminated.copy())
+        self.truncated.append(truncated.copy())
+        self.lives.append(info["lives"].copy())
+        return obs, reward, terminated, truncated, info
+
+
+class RecordActions(gym.Wrapper):
+    """One gymnasium env, recording the actions it is given."""
+
+    def __init__(self, env: gym.Env):
+        super().__init__(env)
+        self.actions = []
+
+    def step(self, action):
+        self.actions.append(int(action))
+        return self.env.step(action)
+
+
+def never_fire_rank(rank: int, world_size: int, folder: str) -> dict[str, np.ndarray]:
+    """One iteration of `main` on Breakout (2 envs x 128 steps) with a policy that only ever chooses NOOP; returns
+    what the envs were sent and what they reported."""
+    os.chdir(folder)
+    recorders = []
+
+    def recording_make_env(*args, **kwargs):
+        recorders.append(RecordingVectorEnv(make_env(*args, **kwargs)))
+        return recorders[-1]
+
+    def never_fire(self, obs, deterministic=False):
+        actions, log_probs, values = act(self, obs, deterministic)
+        return torch.zeros_like(actions), log_probs, values
+
+    make_env, act = ppo.make_env, ppo.Agent.act
+    ppo.make_env, ppo.Agent.act = recording_make_env, never_fire
+    args = ppo.Args(cuda=False, total_timesteps=256, local_num_envs=2, num_steps=128, num_minibatches=2)
+    ppo.main(dataclasses.replace(args, update_epochs=1))
+    [envs] = recorders
+    return {key: np.stack(getattr(envs, key)) for key in ("actions", "terminated", "truncated", "lives")}
+
+
+def test_training_presses_fire_after_a_lost_life_so_a_policy_that_never_fires_plays_on(tmp_path):
+    """CleanRL's FireResetEnv presses FIRE after every lost life; without it, a Breakout agent that does not fire
+    would wait forever with no ball in play after its first lost life."""
+    [sent] = run_ranks(never_fire_rank, 1, tmp_path, str(tmp_path), join_group=False, timeout=300)
+    actions, terminated, truncated, lives = sent["actions"], sent["terminated"], sent["truncated"], sent["lives"]
+    assert actions.shape == (128, 2)
+    previous_lives = np.concatenate([np.full((1, 2), 5), lives[:-1]])
+    lost_life = terminated & ~truncated & (lives < previous_lives) & (lives > 0)
+    relaunch = np.concatenate([np.zeros((1, 2), dtype=bool), lost_life[:-1]])
+    assert (lost_life.sum(0) >= 3).all()  # the ball was relaunched, and lost again, again and again
+    assert (actions[relaunch] == 1).all() and (actions[~relaunch] == 0).all()  # FIRE once per lost life, else NOOP
+
+
+def test_evaluation_presses_fire_after_a_lost_life_as_training_does():
+    env = ppo.make_eval_env("BreakoutNoFrameskip-v4")
+    env.env = RecordActions(env.env)  # the frames ALE plays, under the evaluation preprocessing
+    env.reset(seed=1)
+    for _ in range(3000):  # a stalled game (no ball in play) would run to the 27,000-step limit
+        _, _, terminated, truncated, info = env.step(0)
+        if terminated or truncated:
+            break
+    assert terminated and info["lives"] == 0, info
+    assert env.env.actions.count(1) == 1 + 4 * 4  # the reset's FIRE frame, then one 4-frame FIRE per lost life
+    env.close()
+
+
+@pytest.mark.parametrize("env_id", ["BreakoutNoFrameskip-v4", "FreewayNoFrameskip-v4"])
+def test_evaluation_env_resets_and_plays_as_the_training_env(env_id):
+    """ale-py's reset (FIRE for one frame where the game has FIRE, then 0-28 no-op frames, 0-29 without FIRE) draws
+    its no-ops from its own C++ generator, so the two envs agree in distribution, not draw for draw: a reset with the
+    same number of no-op frames (its episode_frame_number) must give the same observation, and the same play."""
+    settings = ppo.atari_settings(env_id)
+    has_fire = env_id.startswith("Breakout")
+    training, evaluation = ppo.make_env(settings, 1, 1), ppo.make_eval_env(env_id)
+    training.reset(seed=np.array([1]))
+    evaluation.reset(seed=1)
+    first_obs = {}
+    for _ in range(60):
+        obs, info = training.reset()
+        first_obs[int(info["episode_frame_number"][0])] = obs[0]
+    eval_frames, compared = set(), 0
+    for _ in range(60):
+        obs, info = evaluation.reset()
+        frames = int(info["episode_frame_number"])
+        eval_frames.add(frames)
+        if frames in first_obs:
+            assert not obs[:3].any() and not first_obs[frames][:3].any()  # zeros before the first frame
+            assert np.abs(obs.astype(int) - first_obs[frames]).max() <= 1, frames  # the resize's rounding only
+            compared += 1
+    assert compared >= 30
+    assert min(eval_frames) == (1 if has_fire else 0) and max(eval_frames) == 29
+    assert min(first_obs) == min(eval_frames) and max(first_obs) == max(eval_frames)
+
+    # from equal fresh resets (a game's start can depend on the console's earlier games), the same actions play the
+    # same frames: frameskip, max-pool, FIRE after a lost life
+    frames = int(evaluation.reset(seed=1)[1]["episode_frame_number"])
+    seeds = (np.array([seed]) for seed in range(1, 300))
+    while int(training.reset(seed=next(seeds))[1]["episode_frame_number"][0]) != frames:
+        pass
+    relaunch, lost_lives = False, 0
+    for action in random_actions(2, 300, 1, evaluation.action_space.n)[:, 0]:
+        obs, _, terminated, _, info = evaluation.step(action)
+        training_obs, _, training_terminated, _, _ = training.step(np.array([1 if relaunch else action]))
+        if terminated:  # the game's last frame: ale-py's may be stale when it ends mid-skip (nothing reads it)
+            break
+        relaunch = has_fire and bool(training_terminated[0])
+        lost_lives += int(training_terminated[0])
+        assert np.abs(obs.astype(int) - training_obs[0]).max() <= 1
+    assert lost_lives >= (2 if has_fire else 0)
+    training.close()
+    evaluation.close()
 
 
 def test_gae_cuts_at_life_losses_and_bootstraps_truncations():
