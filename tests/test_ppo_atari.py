@@ -389,6 +389,53 @@ def test_bf16_computes_the_trunk_in_bfloat16_with_float32_outputs_and_the_float3
         assert cosine > 0.98, (name, cosine)
 
 
+def policy_checkpoint(path, preferred: int | None) -> str:
+    """A Breakout model.pt whose policy ignores the frames: zero actor weights and a bias of 20 on action `preferred`
+    (which it then plays with probability 1 - 6e-9), or on none (uniformly random)."""
+    torch.manual_seed(0)
+    agent = ppo.Agent(4)
+    with torch.no_grad():
+        agent.actor.weight.zero_()
+        agent.actor.bias.zero_()
+        if preferred is not None:
+            agent.actor.bias[preferred] = 20.0
+    ppo.write_checkpoint(str(path), ppo.Args(env_id="BreakoutNoFrameskip-v4"), model=agent.state_dict())
+    return str(path)
+
+
+def evaluate_in_process(monkeypatch, checkpoint: str, **flags) -> list[int]:
+    """`--eval-checkpoint checkpoint --eval-episodes 1` and `flags` through main; returns the actions the policy
+    chose, as the evaluation env received them."""
+    envs = []
+
+    def recording_make_eval_env(*args, **kwargs):
+        envs.append(RecordActions(make_eval_env(*args, **kwargs)))
+        return envs[-1]
+
+    make_eval_env = ppo.make_eval_env
+    monkeypatch.setattr(ppo, "make_eval_env", recording_make_eval_env)
+    ppo.main(ppo.Args(eval_checkpoint=checkpoint, eval_episodes=1, **flags))
+    monkeypatch.undo()
+    [env] = envs
+    return env.actions
+
+
+def test_eval_checkpoint_plays_the_policy_its_weights_hold(tmp_path, monkeypatch, capsys):
+    for preferred in (2, 3):  # RIGHT, LEFT: the paddle stays at one wall until the game is lost
+        checkpoint = policy_checkpoint(tmp_path / f"prefers{preferred}.pt", preferred)
+        actions = evaluate_in_process(monkeypatch, checkpoint, eval_deterministic=True)
+        assert len(actions) > 50 and set(actions) == {preferred}
+        assert capsys.readouterr().out.strip().splitlines()[-1].startswith("eval: episodes=1 return_mean=")
+
+
+def test_eval_checkpoint_samples_its_actions_from_seed(tmp_path, monkeypatch):
+    checkpoint = policy_checkpoint(tmp_path / "uniform.pt", None)
+    first = evaluate_in_process(monkeypatch, checkpoint, seed=1)
+    assert len(set(first)) == 4  # sampled, uniformly
+    assert evaluate_in_process(monkeypatch, checkpoint, seed=1) == first  # the same --seed, the same game
+    assert evaluate_in_process(monkeypatch, checkpoint, seed=2) != first
+
+
 def test_breakout_two_ranks_compiled_train_identically_log_and_evaluate(tmp_path):
     # 2 ranks x 2 envs x 128 steps: 2 iterations; --compile here (test_reliability.py runs the eager default)
     args = [*TINY, "--total-timesteps", "1024", "--save-model", "--compile"]
