@@ -304,6 +304,56 @@ def run_update(model, agent: ppo.Agent, batch: dict, order: torch.Tensor, target
     return agent.state_dict(), stats
 
 
+def cleanrl_loss(agent: ppo.Agent, mb: dict[str, torch.Tensor], args: ppo.Args) -> tuple[torch.Tensor, list]:
+    """CleanRL's ppo_atari.py loss written out independently of the script: torch.distributions.Categorical on the
+    logits of the agent's modules, advantages normalised over the minibatch, clipped surrogate and value losses."""
+    hidden = agent.network(mb["obs"].double() / 255.0)
+    distribution = torch.distributions.Categorical(logits=agent.actor(hidden))
+    newlogprob, entropy = distribution.log_prob(mb["actions"]), distribution.entropy()
+    newvalue = agent.critic(hidden).view(-1)
+    logratio = newlogprob - mb["log_probs"]
+    ratio = logratio.exp()
+    old_approx_kl, approx_kl = (-logratio).mean(), ((ratio - 1) - logratio).mean()
+    clipfrac = ((ratio - 1.0).abs() > args.clip_coef).double().mean()
+    advantages = (mb["advantages"] - mb["advantages"].mean()) / (mb["advantages"].std() + 1e-8)
+    pg_loss1 = -advantages * ratio
+    pg_loss2 = -advantages * torch.clamp(ratio, 1 - args.clip_coef, 1 + args.clip_coef)
+    pg_loss = torch.max(pg_loss1, pg_loss2).mean()
+    if args.clip_vloss:
+        v_loss_unclipped = (newvalue - mb["returns"]) ** 2
+        v_clipped = mb["values"] + torch.clamp(newvalue - mb["values"], -args.clip_coef, args.clip_coef)
+        v_loss = 0.5 * torch.max(v_loss_unclipped, (v_clipped - mb["returns"]) ** 2).mean()
+    else:
+        v_loss = 0.5 * ((newvalue - mb["returns"]) ** 2).mean()
+    loss = pg_loss - args.ent_coef * entropy.mean() + v_loss * args.vf_coef
+    return loss, [pg_loss, v_loss, entropy.mean(), old_approx_kl, approx_kl, clipfrac]
+
+
+@pytest.mark.parametrize("clip_vloss", [True, False])
+def test_minibatch_loss_equals_cleanrl_loss_written_out_independently(clip_vloss):
+    """Guards the loss itself (value-clip sign, KL estimators, entropy term), which the equivalence tests cannot:
+    they compare the script with itself. Random float64 inputs on real frames, where ratios and values both clip."""
+    agent = new_agent()
+    batch = atari_batch()
+    generator = torch.Generator().manual_seed(5)
+    batch["log_probs"] = batch["log_probs"] + 0.1 * torch.randn(BATCH, generator=generator, dtype=torch.float64)
+    batch["values"] = batch["returns"] + 0.2 * torch.randn(BATCH, generator=generator, dtype=torch.float64)
+    args = ppo.Args(clip_vloss=clip_vloss)
+    adv_mean, adv_std = batch["advantages"].mean(), batch["advantages"].std()
+    loss, stats = ppo.minibatch_loss(agent, batch, adv_mean, adv_std, args)
+    expected_loss, expected_stats = cleanrl_loss(agent, batch, args)
+    assert 0 < stats[5] < 1  # some ratios clipped, some not
+    with torch.no_grad():  # and some value errors beyond the clip range, some within
+        value_change = (agent(batch["obs"], batch["actions"])[2] - batch["values"]).abs()
+    assert (value_change > args.clip_coef).any() and (value_change < args.clip_coef).any()
+    torch.testing.assert_close(loss, expected_loss, rtol=0, atol=1e-10)
+    torch.testing.assert_close(stats, torch.stack(expected_stats).detach(), rtol=0, atol=1e-10)
+    gradients = torch.autograd.grad(loss, list(agent.parameters()))
+    expected_gradients = torch.autograd.grad(expected_loss, list(agent.parameters()))
+    for gradient, expected in zip(gradients, expected_gradients, strict=True):
+        torch.testing.assert_close(gradient, expected, rtol=0, atol=1e-10)
+
+
 def ddp_rank(rank: int, world_size: int, batch: dict, orders: list[torch.Tensor], initial: dict) -> list:
     """One rank: half of the batch, its own minibatch order, the agent wrapped in DDP (gloo, float64)."""
     half = BATCH // world_size
