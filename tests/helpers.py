@@ -252,3 +252,27 @@ def refuse(module, flags: list[str], monkeypatch, capsys, **env: str) -> str:
     assert stderr.startswith(f"{Path(module.__file__).name}: error: ") and stderr.count("\n") == 1, stderr
     assert not dist.is_initialized()
     return stderr
+
+
+def cleanrl_ppo_loss(
+    newlogprob: torch.Tensor, entropy: torch.Tensor, newvalue: torch.Tensor, mb: dict[str, torch.Tensor], args
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """CleanRL's PPO loss written out from its formulas, independently of the scripts, given the new policy's
+    log-probabilities and entropies and the new values: advantages normalised over the minibatch, clipped surrogate
+    and (with `args.clip_vloss`) clipped value loss, entropy bonus. Returns the loss and the six logged statistics."""
+    logratio = newlogprob - mb["log_probs"]
+    ratio = logratio.exp()
+    old_approx_kl, approx_kl = (-logratio).mean(), ((ratio - 1) - logratio).mean()
+    clipfrac = ((ratio - 1.0).abs() > args.clip_coef).double().mean()
+    advantages = (mb["advantages"] - mb["advantages"].mean()) / (mb["advantages"].std() + 1e-8)
+    pg_loss1 = -advantages * ratio
+    pg_loss2 = -advantages * torch.clamp(ratio, 1 - args.clip_coef, 1 + args.clip_coef)
+    pg_loss = torch.max(pg_loss1, pg_loss2).mean()
+    if args.clip_vloss:
+        v_loss_unclipped = (newvalue - mb["returns"]) ** 2
+        v_clipped = mb["values"] + torch.clamp(newvalue - mb["values"], -args.clip_coef, args.clip_coef)
+        v_loss = 0.5 * torch.max(v_loss_unclipped, (v_clipped - mb["returns"]) ** 2).mean()
+    else:
+        v_loss = 0.5 * ((newvalue - mb["returns"]) ** 2).mean()
+    loss = pg_loss - args.ent_coef * entropy.mean() + v_loss * args.vf_coef
+    return loss, [pg_loss, v_loss, entropy.mean(), old_approx_kl, approx_kl, clipfrac]

@@ -16,6 +16,7 @@ from tests.helpers import (
     ROOT,
     assert_ok,
     assert_same_parameters,
+    cleanrl_ppo_loss,
     compiled_something,
     rank_parameters,
     read_scalars,
@@ -311,22 +312,7 @@ def cleanrl_loss(agent: ppo.Agent, mb: dict[str, torch.Tensor], args: ppo.Args) 
     distribution = torch.distributions.Categorical(logits=agent.actor(hidden))
     newlogprob, entropy = distribution.log_prob(mb["actions"]), distribution.entropy()
     newvalue = agent.critic(hidden).view(-1)
-    logratio = newlogprob - mb["log_probs"]
-    ratio = logratio.exp()
-    old_approx_kl, approx_kl = (-logratio).mean(), ((ratio - 1) - logratio).mean()
-    clipfrac = ((ratio - 1.0).abs() > args.clip_coef).double().mean()
-    advantages = (mb["advantages"] - mb["advantages"].mean()) / (mb["advantages"].std() + 1e-8)
-    pg_loss1 = -advantages * ratio
-    pg_loss2 = -advantages * torch.clamp(ratio, 1 - args.clip_coef, 1 + args.clip_coef)
-    pg_loss = torch.max(pg_loss1, pg_loss2).mean()
-    if args.clip_vloss:
-        v_loss_unclipped = (newvalue - mb["returns"]) ** 2
-        v_clipped = mb["values"] + torch.clamp(newvalue - mb["values"], -args.clip_coef, args.clip_coef)
-        v_loss = 0.5 * torch.max(v_loss_unclipped, (v_clipped - mb["returns"]) ** 2).mean()
-    else:
-        v_loss = 0.5 * ((newvalue - mb["returns"]) ** 2).mean()
-    loss = pg_loss - args.ent_coef * entropy.mean() + v_loss * args.vf_coef
-    return loss, [pg_loss, v_loss, entropy.mean(), old_approx_kl, approx_kl, clipfrac]
+    return cleanrl_ppo_loss(newlogprob, entropy, newvalue, mb, args)
 
 
 @pytest.mark.parametrize("clip_vloss", [True, False])
