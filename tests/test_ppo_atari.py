@@ -150,8 +150,8 @@ class RecordActions(gym.Wrapper):
 
 
 def never_fire_rank(rank: int, world_size: int, folder: str) -> dict[str, np.ndarray]:
-    """One iteration of `main` on Breakout (2 envs x 128 steps) with a policy that only ever chooses NOOP; returns
-    what the envs were sent and what they reported."""
+    """Two iterations of `main` on Breakout (2 envs x 128 steps each) with a policy that only ever chooses NOOP;
+    returns what the envs were sent and what they reported."""
     os.chdir(folder)
     recorders = []
 
@@ -165,7 +165,7 @@ def never_fire_rank(rank: int, world_size: int, folder: str) -> dict[str, np.nda
 
     make_env, act = ppo.make_env, ppo.Agent.act
     ppo.make_env, ppo.Agent.act = recording_make_env, never_fire
-    args = ppo.Args(cuda=False, total_timesteps=256, local_num_envs=2, num_steps=128, num_minibatches=2)
+    args = ppo.Args(cuda=False, total_timesteps=512, local_num_envs=2, num_steps=128, num_minibatches=2)
     ppo.main(dataclasses.replace(args, update_epochs=1))
     [envs] = recorders
     return {key: np.stack(getattr(envs, key)) for key in ("actions", "terminated", "truncated", "lives")}
@@ -176,7 +176,7 @@ def test_training_presses_fire_after_a_lost_life_so_a_policy_that_never_fires_pl
     would wait forever with no ball in play after its first lost life."""
     [sent] = run_ranks(never_fire_rank, 1, tmp_path, str(tmp_path), join_group=False, timeout=300)
     actions, terminated, truncated, lives = sent["actions"], sent["terminated"], sent["truncated"], sent["lives"]
-    assert actions.shape == (128, 2)
+    assert actions.shape == (256, 2)  # two iterations of 128 steps
     previous_lives = np.concatenate([np.full((1, 2), 5), lives[:-1]])
     lost_life = terminated & ~truncated & (lives < previous_lives) & (lives > 0)
     relaunch = np.concatenate([np.zeros((1, 2), dtype=bool), lost_life[:-1]])
