@@ -681,18 +681,18 @@ def update_one_learner(
     start = time.perf_counter()
     union = gather_to_learner(batch, orders, args)
     outcome = torch.zeros(len(LOSS_KEYS) + 1, dtype=torch.float64, device=orders.device)  # losses, non-finite flag
-    update_time = time.perf_counter()
+    learner_start = time.perf_counter()
     if union is not None:
         learner_args = replace(args, local_batch_size=args.batch_size, local_minibatch_size=args.minibatch_size)
         try:
             outcome[:-1] = update(agent, optimizer, union[0], learner_args, union[1], loss_fn, learner_group)[0]
         except NonFiniteError:
             outcome[-1] = 1.0
-    update_time = time.perf_counter() - update_time
+    learner_time = time.perf_counter() - learner_start
     broadcast_parameters(agent, outcome)
     if outcome[-1] > 0:
         raise NonFiniteError("a non-finite loss or gradient")
-    return outcome[:-1], time.perf_counter() - start - update_time
+    return outcome[:-1], time.perf_counter() - start - learner_time
 
 
 def gather_to_learner(batch: Batch, orders: torch.Tensor, args: Args) -> tuple[Batch, torch.Tensor] | None:
