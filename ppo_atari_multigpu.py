@@ -26,6 +26,7 @@ runs the CNN trunk under bfloat16 autocast and `--compile` the update's forward 
 import contextlib
 import gc
 import hashlib
+import math
 import os
 import random
 import re
@@ -120,6 +121,11 @@ class Args:
     """the maximum norm of the (world-averaged) gradient"""
     target_kl: float | None = None
     """if set, stop the update epochs once the world-averaged approximate KL exceeds it"""
+    preempt_fraction: float = 0.0
+    """DD-PPO's preemption: once this fraction of the ranks has finished its rollout, the others cut theirs short
+    (0 = off); the update weighs every sample alike, so it stays the one-process update on what was collected"""
+    min_rollout_fraction: float = 0.25
+    """with --preempt-fraction, the share of --num-steps every rollout collects before it may be cut short"""
 
     # Distributed runtime (the same flags in every ddrl script)
     run_name: str = ""
@@ -152,6 +158,8 @@ class Args:
     """the world's minibatch size (computed at run time)"""
     num_iterations: int = 0
     """number of iterations: total_timesteps // batch_size (computed at run time)"""
+    min_num_steps: int = 0
+    """steps per env a rollout collects before --preempt-fraction may cut it short (computed at run time)"""
 
 
 # --- batch arithmetic ---------------------------------------------------------------------------------
@@ -171,6 +179,9 @@ def derive_batch_sizes(args: Args, world_size: int) -> None:
     args.local_minibatch_size = args.local_batch_size // args.num_minibatches
     args.minibatch_size = args.local_minibatch_size * world_size
     args.num_iterations = args.total_timesteps // args.batch_size
+    # at least one sample per minibatch, however early a rollout is cut
+    min_steps = math.ceil(args.min_rollout_fraction * args.num_steps)
+    args.min_num_steps = max(min_steps, math.ceil(args.num_minibatches / args.local_num_envs))
     if args.num_iterations < 1:
         fail(
             f"--total-timesteps {args.total_timesteps} is less than one iteration's global batch of "
@@ -383,11 +394,15 @@ def allreduce_mean(tensor: torch.Tensor, group: dist.ProcessGroup | None = None)
     return tensor
 
 
-def global_moments(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Count, mean and M2 along the last dim of `x` over all ranks' elements, as if concatenated (one all_gather)."""
-    local_mean = x.mean(-1)
-    local_m2 = ((x - local_mean.unsqueeze(-1)) ** 2).sum(-1)
-    local = torch.stack([torch.full_like(local_mean, x.shape[-1]), local_mean, local_m2])
+def global_moments(x: torch.Tensor | list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Count, mean and M2 along the last dim of `x` (or of each 1-d piece in a list of unequal ones) over all ranks'
+    elements, as if concatenated (one all_gather)."""
+    if isinstance(x, list):
+        local = torch.stack([torch.stack([p.new_tensor(len(p)), p.mean(), ((p - p.mean()) ** 2).sum()]) for p in x], 1)
+    else:
+        local_mean = x.mean(-1)
+        local_m2 = ((x - local_mean.unsqueeze(-1)) ** 2).sum(-1)
+        local = torch.stack([torch.full_like(local_mean, x.shape[-1]), local_mean, local_m2])
     if group_size() == 1:
         return local[0], local[1], local[2]
     gathered = [torch.empty_like(local) for _ in range(group_size())]
@@ -399,7 +414,7 @@ def global_moments(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.T
     return count, mean, m2
 
 
-def global_mean_std(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def global_mean_std(x: torch.Tensor | list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """Mean and unbiased std along the last dim of `x` over all ranks' elements, as if concatenated (one collective)."""
     count, mean, m2 = global_moments(x)
     return mean, torch.sqrt(m2 / (count - 1))
@@ -451,36 +466,58 @@ def minibatch_loss(
     return loss, stats
 
 
-def minibatch_order(args: Args, device: torch.device) -> torch.Tensor:
-    """[update_epochs, num_minibatches, local_minibatch_size] indices into the local batch; one shuffle per epoch."""
-    shuffles = [torch.randperm(args.local_batch_size, device=device) for _ in range(args.update_epochs)]
-    return torch.stack(shuffles).reshape(args.update_epochs, args.num_minibatches, args.local_minibatch_size)
+def minibatch_pieces(sample_counts: list[int], num_minibatches: int) -> torch.Tensor:
+    """[ranks, num_minibatches]: the samples each rank gives each world minibatch, its batch cut in near-equal pieces
+    (all equal unless preemption cut some rollouts short)."""
+    counts = torch.tensor(sample_counts)[:, None]
+    return counts // num_minibatches + (torch.arange(num_minibatches) < counts % num_minibatches)
 
 
 def update(
-    model: nn.Module, optimizer: torch.optim.Optimizer, batch: dict[str, torch.Tensor], order: torch.Tensor, args: Args
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batch: dict[str, torch.Tensor],
+    orders: torch.Tensor,
+    args: Args,
+    pieces: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, float]:
     """PPO's update epochs through `model`, the DDP-wrapped agent (or a plain one alone). Minibatch k of epoch e is
-    `order[e, k]` on this rank and the union over ranks in the world: with equal local sizes DDP's averaged gradient
-    is the world minibatch's. Returns the world-averaged LOSS_KEYS (the last minibatch's; clipfrac over all so far)
-    and the seconds in backward passes and collectives (DDP's allreduce overlaps backward: it cannot be timed apart).
+    the k-th piece of `orders[e]` (a permutation of this rank's batch), `pieces[rank, k]` samples long
+    (minibatch_pieces; None: equal pieces), on this rank and the union over ranks in the world. Returns the
+    world-averaged LOSS_KEYS (the last minibatch's; clipfrac over all so far) and the seconds in backward passes and
+    collectives (DDP's allreduce overlaps backward: it cannot be timed apart).
     """
     parameters = list(model.parameters())
     sync_time = 0.0
+    if pieces is None:
+        pieces = minibatch_pieces([orders.shape[1]] * group_size(), args.num_minibatches)
+    mine = pieces[dist.get_rank() if dist.is_initialized() else 0]
+    equal = bool((pieces == pieces[0, 0]).all())
+    # a rank's loss and logged numbers weigh by its share of each world minibatch, so that DDP's average over ranks
+    # is the mean over the union's samples (weights 1 when the pieces are equal)
+    weights = (mine.double() * len(pieces) / pieces.sum(0)).tolist()
+    minibatches = [list(epoch_order.split(mine.tolist())) for epoch_order in orders]
     if args.norm_adv:  # the world-wide mean and std of every minibatch this update will see, in one collective
         start = time.perf_counter()
-        adv_mean, adv_std = global_mean_std(batch["advantages"][order])
+        advantages = batch["advantages"]
+        if equal:
+            adv_mean, adv_std = global_mean_std(advantages[orders.view(len(orders), args.num_minibatches, -1)])
+        else:
+            adv_mean, adv_std = global_mean_std([advantages[index] for epoch in minibatches for index in epoch])
+            adv_mean, adv_std = adv_mean.view(len(orders), -1), adv_std.view(len(orders), -1)
         sync_time += time.perf_counter() - start
     clipfracs = []
-    for epoch, epoch_order in enumerate(order):
-        for k, index in enumerate(epoch_order):
+    for epoch, epoch_minibatches in enumerate(minibatches):
+        for k, index in enumerate(epoch_minibatches):
             mb = {key: value[index] for key, value in batch.items()}
             mb_mean, mb_std = (adv_mean[epoch, k], adv_std[epoch, k]) if args.norm_adv else (None, None)
             loss, minibatch_stats = minibatch_loss(model, mb, mb_mean, mb_std, args)
+            if not equal:
+                loss, minibatch_stats = loss * weights[k], minibatch_stats * weights[k]
             clipfracs.append(minibatch_stats[5])
             optimizer.zero_grad()
             start = time.perf_counter()
-            loss.backward()  # DDP averages the gradients over ranks here
+            loss.backward()  # DDP averages the (weighted) gradients over ranks here
             sync_time += time.perf_counter() - start
             grad_norm = nn.utils.clip_grad_norm_(parameters, args.max_grad_norm)  # after the sync: alike everywhere
             if not torch.isfinite(grad_norm):  # a NaN or inf on any rank spread through DDP's average to every rank
@@ -503,7 +540,7 @@ def main(args: Args) -> Agent | None:
         return evaluate_checkpoint(args)
     check_args(args)
     derive_batch_sizes(args, run.world_size)
-    run.start(args.num_iterations, batch_table(args))  # run folder, resume, process group, same command everywhere
+    run.start(args.num_iterations * args.batch_size, batch_table(args))  # run folder, resume, same command everywhere
     rank, device = run.rank, run.device
 
     # --- set-up: envs, identical initial weights on every rank (built from `seed`; DDP broadcasts rank 0's) ---
@@ -519,7 +556,7 @@ def main(args: Args) -> Agent | None:
     # channels-last: oneDNN's fast convolution layout on CPU, and the layout tensor cores want
     agent = Agent(int(envs.single_action_space.n), bf16=args.bf16).to(device, memory_format=torch.channels_last)
     if args.compile:  # only the update's calls, agent(obs, actions); rollouts call agent.act, left eager
-        agent.compile(fullgraph=True, dynamic=False)
+        agent.compile(fullgraph=True, dynamic=None if args.preempt_fraction else False)  # preemption varies shapes
     model = DDP(agent, device_ids=[device.index] if device.type == "cuda" else None)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.learning_rate, eps=1e-5)
     random.seed(rank_seed(args.seed, rank))
@@ -539,14 +576,14 @@ def main(args: Args) -> Agent | None:
     episode_ends = np.zeros(shape, np.float32)  # terminated or truncated
 
     with run.guard(nonfinite_fix="lower --learning-rate or check the env's observations and rewards"):
-        for iteration in run.iterations():
-            if args.anneal_lr:  # linearly to zero
-                optimizer.param_groups[0]["lr"] = args.learning_rate * (1.0 - (iteration - 1.0) / args.num_iterations)
+        for _iteration in run.iterations():
+            if args.anneal_lr:  # linearly to zero over the run's env steps
+                optimizer.param_groups[0]["lr"] = args.learning_rate * (1.0 - global_step / run.total_steps)
 
             # --- rollout (the unwrapped agent: no DDP hooks) ---
             rollout_start = time.perf_counter()
             finished = {"episodes": 0, "episode_return": 0.0, "episode_length": 0}  # whole games, raw scores
-            for step in range(args.num_steps):
+            for step in run.rollout_steps(args.num_steps, args.min_num_steps, args.preempt_fraction):
                 obs[step] = torch.from_numpy(next_obs).to(device)
                 action, logprobs[step], values[step] = agent.act(obs[step])
                 actions[step] = action
@@ -566,35 +603,43 @@ def main(args: Args) -> Agent | None:
                     if cut.any():  # truncation is not termination: bootstrap from V(final observation)
                         final_obs = torch.from_numpy(info["final_obs"][cut]).to(device)
                         final_values[step, torch.from_numpy(cut).to(device)] = agent.value(final_obs)
-            global_step += args.batch_size
+            collected = step + 1  # steps per env: all of them, unless preemption cut the rollout short
             last_values = agent.value(torch.from_numpy(next_obs).to(device))
             rollout_time = time.perf_counter() - rollout_start
+            sample_counts = [args.local_batch_size] * args.world_size  # each rank's samples: one all_gather if cut
+            if args.preempt_fraction:
+                sample_counts = all_gather_int64([collected * args.local_num_envs], device)[:, 0].tolist()
+            global_step += sum(sample_counts)
 
-            # --- GAE ---
-            ends = torch.from_numpy(episode_ends).to(device)
-            next_values = torch.where(ends > 0, final_values, torch.cat([values[1:], last_values.unsqueeze(0)]))
+            # --- GAE (a rollout cut at step t bootstraps from V(observation after t), as a full one does) ---
+            rows = slice(collected)  # the rollout's rows: all, unless preemption cut it short
+            ends, kept_values = torch.from_numpy(episode_ends[rows]).to(device), values[rows]
+            next_values = torch.cat([kept_values[1:], last_values.unsqueeze(0)])
+            next_values = torch.where(ends > 0, final_values[rows], next_values)
             advantages, returns = compute_gae(
-                torch.from_numpy(rewards).to(device),
-                values,
+                torch.from_numpy(rewards[rows]).to(device),
+                kept_values,
                 next_values,
-                torch.from_numpy(terminations).to(device),
+                torch.from_numpy(terminations[rows]).to(device),
                 ends,
                 args.gamma,
                 args.gae_lambda,
             )
             final_values.zero_()
             batch = {
-                "obs": obs.reshape((-1,) + obs_shape),
-                "actions": actions.reshape(-1),
-                "log_probs": logprobs.reshape(-1),
-                "values": values.reshape(-1),
+                "obs": obs[rows].reshape((-1,) + obs_shape),
+                "actions": actions[rows].reshape(-1),
+                "log_probs": logprobs[rows].reshape(-1),
+                "values": kept_values.reshape(-1),
                 "advantages": advantages.reshape(-1),
                 "returns": returns.reshape(-1),
             }
 
             # --- update (through DDP) ---
             update_start = time.perf_counter()
-            stats, sync_time = update(model, optimizer, batch, minibatch_order(args, device), args)
+            orders = torch.stack([torch.randperm(returns.numel(), device=device) for _ in range(args.update_epochs)])
+            pieces = minibatch_pieces(sample_counts, args.num_minibatches)
+            stats, sync_time = update(model, optimizer, batch, orders, args, pieces)
             update_time = time.perf_counter() - update_start
 
             # --- logging: games ended on any rank, losses averaged over ranks, the world's explained variance ---
@@ -636,6 +681,11 @@ def check_args(args: Args) -> None:
         fail(f"--env-threads must be >= 0 (0 = automatic), got {args.env_threads}")
     if args.target_kl is not None and args.target_kl <= 0:
         fail(f"--target-kl must be positive (or left out to switch early stopping off), got {args.target_kl}")
+    if not (0 <= args.preempt_fraction <= 1 and 0 < args.min_rollout_fraction <= 1):
+        fail(
+            f"--preempt-fraction must lie in [0, 1] (0 = off) and --min-rollout-fraction in (0, 1]; got "
+            f"{args.preempt_fraction:g} and {args.min_rollout_fraction:g}"
+        )
     atari_settings(args.env_id)  # refuses ids that are not pixel Atari games AtariVectorEnv can play
     check_video_support(args, lambda: render_one_frame(args.env_id))
     compiler = os.environ.get("CXX", "g++")  # torch.compile builds C++ kernels on CPU
@@ -959,7 +1009,8 @@ class Run:
     runs the same command and (rank 0) prints the batch table and opens TensorBoard; `restore` names what a
     checkpoint holds and loads it when resuming; within `guard()`, each of `iterations()` ends with
     `sum_over_ranks` (which also carries any rank's SIGTERM), `log` and `end_iteration` (weight check,
-    checkpoint, stop); `finish` writes model.pt and leaves the process group with the other ranks.
+    checkpoint, stop); `finish` writes model.pt and leaves the process group with the other ranks. A rollout that
+    DD-PPO's preemption may cut short runs over `rollout_steps`.
     """
 
     def __init__(self, args, unit: str = "iteration"):
@@ -977,14 +1028,15 @@ class Run:
             command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nprocs}"]
             raise SystemExit(subprocess.call([*command, os.path.abspath(__file__), *sys.argv[1:]]))
         self.device, self.name, self.checkpoint, self.writer = torch.device("cpu"), "", None, None
-        self.states, self.iteration, self.stopping = {}, 0, False
+        self.states, self.iteration, self.stopping, self.store = {}, 0, False, None
 
     # --- start: run folder, resume, process group, same command, TensorBoard ---
 
-    def start(self, num_iterations: int, batch_table: list[tuple[str, object, object]]) -> None:
-        """Everything before the first env exists; `batch_table` rows are (name, per rank, world)."""
+    def start(self, total_steps: int, batch_table: list[tuple[str, object, object]]) -> None:
+        """Everything before the first env exists; the run trains until the world has collected `total_steps` env
+        steps; `batch_table` rows are (name, per rank, world)."""
         args = self.args
-        self.num_iterations = num_iterations
+        self.total_steps = total_steps
         self.name = self.restartable_run_name()
         self.checkpoint = self.find_checkpoint_to_resume()
         self.join_process_group()
@@ -1088,12 +1140,12 @@ class Run:
         timeout = timedelta(seconds=args.dist_timeout)
         try:
             if world_size == 1:
-                dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+                self.store = dist.HashStore()
             else:
                 # torchrun keeps one store across restarts: a restarted group under the old keys would dial dead peers
                 store, _, _ = next(dist.rendezvous("env://", rank=self.rank, world_size=world_size, timeout=timeout))
-                store = dist.PrefixStore(f"restart{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
-                dist.init_process_group(backend, store=store, rank=self.rank, world_size=world_size, timeout=timeout)
+                self.store = dist.PrefixStore(f"restart{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+            dist.init_process_group(backend, store=self.store, rank=self.rank, world_size=world_size, timeout=timeout)
         except (RuntimeError, ValueError) as error:
             address = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
             fail(f"could not form a process group of {world_size} ranks at {address} with {backend}: {error}")
@@ -1120,7 +1172,7 @@ class Run:
         """Name what a checkpoint holds (objects with state_dict/load_state_dict: the agent as `model`, then the
         optimizers); a resumed run loads them and this rank's random streams. Returns the global step to go on from."""
         self.states = states
-        self.start_step = self.checkpoint["global_step"] if self.checkpoint else 0
+        self.start_step = self.global_step = self.checkpoint["global_step"] if self.checkpoint else 0
         if self.checkpoint:
             for key, state in states.items():
                 state.load_state_dict(self.checkpoint[key])
@@ -1128,11 +1180,29 @@ class Run:
         return self.start_step
 
     def iterations(self):
-        """The iterations still to run (all of them, or those after the resumed checkpoint's)."""
-        self.train_start = time.time()
-        for iteration in range(self.resumed_iteration + 1, self.num_iterations + 1):
-            self.iteration = iteration
-            yield iteration
+        """The iterations still to run: until the world has collected the run's total steps (after the resumed
+        checkpoint's)."""
+        self.train_start, self.iteration = time.time(), self.resumed_iteration
+        while self.global_step < self.total_steps:
+            self.iteration += 1
+            yield self.iteration
+
+    def rollout_steps(self, num_steps: int, min_steps: int, preempt_fraction: float):
+        """range(num_steps) for a rollout, which DD-PPO's preemption (`preempt_fraction` > 0) may cut short: after
+        `min_steps`, every `num_steps // 64` steps (<= 64 store round trips of ~0.1 ms per rollout; a rank stops at
+        most 1/64 of its rollout late) it reads how many ranks finished this iteration's rollout from the process
+        group's store, and stops once that is at least `preempt_fraction` of the world. No collective, no reset: each
+        iteration counts under its own key."""
+        if not preempt_fraction or self.world_size == 1:
+            yield from range(num_steps)
+            return
+        key, check_every = f"rollouts_done/{self.iteration}", max(1, num_steps // 64)
+        for step in range(num_steps):
+            if step >= min_steps and step % check_every == 0:
+                if self.store.add(key, 0) >= preempt_fraction * self.world_size:
+                    break
+            yield step
+        self.store.add(key, 1)
 
     @contextlib.contextmanager
     def guard(self, nonfinite_fix: str):
@@ -1180,16 +1250,18 @@ class Run:
             return
         elapsed = time.time() - self.train_start
         sps = int((global_step - self.start_step) / elapsed)
+        steps_per_iteration = (global_step - self.start_step) / (self.iteration - self.resumed_iteration)
+        iterations = self.iteration + max(0, math.ceil((self.total_steps - global_step) / steps_per_iteration))
         episodes = {}
         if world["episodes"]:
             episodes["charts/episodic_return"] = world["episode_return"] / world["episodes"]
             episodes["charts/episodic_length"] = world["episode_length"] / world["episodes"]
         for key, value in {**episodes, "charts/SPS": sps, **scalars}.items():
             self.writer.add_scalar(key, value, global_step)
-        left = elapsed / (self.iteration - self.resumed_iteration) * (self.num_iterations - self.iteration)
+        left = elapsed / (global_step - self.start_step) * max(0, self.total_steps - global_step)
         recent = f"{episodes['charts/episodic_return']:.1f}" if episodes else "n/a"
         print(
-            f"{self.unit} {self.iteration}/{self.num_iterations} step {global_step} SPS {sps} return {recent} "
+            f"{self.unit} {self.iteration}/{iterations} step {global_step} SPS {sps} return {recent} "
             f"elapsed {clock(elapsed)} left {clock(left)}",
             flush=True,
         )
@@ -1197,7 +1269,7 @@ class Run:
     def end_iteration(self, global_step: int) -> bool:
         """Compare the weights (--check-sync-every), write a checkpoint (--checkpoint-every, or on SIGTERM anywhere);
         True when every rank stops here (SIGTERM)."""
-        args, iteration = self.args, self.iteration
+        args, iteration, self.global_step = self.args, self.iteration, global_step
         if args.check_sync_every and iteration % args.check_sync_every == 0:
             check_parameters_in_sync(self.states["model"], iteration, self.unit)
         if self.stopping or (args.checkpoint_every and iteration % args.checkpoint_every == 0):

@@ -31,7 +31,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from datetime import timedelta
 from typing import Literal, NoReturn
 
@@ -109,6 +109,11 @@ class Args:
     """if set, stop the update epochs once the world-averaged approximate KL exceeds it"""
     sync: Literal["allreduce", "gather"] = "allreduce"
     """allreduce: each rank updates on its share, gradients averaged; gather: rank 0 runs the update on the union"""
+    preempt_fraction: float = 0.0
+    """DD-PPO's preemption: once this fraction of the ranks has finished its rollout, the others cut theirs short
+    (0 = off); the update weighs every sample alike, so it stays the one-process update on what was collected"""
+    min_rollout_fraction: float = 0.25
+    """with --preempt-fraction, the share of --num-steps every rollout collects before it may be cut short"""
 
     # Distributed runtime (the same flags in every ddrl script)
     run_name: str = ""
@@ -141,6 +146,8 @@ class Args:
     """the world's minibatch size (computed at run time)"""
     num_iterations: int = 0
     """number of iterations: total_timesteps // batch_size (computed at run time)"""
+    min_num_steps: int = 0
+    """steps per env a rollout collects before --preempt-fraction may cut it short (computed at run time)"""
 
 
 Batch = dict[str, torch.Tensor]  # a rollout's tensors by name: obs, actions, log_probs, values, advantages, returns
@@ -163,6 +170,9 @@ def derive_batch_sizes(args: Args, world_size: int) -> None:
     args.local_minibatch_size = args.local_batch_size // args.num_minibatches
     args.minibatch_size = args.local_minibatch_size * world_size
     args.num_iterations = args.total_timesteps // args.batch_size
+    # at least one sample per minibatch, however early a rollout is cut
+    min_steps = math.ceil(args.min_rollout_fraction * args.num_steps)
+    args.min_num_steps = max(min_steps, math.ceil(args.num_minibatches / args.local_num_envs))
     if args.num_iterations < 1:
         fail(
             f"--total-timesteps {args.total_timesteps} is less than one iteration's batch of {args.batch_size} steps "
@@ -398,11 +408,17 @@ def broadcast_parameters(module: nn.Module, extras: torch.Tensor | None = None) 
                 tensor.copy_(part.view_as(tensor))
 
 
-def global_moments(x: torch.Tensor, group: Group = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Count, mean and M2 along the last dim of `x` over all ranks' elements, as if concatenated (one all_gather)."""
-    local_mean = x.mean(-1)
-    local_m2 = ((x - local_mean.unsqueeze(-1)) ** 2).sum(-1)
-    local = torch.stack([torch.full_like(local_mean, x.shape[-1]), local_mean, local_m2])
+def global_moments(
+    x: torch.Tensor | list[torch.Tensor], group: Group = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Count, mean and M2 along the last dim of `x` (or of each 1-d piece in a list of unequal ones) over all ranks'
+    elements, as if concatenated (one all_gather)."""
+    if isinstance(x, list):
+        local = torch.stack([torch.stack([p.new_tensor(len(p)), p.mean(), ((p - p.mean()) ** 2).sum()]) for p in x], 1)
+    else:
+        local_mean = x.mean(-1)
+        local_m2 = ((x - local_mean.unsqueeze(-1)) ** 2).sum(-1)
+        local = torch.stack([torch.full_like(local_mean, x.shape[-1]), local_mean, local_m2])
     if group_size(group) == 1:
         return local[0], local[1], local[2]
     gathered = [torch.empty_like(local) for _ in range(group_size(group))]
@@ -414,7 +430,7 @@ def global_moments(x: torch.Tensor, group: Group = None) -> tuple[torch.Tensor, 
     return count, mean, m2
 
 
-def global_mean_std(x: torch.Tensor, group: Group = None) -> tuple[torch.Tensor, torch.Tensor]:
+def global_mean_std(x: torch.Tensor | list[torch.Tensor], group: Group = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Mean and unbiased std along the last dim of `x` over all ranks' elements, as if concatenated (one collective)."""
     count, mean, m2 = global_moments(x, group)
     return mean, torch.sqrt(m2 / (count - 1))
@@ -463,8 +479,16 @@ def minibatch_loss(
 
 
 def loss_function(args: Args) -> Callable:
-    """minibatch_loss, through torch.compile with `--compile` (fixed shapes: every minibatch has the same size)."""
-    return torch.compile(minibatch_loss, fullgraph=True, dynamic=False) if args.compile else minibatch_loss
+    """minibatch_loss, through torch.compile with `--compile` (fixed shapes, unless preemption varies them)."""
+    dynamic = None if args.preempt_fraction else False
+    return torch.compile(minibatch_loss, fullgraph=True, dynamic=dynamic) if args.compile else minibatch_loss
+
+
+def minibatch_pieces(sample_counts: list[int], num_minibatches: int) -> torch.Tensor:
+    """[ranks, num_minibatches]: the samples each rank gives each world minibatch, its batch cut in near-equal pieces
+    (all equal unless preemption cut some rollouts short)."""
+    counts = torch.tensor(sample_counts)[:, None]
+    return counts // num_minibatches + (torch.arange(num_minibatches) < counts % num_minibatches)
 
 
 def update(
@@ -475,10 +499,12 @@ def update(
     orders: torch.Tensor,
     loss_fn: Callable = minibatch_loss,
     group: Group = None,
+    pieces: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, float, int]:
-    """PPO's update epochs; the world's minibatch k is the union of every rank's k-th slice of `orders[epoch]` (a
-    permutation of this rank's batch). Returns the world-averaged LOSS_KEYS (the last minibatch's; clipfrac over all),
-    the seconds spent in collectives, and the epochs run (fewer after a `--target-kl` stop, alike on every rank)."""
+    """PPO's update epochs; the world's minibatch k is the union of every rank's k-th piece of `orders[epoch]` (a
+    permutation of this rank's batch), `pieces[rank, k]` samples long (minibatch_pieces; None: equal pieces). Returns
+    the world-averaged LOSS_KEYS (the last minibatch's; clipfrac over all), the seconds spent in collectives, and the
+    epochs run (fewer after a `--target-kl` stop, alike on every rank)."""
     parameters = list(agent.parameters())
     num_gradients = sum(p.numel() for p in parameters)
     flat = flat_gradient_buffer(parameters, num_extras=len(LOSS_KEYS))  # gradients, then the numbers ranks log
@@ -486,18 +512,29 @@ def update(
     sync_time = 0.0
     clipfrac_sum = torch.zeros((), dtype=flat.dtype, device=flat.device)
     minibatches_run = 0
-    size = args.local_minibatch_size
+    if pieces is None:
+        pieces = minibatch_pieces([orders.shape[1]] * group_size(group), args.num_minibatches)
+    mine = pieces[dist.get_rank(group) if dist.is_initialized() else 0]
+    equal = bool((pieces == pieces[0, 0]).all())
+    # a rank's gradient and logged numbers weigh by its share of each world minibatch, so that allreduce_mean's
+    # average over ranks is the mean over the union's samples (weights 1 when the pieces are equal)
+    weights = (mine.double() * len(pieces) / pieces.sum(0)).tolist()
+    starts, mine = [0, *mine.cumsum(0).tolist()], mine.tolist()
     for epoch in range(args.update_epochs):
         # one gather per tensor per epoch; each minibatch is then a slice, not another gather
         shuffled = {key: value[orders[epoch]] for key, value in batch.items()}
         adv_mean = adv_std = [None] * args.num_minibatches
         if args.norm_adv:  # every global minibatch's mean and std in one collective per epoch
             start = time.perf_counter()
-            adv_mean, adv_std = global_mean_std(shuffled["advantages"].view(args.num_minibatches, size), group)
+            advantages = shuffled["advantages"]
+            advantages = advantages.view(args.num_minibatches, -1) if equal else list(advantages.split(mine))
+            adv_mean, adv_std = global_mean_std(advantages, group)
             sync_time += time.perf_counter() - start
         for k in range(args.num_minibatches):
-            mb = {key: value[k * size : (k + 1) * size] for key, value in shuffled.items()}
+            mb = {key: value[starts[k] : starts[k + 1]] for key, value in shuffled.items()}
             loss, minibatch_stats = loss_fn(agent, mb, adv_mean[k], adv_std[k], args)
+            if not equal:
+                loss, minibatch_stats = loss * weights[k], minibatch_stats * weights[k]
             flat.zero_()
             loss.backward()  # accumulates into the views flat_gradient_buffer gave the parameters
             minibatches_run += 1
@@ -505,7 +542,7 @@ def update(
             with torch.no_grad():
                 stats[:5] = minibatch_stats[:5]
                 stats[5] = clipfrac_sum / minibatches_run
-            # equal local sizes: the mean of the ranks' gradients is the union's; clipped alike after averaging
+            # the (weighted) mean of the ranks' gradients is the union's; clipped alike after averaging
             start = time.perf_counter()
             average_gradients(flat, group)
             sync_time += time.perf_counter() - start
@@ -527,7 +564,7 @@ def main(args: Args) -> Agent | None:
         return evaluate_checkpoint(args)
     check_args(args)
     derive_batch_sizes(args, run.world_size)
-    run.start(args.num_iterations, batch_table(args))  # run folder, resume, process group, same command everywhere
+    run.start(args.num_iterations * args.batch_size, batch_table(args))  # run folder, resume, same command everywhere
     rank, device = run.rank, run.device
 
     # --- set-up: envs, identical initial weights on every rank (built from `seed`, then broadcast), rank seeds ---
@@ -565,16 +602,16 @@ def main(args: Args) -> Agent | None:
     episode_return, episode_length, discounted_return = np.zeros((3, args.local_num_envs))
 
     with run.guard(nonfinite_fix="lower --learning-rate or check the env's observations and rewards"):
-        for iteration in run.iterations():
-            if args.anneal_lr:  # linearly to zero
-                optimizer.param_groups[0]["lr"] = (1.0 - (iteration - 1.0) / args.num_iterations) * args.learning_rate
+        for _iteration in run.iterations():
+            if args.anneal_lr:  # linearly to zero over the run's env steps
+                optimizer.param_groups[0]["lr"] = (1.0 - global_step / run.total_steps) * args.learning_rate
 
             # --- rollout (normalisation statistics frozen, so every rank normalises alike) ---
             rollout_start = time.perf_counter()
             obs_mean, obs_std = agent.obs_rms.frozen()
             policy = agent.rollout_policy()
             finished = {"episodes": 0, "episode_return": 0.0, "episode_length": 0}  # summed over ranks for the log
-            for step in range(args.num_steps):
+            for step in run.rollout_steps(args.num_steps, args.min_num_steps, args.preempt_fraction):
                 raw_obs[step] = next_obs.reshape(args.local_num_envs, -1)
                 obs[step] = normalize(raw_obs[step], obs_mean, obs_std)
                 actions[step], logprobs[step], values[step] = policy.act(obs[step])
@@ -594,28 +631,34 @@ def main(args: Args) -> Agent | None:
                     if cut.any():  # truncation is not termination: bootstrap from V(final observation)
                         final_obs = np.stack(info["final_obs"][cut]).reshape(cut.sum(), -1)
                         final_values[step, cut] = policy.value(normalize(final_obs, obs_mean, obs_std))
-            global_step += args.batch_size
+            collected = step + 1  # steps per env: all of them, unless preemption cut the rollout short
             next_value = policy.value(normalize(next_obs.reshape(args.local_num_envs, -1), obs_mean, obs_std))
             rollout_time = time.perf_counter() - rollout_start
+            sample_counts = [args.local_batch_size] * args.world_size  # each rank's samples: one all_gather if cut
+            if args.preempt_fraction:
+                sample_counts = all_gather_int64([collected * args.local_num_envs], device)[:, 0].tolist()
+            global_step += sum(sample_counts)
 
             # --- normalisation statistics: merged over all ranks' rollouts in one collective ---
-            local_data = np.concatenate([raw_obs.reshape(-1, obs_dim).T, discounted_returns.reshape(1, -1)])
-            count, mean, m2 = global_moments(torch.as_tensor(local_data, device=device))
+            local_data = [raw_obs[:collected].reshape(-1, obs_dim).T, discounted_returns[:collected].reshape(1, -1)]
+            count, mean, m2 = global_moments(torch.as_tensor(np.concatenate(local_data), device=device))
             agent.obs_rms.update(count[0], mean[:obs_dim], m2[:obs_dim])
             agent.return_rms.update(count[obs_dim], mean[obs_dim], m2[obs_dim])
             # the rewards are used only from here on, so they are scaled with statistics that include this rollout
             reward_scale = math.sqrt(agent.return_rms.var.item() + NORM_EPS)
-            scaled_rewards = np.clip(rewards / reward_scale, -NORM_CLIP, NORM_CLIP)
+            scaled_rewards = np.clip(rewards[:collected] / reward_scale, -NORM_CLIP, NORM_CLIP)
 
-            # --- GAE ---
+            # --- GAE (a rollout cut at step t bootstraps from V(observation after t), as a full one does) ---
+            rows = slice(collected)  # the rollout's rows: all, unless preemption cut it short
             advantages, returns = compute_gae(
-                scaled_rewards, values, next_value, final_values, terminations, truncations, args.gamma, args.gae_lambda
-            )
+                scaled_rewards, values[rows], next_value, final_values[rows], terminations[rows], truncations[rows],
+                args.gamma, args.gae_lambda,
+            )  # fmt: skip
             batch = {
-                "obs": obs.reshape(-1, obs_dim),
-                "actions": actions.reshape(-1, action_dim),
-                "log_probs": logprobs.reshape(-1),
-                "values": values.reshape(-1),
+                "obs": obs[rows].reshape(-1, obs_dim),
+                "actions": actions[rows].reshape(-1, action_dim),
+                "log_probs": logprobs[rows].reshape(-1),
+                "values": values[rows].reshape(-1),
                 "advantages": advantages.reshape(-1),
                 "returns": returns.reshape(-1),
             }
@@ -623,17 +666,17 @@ def main(args: Args) -> Agent | None:
 
             # --- update ---
             update_start = time.perf_counter()
-            orders = torch.stack(
-                [torch.randperm(args.local_batch_size, device=device) for _ in range(args.update_epochs)]
-            )
+            orders = torch.stack([torch.randperm(returns.size, device=device) for _ in range(args.update_epochs)])
+            pieces = minibatch_pieces(sample_counts, args.num_minibatches)
             if args.sync == "allreduce":
-                stats, sync_time, _ = update(agent, optimizer, batch, args, orders, loss_fn)
+                stats, sync_time, _ = update(agent, optimizer, batch, args, orders, loss_fn, pieces=pieces)
             else:  # the same update, by rank 0 alone on the union of every rank's batch
-                stats, sync_time = update_one_learner(agent, optimizer, batch, args, orders, loss_fn, learner_group)
+                learner = (learner_group, pieces)
+                stats, sync_time = update_one_learner(agent, optimizer, batch, args, orders, loss_fn, *learner)
             update_time = time.perf_counter() - update_start
 
             # --- logging: episodes ended on any rank, losses averaged over ranks, the world's explained variance ---
-            world = run.sum_over_ranks(**finished, **value_sums(returns, values))
+            world = run.sum_over_ranks(**finished, **value_sums(returns, values[rows]))
             losses = {f"losses/{key}": value for key, value in zip(LOSS_KEYS, stats.tolist(), strict=True)}
             scalars = {"charts/learning_rate": optimizer.param_groups[0]["lr"], **losses}
             scalars["losses/explained_variance"] = explained_variance(world)
@@ -674,18 +717,21 @@ def update_one_learner(
     orders: torch.Tensor,
     loss_fn: Callable,
     learner_group: Group,
+    pieces: torch.Tensor,
 ) -> tuple[torch.Tensor, float]:
     """--sync gather: rank 0 runs `update` on the union of the ranks' batches in `learner_group` (a group of one),
     then one broadcast gives every rank its weights, the logged losses and whether it met a non-finite loss.
-    Returns those losses and the seconds of the gather and the broadcast."""
+    `pieces` are the ranks' minibatch_pieces. Returns those losses and the seconds of the gather and the broadcast."""
     start = time.perf_counter()
-    union = gather_to_learner(batch, orders, args)
+    union = gather_to_learner(batch, orders, pieces, args)
     outcome = torch.zeros(len(LOSS_KEYS) + 1, dtype=torch.float64, device=orders.device)  # losses, non-finite flag
     learner_start = time.perf_counter()
     if union is not None:
-        learner_args = replace(args, local_batch_size=args.batch_size, local_minibatch_size=args.minibatch_size)
+        union_batch, union_orders = union
         try:
-            outcome[:-1] = update(agent, optimizer, union[0], learner_args, union[1], loss_fn, learner_group)[0]
+            outcome[:-1] = update(
+                agent, optimizer, union_batch, args, union_orders, loss_fn, learner_group, pieces.sum(0, keepdim=True)
+            )[0]
         except NonFiniteError:
             outcome[-1] = 1.0
     learner_time = time.perf_counter() - learner_start
@@ -695,24 +741,35 @@ def update_one_learner(
     return outcome[:-1], time.perf_counter() - start - learner_time
 
 
-def gather_to_learner(batch: Batch, orders: torch.Tensor, args: Args) -> tuple[Batch, torch.Tensor] | None:
-    """--sync gather: every rank's batch and minibatch orders on rank 0 (one gather), as the union batch and orders
-    under which the world's minibatch k is every rank's k-th slice, as with allreduce; None on the other ranks."""
-    packed = torch.cat([value.reshape(-1).double() for value in (*batch.values(), orders)])
+def gather_to_learner(
+    batch: Batch, orders: torch.Tensor, pieces: torch.Tensor, args: Args
+) -> tuple[Batch, torch.Tensor] | None:
+    """--sync gather: every rank's batch and minibatch orders on rank 0 (one gather; each padded to a full local batch,
+    as preemption may have cut it short), as the union batch and orders under which the world's minibatch k is every
+    rank's k-th piece, as with allreduce; None on the other ranks."""
+    padding = args.local_batch_size - orders.shape[1]
+    full = [torch.cat([value, value.new_zeros((padding, *value.shape[1:]))]) for value in batch.values()]
+    full += [torch.cat([orders, orders.new_zeros((len(orders), padding))], 1)]
+    packed = torch.cat([value.reshape(-1).double() for value in full])
     gathered = [torch.empty_like(packed) for _ in range(group_size())] if dist.get_rank() == 0 else None
     dist.gather(packed, gathered, dst=0)
     if gathered is None:
         return None
-    parts = [rank_packed.split([value.numel() for value in (*batch.values(), orders)]) for rank_packed in gathered]
+    counts, parts = pieces.sum(1).tolist(), [rank_packed.split([t.numel() for t in full]) for rank_packed in gathered]
     union = {
-        key: torch.cat([part[i].view_as(value) for part in parts]).to(value.dtype)
+        key: torch.cat([part[i].view_as(full[i])[:n] for part, n in zip(parts, counts, strict=True)]).to(value.dtype)
         for i, (key, value) in enumerate(batch.items())
     }
-    rank_orders = torch.stack(
-        [part[-1].view_as(orders).long() + r * args.local_batch_size for r, part in enumerate(parts)], 1
-    )
-    slices = rank_orders.view(args.update_epochs, group_size(), args.num_minibatches, args.local_minibatch_size)
-    return union, slices.transpose(1, 2).reshape(args.update_epochs, -1)
+    offsets = [0, *np.cumsum(counts)[:-1].tolist()]  # where each rank's samples start in the union
+    rank_pieces = [  # [rank][epoch][k]: the union's indices of rank r's k-th piece in that epoch
+        [(part[-1].view_as(full[-1])[epoch, :n].long() + offset).split(size.tolist()) for epoch in range(len(orders))]
+        for part, n, offset, size in zip(parts, counts, offsets, pieces, strict=True)
+    ]
+    union_orders = [
+        torch.cat([rank_pieces[r][epoch][k] for k in range(args.num_minibatches) for r in range(len(parts))])
+        for epoch in range(len(orders))
+    ]
+    return union, torch.stack(union_orders).to(orders.device)
 
 
 # --- input checks and the batch table -----------------------------------------------------------------
@@ -725,6 +782,11 @@ def check_args(args: Args) -> None:
             fail(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     if args.target_kl is not None and args.target_kl <= 0:
         fail(f"--target-kl must be positive (or left out to switch early stopping off), got {args.target_kl}")
+    if not (0 <= args.preempt_fraction <= 1 and 0 < args.min_rollout_fraction <= 1):
+        fail(
+            f"--preempt-fraction must lie in [0, 1] (0 = off) and --min-rollout-fraction in (0, 1]; got "
+            f"{args.preempt_fraction:g} and {args.min_rollout_fraction:g}"
+        )
     try:
         probe = gym.make(args.env_id)  # only to read its spaces; `module:EnvId` imports the module that registers it
     except Exception as error:  # an unknown id or module, or MuJoCo failing to load the renderer MUJOCO_GL names
@@ -989,7 +1051,8 @@ class Run:
     runs the same command and (rank 0) prints the batch table and opens TensorBoard; `restore` names what a
     checkpoint holds and loads it when resuming; within `guard()`, each of `iterations()` ends with
     `sum_over_ranks` (which also carries any rank's SIGTERM), `log` and `end_iteration` (weight check,
-    checkpoint, stop); `finish` writes model.pt and leaves the process group with the other ranks.
+    checkpoint, stop); `finish` writes model.pt and leaves the process group with the other ranks. A rollout that
+    DD-PPO's preemption may cut short runs over `rollout_steps`.
     """
 
     def __init__(self, args, unit: str = "iteration"):
@@ -1007,14 +1070,15 @@ class Run:
             command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nprocs}"]
             raise SystemExit(subprocess.call([*command, os.path.abspath(__file__), *sys.argv[1:]]))
         self.device, self.name, self.checkpoint, self.writer = torch.device("cpu"), "", None, None
-        self.states, self.iteration, self.stopping = {}, 0, False
+        self.states, self.iteration, self.stopping, self.store = {}, 0, False, None
 
     # --- start: run folder, resume, process group, same command, TensorBoard ---
 
-    def start(self, num_iterations: int, batch_table: list[tuple[str, object, object]]) -> None:
-        """Everything before the first env exists; `batch_table` rows are (name, per rank, world)."""
+    def start(self, total_steps: int, batch_table: list[tuple[str, object, object]]) -> None:
+        """Everything before the first env exists; the run trains until the world has collected `total_steps` env
+        steps; `batch_table` rows are (name, per rank, world)."""
         args = self.args
-        self.num_iterations = num_iterations
+        self.total_steps = total_steps
         self.name = self.restartable_run_name()
         self.checkpoint = self.find_checkpoint_to_resume()
         self.join_process_group()
@@ -1118,12 +1182,12 @@ class Run:
         timeout = timedelta(seconds=args.dist_timeout)
         try:
             if world_size == 1:
-                dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+                self.store = dist.HashStore()
             else:
                 # torchrun keeps one store across restarts: a restarted group under the old keys would dial dead peers
                 store, _, _ = next(dist.rendezvous("env://", rank=self.rank, world_size=world_size, timeout=timeout))
-                store = dist.PrefixStore(f"restart{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
-                dist.init_process_group(backend, store=store, rank=self.rank, world_size=world_size, timeout=timeout)
+                self.store = dist.PrefixStore(f"restart{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+            dist.init_process_group(backend, store=self.store, rank=self.rank, world_size=world_size, timeout=timeout)
         except (RuntimeError, ValueError) as error:
             address = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
             fail(f"could not form a process group of {world_size} ranks at {address} with {backend}: {error}")
@@ -1150,7 +1214,7 @@ class Run:
         """Name what a checkpoint holds (objects with state_dict/load_state_dict: the agent as `model`, then the
         optimizers); a resumed run loads them and this rank's random streams. Returns the global step to go on from."""
         self.states = states
-        self.start_step = self.checkpoint["global_step"] if self.checkpoint else 0
+        self.start_step = self.global_step = self.checkpoint["global_step"] if self.checkpoint else 0
         if self.checkpoint:
             for key, state in states.items():
                 state.load_state_dict(self.checkpoint[key])
@@ -1158,11 +1222,29 @@ class Run:
         return self.start_step
 
     def iterations(self):
-        """The iterations still to run (all of them, or those after the resumed checkpoint's)."""
-        self.train_start = time.time()
-        for iteration in range(self.resumed_iteration + 1, self.num_iterations + 1):
-            self.iteration = iteration
-            yield iteration
+        """The iterations still to run: until the world has collected the run's total steps (after the resumed
+        checkpoint's)."""
+        self.train_start, self.iteration = time.time(), self.resumed_iteration
+        while self.global_step < self.total_steps:
+            self.iteration += 1
+            yield self.iteration
+
+    def rollout_steps(self, num_steps: int, min_steps: int, preempt_fraction: float):
+        """range(num_steps) for a rollout, which DD-PPO's preemption (`preempt_fraction` > 0) may cut short: after
+        `min_steps`, every `num_steps // 64` steps (<= 64 store round trips of ~0.1 ms per rollout; a rank stops at
+        most 1/64 of its rollout late) it reads how many ranks finished this iteration's rollout from the process
+        group's store, and stops once that is at least `preempt_fraction` of the world. No collective, no reset: each
+        iteration counts under its own key."""
+        if not preempt_fraction or self.world_size == 1:
+            yield from range(num_steps)
+            return
+        key, check_every = f"rollouts_done/{self.iteration}", max(1, num_steps // 64)
+        for step in range(num_steps):
+            if step >= min_steps and step % check_every == 0:
+                if self.store.add(key, 0) >= preempt_fraction * self.world_size:
+                    break
+            yield step
+        self.store.add(key, 1)
 
     @contextlib.contextmanager
     def guard(self, nonfinite_fix: str):
@@ -1210,16 +1292,18 @@ class Run:
             return
         elapsed = time.time() - self.train_start
         sps = int((global_step - self.start_step) / elapsed)
+        steps_per_iteration = (global_step - self.start_step) / (self.iteration - self.resumed_iteration)
+        iterations = self.iteration + max(0, math.ceil((self.total_steps - global_step) / steps_per_iteration))
         episodes = {}
         if world["episodes"]:
             episodes["charts/episodic_return"] = world["episode_return"] / world["episodes"]
             episodes["charts/episodic_length"] = world["episode_length"] / world["episodes"]
         for key, value in {**episodes, "charts/SPS": sps, **scalars}.items():
             self.writer.add_scalar(key, value, global_step)
-        left = elapsed / (self.iteration - self.resumed_iteration) * (self.num_iterations - self.iteration)
+        left = elapsed / (global_step - self.start_step) * max(0, self.total_steps - global_step)
         recent = f"{episodes['charts/episodic_return']:.1f}" if episodes else "n/a"
         print(
-            f"{self.unit} {self.iteration}/{self.num_iterations} step {global_step} SPS {sps} return {recent} "
+            f"{self.unit} {self.iteration}/{iterations} step {global_step} SPS {sps} return {recent} "
             f"elapsed {clock(elapsed)} left {clock(left)}",
             flush=True,
         )
@@ -1227,7 +1311,7 @@ class Run:
     def end_iteration(self, global_step: int) -> bool:
         """Compare the weights (--check-sync-every), write a checkpoint (--checkpoint-every, or on SIGTERM anywhere);
         True when every rank stops here (SIGTERM)."""
-        args, iteration = self.args, self.iteration
+        args, iteration, self.global_step = self.args, self.iteration, global_step
         if args.check_sync_every and iteration % args.check_sync_every == 0:
             check_parameters_in_sync(self.states["model"], iteration, self.unit)
         if self.stopping or (args.checkpoint_every and iteration % args.checkpoint_every == 0):

@@ -455,7 +455,7 @@ def main(args: Args) -> Agent | None:
         return evaluate_checkpoint(args)
     check_args(args)
     derive_batch_sizes(args, run.world_size)
-    run.start(args.num_epochs, batch_table(args))  # run folder, resume, process group, same command everywhere
+    run.start(args.num_epochs * args.steps_per_epoch, batch_table(args))  # run folder, resume, same command everywhere
     rank, device = run.rank, run.device
 
     # --- set-up: envs, identical initial weights on every rank (built from `seed`, then broadcast), rank seeds ---
@@ -871,7 +871,8 @@ class Run:
     runs the same command and (rank 0) prints the batch table and opens TensorBoard; `restore` names what a
     checkpoint holds and loads it when resuming; within `guard()`, each of `iterations()` ends with
     `sum_over_ranks` (which also carries any rank's SIGTERM), `log` and `end_iteration` (weight check,
-    checkpoint, stop); `finish` writes model.pt and leaves the process group with the other ranks.
+    checkpoint, stop); `finish` writes model.pt and leaves the process group with the other ranks. A rollout that
+    DD-PPO's preemption may cut short runs over `rollout_steps`.
     """
 
     def __init__(self, args, unit: str = "iteration"):
@@ -889,14 +890,15 @@ class Run:
             command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nprocs}"]
             raise SystemExit(subprocess.call([*command, os.path.abspath(__file__), *sys.argv[1:]]))
         self.device, self.name, self.checkpoint, self.writer = torch.device("cpu"), "", None, None
-        self.states, self.iteration, self.stopping = {}, 0, False
+        self.states, self.iteration, self.stopping, self.store = {}, 0, False, None
 
     # --- start: run folder, resume, process group, same command, TensorBoard ---
 
-    def start(self, num_iterations: int, batch_table: list[tuple[str, object, object]]) -> None:
-        """Everything before the first env exists; `batch_table` rows are (name, per rank, world)."""
+    def start(self, total_steps: int, batch_table: list[tuple[str, object, object]]) -> None:
+        """Everything before the first env exists; the run trains until the world has collected `total_steps` env
+        steps; `batch_table` rows are (name, per rank, world)."""
         args = self.args
-        self.num_iterations = num_iterations
+        self.total_steps = total_steps
         self.name = self.restartable_run_name()
         self.checkpoint = self.find_checkpoint_to_resume()
         self.join_process_group()
@@ -1000,12 +1002,12 @@ class Run:
         timeout = timedelta(seconds=args.dist_timeout)
         try:
             if world_size == 1:
-                dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+                self.store = dist.HashStore()
             else:
                 # torchrun keeps one store across restarts: a restarted group under the old keys would dial dead peers
                 store, _, _ = next(dist.rendezvous("env://", rank=self.rank, world_size=world_size, timeout=timeout))
-                store = dist.PrefixStore(f"restart{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
-                dist.init_process_group(backend, store=store, rank=self.rank, world_size=world_size, timeout=timeout)
+                self.store = dist.PrefixStore(f"restart{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+            dist.init_process_group(backend, store=self.store, rank=self.rank, world_size=world_size, timeout=timeout)
         except (RuntimeError, ValueError) as error:
             address = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
             fail(f"could not form a process group of {world_size} ranks at {address} with {backend}: {error}")
@@ -1032,7 +1034,7 @@ class Run:
         """Name what a checkpoint holds (objects with state_dict/load_state_dict: the agent as `model`, then the
         optimizers); a resumed run loads them and this rank's random streams. Returns the global step to go on from."""
         self.states = states
-        self.start_step = self.checkpoint["global_step"] if self.checkpoint else 0
+        self.start_step = self.global_step = self.checkpoint["global_step"] if self.checkpoint else 0
         if self.checkpoint:
             for key, state in states.items():
                 state.load_state_dict(self.checkpoint[key])
@@ -1040,11 +1042,29 @@ class Run:
         return self.start_step
 
     def iterations(self):
-        """The iterations still to run (all of them, or those after the resumed checkpoint's)."""
-        self.train_start = time.time()
-        for iteration in range(self.resumed_iteration + 1, self.num_iterations + 1):
-            self.iteration = iteration
-            yield iteration
+        """The iterations still to run: until the world has collected the run's total steps (after the resumed
+        checkpoint's)."""
+        self.train_start, self.iteration = time.time(), self.resumed_iteration
+        while self.global_step < self.total_steps:
+            self.iteration += 1
+            yield self.iteration
+
+    def rollout_steps(self, num_steps: int, min_steps: int, preempt_fraction: float):
+        """range(num_steps) for a rollout, which DD-PPO's preemption (`preempt_fraction` > 0) may cut short: after
+        `min_steps`, every `num_steps // 64` steps (<= 64 store round trips of ~0.1 ms per rollout; a rank stops at
+        most 1/64 of its rollout late) it reads how many ranks finished this iteration's rollout from the process
+        group's store, and stops once that is at least `preempt_fraction` of the world. No collective, no reset: each
+        iteration counts under its own key."""
+        if not preempt_fraction or self.world_size == 1:
+            yield from range(num_steps)
+            return
+        key, check_every = f"rollouts_done/{self.iteration}", max(1, num_steps // 64)
+        for step in range(num_steps):
+            if step >= min_steps and step % check_every == 0:
+                if self.store.add(key, 0) >= preempt_fraction * self.world_size:
+                    break
+            yield step
+        self.store.add(key, 1)
 
     @contextlib.contextmanager
     def guard(self, nonfinite_fix: str):
@@ -1092,16 +1112,18 @@ class Run:
             return
         elapsed = time.time() - self.train_start
         sps = int((global_step - self.start_step) / elapsed)
+        steps_per_iteration = (global_step - self.start_step) / (self.iteration - self.resumed_iteration)
+        iterations = self.iteration + max(0, math.ceil((self.total_steps - global_step) / steps_per_iteration))
         episodes = {}
         if world["episodes"]:
             episodes["charts/episodic_return"] = world["episode_return"] / world["episodes"]
             episodes["charts/episodic_length"] = world["episode_length"] / world["episodes"]
         for key, value in {**episodes, "charts/SPS": sps, **scalars}.items():
             self.writer.add_scalar(key, value, global_step)
-        left = elapsed / (self.iteration - self.resumed_iteration) * (self.num_iterations - self.iteration)
+        left = elapsed / (global_step - self.start_step) * max(0, self.total_steps - global_step)
         recent = f"{episodes['charts/episodic_return']:.1f}" if episodes else "n/a"
         print(
-            f"{self.unit} {self.iteration}/{self.num_iterations} step {global_step} SPS {sps} return {recent} "
+            f"{self.unit} {self.iteration}/{iterations} step {global_step} SPS {sps} return {recent} "
             f"elapsed {clock(elapsed)} left {clock(left)}",
             flush=True,
         )
@@ -1109,7 +1131,7 @@ class Run:
     def end_iteration(self, global_step: int) -> bool:
         """Compare the weights (--check-sync-every), write a checkpoint (--checkpoint-every, or on SIGTERM anywhere);
         True when every rank stops here (SIGTERM)."""
-        args, iteration = self.args, self.iteration
+        args, iteration, self.global_step = self.args, self.iteration, global_step
         if args.check_sync_every and iteration % args.check_sync_every == 0:
             check_parameters_in_sync(self.states["model"], iteration, self.unit)
         if self.stopping or (args.checkpoint_every and iteration % args.checkpoint_every == 0):

@@ -24,6 +24,7 @@ from tests.helpers import (
     run_dirs,
     run_ranks,
     torchrun,
+    union_orders,
 )
 
 BREAKOUT = ppo.atari_settings("BreakoutNoFrameskip-v4")
@@ -299,9 +300,9 @@ def update_args(target_kl: float | None) -> ppo.Args:
     return ppo.Args(update_epochs=EPOCHS, num_minibatches=MINIBATCHES, target_kl=target_kl)
 
 
-def run_update(model, agent: ppo.Agent, batch: dict, order: torch.Tensor, target_kl: float | None):
+def run_update(model, agent: ppo.Agent, batch: dict, orders: torch.Tensor, target_kl: float | None, pieces=None):
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3, eps=1e-5)
-    stats, _ = ppo.update(model, optimizer, batch, order, update_args(target_kl))
+    stats, _ = ppo.update(model, optimizer, batch, orders, update_args(target_kl), pieces)
     return agent.state_dict(), stats
 
 
@@ -340,40 +341,46 @@ def test_minibatch_loss_equals_cleanrl_loss_written_out_independently(clip_vloss
         torch.testing.assert_close(gradient, expected, rtol=0, atol=1e-10)
 
 
-def ddp_rank(rank: int, world_size: int, batch: dict, orders: list[torch.Tensor], initial: dict) -> list:
-    """One rank: half of the batch, its own minibatch order, the agent wrapped in DDP (gloo, float64)."""
-    half = BATCH // world_size
-    local = {key: value[rank * half : (rank + 1) * half] for key, value in batch.items()}
+def ddp_rank(rank: int, world_size: int, batch: dict, orders: list[torch.Tensor], initial: dict, sizes: list) -> list:
+    """One rank: its `sizes[rank]` samples of the batch, its own minibatch orders, the agent wrapped in DDP (gloo,
+    float64). Unequal sizes are rollouts cut short by preemption."""
+    start = sum(sizes[:rank])
+    local = {key: value[start : start + sizes[rank]] for key, value in batch.items()}
+    pieces = ppo.minibatch_pieces(sizes, MINIBATCHES)
     results = []
     # early stopping off; on after the first epoch; off with --compile's agent (as main compiles it)
     for target_kl, compile in ((None, False), (1e-12, False), (None, True)):
         agent = new_agent(initial)
         if compile:
             graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-            agent.compile(fullgraph=True, dynamic=False)
+            agent.compile(fullgraph=True, dynamic=False if sizes[0] == sizes[1] else None)
         model = torch.nn.parallel.DistributedDataParallel(agent)
-        results.append(run_update(model, agent, local, orders[rank], target_kl))
+        results.append(run_update(model, agent, local, orders[rank], target_kl, pieces))
         if compile:
             assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > graphs
     return results
 
 
-def test_two_ddp_ranks_end_the_update_with_the_one_rank_weights(tmp_path):
-    batch = atari_batch()
-    half = BATCH // 2
+@pytest.mark.parametrize("sizes", [[BATCH // 2, BATCH // 2], [BATCH // 2, 11]], ids=["equal", "preempted"])
+def test_two_ddp_ranks_end_the_update_with_the_one_rank_weights_on_their_union(sizes, tmp_path):
+    """Also when preemption cut rank 1's rollout to 11 samples: minibatches of 8 + 6 and 8 + 5 samples, each sample
+    weighing alike wherever it was collected."""
+    batch = {key: value[: sum(sizes)] for key, value in atari_batch().items()}
+    half = sizes[0]
     generators = [torch.Generator().manual_seed(100 + rank) for rank in range(2)]
     orders = [
-        torch.stack([torch.randperm(half, generator=g) for _ in range(EPOCHS)]).reshape(EPOCHS, MINIBATCHES, -1)
-        for g in generators
+        torch.stack([torch.randperm(size, generator=g) for _ in range(EPOCHS)])
+        for g, size in zip(generators, sizes, strict=True)
     ]
     # world minibatch k = the union of the ranks' minibatches k (rank 1's rows come after rank 0's)
-    whole_order = torch.cat([orders[0], orders[1] + half], dim=-1)
+    pieces = ppo.minibatch_pieces(sizes, MINIBATCHES)
+    whole_order, whole_pieces = union_orders(orders, pieces), pieces.sum(0)[None]
     initial = new_agent().state_dict()
 
-    ranks = run_ranks(ddp_rank, 2, tmp_path, batch, orders, initial)
+    ranks = run_ranks(ddp_rank, 2, tmp_path, batch, orders, initial, sizes)
     for run, target_kl in enumerate((None, 1e-12)):
         agent = new_agent(initial)
-        expected, expected_stats = run_update(agent, agent, batch, whole_order, target_kl)
+        expected, expected_stats = run_update(agent, agent, batch, whole_order, target_kl, whole_pieces)
         (state0, stats0), (state1, stats1) = ranks[0][run], ranks[1][run]
         assert_same_parameters([state0, state1])  # bit for bit: every rank took the same steps
         assert torch.equal(stats0, stats1)
@@ -393,7 +400,7 @@ def test_two_ddp_ranks_end_the_update_with_the_one_rank_weights(tmp_path):
     assert not torch.allclose(alone["network.0.weight"], ranks[0][0][0]["network.0.weight"], atol=1e-6)
     # and early stopping on the averaged KL stopped both ranks after one of the two epochs
     agent = new_agent(initial)
-    one_epoch, _ = run_update(agent, agent, batch, whole_order[:1], None)
+    one_epoch, _ = run_update(agent, agent, batch, whole_order[:1], None, whole_pieces)
     assert_same_parameters([one_epoch, ranks[0][1][0]], atol=1e-10)
 
 

@@ -26,6 +26,7 @@ from tests.helpers import (
     run_dirs,
     run_ranks,
     torchrun,
+    union_orders,
 )
 
 # --- GAE ---------------------------------------------------------------------------------------------
@@ -101,12 +102,14 @@ def local_orders(rank: int, size: int, epochs: int) -> torch.Tensor:
     return torch.stack([torch.randperm(size, generator=generator) for _ in range(epochs)])
 
 
-def update_rank(rank: int, world_size: int) -> tuple[dict, torch.Tensor, int]:
+def update_rank(rank: int, world_size: int, sizes: list[int]) -> tuple[dict, torch.Tensor, int]:
+    """Rank r updates on its `sizes[r]` samples of fixed_batch (unequal: rollouts cut short by preemption)."""
     agent, optimizer = new_learner()
-    half = BATCH // world_size
-    local = {key: value[rank * half : (rank + 1) * half] for key, value in fixed_batch().items()}
-    args = dataclasses.replace(UPDATE_ARGS, local_minibatch_size=half // MINIBATCHES)
-    stats, _, epochs = ppo.update(agent, optimizer, local, args, local_orders(rank, half, EPOCHS))
+    start = sum(sizes[:rank])
+    local = {key: value[start : start + sizes[rank]] for key, value in fixed_batch().items()}
+    pieces = ppo.minibatch_pieces(sizes, MINIBATCHES)
+    orders = local_orders(rank, sizes[rank], EPOCHS)
+    stats, _, epochs = ppo.update(agent, optimizer, local, UPDATE_ARGS, orders, pieces=pieces)
     return agent.state_dict(), stats, epochs
 
 
@@ -159,32 +162,24 @@ def test_minibatch_loss_equals_cleanrl_loss_written_out_independently(clip_vloss
         torch.testing.assert_close(gradient, expected, rtol=0, atol=1e-10)
 
 
-def test_two_ranks_end_the_update_with_the_one_rank_weights(tmp_path):
-    # the one-rank reference visits the same global minibatches: minibatch k = rank 0's k-th slice + rank 1's
-    half, local_size = BATCH // 2, BATCH // 2 // MINIBATCHES
-    orders = [local_orders(rank, half, EPOCHS) + rank * half for rank in range(2)]
-    reference_orders = torch.stack(
-        [
-            torch.cat(
-                [
-                    orders[rank][epoch, k * local_size : (k + 1) * local_size]
-                    for k in range(MINIBATCHES)
-                    for rank in range(2)
-                ]
-            )
-            for epoch in range(EPOCHS)
-        ]
-    )
+@pytest.mark.parametrize("sizes", [[32, 32], [40, 21]], ids=["equal", "preempted"])
+def test_two_ranks_end_the_update_with_the_one_rank_weights_on_their_union(sizes, tmp_path):
+    """Also when preemption cut a rollout short: rank 1's 21 samples give pieces of 6, 5, 5, 5 to minibatches of
+    16, 15, 15, 15 samples; each sample weighs alike, wherever it was collected."""
+    pieces = ppo.minibatch_pieces(sizes, MINIBATCHES)
+    union = {key: value[: sum(sizes)] for key, value in fixed_batch().items()}
     assert not dist.is_initialized()  # the helpers are no-ops: one rank alone
     agent, optimizer = new_learner()
     initial = copy.deepcopy(agent.state_dict())
-    args = dataclasses.replace(UPDATE_ARGS, local_minibatch_size=2 * local_size)
-    expected_stats, _, _ = ppo.update(agent, optimizer, fixed_batch(), args, reference_orders)
+    reference_orders = union_orders([local_orders(rank, size, EPOCHS) for rank, size in enumerate(sizes)], pieces)
+    expected_stats, _, _ = ppo.update(
+        agent, optimizer, union, UPDATE_ARGS, reference_orders, pieces=pieces.sum(0)[None]
+    )
     expected = agent.state_dict()
     assert (expected["actor_mean.0.weight"] - initial["actor_mean.0.weight"]).abs().max() > 1e-3  # it moved
     assert 0 < expected_stats[5] < 1  # some ratios were clipped, some not
 
-    (state0, stats0, epochs0), (state1, stats1, epochs1) = run_ranks(update_rank, 2, tmp_path)
+    (state0, stats0, epochs0), (state1, stats1, epochs1) = run_ranks(update_rank, 2, tmp_path, sizes)
     assert epochs0 == epochs1 == EPOCHS
     assert_same_parameters([state0, state1])  # bit for bit: every rank took the same step
     assert_same_parameters([expected, state0], atol=1e-10)
@@ -404,28 +399,33 @@ def test_evaluation_normalises_observations_with_the_frozen_statistics(monkeypat
 # --- --sync gather takes the allreduce update's steps ---------------------------------------------------
 
 
-def sync_modes_rank(rank: int, world_size: int, target_kl: float | None) -> dict:
-    """Unequal local batches (rank 1's observations 3x larger) through both --sync modes from the same start."""
-    batch = fixed_batch(obs_scale=1.0 + 2.0 * rank, seed=10 + rank)
+def sync_modes_rank(rank: int, world_size: int, target_kl: float | None, sizes: list[int]) -> dict:
+    """Different local batches (rank 1's observations 3x larger; `sizes[rank]` samples, padded to BATCH for the
+    gather) through both --sync modes from the same start."""
+    batch = {
+        key: value[: sizes[rank]] for key, value in fixed_batch(obs_scale=1.0 + 2.0 * rank, seed=10 + rank).items()
+    }
     args = dataclasses.replace(UPDATE_ARGS, num_minibatches=2, update_epochs=6, target_kl=target_kl, world_size=2)
     args = dataclasses.replace(args, local_batch_size=BATCH, batch_size=2 * BATCH)
-    args = dataclasses.replace(args, local_minibatch_size=BATCH // 2, minibatch_size=BATCH)
-    orders = local_orders(rank, BATCH, args.update_epochs)
+    orders = local_orders(rank, sizes[rank], args.update_epochs)
+    pieces = ppo.minibatch_pieces(sizes, args.num_minibatches)
     agent, optimizer = new_learner()
-    stats, _, epochs = ppo.update(agent, optimizer, batch, args, orders)
+    stats, _, epochs = ppo.update(agent, optimizer, batch, args, orders, pieces=pieces)
     outcome = {"allreduce": agent.state_dict(), "stats": stats, "epochs": epochs}
     agent, optimizer = new_learner()
     learner_group = dist.new_group([0])
     outcome["gather_stats"], _ = ppo.update_one_learner(
-        agent, optimizer, batch, args, orders, ppo.minibatch_loss, learner_group
+        agent, optimizer, batch, args, orders, ppo.minibatch_loss, learner_group, pieces
     )
     outcome["gather"] = agent.state_dict()
     return outcome
 
 
-@pytest.mark.parametrize("target_kl", [None, 0.1])
-def test_gather_ends_the_update_with_the_allreduce_weights(target_kl, tmp_path):
-    results = run_ranks(sync_modes_rank, 2, tmp_path, target_kl, timeout=90)
+@pytest.mark.parametrize(
+    "target_kl, sizes", [(None, [BATCH, BATCH]), (0.1, [BATCH, BATCH]), (0.1, [BATCH, 27])], ids=["", "kl", "kl-cut"]
+)
+def test_gather_ends_the_update_with_the_allreduce_weights(target_kl, sizes, tmp_path):
+    results = run_ranks(sync_modes_rank, 2, tmp_path, target_kl, sizes, timeout=90)
     epochs = [result["epochs"] for result in results]
     assert epochs[0] == epochs[1] and (epochs[0] == 6 if target_kl is None else 1 < epochs[0] < 6), epochs
     for result in results:  # every rank holds the learner's weights, and they are allreduce's
