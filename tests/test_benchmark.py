@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from benchmark import common, grad_sync, plot, run, scaling, scaling_model
+from benchmark import common, grad_sync, plot, run, scaling, scaling_model, stragglers
 from tests.helpers import ROOT, read_scalars, run_command
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -32,7 +32,7 @@ def assert_png(path: Path) -> None:
     assert path.read_bytes()[:8] == PNG_MAGIC and path.stat().st_size > 5_000, path
 
 
-@pytest.mark.parametrize("module", [run, plot, scaling, scaling_model, grad_sync])
+@pytest.mark.parametrize("module", [run, plot, scaling, scaling_model, grad_sync, stragglers])
 def test_every_entry_point_has_help(module, capsys):
     with pytest.raises(SystemExit) as exit_info:
         module.main(["--help"])
@@ -220,6 +220,44 @@ def test_scaling_two_ranks_on_two_cores_in_both_sync_modes_then_the_model(tmp_pa
     ]
     gather_2 = next(row for row in predictions if row[1] == "gather" and row[3] == "2")
     assert gather_2[6] == rows[3][6]  # the measured 2-rank efficiency beside the model's
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="2 ranks on 2 cores need 2 usable cores")
+def test_stragglers_runs_a_slow_env_rank_waiting_and_preempting_and_its_cpu_hog_always_dies(tmp_path):
+    # the slow env's cost per step: DDRL_STEP_MS, DDRL_SLOW_FACTOR times that on rank 1
+    assert stragglers.step_seconds({"DDRL_STEP_MS": "2", "DDRL_SLOW_FACTOR": "3", "RANK": "1"}) == pytest.approx(0.006)
+    assert stragglers.step_seconds({"DDRL_STEP_MS": "2", "DDRL_SLOW_FACTOR": "3", "RANK": "0"}) == pytest.approx(0.002)
+    # the CPU hog of the other cases: pinned to its core while the block runs, dead after it, also after an error
+    core = sorted(os.sched_getaffinity(0))[-1]
+    with pytest.raises(RuntimeError, match="boom"), stragglers.cpu_hog(core) as hog:
+        assert os.sched_getaffinity(hog.pid) == {core} and hog.poll() is None
+        raise RuntimeError("boom")
+    assert hog.returncode is not None
+
+    work = tmp_path / "work"
+    argv = ["--cases", "rollout-dominated", "--iterations", "2", "--local-steps", "64", "--step-ms", "0.2"]
+    argv += ["--out", str(tmp_path / "stragglers"), "--out-dir", str(work), "--max-load", "1000"]
+    table_path, png_path = stragglers.main([*argv, "--", "--num-minibatches", "2", "--update-epochs", "1"])
+    assert_png(png_path)
+    text = table_path.read_text()
+    assert "- command: `python -m benchmark.stragglers --cases rollout-dominated" in text
+    assert "![stragglers](stragglers.png)" in text and "- rollout-dominated (ppo_continuous_mpi.py on " in text
+    rows = table_rows(text, "case")
+    assert [row[:2] for row in rows] == [["rollout-dominated", "wait"], ["rollout-dominated", "preempt 0.5"]]
+    sps = []
+    for row, mode in zip(rows, ("wait", "preempt"), strict=True):
+        run_dir = work / "runs" / f"stragglers__rollout-dominated__{mode}"
+        events = common.read_scalar_events(run_dir)["charts/SPS"]
+        assert int(row[2]) == len(events) >= 2 and events[-1][1] >= 2 * 2 * 64  # every run trains 2+ iterations
+        sps.append((events[-1][1] - events[0][1]) / (events[-1][0] - events[0][0]))
+        assert row[3] == f"{sps[-1]:,.0f}"
+        assert common.read_hyperparameters(run_dir)["preempt_fraction"] == ("0.0" if mode == "wait" else "0.5")
+        log = (work / "logs" / f"{run_dir.name}.log").read_text()
+        assert log.startswith(f"$ (cd {work} && env DDRL_STEP_MS=0.2 DDRL_SLOW_FACTOR=3 taskset -c ")
+        assert "pin_rank: local rank 1 on core" in log
+    assert [row[4] for row in rows] == ["1.00", f"{sps[1] / sps[0]:.2f}"]
+    assert rows[0][9] == "1.00"  # waiting: every iteration collects the full world batch
+    assert 0.62 <= float(rows[1][9]) <= 1.0  # preempting: one whole rollout and at least a quarter of the other
 
 
 def model_seconds(**changes: float) -> scaling_model.Seconds:

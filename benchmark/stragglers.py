@@ -1,0 +1,397 @@
+"""Stragglers: SPS of 2 ranks, one of them slow, waiting for it (no preemption) against DD-PPO's preemption.
+
+    python -m benchmark.stragglers --out benchmark/results/stragglers
+
+Two ranks pinned one to a core as in benchmark.scaling (`taskset -c C0,C1 python -m torch.distributed.run --standalone
+--nproc_per_node 2 benchmark/pin_rank.py SCRIPT --torch-threads 1`, the Atari script also `--env-threads 1`); rank 1
+is the straggler. Each case runs twice on the same `--total-timesteps` (`--iterations` full world batches): waiting
+(`--preempt-fraction 0`, the scripts' default) and `--preempt-fraction F`, with which the other ranks stop their
+rollout once F of the ranks finished theirs (after `--min-rollout-fraction` of it), so a preempted run takes more,
+smaller iterations. Cases (`--cases`):
+
+- rollout-dominated: ppo_continuous_mpi.py at its defaults on `benchmark.stragglers:StragglerHalfCheetah-v0`,
+  HalfCheetah-v5 whose every step also busy-waits (CPU time, as a simulator spends it; not a sleep), the cost read
+  when the env is built, in the rank's process, from
+      DDRL_STEP_MS      milliseconds per env step (default 1; the benchmark sets it from --step-ms)
+      DDRL_SLOW_FACTOR  rank 1 (torchrun's RANK) waits this many times as long (default 3; from --slow-factor)
+- halfcheetah: ppo_continuous_mpi.py on plain HalfCheetah-v5, rank 1 sharing its core with a CPU hog (a busy-loop
+  process pinned to that core for the run, killed after it), which leaves rank 1 about half its core;
+- breakout: ppo_atari_multigpu.py on BreakoutNoFrameskip-v4 (8 envs x 128 steps per rank), the same CPU hog.
+
+From rank 0's TensorBoard events, as benchmark.scaling: SPS from the end of iteration 1 to the end of the last;
+speedup = SPS(preempt) / SPS(wait); medians over iterations 2.. of `perf/rollout_time`, `perf/update_time`,
+`perf/sync_time` (rank 0 is the fast rank); the mean share of the full world batch collected per iteration (2..).
+Arguments after `--` go to every run, after the benchmark's own. The defaults take about 10 minutes on 2 cores.
+"""
+
+import contextlib
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import gymnasium as gym
+import tyro
+
+from benchmark.common import (
+    check_load,
+    last_lines,
+    markdown_table,
+    output_paths,
+    read_hyperparameters,
+    results_header,
+    run_streaming,
+    split_script_args,
+)
+from benchmark.scaling import (
+    ATARI,
+    SCRIPT_DEFAULTS,
+    Measurement,
+    launch_command,
+    measure,
+    script_args,
+    script_modes,
+    usable_cores,
+)
+
+STEP_MS_VAR, SLOW_FACTOR_VAR = "DDRL_STEP_MS", "DDRL_SLOW_FACTOR"
+DEFAULT_STEP_MS, DEFAULT_SLOW_FACTOR = 1.0, 3.0
+STRAGGLER_RANK = 1
+ENV_ID = "benchmark.stragglers:StragglerHalfCheetah-v0"
+"""the slow env, in gymnasium's `module:EnvId` form (gym.make imports this module, which registers it)"""
+CONTINUOUS = "ppo_continuous_mpi.py"
+
+
+# --- the rollout-dominated case's env --------------------------------------------------------------------------
+
+
+def step_seconds(environ: Mapping[str, str] = os.environ) -> float:
+    """Seconds every env step busy-waits on this process's rank: DDRL_STEP_MS, times DDRL_SLOW_FACTOR on rank 1."""
+    seconds = float(environ.get(STEP_MS_VAR, DEFAULT_STEP_MS)) / 1000
+    if int(environ.get("RANK", "0")) == STRAGGLER_RANK:
+        seconds *= float(environ.get(SLOW_FACTOR_VAR, DEFAULT_SLOW_FACTOR))
+    return seconds
+
+
+class BusyStep(gym.Wrapper):
+    """Every step also spins for `seconds` (a CPU-bound simulator's cost; a sleep would leave the core free)."""
+
+    def __init__(self, env: gym.Env, seconds: float):
+        super().__init__(env)
+        self.seconds = seconds
+
+    def step(self, action):
+        result = self.env.step(action)
+        end = time.perf_counter() + self.seconds
+        while time.perf_counter() < end:
+            pass
+        return result
+
+
+def make_straggler_half_cheetah(**kwargs) -> gym.Env:
+    """HalfCheetah-v5 (its time limit included) whose steps cost `step_seconds()` more."""
+    return BusyStep(gym.make("HalfCheetah-v5", **kwargs), step_seconds())
+
+
+gym.register(ENV_ID.split(":")[1], entry_point=make_straggler_half_cheetah)
+
+
+# --- the other cases' straggler: a CPU hog on rank 1's core ---------------------------------------------------
+
+# spins until killed, or until its parent (this benchmark) is gone, so that not even a killed benchmark leaves it
+HOG_PROGRAM = (
+    "import os\nparent = os.getppid()\nwhile os.getppid() == parent:\n    for _ in range(100_000):\n        pass"
+)
+
+
+@contextlib.contextmanager
+def cpu_hog(core: int) -> Iterator[subprocess.Popen]:
+    """A busy-looping process pinned to `core` for the with-block; killed when the block ends, however it ends."""
+    hog = subprocess.Popen([sys.executable, "-c", HOG_PROGRAM])
+    try:
+        os.sched_setaffinity(hog.pid, {core})
+        yield hog
+    finally:
+        hog.kill()
+        hog.wait()
+
+
+# --- the benchmark -------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Case:
+    script: str
+    env_id: str
+    cpu_hog: bool
+    """True: rank 1 shares its core with a CPU hog; False: rank 1's env steps cost DDRL_SLOW_FACTOR times more"""
+    models: str
+    """what the case stands for (a note in the output)"""
+
+
+CASES = {
+    "rollout-dominated": Case(
+        CONTINUOUS,
+        ENV_ID,
+        cpu_hog=False,
+        models=(
+            "a simulator that dominates the iteration and runs slower on one rank (a slower node, harder scenes): "
+            "HalfCheetah whose every step spins for a fixed CPU time, DDRL_SLOW_FACTOR times as long on rank 1. Both "
+            "ranks keep a core each, so only rank 1's rollout is slow; its update is as fast as rank 0's"
+        ),
+    ),
+    "halfcheetah": Case(
+        CONTINUOUS,
+        SCRIPT_DEFAULTS[CONTINUOUS][0],
+        cpu_hog=True,
+        models=(
+            "a node shared with another job at the scripts' own costs: rank 1 gets about half its core, so its "
+            "rollout and its update both run at half speed. Preemption shortens only the rollout; in the update every "
+            "minibatch's gradient allreduce still waits for rank 1"
+        ),
+    ),
+    "breakout": Case(
+        ATARI,
+        SCRIPT_DEFAULTS[ATARI][0],
+        cpu_hog=True,
+        models=(
+            "the same shared node for the Atari script, whose iteration is mostly update (the Nature CNN's "
+            "backward passes, synced by DDP, which waits for rank 1 in every minibatch), so a shorter rollout saves "
+            "a smaller share"
+        ),
+    ),
+}
+CaseName = Literal["rollout-dominated", "halfcheetah", "breakout"]
+
+TABLE_HEADERS = (
+    "case",
+    "mode",
+    "iterations",
+    "SPS (iterations 2..)",
+    "speedup",
+    "s / iteration",
+    "rollout s / it",
+    "update s / it",
+    "of which sync s / it",
+    "collected / full batch",
+)
+
+
+@dataclass
+class Args:
+    cases: tuple[CaseName, ...] = ("rollout-dominated", "halfcheetah", "breakout")
+    """the cases to measure, each waiting and with preemption"""
+    iterations: int = 10
+    """full world batches per run (--total-timesteps, the same in both modes); at least 2 (the first is left out)"""
+    local_steps: int = 0
+    """env steps per rank per iteration; 0 = the script's own default (PPO 2048, Atari 8 envs x 128)"""
+    step_ms: float = DEFAULT_STEP_MS
+    """rollout-dominated: milliseconds every env step spins on rank 0 (DDRL_STEP_MS)"""
+    slow_factor: float = DEFAULT_SLOW_FACTOR
+    """rollout-dominated: rank 1's env steps spin this many times as long as rank 0's (DDRL_SLOW_FACTOR)"""
+    preempt_fraction: float = 0.5
+    """the scripts' --preempt-fraction in the preempting runs (the waiting runs pass 0)"""
+    out: Path = Path("benchmark_results/stragglers")
+    """output stem: writes OUT.md and OUT.png"""
+    out_dir: Path | None = None
+    """where the runs are launched (runs/ and logs/ land there, and are kept); default: a temporary folder"""
+    notes: tuple[str, ...] = ()
+    """paragraphs of prose under the header of the markdown file (what was run, how and why); the command shown there
+    leaves them out"""
+    max_load: float = 1.0
+    """above this 1-minute load average at the start, the results file opens with a MEASURED UNDER LOAD warning"""
+
+
+@dataclass
+class Result:
+    """One run: its case, mode and measurement, and the full world batch per iteration it could have collected."""
+
+    case: str
+    mode: str
+    measurement: Measurement
+    full_batch: int
+
+    @property
+    def collected(self) -> float:
+        """The mean share of the full world batch collected per iteration (iterations 2..)."""
+        return self.measurement.global_batch / self.full_batch
+
+
+def mode_label(preempt_fraction: float) -> str:
+    return f"preempt {preempt_fraction:g}" if preempt_fraction else "wait"
+
+
+def straggler_command(
+    case: Case, preempt_fraction: float, args: Args, extra: list[str], cores: list[int], name: str
+) -> list[str]:
+    """The pinned 2-rank command of one run: the script's own flags, then `extra`; the slow env's costs in front."""
+    local_steps = args.local_steps or SCRIPT_DEFAULTS[case.script][1]
+    run_args = [
+        *("--env-id", case.env_id, "--run-name", name),
+        *script_args(case.script, script_modes(case.script, ("allreduce",))[0], 2, local_steps, args.iterations),
+        *("--preempt-fraction", f"{preempt_fraction:g}"),
+        *extra,
+    ]
+    command = launch_command(case.script, 2, cores, run_args)
+    if case.cpu_hog:
+        return command
+    return ["env", f"{STEP_MS_VAR}={args.step_ms:g}", f"{SLOW_FACTOR_VAR}={args.slow_factor:g}", *command]
+
+
+def run_once(
+    case_name: str, preempt_fraction: float, args: Args, extra: list[str], cores: list[int], work_dir: Path
+) -> Result:
+    """Launch one run (under a CPU hog on rank 1's core if the case has one) and reduce its events to a Result."""
+    case, mode = CASES[case_name], mode_label(preempt_fraction)
+    name = f"stragglers__{case_name}__{mode.split()[0]}"
+    shutil.rmtree(work_dir / "runs" / name, ignore_errors=True)
+    command = straggler_command(case, preempt_fraction, args, extra, cores, name)
+    hog = f" (CPU hog on core {cores[1]})" if case.cpu_hog else ""
+    print(f"{case_name}, {mode}{hog}: {shlex.join(command)}", flush=True)
+    log_path = work_dir / "logs" / f"{name}.log"
+    with cpu_hog(cores[1]) if case.cpu_hog else contextlib.nullcontext():
+        failed = run_streaming(command, work_dir, log_path)
+    if failed:
+        raise SystemExit(f"benchmark.stragglers: error: {name} failed; {log_path}:\n{last_lines(log_path)}")
+    run_dir = work_dir / "runs" / name
+    full_batch = int(read_hyperparameters(run_dir)["batch_size"])
+    result = Result(case_name, mode, measure(run_dir, case.script, mode, 2), full_batch)
+    print(f"  SPS {result.measurement.sps:,.0f}, collected {result.collected:.2f} of the full batch", flush=True)
+    return result
+
+
+def stragglers_table(results: list[Result]) -> str:
+    """A row per run; speedup against the waiting run of the same case."""
+    waiting = {r.case: r.measurement.sps for r in results if r.mode == "wait"}
+    rows = []
+    for r in results:
+        m = r.measurement
+        rows.append(
+            [
+                r.case,
+                r.mode,
+                m.iterations,
+                f"{m.sps:,.0f}",
+                f"{m.sps / waiting[r.case]:.2f}",
+                f"{m.global_batch / m.sps:.3f}",
+                f"{m.rollout:.3f}",
+                f"{m.update:.3f}",
+                f"{m.sync:.3f}",
+                f"{r.collected:.2f}",
+            ]
+        )
+    return markdown_table(TABLE_HEADERS, rows)
+
+
+def plot(results: list[Result], path: Path) -> None:
+    """SPS per case, a bar per mode, the speedup written over each preempting bar."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cases = list(dict.fromkeys(r.case for r in results))
+    modes = list(dict.fromkeys(r.mode for r in results))
+    width = 0.8 / len(modes)
+    figure, axes = plt.subplots(figsize=(8, 5))
+    for index, mode in enumerate(modes):
+        rows = {r.case: r for r in results if r.mode == mode}
+        positions = [cases.index(case) + (index - (len(modes) - 1) / 2) * width for case in rows]
+        bars = axes.bar(positions, [r.measurement.sps for r in rows.values()], width, label=mode, color=f"C{index}")
+        if mode != "wait":
+            waiting = {r.case: r.measurement.sps for r in results if r.mode == "wait"}
+            labels = [f"{r.measurement.sps / waiting[case]:.2f}x" for case, r in rows.items()]
+            axes.bar_label(bars, labels, fontsize="small")
+    axes.set_xticks(range(len(cases)), cases)
+    axes.set_ylabel("env steps per second (iterations 2..)")
+    axes.set_title("2 ranks on 2 cores, rank 1 a straggler: waiting for it or preempting it")
+    axes.legend(fontsize="small")
+    axes.grid(axis="y", alpha=0.3)
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+
+
+def main(argv: list[str] | None = None) -> tuple[Path, Path]:
+    """Run every case waiting and preempting, write OUT.md and OUT.png; returns their paths."""
+    argv = sys.argv[1:] if argv is None else argv
+    own, extra = split_script_args(argv)
+    args = tyro.cli(Args, args=own, description=__doc__)
+    if args.iterations < 2 or not 0 < args.preempt_fraction <= 1 or args.step_ms < 0 or args.slow_factor <= 0:
+        raise SystemExit(
+            "benchmark.stragglers: error: --iterations must be >= 2, --preempt-fraction in (0, 1], --step-ms >= 0 and "
+            "--slow-factor > 0"
+        )
+    cores = usable_cores()
+    if len(cores) < 2:
+        raise SystemExit(
+            f"benchmark.stragglers: error: 2 ranks on 2 cores need 2 usable cores; this process has {cores}"
+        )
+    work_dir = args.out_dir.resolve() if args.out_dir else Path(tempfile.mkdtemp(prefix="ddrl_stragglers_"))
+    load_before, warning = check_load(args.max_load)
+    results = []
+    try:
+        for case_name in dict.fromkeys(args.cases):
+            for preempt_fraction in (0.0, args.preempt_fraction):
+                results.append(run_once(case_name, preempt_fraction, args, extra, cores, work_dir))
+    finally:
+        if args.out_dir is None:
+            shutil.rmtree(work_dir, ignore_errors=True)
+
+    table_path, png_path = output_paths(args.out)
+    plot(results, png_path)
+    batch = f"{args.local_steps:,} env steps" if args.local_steps else "each script's default batch"
+    facts = [
+        f"2 ranks on cores {cores[0]} and {cores[1]}: `taskset -c {cores[0]},{cores[1]} python -m "
+        "torch.distributed.run --standalone --nproc_per_node 2 benchmark/pin_rank.py SCRIPT --torch-threads 1` "
+        "(pin_rank.py pins local rank r to the r-th core; the Atari script also gets --env-threads 1); rank 1 is the "
+        "straggler",
+        f"budget: --total-timesteps = {args.iterations} full world batches ({batch} per rank per iteration) in both "
+        "modes, so a preempting run, collecting less per iteration, runs more iterations",
+        f"modes: wait = --preempt-fraction 0; {mode_label(args.preempt_fraction)} = --preempt-fraction "
+        f"{args.preempt_fraction:g}, each rollout at least --min-rollout-fraction of --num-steps (0.25 unless set "
+        "after --)",
+    ]
+    cases = list(dict.fromkeys(args.cases))
+    if any(not CASES[name].cpu_hog for name in cases):
+        facts.append(
+            f"rollout-dominated env: {args.step_ms:g} ms of busy-wait per env step on rank 0, {args.slow_factor:g}x "
+            f"that ({args.step_ms * args.slow_factor:g} ms) on rank 1 ({STEP_MS_VAR}={args.step_ms:g} "
+            f"{SLOW_FACTOR_VAR}={args.slow_factor:g})"
+        )
+    if hogged := [name for name in cases if CASES[name].cpu_hog]:
+        facts.append(
+            f"CPU hog: one busy-looping process pinned to core {cores[1]} (rank 1's) during every run of "
+            f"{' and '.join(hogged)}; it raises the load averages"
+        )
+    facts.append(f"load average (1, 5, 15 min) before the runs: {load_before}")
+    title = "Stragglers: waiting for the slowest rank or preempting it (2 ranks on 2 cores)"
+    text = results_header(title, "benchmark.stragglers", argv, facts, args.notes, warning)
+    text += f"\n![stragglers]({png_path.name})\n\n{stragglers_table(results)}\n"
+    text += (
+        "SPS: world env steps per second from the end of iteration 1 to the end of the last (TensorBoard event wall "
+        "times); speedup: SPS over the waiting run's of the same case; s / iteration: the wall time per iteration "
+        "(2..). Rollout, update and sync are rank 0's medians over iterations 2.. (`perf/*_time`). Rank 0 is the "
+        "fast rank, so its rollout is whole in both modes; it waits for rank 1's rollout in the first collective "
+        "after its own, which no column covers where that is the preempting runs' all_gather of sample counts or "
+        "ppo_continuous's normalisation statistics, and update and sync cover in the waiting Atari runs (the update's "
+        "first collective); s / iteration always includes it. Collected: the mean share of the full world batch "
+        "(2 x the per-rank batch) the world collected per iteration (2..).\n\n"
+    )
+    for case_name in dict.fromkeys(r.case for r in results):
+        case = CASES[case_name]
+        text += f"- {case_name} ({case.script} on {case.env_id}): {case.models}.\n"
+    table_path.write_text(text)
+    print(f"wrote {table_path} and {png_path}")
+    return table_path, png_path
+
+
+if __name__ == "__main__":
+    main()
