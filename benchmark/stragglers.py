@@ -10,10 +10,10 @@ rollout once F of the ranks finished theirs (after `--min-rollout-fraction` of i
 smaller iterations. Cases (`--cases`):
 
 - rollout-dominated: ppo_continuous_mpi.py at its defaults on `benchmark.stragglers:StragglerHalfCheetah-v0`,
-  HalfCheetah-v5 whose every step also busy-waits (CPU time, as a simulator spends it; not a sleep), the cost read
-  when the env is built, in the rank's process, from
+  HalfCheetah-v5 whose every step takes a fixed time, its own step then busy-waiting for the rest (CPU time, as a
+  simulator spends it; not a sleep), the cost read when the env is built, in the rank's process, from
       DDRL_STEP_MS      milliseconds per env step (default 1; the benchmark sets it from --step-ms)
-      DDRL_SLOW_FACTOR  rank 1 (torchrun's RANK) waits this many times as long (default 3; from --slow-factor)
+      DDRL_SLOW_FACTOR  rank 1's (torchrun's RANK) steps take this many times as long (default 3; from --slow-factor)
 - halfcheetah: ppo_continuous_mpi.py on plain HalfCheetah-v5, rank 1 sharing its core with a CPU hog (a busy-loop
   process pinned to that core for the run, killed after it), which leaves rank 1 about half its core;
 - breakout: ppo_atari_multigpu.py on BreakoutNoFrameskip-v4 (8 envs x 128 steps per rank), the same CPU hog.
@@ -73,7 +73,7 @@ CONTINUOUS = "ppo_continuous_mpi.py"
 
 
 def step_seconds(environ: Mapping[str, str] = os.environ) -> float:
-    """Seconds every env step busy-waits on this process's rank: DDRL_STEP_MS, times DDRL_SLOW_FACTOR on rank 1."""
+    """Seconds every env step takes on this process's rank: DDRL_STEP_MS, times DDRL_SLOW_FACTOR on rank 1."""
     seconds = float(environ.get(STEP_MS_VAR, DEFAULT_STEP_MS)) / 1000
     if int(environ.get("RANK", "0")) == STRAGGLER_RANK:
         seconds *= float(environ.get(SLOW_FACTOR_VAR, DEFAULT_SLOW_FACTOR))
@@ -81,22 +81,23 @@ def step_seconds(environ: Mapping[str, str] = os.environ) -> float:
 
 
 class BusyStep(gym.Wrapper):
-    """Every step also spins for `seconds` (a CPU-bound simulator's cost; a sleep would leave the core free)."""
+    """Every step takes `seconds`: the env's own step, then spinning for the rest (a CPU-bound simulator's cost; a
+    sleep would leave the core free), so the two ranks' steps cost 1 : DDRL_SLOW_FACTOR."""
 
     def __init__(self, env: gym.Env, seconds: float):
         super().__init__(env)
         self.seconds = seconds
 
     def step(self, action):
-        result = self.env.step(action)
         end = time.perf_counter() + self.seconds
+        result = self.env.step(action)
         while time.perf_counter() < end:
             pass
         return result
 
 
 def make_straggler_half_cheetah(**kwargs) -> gym.Env:
-    """HalfCheetah-v5 (its time limit included) whose steps cost `step_seconds()` more."""
+    """HalfCheetah-v5 (its time limit included) whose steps take `step_seconds()` each."""
     return BusyStep(gym.make("HalfCheetah-v5", **kwargs), step_seconds())
 
 
@@ -143,7 +144,7 @@ CASES = {
         cpu_hog=False,
         models=(
             "a simulator that dominates the iteration and runs slower on one rank (a slower node, harder scenes): "
-            "HalfCheetah whose every step spins for a fixed CPU time, DDRL_SLOW_FACTOR times as long on rank 1. Both "
+            "HalfCheetah whose every step takes a fixed CPU time, DDRL_SLOW_FACTOR times as long on rank 1. Both "
             "ranks keep a core each, so only rank 1's rollout is slow; its update is as fast as rank 0's"
         ),
     ),
@@ -153,8 +154,9 @@ CASES = {
         cpu_hog=True,
         models=(
             "a node shared with another job at the scripts' own costs: rank 1 gets about half its core, so its "
-            "rollout and its update both run at half speed. Preemption shortens only the rollout; in the update every "
-            "minibatch's gradient allreduce still waits for rank 1"
+            "rollout runs at half speed, and with --sync allreduce its share of the update too (every minibatch's "
+            "gradient allreduce waits for it; preemption shortens only the rollout); with --sync gather rank 0, on "
+            "its own core, learns alone"
         ),
     ),
     "breakout": Case(
@@ -198,6 +200,8 @@ class Args:
     """rollout-dominated: rank 1's env steps spin this many times as long as rank 0's (DDRL_SLOW_FACTOR)"""
     preempt_fraction: float = 0.5
     """the scripts' --preempt-fraction in the preempting runs (the waiting runs pass 0)"""
+    sync: Literal["allreduce", "gather"] = "gather"
+    """ppo_continuous_mpi.py's --sync (gather: the mode README's quick start runs at 2 ranks); Atari syncs by DDP"""
     out: Path = Path("benchmark_results/stragglers")
     """output stem: writes OUT.md and OUT.png"""
     out_dir: Path | None = None
@@ -235,7 +239,7 @@ def straggler_command(
     local_steps = args.local_steps or SCRIPT_DEFAULTS[case.script][1]
     run_args = [
         *("--env-id", case.env_id, "--run-name", name),
-        *script_args(case.script, script_modes(case.script, ("allreduce",))[0], 2, local_steps, args.iterations),
+        *script_args(case.script, script_modes(case.script, (args.sync,))[0], 2, local_steps, args.iterations),
         *("--preempt-fraction", f"{preempt_fraction:g}"),
         *extra,
     ]
@@ -362,7 +366,8 @@ def main(argv: list[str] | None = None) -> tuple[Path, Path]:
     cases = list(dict.fromkeys(args.cases))
     if any(not CASES[name].cpu_hog for name in cases):
         facts.append(
-            f"rollout-dominated env: {args.step_ms:g} ms of busy-wait per env step on rank 0, {args.slow_factor:g}x "
+            f"rollout-dominated env: every env step takes {args.step_ms:g} ms on rank 0 (HalfCheetah's own step, then "
+            f"a busy-wait), {args.slow_factor:g}x "
             f"that ({args.step_ms * args.slow_factor:g} ms) on rank 1 ({STEP_MS_VAR}={args.step_ms:g} "
             f"{SLOW_FACTOR_VAR}={args.slow_factor:g})"
         )
