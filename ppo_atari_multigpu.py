@@ -17,7 +17,8 @@ Each rank steps its own envs and computes GAE on its share. The agent is wrapped
 backward hooks average the gradients over ranks bucket by bucket while backward still runs, so each rank clips and
 applies the gradient of the world minibatch (the union of every rank's minibatch k). Advantages are normalised with
 the world minibatch's mean and std; losses, KL and episode statistics are world-wide. So every rank takes the step
-one process would take on the concatenated batch, and holds the same weights.
+one process would take on the concatenated batch, and holds the same weights. `--preempt-fraction` (DD-PPO) cuts
+stragglers' rollouts short; each rank's loss then weighs by its samples, so that step stays the union's.
 
 Speed: the agent is kept channels-last (oneDNN's fast convolution layout on CPU, tensor cores' on GPU); `--bf16`
 runs the CNN trunk under bfloat16 autocast and `--compile` the update's forward and backward through torch.compile.

@@ -16,6 +16,7 @@ one flat buffer averages the gradients (the KL for `--target-kl` and the logged 
 Observation and return statistics are frozen during a rollout and merged world-wide once per iteration. So every
 rank takes the step one process would take on the concatenated batch, and holds the same weights. `--sync gather`
 instead sends every batch to rank 0, which runs that same update alone and broadcasts the weights.
+`--preempt-fraction` (DD-PPO) cuts stragglers' rollouts short; each rank's gradient then weighs by its samples.
 """
 
 import contextlib
