@@ -109,6 +109,10 @@ class Args:
     .. up to the usable cores, and the usable cores"""
     iterations: int = 6
     """iterations (epochs) per run; at least 2 (the first one is left out of SPS and the time split)"""
+    rounds: int = 1
+    """runs of every (script, mode, ranks), interleaved round by round (a VM's speed can drift between runs minutes
+    apart); a row shows the run with the median SPS (the lower middle one for an even count), and each round's
+    speedup, N ranks over the 1 rank of the same round, follows the table"""
     local_steps: int = 0
     """env steps per rank per iteration; 0 = the script's own default batch (VPG 4000, PPO 2048, Atari 8x128)"""
     env_id: str = ""
@@ -250,6 +254,18 @@ def scaling_table(measurements: list[Measurement]) -> str:
     return markdown_table(TABLE_HEADERS, rows)
 
 
+def round_speedups(rounds: dict[tuple[str, str, int], list[Measurement]]) -> str:
+    """One line per (mode, N ranks): each round's SPS(N ranks) / SPS(1 rank), both of that round, and their median."""
+    lines = []
+    for (_, mode, ranks), measurements in rounds.items():
+        if ranks > 1:
+            baselines = rounds[measurements[0].script, mode, 1]
+            speedups = [m.sps / base.sps for m, base in zip(measurements, baselines, strict=True)]
+            each = ", ".join(f"{speedup:.2f}" for speedup in speedups)
+            lines.append(f"- {mode}, {ranks} ranks: speedup per round {each}; median {statistics.median(speedups):.2f}")
+    return "\n".join(lines) + "\n"
+
+
 def reference_table() -> str:
     """mpi_util's published SPS with its speedup and efficiency."""
     base = MPI_UTIL_SPS[1]
@@ -301,19 +317,20 @@ def main(argv: list[str] | None = None) -> tuple[Path, Path]:
     own, extra = split_script_args(argv)
     args = tyro.cli(Args, args=own, description=__doc__)
     unknown = [script for script in args.scripts if script not in SCRIPTS]
-    if unknown or args.iterations < 2:
-        raise SystemExit(f"benchmark.scaling: error: scripts must be in {SCRIPTS}, iterations >= 2")
+    if unknown or args.iterations < 2 or args.rounds < 1:
+        raise SystemExit(f"benchmark.scaling: error: scripts must be in {SCRIPTS}, iterations >= 2, rounds >= 1")
     cores = usable_cores()
     ranks_to_run = rank_counts(args.ranks, len(cores))
     work_dir = args.out_dir.resolve() if args.out_dir else Path(tempfile.mkdtemp(prefix="ddrl_scaling_"))
     load_before, warning = check_load(args.max_load)
-    results: dict[tuple[str, str], list[Measurement]] = {}
+    rounds: dict[tuple[str, str, int], list[Measurement]] = {}  # (script, mode, ranks): one per round
     try:
-        for script in args.scripts:
+        for round_index, script in ((r, script) for r in range(args.rounds) for script in args.scripts):
             default_env, default_steps = SCRIPT_DEFAULTS[script]
             for mode in script_modes(script, args.sync_modes):
                 for ranks in ranks_to_run:
                     name = f"scaling__{Path(script).stem}__{mode}__{ranks}ranks"
+                    name += f"__round{round_index + 1}" if args.rounds > 1 else ""
                     shutil.rmtree(work_dir / "runs" / name, ignore_errors=True)
                     run_args = [
                         *("--env-id", args.env_id or default_env, "--run-name", name),
@@ -329,10 +346,13 @@ def main(argv: list[str] | None = None) -> tuple[Path, Path]:
                         )
                     measurement = measure(work_dir / "runs" / name, script, mode, ranks)
                     print(f"  SPS {measurement.sps:,.0f} (charts/SPS {measurement.script_sps:,.0f})", flush=True)
-                    results.setdefault((script, mode), []).append(measurement)
+                    rounds.setdefault((script, mode, ranks), []).append(measurement)
     finally:
         if args.out_dir is None:
             shutil.rmtree(work_dir, ignore_errors=True)
+    results: dict[tuple[str, str], list[Measurement]] = {}
+    for (script, mode, _), measurements in rounds.items():
+        results.setdefault((script, mode), []).append(sorted(measurements, key=lambda m: m.sps)[(args.rounds - 1) // 2])
 
     table_path, png_path = output_paths(args.out)
     plot(results, png_path)
@@ -352,6 +372,8 @@ def main(argv: list[str] | None = None) -> tuple[Path, Path]:
         measurements = [m for (name, _), rows in results.items() if name == script for m in rows]
         env_id = args.env_id or SCRIPT_DEFAULTS[script][0]
         text += f"\n## {script} on {env_id}\n\n{scaling_table(measurements)}\n"
+        if args.rounds > 1:
+            text += round_speedups({key: value for key, value in rounds.items() if key[0] == script}) + "\n"
         for mode in dict.fromkeys(m.mode for m in measurements):
             text += f"sync with {mode} means {SYNC_MEANS[script, mode]}.\n\n"
     text += (

@@ -159,6 +159,17 @@ def test_scaling_builds_pinned_one_thread_commands_for_every_script_and_mode():
         scaling.launch_command("vpg_mpi.py", 4, cores, args)
 
 
+def test_scaling_rounds_give_each_rounds_speedup_against_the_same_rounds_baseline():
+    def measurement(ranks: int, sps: float) -> scaling.Measurement:
+        return scaling.Measurement("vpg_mpi.py", "allreduce", ranks, 100 * ranks, 3, sps, sps, 1.0, 1.0, 0.1)
+
+    rounds = {
+        ("vpg_mpi.py", "allreduce", 1): [measurement(1, 100.0), measurement(1, 120.0), measurement(1, 80.0)],
+        ("vpg_mpi.py", "allreduce", 2): [measurement(2, 190.0), measurement(2, 180.0), measurement(2, 168.0)],
+    }
+    assert scaling.round_speedups(rounds) == "- allreduce, 2 ranks: speedup per round 1.90, 1.50, 2.10; median 1.90\n"
+
+
 def test_pin_rank_pins_the_local_rank_to_its_core_and_becomes_the_program(tmp_path):
     cores = sorted(os.sched_getaffinity(0))
     program = ["-c", "import os, sys; print(sorted(os.sched_getaffinity(0)), sys.argv[1:])", "a", "b"]
