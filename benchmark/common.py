@@ -10,6 +10,7 @@ import subprocess
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TextIO
 
 import torch
 
@@ -45,16 +46,22 @@ def split_script_args(argv: Sequence[str]) -> tuple[list[str], list[str]]:
     return argv[:cut], argv[cut + 1 :]
 
 
+def open_log(command: Sequence[str], cwd: Path, log_path: Path) -> TextIO:
+    """`log_path` opened for writing, its first line the command as a shell would run it in `cwd`."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    cwd.mkdir(parents=True, exist_ok=True)
+    log = open(log_path, "w")  # noqa: SIM115 (the caller closes it)
+    log.write(f"$ (cd {shlex.quote(str(cwd))} && {shlex.join(command)})\n")
+    log.flush()
+    return log
+
+
 def run_streaming(
     command: Sequence[str], cwd: Path, log_path: Path, on_line: Callable[[str], None] | None = None
 ) -> int:
     """Run `command` in `cwd`, copy its stdout and stderr to `log_path`, call `on_line` on each line; the exit code."""
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    cwd.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    with open(log_path, "w") as log:
-        log.write(f"$ (cd {shlex.quote(str(cwd))} && {shlex.join(command)})\n")
-        log.flush()
+    with open_log(command, cwd, log_path) as log:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         process = subprocess.Popen(
             command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
         )
@@ -64,6 +71,16 @@ def run_streaming(
             if on_line is not None:
                 on_line(line.rstrip("\n"))
         return process.wait()
+
+
+def run_at_once(commands: Sequence[Sequence[str]], cwd: Path, log_paths: Sequence[Path]) -> list[int]:
+    """Start every command in `cwd` at once, each one's stdout and stderr to its log; wait for all, their exit codes."""
+    processes = []
+    for command, log_path in zip(commands, log_paths, strict=True):
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        with open_log(command, cwd, log_path) as log:  # the child keeps its own copy of the file
+            processes.append(subprocess.Popen(command, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT))
+    return [process.wait() for process in processes]
 
 
 def last_lines(path: Path, count: int = 15) -> str:

@@ -13,7 +13,10 @@ once per mode in `--sync-modes`; the Atari script syncs by DDP only. From rank 0
   leaves out start-up and the first iteration's warm-up); the script's own `charts/SPS` (whole run) beside it;
 - speedup = SPS(N) / SPS(1 rank, same script and mode), parallel efficiency = speedup / N;
 - seconds per iteration in rollout, update and sync: medians over iterations 2.. of `perf/rollout_time`,
-  `perf/update_time` and `perf/sync_time` (what sync covers differs per script and mode, see the notes in the output).
+  `perf/update_time` and `perf/sync_time` (what sync covers differs per script and mode, see the notes in the output);
+- the ceiling (`--independent`): N copies of the 1-rank run at once, copy i alone on core Ci, no process group between
+  them; their summed SPS over the 1-rank run is what the machine allows N ranks before any sync (shared caches and
+  memory bandwidth, the hypervisor), so a mode's speedup below it is what its sync costs.
 
 Arguments after `--` go to every run, after the benchmark's own (so `-- --torch-threads 2` overrides the one thread).
 Timing on a loaded machine is distorted: the output records the load average before and after the runs.
@@ -26,7 +29,7 @@ import shutil
 import statistics
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal
 
@@ -41,7 +44,7 @@ from benchmark.common import (
     output_paths,
     read_scalar_events,
     results_header,
-    run_streaming,
+    run_at_once,
     split_script_args,
     torchrun_launcher,
 )
@@ -51,6 +54,13 @@ ATARI = "ppo_atari_multigpu.py"
 ATARI_ENVS_PER_RANK = 8
 DDP = "DDP"
 """the mode of the script without `--sync`"""
+INDEPENDENT = "independent"
+"""the rows of N independent 1-rank copies at once, one per core (the machine's ceiling)"""
+INDEPENDENT_MEANS = (
+    "N copies of the first mode's 1-rank run at the same time, copy i alone on core Ci, with no process group between "
+    "them: SPS summed, seconds those of copy 0. Its speedup is what this machine gives N ranks before any sync "
+    "(shared caches and memory bandwidth, the hypervisor's scheduling); a mode's speedup below it is its sync's cost"
+)
 
 # per script: (default env id, default env steps per rank per iteration)
 SCRIPT_DEFAULTS = {
@@ -113,6 +123,9 @@ class Args:
     """runs of every (script, mode, ranks), interleaved round by round (a VM's speed can drift between runs minutes
     apart); a row shows the run with the median SPS (the lower middle one for an even count), and each round's
     speedup, N ranks over the 1 rank of the same round, follows the table"""
+    independent: bool = True
+    """also run, per script and N, N independent 1-rank copies at once, one per core: the speedup the machine allows
+    with no sync at all"""
     local_steps: int = 0
     """env steps per rank per iteration; 0 = the script's own default batch (VPG 4000, PPO 2048, Atari 8x128)"""
     env_id: str = ""
@@ -230,13 +243,30 @@ def measure(run_dir: Path, script: str, mode: str, ranks: int) -> Measurement:
     )
 
 
+def combine_copies(copies: list[Measurement]) -> Measurement:
+    """N independent copies as one row: batches and SPS summed, seconds per iteration those of copy 0 (core C0)."""
+    first = copies[0]
+    return Measurement(
+        script=first.script,
+        mode=INDEPENDENT,
+        ranks=len(copies),
+        global_batch=sum(m.global_batch for m in copies),
+        iterations=first.iterations,
+        sps=sum(m.sps for m in copies),
+        script_sps=sum(m.script_sps for m in copies),
+        rollout=first.rollout,
+        update=first.update,
+        sync=first.sync,
+    )
+
+
 def scaling_table(measurements: list[Measurement]) -> str:
     """One script's rows, mode by mode: SPS, speedup and efficiency against the mode's 1-rank row, seconds per
     iteration."""
     baselines = {m.mode: m for m in measurements if m.ranks == 1}
     rows = []
     for m in measurements:
-        speedup = m.sps / baselines[m.mode].sps
+        speedup = m.sps / baselines.get(m.mode, measurements[0]).sps  # the ceiling's baseline: the first mode's
         rows.append(
             [
                 m.mode,
@@ -257,9 +287,10 @@ def scaling_table(measurements: list[Measurement]) -> str:
 def round_speedups(rounds: dict[tuple[str, str, int], list[Measurement]]) -> str:
     """One line per (mode, N ranks): each round's SPS(N ranks) / SPS(1 rank), both of that round, and their median."""
     lines = []
+    first_mode = next(iter(rounds))[1]
     for (_, mode, ranks), measurements in rounds.items():
         if ranks > 1:
-            baselines = rounds[measurements[0].script, mode, 1]
+            baselines = rounds[measurements[0].script, first_mode if mode == INDEPENDENT else mode, 1]
             speedups = [m.sps / base.sps for m, base in zip(measurements, baselines, strict=True)]
             each = ", ".join(f"{speedup:.2f}" for speedup in speedups)
             lines.append(f"- {mode}, {ranks} ranks: speedup per round {each}; median {statistics.median(speedups):.2f}")
@@ -327,26 +358,42 @@ def main(argv: list[str] | None = None) -> tuple[Path, Path]:
     try:
         for round_index, script in ((r, script) for r in range(args.rounds) for script in args.scripts):
             default_env, default_steps = SCRIPT_DEFAULTS[script]
-            for mode in script_modes(script, args.sync_modes):
-                for ranks in ranks_to_run:
-                    name = f"scaling__{Path(script).stem}__{mode}__{ranks}ranks"
-                    name += f"__round{round_index + 1}" if args.rounds > 1 else ""
-                    shutil.rmtree(work_dir / "runs" / name, ignore_errors=True)
+            modes = script_modes(script, args.sync_modes)
+            jobs = [(mode, ranks) for mode in modes for ranks in ranks_to_run]
+            jobs += [(INDEPENDENT, ranks) for ranks in ranks_to_run if ranks > 1 and args.independent]
+            for mode, ranks in jobs:
+                name = f"scaling__{Path(script).stem}__{mode}__{ranks}ranks"
+                name += f"__round{round_index + 1}" if args.rounds > 1 else ""
+                # the ceiling: `ranks` copies of the first mode's 1-rank run, copy i pinned to core Ci
+                names = [f"{name}__copy{i}" for i in range(ranks)] if mode == INDEPENDENT else [name]
+                commands = []
+                for i, run_name in enumerate(names):
+                    shutil.rmtree(work_dir / "runs" / run_name, ignore_errors=True)
                     run_args = [
-                        *("--env-id", args.env_id or default_env, "--run-name", name),
-                        *script_args(script, mode, ranks, args.local_steps or default_steps, args.iterations),
+                        *("--env-id", args.env_id or default_env, "--run-name", run_name),
+                        *script_args(
+                            script,
+                            modes[0] if mode == INDEPENDENT else mode,
+                            1 if mode == INDEPENDENT else ranks,
+                            args.local_steps or default_steps,
+                            args.iterations,
+                        ),
                         *extra,
                     ]
-                    command = launch_command(script, ranks, cores, run_args)
-                    print(f"{script} {mode} on {ranks} rank(s): {shlex.join(command)}", flush=True)
-                    log_path = work_dir / "logs" / f"{name}.log"
-                    if run_streaming(command, work_dir, log_path):
+                    pinned = cores[i:] if mode == INDEPENDENT else cores
+                    commands.append(launch_command(script, 1 if mode == INDEPENDENT else ranks, pinned, run_args))
+                print(f"{script} {mode} on {ranks} core(s): {' & '.join(map(shlex.join, commands))}", flush=True)
+                log_paths = [work_dir / "logs" / f"{run_name}.log" for run_name in names]
+                codes = run_at_once(commands, work_dir, log_paths)
+                for run_name, log_path, code in zip(names, log_paths, codes, strict=True):
+                    if code:
                         raise SystemExit(
-                            f"benchmark.scaling: error: {name} failed; {log_path}:\n{last_lines(log_path)}"
+                            f"benchmark.scaling: error: {run_name} failed; {log_path}:\n{last_lines(log_path)}"
                         )
-                    measurement = measure(work_dir / "runs" / name, script, mode, ranks)
-                    print(f"  SPS {measurement.sps:,.0f} (charts/SPS {measurement.script_sps:,.0f})", flush=True)
-                    rounds.setdefault((script, mode, ranks), []).append(measurement)
+                copies = [measure(work_dir / "runs" / run_name, script, mode, 1) for run_name in names]
+                measurement = combine_copies(copies) if mode == INDEPENDENT else replace(copies[0], ranks=ranks)
+                print(f"  SPS {measurement.sps:,.0f} (charts/SPS {measurement.script_sps:,.0f})", flush=True)
+                rounds.setdefault((script, mode, ranks), []).append(measurement)
     finally:
         if args.out_dir is None:
             shutil.rmtree(work_dir, ignore_errors=True)
@@ -374,8 +421,10 @@ def main(argv: list[str] | None = None) -> tuple[Path, Path]:
         text += f"\n## {script} on {env_id}\n\n{scaling_table(measurements)}\n"
         if args.rounds > 1:
             text += round_speedups({key: value for key, value in rounds.items() if key[0] == script}) + "\n"
-        for mode in dict.fromkeys(m.mode for m in measurements):
+        for mode in dict.fromkeys(m.mode for m in measurements if m.mode != INDEPENDENT):
             text += f"sync with {mode} means {SYNC_MEANS[script, mode]}.\n\n"
+        if args.independent and len(ranks_to_run) > 1:
+            text += f"{INDEPENDENT} means {INDEPENDENT_MEANS}.\n\n"
     text += (
         "## Reference: mpi_util\n\nmpi_util's published throughput (Walker2d, 6-core Xeon X5680 + GTX 1070, rollouts "
         "gathered to rank 0), as listed in the project's references; 1 -> 2 processes: 546 -> 1040 steps/s.\n\n"

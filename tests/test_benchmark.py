@@ -170,6 +170,18 @@ def test_scaling_rounds_give_each_rounds_speedup_against_the_same_rounds_baselin
     assert scaling.round_speedups(rounds) == "- allreduce, 2 ranks: speedup per round 1.90, 1.50, 2.10; median 1.90\n"
 
 
+def test_run_at_once_runs_its_commands_side_by_side_and_logs_each(tmp_path):
+    # each command waits (at most 60 s) for the other's file: run one after the other, the first would time out
+    wait = "import pathlib, sys, time; pathlib.Path(sys.argv[1]).touch(); t = time.time() + 60\n"
+    wait += "while not pathlib.Path(sys.argv[2]).exists() and time.time() < t: time.sleep(0.01)\n"
+    wait += "print('saw', sys.argv[2], pathlib.Path(sys.argv[2]).exists()); sys.exit(int(sys.argv[3]))"
+    commands = [[sys.executable, "-c", wait, "a", "b", "0"], [sys.executable, "-c", wait, "b", "a", "3"]]
+    logs = [tmp_path / "logs" / "a.log", tmp_path / "logs" / "b.log"]
+    assert common.run_at_once(commands, tmp_path, logs) == [0, 3]
+    for log, other, command in zip(logs, "ba", commands, strict=True):
+        assert log.read_text() == f"$ (cd {tmp_path} && {shlex.join(command)})\nsaw {other} True\n"
+
+
 def test_pin_rank_pins_the_local_rank_to_its_core_and_becomes_the_program(tmp_path):
     cores = sorted(os.sched_getaffinity(0))
     program = ["-c", "import os, sys; print(sorted(os.sched_getaffinity(0)), sys.argv[1:])", "a", "b"]
@@ -197,9 +209,19 @@ def test_scaling_two_ranks_on_two_cores_in_both_sync_modes_then_the_model(tmp_pa
     assert "## vpg_mpi.py on CartPole-v1" in text and "546 -> 1040" in text
     assert "sync with allreduce means the flat" in text and "sync with gather means the gather" in text
     rows = table_rows(text, "mode")
-    assert [row[:3] for row in rows] == [[mode, n, str(100 * int(n))] for mode in ("allreduce", "gather") for n in "12"]
+    expected = [[mode, n, str(100 * int(n))] for mode in ("allreduce", "gather") for n in "12"]
+    assert [row[:3] for row in rows] == [*expected, ["independent", "2", "200"]]
     cores = sorted(os.sched_getaffinity(0))
     sps = {}
+    # the ceiling: two 1-rank allreduce runs at the same time, copy i alone on core i, SPS summed
+    copies = [work / "runs" / f"scaling__vpg_mpi__independent__2ranks__copy{i}" for i in range(2)]
+    copy_sps = [scaling.measure(copy, "vpg_mpi.py", "independent", 1).sps for copy in copies]
+    for i, copy in enumerate(copies):
+        assert common.read_hyperparameters(copy)["sync"] == "allreduce"
+        log = (work / "logs" / f"{copy.name}.log").read_text()
+        assert log.startswith(f"$ (cd {work} && taskset -c {cores[i]} {sys.executable} {ROOT / 'vpg_mpi.py'} ")
+    ceiling = rows.pop()
+    assert ceiling[3] == f"{sum(copy_sps):,.0f}"
     for row in rows:
         mode, ranks = row[0], int(row[1])
         name = f"scaling__vpg_mpi__{mode}__{ranks}ranks"
@@ -223,6 +245,7 @@ def test_scaling_two_ranks_on_two_cores_in_both_sync_modes_then_the_model(tmp_pa
             assert f"pin_rank: local rank 1 on core {cores[1]}\n" in log
         speedup = sps[mode, ranks] / sps[mode, 1]  # against the 1-rank row of the same mode
         assert row[5:7] == [f"{speedup:.2f}", f"{speedup / ranks:.0%}"]
+    assert ceiling[5] == f"{sum(copy_sps) / sps['allreduce', 1]:.2f}"  # against the first mode's 1-rank row
 
     model_path = scaling_model.main(["--from", str(table_path), "--out", str(tmp_path / "model")])
     predictions = table_rows(model_path.read_text(), "script | mode | model: what grows with N")
