@@ -22,6 +22,7 @@ From rank 0's TensorBoard events, as benchmark.scaling: SPS from the end of iter
 speedup = SPS(preempt) / SPS(wait); medians over iterations 2.. of `perf/rollout_time`, `perf/update_time`,
 `perf/sync_time` (rank 0 is the fast rank); the mean share of the full world batch collected per iteration (2..).
 Arguments after `--` go to every run, after the benchmark's own. The defaults take about 10 minutes on 2 cores.
+`--side-by-side` runs a case's two runs at once, for learning checks at equal env steps in about half the time.
 """
 
 import contextlib
@@ -47,6 +48,7 @@ from benchmark.common import (
     output_paths,
     read_hyperparameters,
     results_header,
+    run_at_once,
     run_streaming,
     split_script_args,
 )
@@ -211,6 +213,10 @@ class Args:
     leaves them out"""
     max_load: float = 1.0
     """above this 1-minute load average at the start, the results file opens with a MEASURED UNDER LOAD warning"""
+    side_by_side: bool = False
+    """run a case's waiting and preempting runs at the same time, rank 0 of each on C0 and rank 1 of each on C1: for
+    learning checks (returns at equal env steps) in about half the wall time; their SPS then measure two runs sharing
+    the cores, not the modes"""
 
 
 @dataclass
@@ -249,26 +255,34 @@ def straggler_command(
     return ["env", f"{STEP_MS_VAR}={args.step_ms:g}", f"{SLOW_FACTOR_VAR}={args.slow_factor:g}", *command]
 
 
-def run_once(
-    case_name: str, preempt_fraction: float, args: Args, extra: list[str], cores: list[int], work_dir: Path
-) -> Result:
-    """Launch one run (under a CPU hog on rank 1's core if the case has one) and reduce its events to a Result."""
-    case, mode = CASES[case_name], mode_label(preempt_fraction)
-    name = f"stragglers__{case_name}__{mode.split()[0]}"
-    shutil.rmtree(work_dir / "runs" / name, ignore_errors=True)
-    command = straggler_command(case, preempt_fraction, args, extra, cores, name)
-    hog = f" (CPU hog on core {cores[1]})" if case.cpu_hog else ""
-    print(f"{case_name}, {mode}{hog}: {shlex.join(command)}", flush=True)
-    log_path = work_dir / "logs" / f"{name}.log"
+def run_case(
+    case_name: str, fractions: tuple[float, ...], args: Args, extra: list[str], cores: list[int], work_dir: Path
+) -> list[Result]:
+    """Launch the case's runs, one per preempt fraction, one after the other or (--side-by-side) at once, under a CPU
+    hog on rank 1's core if the case has one; reduce each run's events to a Result."""
+    case, modes = CASES[case_name], [mode_label(fraction) for fraction in fractions]
+    names = [f"stragglers__{case_name}__{mode.split()[0]}" for mode in modes]
+    commands = []
+    for fraction, mode, name in zip(fractions, modes, names, strict=True):
+        shutil.rmtree(work_dir / "runs" / name, ignore_errors=True)
+        commands.append(straggler_command(case, fraction, args, extra, cores, name))
+        hog = f" (CPU hog on core {cores[1]})" if case.cpu_hog else ""
+        print(f"{case_name}, {mode}{hog}: {shlex.join(commands[-1])}", flush=True)
+    log_paths = [work_dir / "logs" / f"{name}.log" for name in names]
     with cpu_hog(cores[1]) if case.cpu_hog else contextlib.nullcontext():
-        failed = run_streaming(command, work_dir, log_path)
-    if failed:
-        raise SystemExit(f"benchmark.stragglers: error: {name} failed; {log_path}:\n{last_lines(log_path)}")
-    run_dir = work_dir / "runs" / name
-    full_batch = int(read_hyperparameters(run_dir)["batch_size"])
-    result = Result(case_name, mode, measure(run_dir, case.script, mode, 2), full_batch)
-    print(f"  SPS {result.measurement.sps:,.0f}, collected {result.collected:.2f} of the full batch", flush=True)
-    return result
+        if args.side_by_side:
+            codes = run_at_once(commands, work_dir, log_paths)
+        else:
+            codes = [run_streaming(command, work_dir, log) for command, log in zip(commands, log_paths, strict=True)]
+    results = []
+    for mode, name, log_path, code in zip(modes, names, log_paths, codes, strict=True):
+        if code:
+            raise SystemExit(f"benchmark.stragglers: error: {name} failed; {log_path}:\n{last_lines(log_path)}")
+        run_dir = work_dir / "runs" / name
+        full_batch = int(read_hyperparameters(run_dir)["batch_size"])
+        results.append(Result(case_name, mode, measure(run_dir, case.script, mode, 2), full_batch))
+        print(f"  {mode}: SPS {results[-1].measurement.sps:,.0f}, collected {results[-1].collected:.2f}", flush=True)
+    return results
 
 
 def stragglers_table(results: list[Result]) -> str:
@@ -343,8 +357,7 @@ def main(argv: list[str] | None = None) -> tuple[Path, Path]:
     results = []
     try:
         for case_name in dict.fromkeys(args.cases):
-            for preempt_fraction in (0.0, args.preempt_fraction):
-                results.append(run_once(case_name, preempt_fraction, args, extra, cores, work_dir))
+            results += run_case(case_name, (0.0, args.preempt_fraction), args, extra, cores, work_dir)
     finally:
         if args.out_dir is None:
             shutil.rmtree(work_dir, ignore_errors=True)
@@ -375,6 +388,12 @@ def main(argv: list[str] | None = None) -> tuple[Path, Path]:
         facts.append(
             f"CPU hog: one busy-looping process pinned to core {cores[1]} (rank 1's) during every run of "
             f"{' and '.join(hogged)}; it raises the load averages"
+        )
+    if args.side_by_side:
+        facts.append(
+            "side by side: each case's waiting and preempting runs ran at the same time, rank 0 of both on core "
+            f"{cores[0]} and rank 1 of both on core {cores[1]}; their SPS measure two runs sharing the cores, not the "
+            "modes (a learning check)"
         )
     facts.append(f"load average (1, 5, 15 min) before the runs: {load_before}")
     title = "Stragglers: waiting for the slowest rank or preempting it (2 ranks on 2 cores)"

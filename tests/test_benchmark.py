@@ -257,7 +257,8 @@ def test_scaling_two_ranks_on_two_cores_in_both_sync_modes_then_the_model(tmp_pa
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="2 ranks on 2 cores need 2 usable cores")
-def test_stragglers_runs_a_slow_env_rank_waiting_and_preempting_and_its_cpu_hog_always_dies(tmp_path):
+@pytest.mark.parametrize("side_by_side", [False, True], ids=["one-after-the-other", "side-by-side"])
+def test_stragglers_runs_a_slow_env_rank_waiting_and_preempting_and_its_cpu_hog_always_dies(side_by_side, tmp_path):
     # the slow env's cost per step: DDRL_STEP_MS, DDRL_SLOW_FACTOR times that on rank 1
     assert stragglers.step_seconds({"DDRL_STEP_MS": "2", "DDRL_SLOW_FACTOR": "3", "RANK": "1"}) == pytest.approx(0.006)
     assert stragglers.step_seconds({"DDRL_STEP_MS": "2", "DDRL_SLOW_FACTOR": "3", "RANK": "0"}) == pytest.approx(0.002)
@@ -271,9 +272,11 @@ def test_stragglers_runs_a_slow_env_rank_waiting_and_preempting_and_its_cpu_hog_
     work = tmp_path / "work"
     argv = ["--cases", "rollout-dominated", "--iterations", "2", "--local-steps", "64", "--step-ms", "0.2"]
     argv += ["--out", str(tmp_path / "stragglers"), "--out-dir", str(work), "--max-load", "1000"]
+    argv += ["--side-by-side"] * side_by_side
     table_path, png_path = stragglers.main([*argv, "--", "--num-minibatches", "2", "--update-epochs", "1"])
     assert_png(png_path)
     text = table_path.read_text()
+    assert ("- side by side: each case's waiting and preempting runs ran at the same time" in text) == side_by_side
     assert "- command: `python -m benchmark.stragglers --cases rollout-dominated" in text
     assert "![stragglers](stragglers.png)" in text and "- rollout-dominated (ppo_continuous_mpi.py on " in text
     rows = table_rows(text, "case")
