@@ -377,7 +377,7 @@ def test_two_ddp_ranks_end_the_update_with_the_one_rank_weights_on_their_union(s
     whole_order, whole_pieces = union_orders(orders, pieces), pieces.sum(0)[None]
     initial = new_agent().state_dict()
 
-    ranks = run_ranks(ddp_rank, 2, tmp_path, batch, orders, initial, sizes)
+    ranks = run_ranks(ddp_rank, 2, tmp_path, batch, orders, initial, sizes, timeout=300)  # it compiles: minutes
     for run, target_kl in enumerate((None, 1e-12)):
         agent = new_agent(initial)
         expected, expected_stats = run_update(agent, agent, batch, whole_order, target_kl, whole_pieces)

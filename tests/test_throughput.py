@@ -30,13 +30,17 @@ def test_throughput_table_sets_every_script_beside_its_bound(tmp_path, capsys):
         events = common.read_scalar_events(work / "runs" / run)
         (wall_1, step_1, _), (wall_2, step_2, _) = events["charts/SPS"]
         assert row[4] == f"{(step_2 - step_1) / (wall_2 - wall_1):,.0f}"
-        ratio = float(row[4].replace(",", "")) / float(bound.replace(",", ""))
+        sps, bound_sps = float(row[4].replace(",", "")), float(bound.replace(",", ""))
+        ratio = sps / bound_sps
+        # the ratio column comes from the unrounded numbers, the table shows whole SPS: on a loaded machine a bound of
+        # a few dozen SPS moves the ratio by more than its own last digit
+        slack = ratio * (0.5 / sps + 0.5 / bound_sps)
         if script == "ppo_atari_multigpu.py":
             assert step_2 - step_1 == 1024 and row[6] == "1.2x"
-            assert float(row[5]) == pytest.approx(ratio, abs=0.011)
+            assert float(row[5]) == pytest.approx(ratio, abs=0.011 + slack)
         else:
             assert step_2 - step_1 == (4000 if script == "vpg_mpi.py" else 2048)
-            assert float(row[5].rstrip("%")) == pytest.approx(100 * ratio, abs=1.01)
+            assert float(row[5].rstrip("%")) == pytest.approx(100 * ratio, abs=1.01 + 100 * slack)
             assert row[6] == ("50%" if script == "vpg_mpi.py" else "30%")
         assert row[7] in ("yes", "no")
         assert f"{script}: " in printed
