@@ -17,7 +17,8 @@ def main() -> None:
     if local_rank >= len(cores):
         raise SystemExit(f"pin_rank: error: local rank {local_rank} but only cores {cores} are usable")
     os.sched_setaffinity(0, {cores[local_rank]})
-    print(f"pin_rank: local rank {local_rank} on core {cores[local_rank]}", flush=True)
+    # one write, newline included: the ranks share one log, and print's separate newline can land after another line
+    os.write(sys.stdout.fileno(), f"pin_rank: local rank {local_rank} on core {cores[local_rank]}\n".encode())
     os.execv(sys.executable, [sys.executable, *sys.argv[1:]])
 
 
