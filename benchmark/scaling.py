@@ -365,23 +365,18 @@ def main(argv: list[str] | None = None) -> tuple[Path, Path]:
                 name = f"scaling__{Path(script).stem}__{mode}__{ranks}ranks"
                 name += f"__round{round_index + 1}" if args.rounds > 1 else ""
                 # the ceiling: `ranks` copies of the first mode's 1-rank run, copy i pinned to core Ci
-                names = [f"{name}__copy{i}" for i in range(ranks)] if mode == INDEPENDENT else [name]
+                independent = mode == INDEPENDENT
+                names = [f"{name}__copy{i}" for i in range(ranks)] if independent else [name]
+                run_mode, run_ranks = (modes[0], 1) if independent else (mode, ranks)
                 commands = []
                 for i, run_name in enumerate(names):
                     shutil.rmtree(work_dir / "runs" / run_name, ignore_errors=True)
                     run_args = [
                         *("--env-id", args.env_id or default_env, "--run-name", run_name),
-                        *script_args(
-                            script,
-                            modes[0] if mode == INDEPENDENT else mode,
-                            1 if mode == INDEPENDENT else ranks,
-                            args.local_steps or default_steps,
-                            args.iterations,
-                        ),
+                        *script_args(script, run_mode, run_ranks, args.local_steps or default_steps, args.iterations),
                         *extra,
                     ]
-                    pinned = cores[i:] if mode == INDEPENDENT else cores
-                    commands.append(launch_command(script, 1 if mode == INDEPENDENT else ranks, pinned, run_args))
+                    commands.append(launch_command(script, run_ranks, cores[i:], run_args))
                 print(f"{script} {mode} on {ranks} core(s): {' & '.join(map(shlex.join, commands))}", flush=True)
                 log_paths = [work_dir / "logs" / f"{run_name}.log" for run_name in names]
                 codes = run_at_once(commands, work_dir, log_paths)
@@ -391,7 +386,7 @@ def main(argv: list[str] | None = None) -> tuple[Path, Path]:
                             f"benchmark.scaling: error: {run_name} failed; {log_path}:\n{last_lines(log_path)}"
                         )
                 copies = [measure(work_dir / "runs" / run_name, script, mode, 1) for run_name in names]
-                measurement = combine_copies(copies) if mode == INDEPENDENT else replace(copies[0], ranks=ranks)
+                measurement = combine_copies(copies) if independent else replace(copies[0], ranks=ranks)
                 print(f"  SPS {measurement.sps:,.0f} (charts/SPS {measurement.script_sps:,.0f})", flush=True)
                 rounds.setdefault((script, mode, ranks), []).append(measurement)
     finally:
