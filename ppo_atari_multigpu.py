@@ -3,12 +3,8 @@
 CleanRL's ppo_atari.py recipe in one file: ale-py's native vectorised `AtariVectorEnv` (C++ threads) with the DQN
 preprocessing (frameskip 4 with max-pool, 84x84 grayscale, 4-frame stack), a Nature CNN with a shared trunk and
 policy and value heads, GAE, clipped surrogate and value losses, an annealed learning rate. The learner sees rewards
-clipped to [-1, 1] and a lost life as a terminal; TensorBoard gets the raw score of whole games. Starts and lives as
-CleanRL, in detail ale-py's: a game starts with FIRE for one frame, then 0-28 no-op frames (0-29 in games without
-FIRE; CleanRL: 1-30 no-ops, then FIRE and action 2 for 4 frames each); after a lost life a game with FIRE gets it in
-place of the agent's next action, as CleanRL's FireResetEnv presses it (there within a hidden NOOP, FIRE, action-2
-reset, which ale-py, stepping all envs at once, cannot give one env); the learner keeps the action it sampled.
-Evaluation plays the same protocol.
+clipped to [-1, 1] and a lost life as a terminal; TensorBoard gets the raw score of whole games. Games start, and go on
+after a lost life, with FIRE as under CleanRL's FireResetEnv (README: the details); evaluation plays the same protocol.
 
     torchrun --standalone --nproc_per_node=2 ppo_atari_multigpu.py     # README: every launcher, GPUs, evaluation
 
@@ -265,30 +261,6 @@ def fire_action(envs: AtariVectorEnv) -> int | None:
     return action_set.index(ale_py.Action.FIRE) if ale_py.Action.FIRE in action_set else None
 
 
-class GameTracker:
-    """Raw score and length (agent steps) of every env's current game, across its lives. A lost life is a terminal
-    too (`life_loss_info`); it lowers `lives` while `episode_frame_number` runs on, whereas a finished game is reset
-    at once (same-step autoreset), which restarts the frame count and restores the lives."""
-
-    def __init__(self, info: dict):
-        self.lives = info["lives"].copy()
-        self.frames = info["episode_frame_number"].copy()
-        self.returns = np.zeros(len(self.lives))
-        self.lengths = np.zeros(len(self.lives), dtype=np.int64)
-
-    def step(self, rewards: np.ndarray, terminated: np.ndarray, truncated: np.ndarray, info: dict):
-        """Count one step; returns (game_over mask, raw returns, lengths) of the games that ended at it."""
-        self.returns += rewards
-        self.lengths += 1
-        lives, frames = info["lives"], info["episode_frame_number"]
-        lost_life = terminated & ~truncated & (lives < self.lives) & (frames > self.frames)
-        game_over = (terminated | truncated) & ~lost_life
-        returns, lengths = self.returns[game_over], self.lengths[game_over]
-        self.returns[game_over], self.lengths[game_over] = 0.0, 0
-        self.lives, self.frames = lives.copy(), frames.copy()
-        return game_over, returns, lengths
-
-
 def layer_init(layer: nn.Module, std: float = np.sqrt(2), bias_const: float = 0.0) -> nn.Module:
     torch.nn.init.orthogonal_(layer.weight, std)
     torch.nn.init.constant_(layer.bias, bias_const)
@@ -324,32 +296,28 @@ class Agent(nn.Module):
             hidden = self.network(x)
         return hidden.to(x.dtype)
 
+    def policy_value(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Log-probabilities of every action and the value at `obs`: the one definition of the policy and the value
+        function, which acting (act) and learning (forward) share."""
+        hidden = self.trunk(obs)
+        return torch.log_softmax(self.actor(hidden), dim=-1), self.critic(hidden).squeeze(-1)
+
     def forward(self, obs: torch.Tensor, actions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Log-probability of `actions`, policy entropy and value at `obs`: all the loss needs, in one DDP call."""
-        hidden = self.trunk(obs)
-        log_probs = torch.log_softmax(self.actor(hidden), dim=-1)
-        log_prob = log_probs.gather(-1, actions.long().unsqueeze(-1)).squeeze(-1)
+        log_probs, value = self.policy_value(obs)
         entropy = -(log_probs.exp() * log_probs).sum(-1)
-        return log_prob, entropy, self.critic(hidden).squeeze(-1)
+        return log_probs.gather(-1, actions.long().unsqueeze(-1)).squeeze(-1), entropy, value
 
     @torch.inference_mode()
     def act(self, obs: torch.Tensor, deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Sampled (or modal) actions, their log-probabilities and the values at `obs`, for rollouts."""
-        hidden = self.trunk(obs)
-        log_probs = torch.log_softmax(self.actor(hidden), dim=-1)
+        log_probs, value = self.policy_value(obs)
         actions = log_probs.argmax(-1) if deterministic else torch.multinomial(log_probs.exp(), 1).squeeze(-1)
-        return actions, log_probs.gather(-1, actions.unsqueeze(-1)).squeeze(-1), self.critic(hidden).squeeze(-1)
+        return actions, log_probs.gather(-1, actions.unsqueeze(-1)).squeeze(-1), value
 
     @torch.inference_mode()
     def value(self, obs: torch.Tensor) -> torch.Tensor:
-        return self.critic(self.trunk(obs)).squeeze(-1)
-
-
-def has_native_bf16(device: torch.device) -> bool:
-    """Whether bfloat16 convolutions and matmuls run natively here (AVX512-BF16 or AMX CPUs, Ampere or newer GPUs)."""
-    if device.type == "cuda":
-        return torch.cuda.is_bf16_supported(including_emulation=False)
-    return torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        return self.policy_value(obs)[1]
 
 
 def compute_gae(
@@ -560,6 +528,7 @@ def main(args: Args) -> Agent | None:
         agent.compile(fullgraph=True, dynamic=None if args.preempt_fraction else False)  # preemption varies shapes
     model = DDP(agent, device_ids=[device.index] if device.type == "cuda" else None)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.learning_rate, eps=1e-5)
+    check_rollout_policy(agent, rollout_probe(agent, envs.single_observation_space.shape, device), "at start")
     random.seed(rank_seed(args.seed, rank))
     np.random.seed(rank_seed(args.seed, rank))
     torch.manual_seed(rank_seed(args.seed, rank))
@@ -635,6 +604,7 @@ def main(args: Args) -> Agent | None:
                 "advantages": advantages.reshape(-1),
                 "returns": returns.reshape(-1),
             }
+            check_rollout_policy(agent, batch, f"at iteration {run.iteration}", args.local_num_envs)  # first ratios: 1
 
             # --- update (through DDP) ---
             update_start = time.perf_counter()
@@ -668,6 +638,57 @@ def explained_variance(returns: torch.Tensor, values: torch.Tensor) -> float:
     """1 - Var(returns - values) / Var(returns) over the world's batch (one collective)."""
     _, stds = global_mean_std(torch.stack([returns - values, returns]))
     return (1 - stds[0] ** 2 / (stds[1] ** 2).clamp_min(1e-8)).item()
+
+
+class GameTracker:
+    """Raw score and length (agent steps) of every env's current game, across its lives. A lost life is a terminal
+    too (`life_loss_info`); it lowers `lives` while `episode_frame_number` runs on, whereas a finished game is reset
+    at once (same-step autoreset), which restarts the frame count and restores the lives."""
+
+    def __init__(self, info: dict):
+        self.lives = info["lives"].copy()
+        self.frames = info["episode_frame_number"].copy()
+        self.returns = np.zeros(len(self.lives))
+        self.lengths = np.zeros(len(self.lives), dtype=np.int64)
+
+    def step(self, rewards: np.ndarray, terminated: np.ndarray, truncated: np.ndarray, info: dict):
+        """Count one step; returns (game_over mask, raw returns, lengths) of the games that ended at it."""
+        self.returns += rewards
+        self.lengths += 1
+        lives, frames = info["lives"], info["episode_frame_number"]
+        lost_life = terminated & ~truncated & (lives < self.lives) & (frames > self.frames)
+        game_over = (terminated | truncated) & ~lost_life
+        returns, lengths = self.returns[game_over], self.lengths[game_over]
+        self.returns[game_over], self.lengths[game_over] = 0.0, 0
+        self.lives, self.frames = lives.copy(), frames.copy()
+        return game_over, returns, lengths
+
+
+# --- the check that acting (Agent.act, the rollout) and learning (Agent.forward, the update) agree ----
+
+ROLLOUT_CHECK_SAMPLES = 32  # frames: their forward costs well under 1% of an iteration
+
+
+def rollout_probe(agent: Agent, obs_shape: tuple[int, ...], device: torch.device) -> dict[str, torch.Tensor]:
+    """What Agent.act does on a batch of random frames: sampled actions, their log-probabilities and the values."""
+    obs = torch.randint(0, 256, (ROLLOUT_CHECK_SAMPLES, *obs_shape), dtype=torch.uint8, device=device)
+    actions, log_probs, values = agent.act(obs)
+    return {"obs": obs, "actions": actions, "log_probs": log_probs, "values": values}
+
+
+def check_rollout_policy(
+    agent: Agent, batch: dict[str, torch.Tensor], when: str, count: int = ROLLOUT_CHECK_SAMPLES
+) -> None:
+    """Stop unless Agent.forward gives the log-probabilities and values that Agent.act recorded in `batch`'s first
+    `count` rows (as many as act saw at once: the same kernels, so bfloat16 rounds alike too)."""
+    rows = {key: batch[key][:count] for key in ("obs", "actions", "log_probs", "values")}
+    with torch.no_grad():
+        log_probs, _, values = agent.forward(rows["obs"], rows["actions"])  # eager, --compile or not
+    check_agreement(
+        when,
+        "Agent.act and Agent.forward (both on Agent.policy_value)",
+        **{"log-probabilities": (log_probs, rows["log_probs"]), "values": (values, rows["values"])},
+    )
 
 
 # --- input checks and the batch table -----------------------------------------------------------------
@@ -706,6 +727,13 @@ def batch_table(args: Args) -> list[tuple[str, object, object]]:
         ("iterations", "", args.num_iterations),
         ("total env steps", "", args.num_iterations * args.batch_size),
     ]
+
+
+def has_native_bf16(device: torch.device) -> bool:
+    """Whether bfloat16 convolutions and matmuls run natively here (AVX512-BF16 or AMX CPUs, Ampere or newer GPUs)."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported(including_emulation=False)
+    return torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 # --- evaluation (after training, and --eval-checkpoint) -----------------------------------------------
@@ -985,6 +1013,25 @@ def check_parameters_in_sync(module: nn.Module, iteration: int, unit: str = "ite
             f"the weights of ranks {differ} differ from this rank's at {unit} {iteration}: the ranks no longer "
             "train one model (a bug, or a faulty node); resume from the last checkpoint with --resume"
         )
+
+
+AGREEMENT_TOLERANCE = 1e-3  # relative: float32 rounding (actions rebuilt from a small std included) stays far below
+
+
+def check_agreement(when: str, must_agree: str, **pairs: tuple[torch.Tensor, torch.Tensor]) -> None:
+    """Stop every rank unless each pair (the Agent's numbers, the rollout's) agrees: the largest relative gap over the
+    ranks (one allreduce) at most AGREEMENT_TOLERANCE. The message names the quantity, the gap and `must_agree`."""
+    with torch.no_grad():
+        gaps = torch.stack([((mine - theirs).abs() / (1 + theirs.abs())).max() for mine, theirs in pairs.values()])
+    gaps = gaps.double()
+    if dist.is_initialized():
+        dist.all_reduce(gaps, op=dist.ReduceOp.MAX)
+    for name, gap in zip(pairs, gaps.tolist(), strict=True):
+        if not gap <= AGREEMENT_TOLERANCE:  # NaN too
+            fail(
+                f"{when}, the rollout's {name} differ from the Agent's by up to {gap:.3g} (relative; tolerance "
+                f"{AGREEMENT_TOLERANCE:g}): {must_agree} must compute the same distribution and value; edit both alike"
+            )
 
 
 def is_lost_peer(error: BaseException) -> bool:

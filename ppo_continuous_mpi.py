@@ -3,9 +3,7 @@
 CleanRL's ppo_continuous_action.py recipe in one file, so results compare with its published table: separate 64-64
 tanh actor and critic MLPs with orthogonal init, a state-independent log-std, clipped surrogate and value losses,
 GAE-lambda, an annealed learning rate, actions clipped to the space, observations normalised and rewards scaled by a
-running return std (each clipped to +-10). One deviation: that running return restarts with every episode, truncated
-or not (gymnasium's NormalizeReward, which CleanRL uses, restarts it only on termination and so carries HalfCheetah's
-returns across its time-limit cuts), so the reward scale is that of the episodes the learner sees.
+running return std (each clipped to +-10); that return restarts with every episode, truncated or not (README).
 
     torchrun --standalone --nproc_per_node=2 ppo_continuous_mpi.py     # README: every launcher, GPUs, evaluation
 
@@ -20,6 +18,7 @@ instead sends every batch to rank 0, which runs that same update alone and broad
 """
 
 import contextlib
+import functools
 import gc
 import hashlib
 import math
@@ -72,6 +71,8 @@ class Args:
     """if toggled, evaluation takes the policy's mean action instead of sampling"""
     compile: bool = False
     """if toggled, the update's loss runs through torch.compile (compiles for seconds; on CPU needs a C++ compiler)"""
+    numpy_rollout: bool = True
+    """if toggled, the rollout runs numpy copies of the Agent's networks (fast); --no-numpy-rollout calls the modules"""
 
     # Algorithm specific arguments (names and defaults as in CleanRL's ppo_continuous_action.py)
     env_id: str = "HalfCheetah-v5"
@@ -211,60 +212,15 @@ def env_seeds(seed: int, rank: int, local_num_envs: int, index_offset: int = 0) 
     return [seed + 10_000 * (index_offset + rank * local_num_envs + j) for j in range(local_num_envs)]
 
 
-class RunningMeanStd(nn.Module):
-    """Running mean and population variance in float64 buffers; empty at first (no gymnasium 1e-4 pseudo-count)."""
-
-    def __init__(self, shape: tuple[int, ...]):
-        super().__init__()
-        self.register_buffer("mean", torch.zeros(shape, dtype=torch.float64))
-        self.register_buffer("var", torch.ones(shape, dtype=torch.float64))
-        self.register_buffer("count", torch.zeros((), dtype=torch.float64))
-
-    @torch.no_grad()
-    def update(self, count: torch.Tensor, mean: torch.Tensor, m2: torch.Tensor) -> None:
-        """Merge a batch's moments (parallel variance update): the result is the statistics of all data seen."""
-        total = self.count + count
-        delta = mean - self.mean
-        m2_total = self.var * self.count + m2 + delta**2 * self.count * count / total
-        self.mean += delta * count / total
-        self.var.copy_(m2_total / total)
-        self.count.copy_(total)
-
-    def frozen(self) -> tuple[np.ndarray, np.ndarray]:
-        """(mean, std) as numpy arrays, fixed for a rollout."""
-        return self.mean.cpu().numpy().copy(), np.sqrt(self.var.cpu().numpy() + NORM_EPS)
-
-
-def normalize(x: np.ndarray, mean: np.ndarray, std: np.ndarray) -> np.ndarray:
-    """Observations as the agent sees them: standardised with frozen statistics, clipped, float32."""
-    return np.clip((x - mean) / std, -NORM_CLIP, NORM_CLIP).astype(np.float32)
-
-
 def layer_init(layer: nn.Linear, std: float = math.sqrt(2), bias_const: float = 0.0) -> nn.Linear:
     torch.nn.init.orthogonal_(layer.weight, std)
     torch.nn.init.constant_(layer.bias, bias_const)
     return layer
 
 
-def mlp_forward(linears: list[tuple[torch.Tensor, torch.Tensor]], x: torch.Tensor) -> torch.Tensor:
-    """A tanh MLP given as its layers' (weight, bias): nn.Sequential's arithmetic bit for bit, minus its dispatch."""
-    *hidden, (weight, bias) = linears
-    for hidden_weight, hidden_bias in hidden:
-        x = torch.tanh(torch.addmm(hidden_bias, x, hidden_weight.t()))
-    return torch.addmm(bias, x, weight.t())
-
-
-def numpy_mlp_forward(linears: list[tuple[np.ndarray, np.ndarray]], x: np.ndarray) -> np.ndarray:
-    """mlp_forward in numpy: on one observation per env step numpy's calls cost a fraction of torch's."""
-    *hidden, (weight, bias) = linears
-    for hidden_weight, hidden_bias in hidden:
-        x = np.tanh(x @ hidden_weight.T + hidden_bias)
-    return x @ weight.T + bias
-
-
 def mlp(in_size: int, out_size: int, out_std: float) -> nn.Sequential:
-    """CleanRL's 64-64 tanh MLP with orthogonal init, the output layer scaled by `out_std`."""
-    return nn.Sequential(
+    """CleanRL's 64-64 tanh MLP with orthogonal init, the output layer scaled by `out_std` (Sequential: below)."""
+    return Sequential(
         layer_init(nn.Linear(in_size, 64)),
         nn.Tanh(),
         layer_init(nn.Linear(64, 64)),
@@ -278,52 +234,51 @@ LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
 
 class Agent(nn.Module):
     """CleanRL's continuous agent: separate 64-64 tanh MLPs, a state-independent log-std, and the observation and
-    return statistics (buffers, so they travel with the weights)."""
+    return statistics (buffers, so they travel with the weights). The one place that says what the networks and the
+    distribution compute: the rollout's numpy copy is built from these modules and checked against them."""
 
     def __init__(self, obs_dim: int, action_dim: int):
         super().__init__()
         self.critic = mlp(obs_dim, 1, out_std=1.0)
         self.actor_mean = mlp(obs_dim, action_dim, out_std=0.01)
-        self.actor_logstd = nn.Parameter(torch.zeros(action_dim))
+        self.actor_logstd = nn.Parameter(torch.zeros(action_dim))  # or a module of the observation (state-dependent)
         self.obs_rms = RunningMeanStd((obs_dim,))
         self.return_rms = RunningMeanStd(())
-        # the same Parameter objects, listed once for mlp_forward (optimizer steps update them in place)
-        self.actor_linears = [(m.weight, m.bias) for m in self.actor_mean if isinstance(m, nn.Linear)]
-        self.critic_linears = [(m.weight, m.bias) for m in self.critic if isinstance(m, nn.Linear)]
 
     def log_prob_entropy_value(
         self, obs: torch.Tensor, actions: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Log-probability of `actions`, the policy's entropy and the value at `obs` (closed-form Gaussian)."""
-        mean = mlp_forward(self.actor_linears, obs)
-        log_prob = (-0.5 * ((actions - mean) / self.actor_logstd.exp()) ** 2 - self.actor_logstd - LOG_SQRT_2PI).sum(-1)
-        entropy = (0.5 + LOG_SQRT_2PI + self.actor_logstd).sum().expand(len(obs))
-        return log_prob, entropy, mlp_forward(self.critic_linears, obs).squeeze(-1)
+        mean = self.actor_mean(obs)
+        log_std = self.actor_logstd  # broadcast over the batch; state-dependent: self.actor_logstd(obs)
+        log_prob = (-0.5 * ((actions - mean) / log_std.exp()) ** 2 - log_std - LOG_SQRT_2PI).sum(-1)
+        entropy = (0.5 + LOG_SQRT_2PI + log_std).sum(-1).expand(len(obs))
+        return log_prob, entropy, self.critic(obs).squeeze(-1)
 
-    def rollout_policy(self) -> "RolloutPolicy":
-        """The policy and value function as they are now, in numpy, for a rollout (which never changes them)."""
-        return RolloutPolicy(self)
+    def rollout_policy(self, numpy_networks: bool = True) -> "RolloutPolicy":
+        """The policy and value function as they are now, for a rollout (which never changes them)."""
+        return RolloutPolicy(self, numpy_networks)
 
 
 class RolloutPolicy:
-    """The agent's weights as numpy arrays (views on CPU), acting one env step at a time; noise from numpy's seeded
-    global generator."""
+    """The Agent acting one env step at a time: its networks as numpy functions built layer by layer from its modules
+    (numpy_module; at one observation per env torch's per-call overhead costs more than the arithmetic), sampling the
+    Gaussian that Agent.log_prob_entropy_value scores. Noise from numpy's seeded global generator."""
 
-    def __init__(self, agent: Agent):
-        self.actor = [(w.detach().cpu().numpy(), b.detach().cpu().numpy()) for w, b in agent.actor_linears]
-        self.critic = [(w.detach().cpu().numpy(), b.detach().cpu().numpy()) for w, b in agent.critic_linears]
-        self.log_std = agent.actor_logstd.detach().cpu().numpy()
+    def __init__(self, agent: Agent, numpy_networks: bool = True):
+        modules = (agent.actor_mean, agent.actor_logstd, agent.critic)
+        self.actor_mean, self.actor_logstd, self.critic = (numpy_module(m, numpy_networks) for m in modules)
 
     def act(self, obs: np.ndarray, deterministic: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Sampled (or mean) actions, their log-probabilities and the values at `obs` [envs, obs_dim]."""
-        mean = numpy_mlp_forward(self.actor, obs)
+        mean, log_std = self.actor_mean(obs), self.actor_logstd(obs)
         noise = np.zeros_like(mean) if deterministic else np.random.standard_normal(mean.shape).astype(mean.dtype)
-        actions = mean + np.exp(self.log_std) * noise
-        log_prob = (-0.5 * noise**2 - self.log_std - LOG_SQRT_2PI).sum(-1)
+        actions = mean + np.exp(log_std) * noise
+        log_prob = (-0.5 * noise**2 - log_std - LOG_SQRT_2PI).sum(-1)
         return actions, log_prob, self.value(obs)
 
     def value(self, obs: np.ndarray) -> np.ndarray:
-        return numpy_mlp_forward(self.critic, obs)[:, 0]
+        return self.critic(obs)[:, 0]
 
 
 def compute_gae(
@@ -578,6 +533,7 @@ def main(args: Args) -> Agent | None:
     torch.manual_seed(args.seed)
     agent = Agent(obs_dim, action_dim).to(device)
     broadcast_parameters(agent)
+    check_rollout_policy(agent, rollout_probe(agent.rollout_policy(args.numpy_rollout), obs_dim, device), "at start")
     random.seed(rank_seed(args.seed, rank))
     np.random.seed(rank_seed(args.seed, rank))
     torch.manual_seed(rank_seed(args.seed, rank))
@@ -610,7 +566,7 @@ def main(args: Args) -> Agent | None:
             # --- rollout (normalisation statistics frozen, so every rank normalises alike) ---
             rollout_start = time.perf_counter()
             obs_mean, obs_std = agent.obs_rms.frozen()
-            policy = agent.rollout_policy()
+            policy = agent.rollout_policy(args.numpy_rollout)
             finished = {"episodes": 0, "episode_return": 0.0, "episode_length": 0}  # summed over ranks for the log
             for step in run.rollout_steps(args.num_steps, args.min_num_steps, args.preempt_fraction):
                 raw_obs[step] = next_obs.reshape(args.local_num_envs, -1)
@@ -664,6 +620,7 @@ def main(args: Args) -> Agent | None:
                 "returns": returns.reshape(-1),
             }
             batch = {key: torch.as_tensor(value, dtype=torch.float32, device=device) for key, value in batch.items()}
+            check_rollout_policy(agent, batch, f"at iteration {run.iteration}")  # PPO's first ratios must be 1
 
             # --- update ---
             update_start = time.perf_counter()
@@ -705,6 +662,117 @@ def explained_variance(world: dict[str, float]) -> float:
     var_returns = world["returns_squared"] / n - (world["returns"] / n) ** 2
     var_residuals = world["residuals_squared"] / n - (world["residuals"] / n) ** 2
     return np.nan if var_returns <= 0 else 1 - var_residuals / var_returns
+
+
+# --- running statistics: observation normalisation and reward scaling ---------------------------------
+
+
+class RunningMeanStd(nn.Module):
+    """Running mean and population variance in float64 buffers; empty at first (no gymnasium 1e-4 pseudo-count)."""
+
+    def __init__(self, shape: tuple[int, ...]):
+        super().__init__()
+        self.register_buffer("mean", torch.zeros(shape, dtype=torch.float64))
+        self.register_buffer("var", torch.ones(shape, dtype=torch.float64))
+        self.register_buffer("count", torch.zeros((), dtype=torch.float64))
+
+    @torch.no_grad()
+    def update(self, count: torch.Tensor, mean: torch.Tensor, m2: torch.Tensor) -> None:
+        """Merge a batch's moments (parallel variance update): the result is the statistics of all data seen."""
+        total = self.count + count
+        delta = mean - self.mean
+        m2_total = self.var * self.count + m2 + delta**2 * self.count * count / total
+        self.mean += delta * count / total
+        self.var.copy_(m2_total / total)
+        self.count.copy_(total)
+
+    def frozen(self) -> tuple[np.ndarray, np.ndarray]:
+        """(mean, std) as numpy arrays, fixed for a rollout."""
+        return self.mean.cpu().numpy().copy(), np.sqrt(self.var.cpu().numpy() + NORM_EPS)
+
+
+def normalize(x: np.ndarray, mean: np.ndarray, std: np.ndarray) -> np.ndarray:
+    """Observations as the agent sees them: standardised with frozen statistics, clipped, float32."""
+    return np.clip((x - mean) / std, -NORM_CLIP, NORM_CLIP).astype(np.float32)
+
+
+# --- fast paths built from the Agent's modules, and the check that the rollout agrees with the Agent --
+
+ROLLOUT_CHECK_SAMPLES = 256
+
+
+class Sequential(nn.Sequential):
+    """nn.Sequential that runs Linear and Tanh layers' arithmetic itself: at minibatches of 64 module dispatch and
+    attribute lookups cost ~5% of a step. Any other layer runs as its module, so every edit to the layers counts."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self:
+            parameters = layer._parameters  # not layer.weight: nn.Module.__getattr__ costs ~1.5 us a lookup
+            if type(layer) is nn.Linear and parameters["bias"] is not None and x.dim() == 2:
+                x = torch.addmm(parameters["bias"], x, parameters["weight"].t())
+            elif type(layer) is nn.Tanh:
+                x = torch.tanh(x)
+            else:
+                x = layer(x)
+        return x
+
+
+def numpy_module(module: nn.Module | nn.Parameter, numpy_layers: bool = True) -> Callable[[np.ndarray], np.ndarray]:
+    """`module` as a numpy function of a batch of rows, layer by layer, on numpy views of its parameters; a parameter
+    stands for a head that is the same for every row (a state-independent log-std; broadcast). A layer it does not
+    know stops the run: add its numpy version here, or pass --no-numpy-rollout (`numpy_layers` False: torch layers)."""
+    if isinstance(module, nn.Parameter):
+        value = module.detach().cpu().numpy()
+        return lambda x: value
+    params = {name: p.detach().cpu().numpy() for name, p in module.named_parameters(recurse=False)}
+    if not numpy_layers:  # the module itself, whatever its layers, on tensors of the rows
+        device = next(module.parameters()).device
+        return torch.no_grad()(lambda x: module(torch.as_tensor(x, device=device)).cpu().numpy())
+    if isinstance(module, nn.Sequential):
+        layers = [numpy_module(layer) for layer in module]
+        return lambda x: functools.reduce(lambda rows, layer: layer(rows), layers, x)
+    if isinstance(module, nn.Linear):
+        weight, bias = params["weight"].T, params.get("bias", 0.0)
+        return lambda x: x @ weight + bias
+    if isinstance(module, nn.LayerNorm) and len(module.normalized_shape) == 1:
+        weight, bias, eps = params.get("weight", 1.0), params.get("bias", 0.0), module.eps
+        return lambda x: (x - x.mean(-1, keepdims=True)) / np.sqrt(x.var(-1, keepdims=True) + eps) * weight + bias
+    activations = {
+        nn.Identity: lambda x: x,
+        nn.Tanh: np.tanh,
+        nn.ReLU: lambda x: np.maximum(x, 0),
+        nn.ELU: lambda x: np.where(x > 0, x, getattr(module, "alpha", 1.0) * np.expm1(np.minimum(x, 0))),
+        nn.LeakyReLU: lambda x: np.where(x > 0, x, getattr(module, "negative_slope", 0.0) * x),
+        nn.SiLU: lambda x: x / (1 + np.exp(-x)),
+    }
+    if type(module) not in activations:
+        fail(
+            f"the rollout has no numpy version of the Agent's layer {module!r}: add one to numpy_module(), or pass "
+            "--no-numpy-rollout (the rollout then calls the Agent's torch modules, slower)"
+        )
+    return activations[type(module)]
+
+
+def rollout_probe(policy: RolloutPolicy, obs_dim: int, device: torch.device) -> Batch:
+    """What `policy` does on a batch of standard-normal observations (as normalised ones look): sampled actions,
+    their log-probabilities and the values."""
+    obs = np.random.standard_normal((ROLLOUT_CHECK_SAMPLES, obs_dim)).astype(np.float32)
+    actions, log_probs, values = policy.act(obs)
+    probe = {"obs": obs, "actions": actions, "log_probs": log_probs, "values": values}
+    return {key: torch.as_tensor(value, dtype=torch.float32, device=device) for key, value in probe.items()}
+
+
+def check_rollout_policy(agent: Agent, batch: Batch, when: str) -> None:
+    """Stop unless Agent.log_prob_entropy_value gives the log-probabilities and values that the rollout recorded in
+    `batch` (its first ROLLOUT_CHECK_SAMPLES rows)."""
+    rows = {key: batch[key][:ROLLOUT_CHECK_SAMPLES] for key in ("obs", "actions", "log_probs", "values")}
+    with torch.no_grad():
+        log_probs, _, values = agent.log_prob_entropy_value(rows["obs"], rows["actions"])
+    check_agreement(
+        when,
+        "RolloutPolicy.act (sampling, on numpy_module's copies of the networks) and Agent.log_prob_entropy_value",
+        **{"log-probabilities": (log_probs, rows["log_probs"]), "values": (values, rows["values"])},
+    )
 
 
 # --- --sync gather: rank 0 learns alone on the union of the ranks' batches ----------------------------
@@ -832,7 +900,7 @@ def evaluate(agent: Agent, env_id: str, args: Args, video_folder: str | None = N
     """Play `args.eval_episodes` whole episodes with one env (observation statistics frozen); raw env returns."""
     env = make_env(env_id, video_folder)()
     obs_mean, obs_std = agent.obs_rms.frozen()
-    policy = agent.rollout_policy()
+    policy = agent.rollout_policy(args.numpy_rollout)
     returns = []
     obs, _ = env.reset(seed=args.seed)
     episode_return = 0.0
@@ -1027,6 +1095,25 @@ def check_parameters_in_sync(module: nn.Module, iteration: int, unit: str = "ite
             f"the weights of ranks {differ} differ from this rank's at {unit} {iteration}: the ranks no longer "
             "train one model (a bug, or a faulty node); resume from the last checkpoint with --resume"
         )
+
+
+AGREEMENT_TOLERANCE = 1e-3  # relative: float32 rounding (actions rebuilt from a small std included) stays far below
+
+
+def check_agreement(when: str, must_agree: str, **pairs: tuple[torch.Tensor, torch.Tensor]) -> None:
+    """Stop every rank unless each pair (the Agent's numbers, the rollout's) agrees: the largest relative gap over the
+    ranks (one allreduce) at most AGREEMENT_TOLERANCE. The message names the quantity, the gap and `must_agree`."""
+    with torch.no_grad():
+        gaps = torch.stack([((mine - theirs).abs() / (1 + theirs.abs())).max() for mine, theirs in pairs.values()])
+    gaps = gaps.double()
+    if dist.is_initialized():
+        dist.all_reduce(gaps, op=dist.ReduceOp.MAX)
+    for name, gap in zip(pairs, gaps.tolist(), strict=True):
+        if not gap <= AGREEMENT_TOLERANCE:  # NaN too
+            fail(
+                f"{when}, the rollout's {name} differ from the Agent's by up to {gap:.3g} (relative; tolerance "
+                f"{AGREEMENT_TOLERANCE:g}): {must_agree} must compute the same distribution and value; edit both alike"
+            )
 
 
 def is_lost_peer(error: BaseException) -> bool:

@@ -18,6 +18,7 @@ PPO scripts' world-wide normalisation; benchmark/results/vpg_learning_curves.md 
 """
 
 import contextlib
+import functools
 import gc
 import hashlib
 import math
@@ -67,6 +68,8 @@ class Args:
     """episodes played by `--eval-checkpoint` and after training with `--capture-video`"""
     eval_deterministic: bool = False
     """if toggled, evaluation takes the policy's mode instead of sampling"""
+    numpy_rollout: bool = True
+    """if toggled, the rollout runs numpy copies of the Agent's networks (fast); --no-numpy-rollout calls the modules"""
 
     # Algorithm specific arguments (names as in SpinningUp)
     env_id: str = "HalfCheetah-v5"
@@ -185,14 +188,6 @@ def mlp(in_size: int, hidden_sizes: tuple[int, ...], out_size: int, out_std: flo
     return nn.Sequential(*layers, layer_init(nn.Linear(size, out_size), std=out_std))
 
 
-def numpy_mlp_forward(linears: list[tuple[np.ndarray, np.ndarray]], x: np.ndarray) -> np.ndarray:
-    """A tanh MLP given as its layers' (weight, bias), in numpy: cheaper than torch on one observation per env."""
-    *hidden, (weight, bias) = linears
-    for hidden_weight, hidden_bias in hidden:
-        x = np.tanh(x @ hidden_weight.T + hidden_bias)
-    return x @ weight.T + bias
-
-
 LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
 
 
@@ -206,10 +201,11 @@ class Agent(nn.Module):
         self.actor = mlp(obs_dim, hidden_sizes, num_outputs, out_std=0.01)
         self.critic = mlp(obs_dim, hidden_sizes, 1, out_std=1.0)
         if self.continuous:
-            self.log_std = nn.Parameter(torch.full((num_outputs,), -0.5))
+            self.log_std = nn.Parameter(torch.full((num_outputs,), -0.5))  # state-independent, as SpinningUp's
 
     def policy_parameters(self) -> list[nn.Parameter]:
-        return [*self.actor.parameters(), *([self.log_std] if self.continuous else [])]
+        """All but the critic's: what the policy step trains (a module added to the actor's side joins by itself)."""
+        return [parameter for name, parameter in self.named_parameters() if not name.startswith("critic.")]
 
     def value(self, obs: torch.Tensor) -> torch.Tensor:
         return self.critic(obs).squeeze(-1)
@@ -225,31 +221,30 @@ class Agent(nn.Module):
         log_prob = log_probs.gather(-1, actions.long().unsqueeze(-1)).squeeze(-1)
         return log_prob, -(log_probs.exp() * log_probs).sum(-1)
 
-    def rollout_policy(self) -> "RolloutPolicy":
-        """The policy and value function as they are now, in numpy, for a rollout (which never changes them)."""
-        return RolloutPolicy(self)
+    def rollout_policy(self, numpy_networks: bool = True) -> "RolloutPolicy":
+        """The policy and value function as they are now, for a rollout (which never changes them)."""
+        return RolloutPolicy(self, numpy_networks)
 
 
 class RolloutPolicy:
-    """The agent's weights as numpy arrays (views on CPU, copies with --cuda) acting one env step at a time; noise
-    from numpy's seeded global generator."""
+    """The Agent acting one env step at a time: its networks as numpy functions built layer by layer from its modules
+    (numpy_module; at one observation per env torch's per-call overhead costs more than the arithmetic), sampling the
+    distribution that Agent.log_prob_entropy scores. Noise from numpy's seeded global generator."""
 
-    def __init__(self, agent: Agent):
+    def __init__(self, agent: Agent, numpy_networks: bool = True):
         self.continuous = agent.continuous
-        self.actor, self.critic = (
-            [(m.weight.detach().cpu().numpy(), m.bias.detach().cpu().numpy()) for m in net if isinstance(m, nn.Linear)]
-            for net in (agent.actor, agent.critic)
-        )
+        self.actor, self.critic = numpy_module(agent.actor, numpy_networks), numpy_module(agent.critic, numpy_networks)
         if self.continuous:
-            self.log_std = agent.log_std.detach().cpu().numpy()
+            self.log_std = numpy_module(agent.log_std, numpy_networks)
 
     def act(self, obs: np.ndarray, deterministic: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Sampled (or modal) actions, their log-probabilities and the values at `obs` [envs, obs_dim]."""
-        out = numpy_mlp_forward(self.actor, obs)
+        out = self.actor(obs)
         if self.continuous:
+            log_std = self.log_std(obs)
             noise = np.zeros_like(out) if deterministic else np.random.standard_normal(out.shape).astype(out.dtype)
-            actions = out + np.exp(self.log_std) * noise
-            log_prob = (-0.5 * noise**2 - self.log_std - LOG_SQRT_2PI).sum(-1)
+            actions = out + np.exp(log_std) * noise
+            log_prob = (-0.5 * noise**2 - log_std - LOG_SQRT_2PI).sum(-1)
         else:
             shifted = out - out.max(-1, keepdims=True)
             log_probs = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))  # log_softmax
@@ -262,7 +257,7 @@ class RolloutPolicy:
         return actions, log_prob, self.value(obs)
 
     def value(self, obs: np.ndarray) -> np.ndarray:
-        return numpy_mlp_forward(self.critic, obs)[:, 0]
+        return self.critic(obs)[:, 0]
 
 
 def compute_gae(
@@ -468,6 +463,7 @@ def main(args: Args) -> Agent | None:
     torch.manual_seed(args.seed)
     agent = Agent(obs_dim, action_space, args.hidden_sizes).to(device)
     broadcast_parameters(agent)
+    check_rollout_policy(agent, rollout_probe(agent.rollout_policy(args.numpy_rollout), obs_dim, device), "at start")
     random.seed(rank_seed(args.seed, rank))
     np.random.seed(rank_seed(args.seed, rank))
     torch.manual_seed(rank_seed(args.seed, rank))
@@ -495,7 +491,7 @@ def main(args: Args) -> Agent | None:
         for _epoch in run.iterations():
             # --- rollout ---
             rollout_start = time.perf_counter()
-            policy = agent.rollout_policy()
+            policy = agent.rollout_policy(args.numpy_rollout)
             finished = {"episodes": 0, "episode_return": 0.0, "episode_length": 0}  # summed over ranks for the log
             for step in range(args.num_steps):
                 obs[step] = next_obs.reshape(args.local_num_envs, -1)
@@ -535,6 +531,7 @@ def main(args: Args) -> Agent | None:
                 "returns": returns.reshape(-1),  # the rewards-to-go
             }
             batch = {key: torch.as_tensor(value, device=device) for key, value in batch.items()}
+            check_rollout_policy(agent, batch, f"at epoch {run.iteration}")  # the rollout's policy is the Agent's
 
             # --- update ---
             update_start = time.perf_counter()
@@ -560,7 +557,7 @@ def main(args: Args) -> Agent | None:
     return agent
 
 
-# --- logging: the explained variance of the world's batch -------------------------------------------
+# --- logging: the explained variance of the world's batch ---------------------------------------------
 
 
 def value_sums(returns: np.ndarray, values: np.ndarray) -> dict[str, float]:
@@ -577,6 +574,69 @@ def explained_variance(world: dict[str, float]) -> float:
     var_returns = world["returns_squared"] / n - (world["returns"] / n) ** 2
     var_residuals = world["residuals_squared"] / n - (world["residuals"] / n) ** 2
     return np.nan if var_returns <= 0 else 1 - var_residuals / var_returns
+
+
+# --- the rollout's numpy copy of the Agent's networks, and the check that it agrees with the Agent ----
+
+ROLLOUT_CHECK_SAMPLES = 256
+
+
+def numpy_module(module: nn.Module | nn.Parameter, numpy_layers: bool = True) -> Callable[[np.ndarray], np.ndarray]:
+    """`module` as a numpy function of a batch of rows, layer by layer, on numpy views of its parameters; a parameter
+    stands for a head that is the same for every row (a state-independent log-std; broadcast). A layer it does not
+    know stops the run: add its numpy version here, or pass --no-numpy-rollout (`numpy_layers` False: torch layers)."""
+    if isinstance(module, nn.Parameter):
+        value = module.detach().cpu().numpy()
+        return lambda x: value
+    params = {name: p.detach().cpu().numpy() for name, p in module.named_parameters(recurse=False)}
+    if not numpy_layers:  # the module itself, whatever its layers, on tensors of the rows
+        device = next(module.parameters()).device
+        return torch.no_grad()(lambda x: module(torch.as_tensor(x, device=device)).cpu().numpy())
+    if isinstance(module, nn.Sequential):
+        layers = [numpy_module(layer) for layer in module]
+        return lambda x: functools.reduce(lambda rows, layer: layer(rows), layers, x)
+    if isinstance(module, nn.Linear):
+        weight, bias = params["weight"].T, params.get("bias", 0.0)
+        return lambda x: x @ weight + bias
+    if isinstance(module, nn.LayerNorm) and len(module.normalized_shape) == 1:
+        weight, bias, eps = params.get("weight", 1.0), params.get("bias", 0.0), module.eps
+        return lambda x: (x - x.mean(-1, keepdims=True)) / np.sqrt(x.var(-1, keepdims=True) + eps) * weight + bias
+    activations = {
+        nn.Identity: lambda x: x,
+        nn.Tanh: np.tanh,
+        nn.ReLU: lambda x: np.maximum(x, 0),
+        nn.ELU: lambda x: np.where(x > 0, x, getattr(module, "alpha", 1.0) * np.expm1(np.minimum(x, 0))),
+        nn.LeakyReLU: lambda x: np.where(x > 0, x, getattr(module, "negative_slope", 0.0) * x),
+        nn.SiLU: lambda x: x / (1 + np.exp(-x)),
+    }
+    if type(module) not in activations:
+        fail(
+            f"the rollout has no numpy version of the Agent's layer {module!r}: add one to numpy_module(), or pass "
+            "--no-numpy-rollout (the rollout then calls the Agent's torch modules, slower)"
+        )
+    return activations[type(module)]
+
+
+def rollout_probe(policy: RolloutPolicy, obs_dim: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """What `policy` does on a batch of standard-normal observations: sampled actions, their log-probabilities and
+    the values."""
+    obs = np.random.standard_normal((ROLLOUT_CHECK_SAMPLES, obs_dim)).astype(np.float32)
+    actions, log_probs, values = policy.act(obs)
+    probe = {"obs": obs, "actions": actions, "log_probs": log_probs, "values": values}
+    return {key: torch.as_tensor(value, device=device) for key, value in probe.items()}
+
+
+def check_rollout_policy(agent: Agent, batch: dict[str, torch.Tensor], when: str) -> None:
+    """Stop unless Agent.log_prob_entropy and Agent.value give the log-probabilities and values that the rollout
+    recorded in `batch` (its first ROLLOUT_CHECK_SAMPLES rows)."""
+    rows = {key: batch[key][:ROLLOUT_CHECK_SAMPLES] for key in ("obs", "actions", "log_probs", "values")}
+    with torch.no_grad():
+        log_probs, values = agent.log_prob_entropy(rows["obs"], rows["actions"])[0], agent.value(rows["obs"])
+    check_agreement(
+        when,
+        "RolloutPolicy.act (sampling, on numpy_module's copies of the networks) and Agent.log_prob_entropy / value",
+        **{"log-probabilities": (log_probs, rows["log_probs"]), "values": (values, rows["values"])},
+    )
 
 
 # --- --sync gather: a rank's batch as one tensor ------------------------------------------------------
@@ -646,7 +706,7 @@ def render_one_frame(env_id: str) -> None:
 def evaluate(agent: Agent, env_id: str, args: Args, video_folder: str | None = None) -> list[float]:
     """Play `args.eval_episodes` whole episodes with one env and return their returns."""
     env = make_env(env_id, args.max_ep_len, video_folder)()
-    policy = agent.rollout_policy()
+    policy = agent.rollout_policy(args.numpy_rollout)
     returns = []
     obs, _ = env.reset(seed=args.seed)
     episode_return = 0.0
@@ -846,6 +906,25 @@ def check_parameters_in_sync(module: nn.Module, iteration: int, unit: str = "ite
             f"the weights of ranks {differ} differ from this rank's at {unit} {iteration}: the ranks no longer "
             "train one model (a bug, or a faulty node); resume from the last checkpoint with --resume"
         )
+
+
+AGREEMENT_TOLERANCE = 1e-3  # relative: float32 rounding (actions rebuilt from a small std included) stays far below
+
+
+def check_agreement(when: str, must_agree: str, **pairs: tuple[torch.Tensor, torch.Tensor]) -> None:
+    """Stop every rank unless each pair (the Agent's numbers, the rollout's) agrees: the largest relative gap over the
+    ranks (one allreduce) at most AGREEMENT_TOLERANCE. The message names the quantity, the gap and `must_agree`."""
+    with torch.no_grad():
+        gaps = torch.stack([((mine - theirs).abs() / (1 + theirs.abs())).max() for mine, theirs in pairs.values()])
+    gaps = gaps.double()
+    if dist.is_initialized():
+        dist.all_reduce(gaps, op=dist.ReduceOp.MAX)
+    for name, gap in zip(pairs, gaps.tolist(), strict=True):
+        if not gap <= AGREEMENT_TOLERANCE:  # NaN too
+            fail(
+                f"{when}, the rollout's {name} differ from the Agent's by up to {gap:.3g} (relative; tolerance "
+                f"{AGREEMENT_TOLERANCE:g}): {must_agree} must compute the same distribution and value; edit both alike"
+            )
 
 
 def is_lost_peer(error: BaseException) -> bool:

@@ -115,10 +115,6 @@ def test_numpy_rollout_policy_acts_as_the_torch_modules_and_follows_updates_and_
         with torch.no_grad():  # the rollout's log-probabilities are the update's: PPO's ratio starts at 1
             expected_log_prob = log_prob_of(obs, torch.as_tensor(actions, dtype=torch.float32)).numpy()
         np.testing.assert_allclose(log_prob, expected_log_prob, rtol=1e-5, atol=1e-5, err_msg=change)
-        if script == "ppo_continuous_mpi.py":  # the update's mlp_forward is the modules' arithmetic, bit for bit
-            with torch.no_grad():
-                assert torch.equal(module.mlp_forward(agent.actor_linears, obs), expected_out), change
-                assert torch.equal(agent.log_prob_entropy_value(obs, expected_out)[2], expected_value), change
         mode = policy.act(obs.numpy(), deterministic=True)[0]
         expected_mode = expected_out.argmax(-1) if env_id == "CartPole-v1" else expected_out
         np.testing.assert_allclose(mode, expected_mode.numpy(), rtol=1e-5, atol=1e-5, err_msg=change)
