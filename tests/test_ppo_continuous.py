@@ -162,8 +162,9 @@ def test_minibatch_loss_equals_cleanrl_loss_written_out_independently(clip_vloss
         torch.testing.assert_close(gradient, expected, rtol=0, atol=1e-10)
 
 
+@pytest.mark.parametrize("collectives", ["torch", "mpi"])
 @pytest.mark.parametrize("sizes", [[32, 32], [40, 21]], ids=["equal", "preempted"])
-def test_two_ranks_end_the_update_with_the_one_rank_weights_on_their_union(sizes, tmp_path):
+def test_two_ranks_end_the_update_with_the_one_rank_weights_on_their_union(sizes, collectives, tmp_path):
     """Also when preemption cut a rollout short: rank 1's 21 samples give pieces of 6, 5, 5, 5 to minibatches of
     16, 15, 15, 15 samples; each sample weighs alike, wherever it was collected."""
     pieces = ppo.minibatch_pieces(sizes, MINIBATCHES)
@@ -179,7 +180,10 @@ def test_two_ranks_end_the_update_with_the_one_rank_weights_on_their_union(sizes
     assert (expected["actor_mean.0.weight"] - initial["actor_mean.0.weight"]).abs().max() > 1e-3  # it moved
     assert 0 < expected_stats[5] < 1  # some ratios were clipped, some not
 
-    (state0, stats0, epochs0), (state1, stats1, epochs1) = run_ranks(update_rank, 2, tmp_path, sizes)
+    mpi_script = "ppo_continuous_mpi" if collectives == "mpi" else None  # mpirun's ranks, MPI's collectives
+    (state0, stats0, epochs0), (state1, stats1, epochs1) = run_ranks(
+        update_rank, 2, tmp_path, sizes, mpi_script=mpi_script
+    )
     assert epochs0 == epochs1 == EPOCHS
     assert_same_parameters([state0, state1])  # bit for bit: every rank took the same step
     assert_same_parameters([expected, state0], atol=1e-10)
@@ -422,10 +426,13 @@ def sync_modes_rank(rank: int, world_size: int, target_kl: float | None, sizes: 
 
 
 @pytest.mark.parametrize(
-    "target_kl, sizes", [(None, [BATCH, BATCH]), (0.1, [BATCH, BATCH]), (0.1, [BATCH, 27])], ids=["", "kl", "kl-cut"]
+    "target_kl, sizes, mpi_script",
+    [(None, [BATCH, BATCH], None), (0.1, [BATCH, BATCH], None), (0.1, [BATCH, 27], None)]
+    + [(0.1, [BATCH, 27], "ppo_continuous_mpi")],
+    ids=["", "kl", "kl-cut", "kl-cut-mpi"],
 )
-def test_gather_ends_the_update_with_the_allreduce_weights(target_kl, sizes, tmp_path):
-    results = run_ranks(sync_modes_rank, 2, tmp_path, target_kl, sizes, timeout=90)
+def test_gather_ends_the_update_with_the_allreduce_weights(target_kl, sizes, mpi_script, tmp_path):
+    results = run_ranks(sync_modes_rank, 2, tmp_path, target_kl, sizes, timeout=90, mpi_script=mpi_script)
     epochs = [result["epochs"] for result in results]
     assert epochs[0] == epochs[1] and (epochs[0] == 6 if target_kl is None else 1 < epochs[0] < 6), epochs
     for result in results:  # every rank holds the learner's weights, and they are allreduce's

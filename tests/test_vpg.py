@@ -165,7 +165,8 @@ def vpg_rank(rank: int, world_size: int) -> dict[str, tuple[dict, torch.Tensor]]
     return {"allreduce": (allreduce[1], allreduce[0]), "gather": (agent.state_dict(), gather)}
 
 
-def test_two_ranks_end_an_epoch_with_the_one_rank_weights_in_both_sync_modes(tmp_path):
+@pytest.mark.parametrize("collectives", ["torch", "mpi"])
+def test_two_ranks_end_an_epoch_with_the_one_rank_weights_in_both_sync_modes(collectives, tmp_path):
     try:
         initial = new_learner()[0].state_dict()
         agent, pi_optimizer, vf_optimizer = new_learner()
@@ -175,7 +176,7 @@ def test_two_ranks_end_an_epoch_with_the_one_rank_weights_in_both_sync_modes(tmp
     expected = agent.state_dict()
     assert not torch.allclose(expected["actor.0.weight"], initial["actor.0.weight"])  # the update moved them
 
-    ranks = run_ranks(vpg_rank, 2, tmp_path)
+    ranks = run_ranks(vpg_rank, 2, tmp_path, mpi_script="vpg_mpi" if collectives == "mpi" else None)
     for sync in ("allreduce", "gather"):
         (state0, stats0), (state1, _) = ranks[0][sync], ranks[1][sync]
         assert_same_parameters([state0, state1])  # bit for bit: every rank took the same step

@@ -1,0 +1,80 @@
+"""Runs under mpirun: MPI carries the CPU collectives, the result is torchrun's, and failures end the job. (The
+update-level equivalence under MPI lives beside the gloo one in each script's tests: run_ranks' `mpi_script`.)"""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from tests.helpers import ROOT, assert_ok, clean_env, mpirun, run_command
+
+PENDULUM = ["--env-id", "InvertedPendulum-v5", "--num-steps", "128", "--seed", "1"]
+
+
+def test_nprocs_runs_mpirun_with_mpi_collectives_and_trains_torchruns_weights(tmp_path):
+    """--nprocs 2 re-launches under mpirun (mpi4py and mpirun are installed), whose ranks sum through MPI; with
+    --collectives torch it re-launches under torchrun and gloo. Two iterations give the same model bit for bit
+    (a sum of two numbers is the same in any order)."""
+    script = [sys.executable, str(ROOT / "ppo_continuous_mpi.py"), *PENDULUM, "--total-timesteps", "512"]
+    models = {}
+    for collectives in ("auto", "torch"):
+        flags = ["--nprocs", "2", "--collectives", collectives, "--save-model", "--run-name", collectives]
+        result = run_command([*script, *flags], tmp_path)
+        assert_ok(result)
+        [row] = [line for line in result.stdout.splitlines() if line.startswith("collectives")]
+        assert ("MPI (Open MPI" in row) == (collectives == "auto"), row
+        assert "iteration 2/2" in result.stdout
+        models[collectives] = torch.load(tmp_path / "runs" / collectives / "model.pt", weights_only=False)["model"]
+    for key, value in models["torch"].items():
+        assert torch.equal(models["auto"][key], value), key
+
+
+def test_collectives_mpi_without_an_mpi_launch_is_refused(tmp_path):
+    result = run_command([sys.executable, str(ROOT / "vpg_mpi.py"), "--collectives", "mpi"], tmp_path)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "--collectives mpi needs ranks started by MPI (mpirun -np N python SCRIPT" in result.stderr
+    assert "no MPI launch" in result.stderr
+
+
+def mpi_rank_pid(rank: int) -> int | None:
+    """The pid of the Python process that mpirun started as `rank` (its environment names it)."""
+    for entry in Path("/proc").iterdir():
+        try:
+            environ = (entry / "environ").read_bytes().split(b"\0")
+            command = (entry / "cmdline").read_bytes()
+        except (OSError, ValueError):
+            continue
+        if f"OMPI_COMM_WORLD_RANK={rank}".encode() in environ and b"ppo_continuous_mpi.py" in command:
+            return int(entry.name)
+    return None
+
+
+def test_a_killed_rank_ends_the_mpirun_job_and_resume_continues_from_its_checkpoint(tmp_path):
+    """SIGKILL one rank mid-run: mpirun ends the job with a non-zero exit within seconds (no hang); the same
+    command with --resume continues from the last checkpoint to the end."""
+    command = [*mpirun(2), sys.executable, str(ROOT / "ppo_continuous_mpi.py"), *PENDULUM]
+    command += ["--total-timesteps", "5120", "--checkpoint-every", "1", "--run-name", "killed"]
+    log = open(tmp_path / "first.out", "w")
+    job = subprocess.Popen(command, cwd=tmp_path, env=clean_env(), stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 120
+    while "iteration 3/" not in (tmp_path / "first.out").read_text():
+        assert job.poll() is None and time.monotonic() < deadline, (tmp_path / "first.out").read_text()[-3000:]
+        time.sleep(0.1)
+    os.kill(mpi_rank_pid(1), signal.SIGKILL)
+    killed = time.monotonic()
+    try:
+        job.wait(timeout=60)
+    finally:
+        job.kill()
+        log.close()
+    assert job.returncode != 0 and time.monotonic() - killed < 30
+    assert sorted(os.listdir(tmp_path / "runs" / "killed" / "checkpoints"))  # at least one was written
+
+    resumed = run_command([*command, "--resume"], tmp_path, timeout=300)
+    assert_ok(resumed)
+    assert "resuming from runs/killed/checkpoints/iter_" in resumed.stdout
+    assert "iteration 20/20" in resumed.stdout
