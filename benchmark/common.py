@@ -6,6 +6,7 @@ import os
 import platform
 import re
 import shlex
+import socket
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
@@ -28,6 +29,16 @@ PROGRESS_LINE = re.compile(r"^(?:iteration|epoch) (\d+)/(\d+) step (\d+) SPS (\d
 def torchrun_launcher(nprocs: int) -> list[str]:
     """`python -m torch.distributed.run --standalone --nproc_per_node=N`: what precedes the program to launch."""
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nprocs}"]
+
+
+def mpirun_launcher(nprocs: int) -> list[str]:
+    """Open MPI's `mpirun -np N` (as root too; no binding of its own: the caller pins), with a free MASTER_PORT for the
+    scripts' store: what precedes the program to launch."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    root = ["--allow-run-as-root"] if os.geteuid() == 0 else []
+    return ["mpirun", *root, "--bind-to", "none", "-np", str(nprocs), "-x", f"MASTER_PORT={port}", sys.executable]
 
 
 def torchrun_command(script: str, nprocs: int, script_args: Sequence[str] = ()) -> list[str]:

@@ -24,6 +24,7 @@ import gc
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -42,11 +43,13 @@ from benchmark.common import (
     ROOT,
     check_load,
     markdown_table,
+    mpirun_launcher,
     output_paths,
     results_header,
 )
 
 MODELS = ("vpg", "ppo_continuous", "atari")
+MPI = None  # mpi4py's MPI module in a rank that mpirun started (--mpi)
 OBS_DIM, ACTION_DIM, ATARI_ACTIONS = 17, 6, 4  # HalfCheetah; Breakout
 VPG_STEPS_PER_EPOCH = 4000  # vpg_mpi.py's global default, split over the ranks
 # gradient syncs per iteration (epoch) at the scripts' defaults
@@ -67,6 +70,8 @@ class Args:
     """local minibatch of ppo_continuous_mpi.py for the DDP timing (its default: 2048 steps / 32 minibatches)"""
     cnn_batch: int = 256
     """local minibatch of ppo_atari_multigpu.py for the DDP timing (its default: 8 envs x 128 steps / 4)"""
+    mpi: bool = True
+    """start the ranks with mpirun and add MPI rows (mpi4py) beside gloo's; --no-mpi spawns them, gloo only"""
     threads: int = 0
     """torch threads per rank; 0 = usable cores / nprocs, as the scripts do"""
     out: Path = Path("benchmark_results/grad_sync")
@@ -133,10 +138,14 @@ def allreduce_per_parameter(parameters: list[nn.Parameter]) -> None:
         parameter.grad /= dist.get_world_size()
 
 
-def allreduce_flat(parameters: list[nn.Parameter]) -> None:
-    """Average the gradients with one all_reduce of one flat buffer, copied back."""
+def allreduce_flat(parameters: list[nn.Parameter], mpi=None) -> None:
+    """Average the gradients with one all_reduce of one flat buffer, copied back; with `mpi` (mpi4py's MPI module),
+    MPI's in-place Allreduce on a numpy view of the buffer instead of gloo's."""
     flat = torch.cat([parameter.grad.reshape(-1) for parameter in parameters])
-    dist.all_reduce(flat)
+    if mpi is not None:
+        mpi.COMM_WORLD.Allreduce(mpi.IN_PLACE, flat.numpy(), op=mpi.SUM)
+    else:
+        dist.all_reduce(flat)
     flat /= dist.get_world_size()
     offset = 0
     for parameter in parameters:
@@ -161,8 +170,10 @@ def world_mean(tensor: torch.Tensor) -> torch.Tensor:
     return torch.stack(pieces).double().mean(0).float()
 
 
-def timed(function: Callable[[], None]) -> float:
-    dist.barrier()
+def timed(function: Callable[[], None], mpi_barrier: bool = False) -> float:
+    """Seconds `function` takes, started after a barrier (MPI's for an MPI method: gloo's barrier wakes its waiters
+    late and unevenly, a skew that the MPI method would then time as its own waiting)."""
+    MPI.COMM_WORLD.Barrier() if mpi_barrier else dist.barrier()
     start = time.perf_counter()
     function()
     return time.perf_counter() - start
@@ -221,6 +232,10 @@ def measure_model(name: str, args: Args, rank: int) -> list[dict]:
     backward(module, inputs)
     allreduce_flat(parameters)
     checks["flat"] = grads_match()
+    if MPI is not None:
+        backward(module, inputs)
+        allreduce_flat(parameters, MPI)
+        checks["flat, MPI"] = grads_match()
     backward(ddp, inputs)
     checks["DDP"] = grads_match()
 
@@ -237,6 +252,11 @@ def measure_model(name: str, args: Args, rank: int) -> list[dict]:
         ),
         "flat": ("cat + one all_reduce + copy back", lambda: allreduce_flat(parameters)),
     }
+    if MPI is not None:
+        methods["flat, MPI"] = (
+            "cat + one MPI Allreduce (mpi4py, in place on a numpy view) + copy back",
+            lambda: allreduce_flat(parameters, MPI),
+        )
     if name == "vpg":
         import vpg_mpi
 
@@ -256,16 +276,25 @@ def measure_model(name: str, args: Args, rank: int) -> list[dict]:
             f"gather_to_rank0 of {len(packed)}x{packed.shape[1]} floats per rank + broadcast_parameters",
             lambda: (vpg_mpi.gather_to_rank0(packed), vpg_mpi.broadcast_parameters(agent)),
         )
+        if MPI is not None:  # the script's own functions, with its collectives routed as --collectives mpi does
+            methods["gather+broadcast, MPI"] = (
+                "the same through MPI (vpg_mpi.MPIWorld set, as under mpirun)",
+                lambda: through_script_mpi(
+                    vpg_mpi, lambda: (vpg_mpi.gather_to_rank0(packed), vpg_mpi.broadcast_parameters(agent))
+                ),
+            )
+            gathered = through_script_mpi(vpg_mpi, lambda: vpg_mpi.gather_to_rank0(packed))
+            checks["gather+broadcast, MPI"] = gathered is None or torch.equal(gathered, expected)
 
     rows = []
     for method, (what, function) in methods.items():
         for _ in range(args.warmup):
             restore_local()
-            timed(function)
+            timed(function, method.endswith("MPI"))
         times = []
         for _ in range(args.repeats):
             restore_local()
-            times.append(timed(function))
+            times.append(timed(function, method.endswith("MPI")))
         rows.append({"method": method, "what": what, **summary(slowest(times))})
 
     # DDP: forward+backward with and without it, interleaved so that both see the same machine
@@ -296,6 +325,15 @@ def measure_model(name: str, args: Args, rank: int) -> list[dict]:
     return rows
 
 
+def through_script_mpi(script, function: Callable[[], object]) -> object:
+    """Call `function` with `script`'s CPU collectives routed through MPI, as `--collectives mpi` routes them."""
+    script.MPIWorld.mpi, script.MPIWorld.comm = MPI, MPI.COMM_WORLD
+    try:
+        return function()
+    finally:
+        script.MPIWorld.mpi = script.MPIWorld.comm = None
+
+
 def world_gather(tensor: torch.Tensor) -> list[torch.Tensor]:
     pieces = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
     dist.all_gather(pieces, tensor)
@@ -303,8 +341,12 @@ def world_gather(tensor: torch.Tensor) -> list[torch.Tensor]:
 
 
 def worker(rank: int, world_size: int, init_file: str, args_dict: dict, result_path: str) -> None:
-    """One spawned rank: join the gloo group, measure every model, rank 0 writes the rows as JSON."""
+    """One rank: join the gloo group, measure every model, rank 0 writes the rows as JSON. Under mpirun (--mpi) MPI
+    is initialised too, for the MPI rows."""
+    global MPI
     args = Args(**args_dict)
+    if args.mpi:
+        from mpi4py import MPI
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     torch.set_num_threads(args.threads or max(1, usable // world_size))
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
@@ -327,7 +369,7 @@ def format_table(rows: list[dict]) -> str:
     }
     table = []
     for row in rows:
-        syncs = 1 if row["method"] == "gather+broadcast" else SYNCS_PER_ITERATION[row["model"]]
+        syncs = 1 if row["method"].startswith("gather+broadcast") else SYNCS_PER_ITERATION[row["model"]]
         spread = "" if np.isnan(row["p10_ms"]) else f" ({row['p10_ms']:.2f}-{row['p90_ms']:.2f})"
         table.append(
             [
@@ -365,18 +407,22 @@ def main(argv: list[str] | None = None) -> Path:
     load_before, warning = check_load(args.max_load)
     with tempfile.TemporaryDirectory(prefix="ddrl_grad_sync_") as tmp:
         result_path = Path(tmp) / "rows.json"
-        mp.start_processes(
-            worker,
-            args=(args.nprocs, str(Path(tmp) / "store"), asdict(args), str(result_path)),
-            nprocs=args.nprocs,
-            start_method="spawn",
-        )
+        plain_args = {key: str(value) if isinstance(value, Path) else value for key, value in asdict(args).items()}
+        worker_args = (str(Path(tmp) / "store"), plain_args, str(result_path))
+        if args.mpi:  # each rank calls worker() with its MPI rank
+            rank = "int(os.environ['OMPI_COMM_WORLD_RANK'])"
+            code = f"import os; from benchmark.grad_sync import worker; worker({rank}, {args.nprocs}, *{worker_args!r})"
+            command = [*mpirun_launcher(args.nprocs), "-c", code]
+            subprocess.run(command, cwd=ROOT, check=True)
+        else:
+            mp.start_processes(worker, args=(args.nprocs, *worker_args), nprocs=args.nprocs, start_method="spawn")
         rows = json.loads(result_path.read_text())
     if not all(row["checked"] for row in rows):
         print("benchmark.grad_sync: warning: a method's result did not match the all_gather reference", file=sys.stderr)
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     facts = [
-        f"{args.nprocs} ranks (spawned processes, gloo), {args.threads or max(1, usable // args.nprocs)} torch "
+        f"{args.nprocs} ranks ({'by mpirun' if args.mpi else 'spawned'}; gloo, and MPI where a method says so), "
+        f"{args.threads or max(1, usable // args.nprocs)} torch "
         f"thread(s) each; {args.repeats} timed repetitions after {args.warmup} warm-up ones, each after a barrier, "
         "each counted on the slowest rank",
         "syncs per iteration at the scripts' defaults: vpg_mpi.py 1 policy + 80 value steps per epoch with "

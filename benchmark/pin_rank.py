@@ -1,4 +1,4 @@
-"""Pin a torchrun rank to its own core, then become the script: what benchmark.scaling launches under torchrun.
+"""Pin a torchrun (or mpirun) rank to its own core, then become the script: what benchmark.scaling launches.
 
     taskset -c 0,1 python -m torch.distributed.run --standalone --nproc_per_node 2 benchmark/pin_rank.py SCRIPT ARGS
 
@@ -13,7 +13,7 @@ import sys
 
 def main() -> None:
     cores = sorted(os.sched_getaffinity(0))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK", "0")))
     if local_rank >= len(cores):
         raise SystemExit(f"pin_rank: error: local rank {local_rank} but only cores {cores} are usable")
     os.sched_setaffinity(0, {cores[local_rank]})

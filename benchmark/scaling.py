@@ -41,6 +41,7 @@ from benchmark.common import (
     check_load,
     last_lines,
     markdown_table,
+    mpirun_launcher,
     output_paths,
     read_scalar_events,
     results_header,
@@ -114,6 +115,9 @@ class Args:
     """the scripts to measure"""
     sync_modes: tuple[Literal["allreduce", "gather"], ...] = ("allreduce", "gather")
     """the `--sync` modes to run, for the scripts that have the flag (the Atari script always runs its DDP)"""
+    launchers: tuple[Literal["torchrun", "mpirun"], ...] = ("torchrun",)
+    """what starts N ranks: torchrun (collectives through gloo), mpirun (the MLP scripts' CPU collectives through
+    MPI, --collectives mpi); rows of a launcher after the first read `MODE mpirun`, beside the same 1-rank baseline"""
     ranks: tuple[int, ...] = ()
     """the numbers of ranks (each on its own core) besides the 1-rank baseline, which always runs; default: 2, 4, 8,
     .. up to the usable cores, and the usable cores"""
@@ -205,15 +209,22 @@ def script_args(script: str, mode: str, ranks: int, local_steps: int, iterations
     return [*args, *budget_args(script, ranks, local_steps, iterations)]
 
 
-def launch_command(script: str, ranks: int, cores: list[int], args: list[str]) -> list[str]:
-    """1 rank: `taskset -c C0 python SCRIPT ARGS`. N ranks: `taskset -c C0,..,C(N-1)` around torchrun, which launches
-    benchmark/pin_rank.py to pin local rank r to core Cr before it becomes `python SCRIPT ARGS`."""
+def launch_command(script: str, ranks: int, cores: list[int], args: list[str], launcher: str = "torchrun") -> list[str]:
+    """1 rank: `taskset -c C0 python SCRIPT ARGS`. N ranks: `taskset -c C0,..,C(N-1)` around torchrun (or mpirun),
+    which launches benchmark/pin_rank.py to pin local rank r to core Cr before it becomes `python SCRIPT ARGS`."""
     if ranks > len(cores):
         raise ValueError(f"{ranks} ranks but only {len(cores)} usable cores")
     pinned = ["taskset", "-c", ",".join(str(core) for core in cores[:ranks])]
     if ranks == 1:
         return [*pinned, sys.executable, str(ROOT / script), *args]
+    if launcher == "mpirun":
+        return [*pinned, *mpirun_launcher(ranks), str(PIN_RANK), str(ROOT / script), *args, "--collectives", "mpi"]
     return [*pinned, *torchrun_launcher(ranks), str(PIN_RANK), str(ROOT / script), *args]
+
+
+def base_mode(mode: str) -> str:
+    """The sync mode of a row's mode (`allreduce mpirun` -> `allreduce`): its 1-rank baseline and its meaning."""
+    return mode.split()[0]
 
 
 def median_after_first(events: list[tuple[float, int, float]]) -> float:
@@ -266,7 +277,7 @@ def scaling_table(measurements: list[Measurement]) -> str:
     baselines = {m.mode: m for m in measurements if m.ranks == 1}
     rows = []
     for m in measurements:
-        speedup = m.sps / baselines.get(m.mode, measurements[0]).sps  # the ceiling's baseline: the first mode's
+        speedup = m.sps / baselines.get(base_mode(m.mode), measurements[0]).sps  # the ceiling's: the first mode's
         rows.append(
             [
                 m.mode,
@@ -290,7 +301,7 @@ def round_speedups(rounds: dict[tuple[str, str, int], list[Measurement]]) -> str
     first_mode = next(iter(rounds))[1]
     for (_, mode, ranks), measurements in rounds.items():
         if ranks > 1:
-            baselines = rounds[measurements[0].script, first_mode if mode == INDEPENDENT else mode, 1]
+            baselines = rounds[measurements[0].script, first_mode if mode == INDEPENDENT else base_mode(mode), 1]
             speedups = [m.sps / base.sps for m, base in zip(measurements, baselines, strict=True)]
             each = ", ".join(f"{speedup:.2f}" for speedup in speedups)
             lines.append(f"- {mode}, {ranks} ranks: speedup per round {each}; median {statistics.median(speedups):.2f}")
@@ -359,15 +370,23 @@ def main(argv: list[str] | None = None) -> tuple[Path, Path]:
         for round_index, script in ((r, script) for r in range(args.rounds) for script in args.scripts):
             default_env, default_steps = SCRIPT_DEFAULTS[script]
             modes = script_modes(script, args.sync_modes)
-            jobs = [(mode, ranks) for mode in modes for ranks in ranks_to_run]
-            jobs += [(INDEPENDENT, ranks) for ranks in ranks_to_run if ranks > 1 and args.independent]
-            for mode, ranks in jobs:
-                name = f"scaling__{Path(script).stem}__{mode}__{ranks}ranks"
+            jobs = [(mode, ranks, args.launchers[0]) for mode in modes for ranks in ranks_to_run]
+            jobs += [  # the other launchers' N ranks, beside the same 1-rank baseline (mpirun: the MLP scripts only)
+                (f"{mode} {launcher}", ranks, launcher)
+                for launcher in args.launchers[1:]
+                if script != ATARI
+                for mode in modes
+                for ranks in ranks_to_run
+                if ranks > 1
+            ]
+            jobs += [(INDEPENDENT, ranks, "") for ranks in ranks_to_run if ranks > 1 and args.independent]
+            for mode, ranks, launcher in jobs:
+                name = f"scaling__{Path(script).stem}__{mode.replace(' ', '_')}__{ranks}ranks"
                 name += f"__round{round_index + 1}" if args.rounds > 1 else ""
                 # the ceiling: `ranks` copies of the first mode's 1-rank run, copy i pinned to core Ci
                 independent = mode == INDEPENDENT
                 names = [f"{name}__copy{i}" for i in range(ranks)] if independent else [name]
-                run_mode, run_ranks = (modes[0], 1) if independent else (mode, ranks)
+                run_mode, run_ranks = (modes[0], 1) if independent else (base_mode(mode), ranks)
                 commands = []
                 for i, run_name in enumerate(names):
                     shutil.rmtree(work_dir / "runs" / run_name, ignore_errors=True)
@@ -376,7 +395,7 @@ def main(argv: list[str] | None = None) -> tuple[Path, Path]:
                         *script_args(script, run_mode, run_ranks, args.local_steps or default_steps, args.iterations),
                         *extra,
                     ]
-                    commands.append(launch_command(script, run_ranks, cores[i:], run_args))
+                    commands.append(launch_command(script, run_ranks, cores[i:], run_args, launcher))
                 print(f"{script} {mode} on {ranks} core(s): {' & '.join(map(shlex.join, commands))}", flush=True)
                 log_paths = [work_dir / "logs" / f"{run_name}.log" for run_name in names]
                 codes = run_at_once(commands, work_dir, log_paths)
@@ -417,7 +436,7 @@ def main(argv: list[str] | None = None) -> tuple[Path, Path]:
         if args.rounds > 1:
             text += round_speedups({key: value for key, value in rounds.items() if key[0] == script}) + "\n"
         for mode in dict.fromkeys(m.mode for m in measurements if m.mode != INDEPENDENT):
-            text += f"sync with {mode} means {SYNC_MEANS[script, mode]}.\n\n"
+            text += f"sync with {mode} means {SYNC_MEANS[script, base_mode(mode)]}.\n\n"
         if args.independent and len(ranks_to_run) > 1:
             text += f"{INDEPENDENT} means {INDEPENDENT_MEANS}.\n\n"
     text += (

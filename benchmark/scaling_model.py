@@ -19,15 +19,17 @@ import tyro
 from benchmark.common import markdown_table, output_paths, results_header
 from benchmark.scaling import TABLE_HEADERS
 
-Variant = Literal["gloo", "NCCL", "linear", "fitted"]
+Variant = Literal["gloo", "NCCL", "MPI", "linear", "fitted"]
 VARIANTS: dict[str, dict[Variant, str]] = {
     "allreduce": {"gloo": "gloo ring: latency x (N-1)", "NCCL": "NCCL tree: latency x log2 N"},
+    "allreduce mpirun": {"MPI": "Open MPI, one node: latency x log2 N"},
     "gather": {
         "linear": "update x N; gather, broadcast x (N-1)",
         "fitted": "update fitted at 1, 2 ranks; gather, broadcast x (N-1)",
     },
 }
-"""per mode (DDP is modelled as allreduce): the variants of the model, and how each says that time grows"""
+"""per mode (DDP is modelled as allreduce, `gather mpirun` as gather): the variants of the model, and how each says
+that time grows"""
 STOPS_PAYING = 0.5
 """the efficiency below which a mode no longer pays for its ranks"""
 MAX_RANKS = 2**30
@@ -102,10 +104,11 @@ def read_scaling(text: str) -> dict[tuple[str, str], Seconds]:
         return float(row[column].replace(",", "").rstrip("%"))
 
     found = {}
-    for key, by_ranks in rows.items():
-        if 1 in by_ranks and 2 in by_ranks:
-            one, two = by_ranks[1], by_ranks[2]
-            found[key] = Seconds(
+    for (script, mode), by_ranks in rows.items():
+        one = by_ranks.get(1) or rows.get((script, mode.split()[0]), {}).get(1)  # `MODE mpirun`: MODE's 1 rank
+        if one and 2 in by_ranks:
+            two = by_ranks[2]
+            found[script, mode] = Seconds(
                 iteration=number(one, batch) / number(one, sps),
                 update=number(one, update),
                 sync1=number(one, sync),
@@ -118,7 +121,8 @@ def read_scaling(text: str) -> dict[tuple[str, str], Seconds]:
 
 def sync_growth(ranks: int, law: Variant, bandwidth_share: float) -> float:
     """g(N): a ring allreduce's time at N ranks in units of its time at 2 (g(2) = 1). The bandwidth term
-    2(N-1)/N x bytes / bandwidth, the latency term x (N-1) steps for gloo's ring, x log2 N for NCCL's tree."""
+    2(N-1)/N x bytes / bandwidth, the latency term x (N-1) steps for gloo's ring, x log2 N for NCCL's tree and
+    Open MPI's small-message allreduce on one node."""
     latency = ranks - 1 if law == "gloo" else math.log2(ranks)
     return (1 - bandwidth_share) * latency + bandwidth_share * 2 * (ranks - 1) / ranks
 
@@ -131,7 +135,7 @@ def iteration_seconds(seconds: Seconds, mode: str, ranks: int, variant: Variant,
     rank 0's update alone grows with the world batch, each added rank adding the 1-rank learner update (`variant`
     linear) or what the second rank added to it (fitted); the gather and broadcast add one peer's share per rank."""
     outside_update = seconds.iteration - seconds.update
-    if mode == "gather":
+    if mode.split()[0] == "gather":
         per_rank = seconds.learner if variant == "linear" else max(seconds.learner2 - seconds.learner, 0.0)
         learner = seconds.learner + per_rank * (ranks - 1)
         return outside_update + learner + seconds.sync1 + seconds.added * (ranks - 1)
@@ -176,16 +180,19 @@ T(1) / T(N) and the SPS relative to 1 rank N x T(1) / T(N), as in the measured t
   log2 N (NCCL), and beta = {beta} the share of c that is bandwidth. Every term is 1 at N = 2, so the model
   reproduces the measured 2-rank sync. The MLPs' flat gradients are tens of kB, latency-bound, hence beta = 0 by
   default; whatever the share, the bandwidth term at most doubles (2(N-1)/N < 2), while gloo's latency term grows
-  without bound.
-- **gather**: T(N) = T(1) - u + L(N) + s + c x (N-1). Rollout, GAE and logging stay as at 1 rank; rank 0 learns
-  alone on the N ranks' rollouts, in L(N) seconds. Two variants. *update x N*: the learner's update grows linearly
-  with the world batch, L(N) = N x (u - s), the 1-rank learner update per rank. That is the pessimistic case: an
-  update of a fixed number of minibatches (PPO) or full-batch steps (VPG) costs partly per step, whatever the
-  batch, until the batches grow large. *fitted*: L(N) = (u - s) + (L(2) - (u - s)) x (N-1), the fixed and the
-  per-rank part fitted to the learner update measured at 1 and 2 ranks (the inputs give L(2) / L(1)): the
-  optimistic case, as the per-sample cost only grows in share with the batch. Rank 0 receives N-1 rollouts and the
-  weights' broadcast is taken to cost one send per peer (gloo), so the gather and broadcast grow with N-1; a tree
-  broadcast would grow with log2 N, which changes little where the learner's update dominates.
+  without bound. Under mpirun (`allreduce mpirun`) the flat gradient allreduce is Open MPI's on one node: its tuned
+  component takes recursive doubling for messages this small, log2 N rounds of the whole buffer through shared
+  memory, so h(N) = log2 N as for NCCL; were it to pick a ring, it would grow as gloo's (N-1), from a c several
+  times smaller.
+- **gather** (either launcher): T(N) = T(1) - u + L(N) + s + c x (N-1). Rollout, GAE and logging stay as at 1 rank;
+  rank 0 learns alone on the N ranks' rollouts, in L(N) seconds. Two variants. *update x N*: the learner's update
+  grows linearly with the world batch, L(N) = N x (u - s), the 1-rank learner update per rank. That is the
+  pessimistic case: an update of a fixed number of minibatches (PPO) or full-batch steps (VPG) costs partly per
+  step, whatever the batch, until the batches grow large. *fitted*: L(N) = (u - s) + (L(2) - (u - s)) x (N-1), the
+  fixed and the per-rank part fitted to the learner update measured at 1 and 2 ranks (the inputs give L(2) / L(1)):
+  the optimistic case, as the per-sample cost only grows in share with the batch. Rank 0 receives N-1 rollouts and
+  the weights' broadcast is taken to cost one send per peer (gloo), so the gather and broadcast grow with N-1; a
+  tree broadcast would grow with log2 N, which changes little where the learner's update dominates.
 
 Not modelled: the network between nodes (c was measured between ranks on one machine; across nodes gloo over TCP
 has more latency and less bandwidth, NCCL over InfiniBand less latency), stragglers (the slowest of N rollouts sets
@@ -222,10 +229,13 @@ def main(argv: list[str] | None = None) -> Path:
                 f"{seconds.sync1:.3f}",
                 f"{seconds.sync2:.3f}",
                 f"{seconds.added:.3f}",
-                f"{learner_ratio:.2f}" if mode == "gather" else "",
+                f"{learner_ratio:.2f}" if mode.split()[0] == "gather" else "",
             ]
         )
-        for variant, label in VARIANTS["gather" if mode == "gather" else "allreduce"].items():
+        kind = (
+            "gather" if mode.split()[0] == "gather" else "allreduce mpirun" if mode.endswith("mpirun") else "allreduce"
+        )
+        for variant, label in VARIANTS[kind].items():
             for ranks in sorted({2, *args.ranks}):
                 eff = efficiency(seconds, mode, ranks, variant, args.bandwidth_share)
                 shown = f"{seconds.efficiency2:.0%}" if ranks == 2 else ""

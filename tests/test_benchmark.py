@@ -361,11 +361,11 @@ def test_grad_sync_table_with_few_repetitions(tmp_path):
     assert text.splitlines()[2].startswith("**MEASURED UNDER LOAD")  # above the load limit: said at the top
     rows = table_rows(text, "model")
     methods = {(row[0].split(".")[0], row[2]) for row in rows}
-    expected = {("vpg_mpi", "gather+broadcast")}
+    expected = {("vpg_mpi", "gather+broadcast"), ("vpg_mpi", "gather+broadcast, MPI")}  # ranks started by mpirun
     expected |= {
         (model, method)
         for model in ("vpg_mpi", "ppo_continuous_mpi", "ppo_atari_multigpu")
-        for method in ("per-parameter", "flat", "DDP")
+        for method in ("per-parameter", "flat", "flat, MPI", "DDP")
     }
     assert methods == expected and len(rows) == len(expected)
     for row in rows:
