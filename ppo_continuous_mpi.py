@@ -199,6 +199,7 @@ def make_env(env_id: str, video_folder: str | None = None) -> Callable[[], gym.E
     keep per-env statistics and refuse same-step autoreset vector envs."""
 
     def thunk() -> gym.Env:
+        silence_settotalmass_warning()
         env = gym.make(env_id, render_mode="rgb_array" if video_folder else None)
         if video_folder:
             env = gym.wrappers.RecordVideo(env, video_folder, episode_trigger=lambda episode: True)
@@ -839,6 +840,24 @@ def gather_to_learner(
     return union, torch.stack(union_orders).to(orders.device)
 
 
+# --- MuJoCo's console: one deprecation warning less ---------------------------------------------------
+
+
+def silence_settotalmass_warning() -> None:
+    """Drop the one warning MuJoCo 4 prints (and logs to MUJOCO_LOG.TXT) for every HalfCheetah env on every rank:
+    gymnasium's model file still uses the deprecated `settotalmass`. Any other MuJoCo warning prints as before."""
+    try:
+        import mujoco
+    except ImportError:  # no MuJoCo, no MuJoCo warnings
+        return
+
+    def warn(message: str) -> None:
+        if "'settotalmass' is deprecated" not in message:
+            print(f"WARNING: {message}\n", file=sys.stderr, flush=True)
+
+    mujoco.set_mju_user_warning(warn)
+
+
 # --- input checks and the batch table -----------------------------------------------------------------
 
 
@@ -1226,6 +1245,7 @@ class Run:
             raise SystemExit(subprocess.call([*self.launcher(args.nprocs), os.path.abspath(__file__), *sys.argv[1:]]))
         self.device, self.name, self.checkpoint, self.writer = torch.device("cpu"), "", None, None
         self.states, self.iteration, self.stopping, self.store = {}, 0, False, None
+        self.launched_at, self.last_return = time.time(), "n/a"  # for the closing summary line
 
     def launcher(self, nprocs: int) -> list[str]:
         """--nprocs: mpirun (as root with --allow-run-as-root) where --collectives allows MPI and mpirun and mpi4py are
@@ -1495,6 +1515,7 @@ class Run:
             self.writer.add_scalar(key, value, global_step)
         left = elapsed / (global_step - self.start_step) * max(0, self.total_steps - global_step)
         recent = f"{episodes['charts/episodic_return']:.1f}" if episodes else "n/a"
+        self.last_return = recent if episodes else self.last_return
         print(
             f"{self.unit} {self.iteration}/{iterations} step {global_step} SPS {sps} return {recent} "
             f"elapsed {clock(elapsed)} left {clock(left)}",
@@ -1539,14 +1560,15 @@ class Run:
 
     def finish(self, record_video: Callable[[str], None], **model_extras) -> None:
         """Unless stopped by SIGTERM, rank 0 writes model.pt (--save-model: the weights and `model_extras`) and
-        records evaluation videos (--capture-video); then every rank leaves the process group together."""
-        args = self.args
+        records evaluation videos (--capture-video); then every rank leaves the process group together, and rank 0
+        ends the output with one line: steps, wall time, the last return, and where the run and the model are."""
+        args, saved = self.args, ""
         if self.rank == 0:
             if args.save_model and not self.stopping:
                 write_checkpoint(
                     f"runs/{self.name}/model.pt", args, model=self.states["model"].state_dict(), **model_extras
                 )
-                print(f"model saved to runs/{self.name}/model.pt")
+                saved = f", model runs/{self.name}/model.pt"
             if args.capture_video and not self.stopping:
                 record_video(f"runs/{self.name}/videos")
             self.writer.close()
@@ -1557,6 +1579,14 @@ class Run:
         dist.barrier()
         dist.destroy_process_group()
         gc.collect()  # free gloo's worker threads now: left to interpreter shutdown they can abort the process
+        if self.rank == 0:
+            saved += f"; continue with --resume --run-name {self.name}" if self.stopping else ""
+            print(
+                f"{'stopped' if self.stopping else 'done'}: {self.global_step} env steps in "
+                f"{clock(time.time() - self.launched_at)}, last return {self.last_return}; TensorBoard run "
+                f"runs/{self.name}{saved}",
+                flush=True,
+            )
 
 
 # ======================================================================================================

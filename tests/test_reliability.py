@@ -126,12 +126,23 @@ def test_sigterm_checkpoints_and_stops_every_rank_and_resume_finishes_the_run(sc
     run_dir = tmp_path / "runs" / "preempted"
     assert [path.name for path in checkpoints(tmp_path)] == [f"iter_{stopped_at:06d}.pt"]
     assert not (run_dir / "model.pt").exists()
+    summary = f"stopped: {batch * stopped_at} env steps in "  # the last line sums the run up and says how on
+    assert result.stdout.splitlines()[-1].startswith(summary), result.stdout[-500:]
+    assert "; TensorBoard run runs/preempted; continue with --resume --run-name preempted" in result.stdout
 
     result = run_command(torchrun_with(["--standalone"], script, [*run_flags, "--resume", "--save-model"]), tmp_path)
     assert_ok(result)
     assert progress_lines(result.stdout) == list(range(stopped_at + 1, iterations + 1))
     assert logged_steps(run_dir) == [batch * i for i in range(1, iterations + 1)]
     assert load(run_dir / "model.pt")["script"] == script
+    summary = re.fullmatch(
+        r"done: (\d+) env steps in \d+:\d\d, last return (\S+); TensorBoard run (\S+), model (\S+)",
+        result.stdout.splitlines()[-1],
+    )
+    assert summary and int(summary[1]) == batch * iterations, result.stdout[-500:]
+    returns = re.findall(r"^(?:epoch|iteration) \d+/\d+ step \d+ SPS \d+ return (\S+) ", result.stdout, re.MULTILINE)
+    assert summary[2] == ([value for value in returns if value != "n/a"] or ["n/a"])[-1]  # the last one logged
+    assert (tmp_path / summary[3]) == run_dir and (tmp_path / summary[4]) == run_dir / "model.pt"
 
 
 # --- a dead or silent peer never hangs the others ------------------------------------------------------
