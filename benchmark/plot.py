@@ -5,18 +5,17 @@
 
 Every folder under the given paths that holds event files is one run. Its env id, seed and label come from the
 `hyperparameters` table the scripts write (the label is `exp_name` unless `--label-keys` says otherwise), so
-runs of any name can be mixed. One panel per env id, one line per label: the mean over seeds of each seed's
-`charts/episodic_return` (smoothed over `--smooth` logged points, interpolated onto a common step grid), shaded
-+- one std over seeds. A run's final return is the mean of its last `--last-points` logged values of
-`charts/episodic_return` (each the mean return of the episodes that ended in one iteration); the table gives
-the mean +- std (ddof 0) of that over seeds.
+runs of any name can be mixed. One panel per env id, one line per label: the mean over seeds (the IQM from 5 seeds)
+of each seed's `charts/episodic_return` (smoothed over `--smooth` logged points, interpolated onto a common step
+grid), shaded with its 95% bootstrap confidence interval. A run's final return is the mean of its last
+`--last-points` logged values of `charts/episodic_return` (each the mean return of the episodes that ended in one
+iteration); the table gives, over seeds, mean +- std (ddof 0), the 95% bootstrap confidence interval of the mean (of
+the IQM from 5 seeds, which the cell then leads with) and each seed's value.
 """
 
 import math
 import re
-import statistics
 import sys
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,6 +32,7 @@ from benchmark.common import (
 )
 
 RETURN_KEY = "charts/episodic_return"
+CONFIDENCE, RESAMPLES = 0.95, 10_000  # the bootstrap's interval and draws (seeded: a table is reproducible)
 
 
 @dataclass
@@ -103,9 +103,32 @@ def trailing_mean(values: np.ndarray, window: int) -> np.ndarray:
     return (cumulative[1:] - cumulative[np.arange(1, len(values) + 1) - counts]) / counts
 
 
-def mean_curve(runs: list[Run], smooth: int, points: int = 200) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(steps, mean, std over seeds) of the runs' smoothed curves on a common step grid; at each step only the
-    runs that reached it count (all of them where the runs have the same length)."""
+def center(values: np.ndarray) -> np.ndarray:
+    """The return reported over seeds (the last axis): their mean, or from 5 seeds their interquartile mean (the mean
+    of the middle half, a quarter cut from each end, as rliable's IQM), which one lucky or unlucky seed moves less."""
+    seeds = values.shape[-1]
+    if seeds < 5:
+        return values.mean(-1)
+    cut = seeds // 4
+    return np.sort(values, -1)[..., cut : seeds - cut].mean(-1)
+
+
+def bootstrap_interval(values: np.ndarray, resamples: int = RESAMPLES) -> tuple[float, float]:
+    """The percentile bootstrap's 95% confidence interval of `center(values)`: the seeds drawn with replacement
+    `resamples` times (from a fixed seed); (nan, nan) for one value."""
+    values = np.asarray(values, dtype=np.float64)
+    if len(values) < 2:
+        return math.nan, math.nan
+    draws = np.random.default_rng(0).integers(len(values), size=(resamples, len(values)))
+    low, high = np.quantile(center(values[draws]), [(1 - CONFIDENCE) / 2, (1 + CONFIDENCE) / 2])
+    return float(low), float(high)
+
+
+def mean_curve(
+    runs: list[Run], smooth: int, points: int = 200
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(steps, center over seeds, its 95% bootstrap interval's low and high) of the runs' smoothed curves on a common
+    step grid; at each step only the runs that reached it count (all of them where the runs have the same length)."""
     grid = np.linspace(min(run.steps[0] for run in runs), max(run.steps[-1] for run in runs), points)
     curves = np.stack(
         [
@@ -117,9 +140,12 @@ def mean_curve(runs: list[Run], smooth: int, points: int = 200) -> tuple[np.ndar
             for run in runs
         ]
     )
-    with warnings.catch_warnings():  # a grid point only one run reached has no spread
-        warnings.simplefilter("ignore", RuntimeWarning)
-        return grid, np.nanmean(curves, axis=0), np.nan_to_num(np.nanstd(curves, axis=0))
+    middle, low, high = (np.empty(points) for _ in range(3))
+    for index, column in enumerate(curves.T):
+        reached = column[~np.isnan(column)]
+        middle[index] = center(reached)
+        low[index], high[index] = bootstrap_interval(reached, resamples=1_000)
+    return grid, middle, low, high
 
 
 def parse_references(items: tuple[str, ...]) -> dict[str, str]:
@@ -146,8 +172,21 @@ def count_seeds(group: list[Run]) -> str:
     return seeds if distinct == len(group) else f"{len(group)} runs of {seeds}"
 
 
+def final_returns_cell(finals: dict[str, float], steps: str) -> str:
+    """One table cell: mean +- std over seeds with the 95% bootstrap interval (from 5 seeds, the IQM and its interval
+    first), then each seed's final return."""
+    values = np.array(list(finals.values()))
+    per_seed = ", ".join(f"{value:.2f} (seed {seed})" for seed, value in finals.items())
+    if len(values) == 1:
+        return f"{values[0]:.2f} (1 seed, {steps} steps)"
+    low, high = bootstrap_interval(values)
+    mean, interval = f"{values.mean():.2f} +- {values.std():.2f}", f"95% CI [{low:.2f}, {high:.2f}]"
+    stated = f"{mean}, {interval}" if len(values) < 5 else f"IQM {center(values):.2f}, {interval}; {mean}"
+    return f"{stated} ({len(values)} seeds, {steps} steps: {per_seed})"
+
+
 def summarize(runs: list[Run], last_points: int, references: dict[str, str], reference_name: str) -> str:
-    """The final-return table: one row per env id, one column per label (mean +- std over seeds), references."""
+    """The final-return table: one row per env id, one column per label (final_returns_cell), references."""
     env_ids = sorted({run.env_id for run in runs} | set(references))
     labels = sorted({run.label for run in runs})
     rows = []
@@ -158,12 +197,13 @@ def summarize(runs: list[Run], last_points: int, references: dict[str, str], ref
             if not group:
                 row.append("")
                 continue
-            finals = [final_return(run, last_points) for run in group]
             low, high = min(int(run.steps[-1]) for run in group), max(int(run.steps[-1]) for run in group)
             steps = f"{low:,}" if low == high else f"{low:,}-{high:,}"
-            spread = f" +- {statistics.pstdev(finals):.2f}" if len(finals) > 1 else ""
-            seeds = count_seeds(group)
-            row.append(f"{statistics.fmean(finals):.2f}{spread} ({seeds}, {steps} steps)")
+            if len({run.seed for run in group}) < len(group):  # a seed run twice: one value per run, not per seed
+                finals = {f"{run.seed}, {run.path.name}": final_return(run, last_points) for run in group}
+            else:
+                finals = {run.seed: final_return(run, last_points) for run in sorted(group, key=seed_order)}
+            row.append(final_returns_cell(finals, steps))
         if references:
             row.append(references.get(env_id, ""))
         rows.append(row)
@@ -171,8 +211,14 @@ def summarize(runs: list[Run], last_points: int, references: dict[str, str], ref
     return markdown_table(headers, rows)
 
 
+def seed_order(run: Run) -> tuple[int, str]:
+    """Seeds in numeric order where they are numbers."""
+    return (int(run.seed), "") if run.seed.isdigit() else (math.inf, run.seed)
+
+
 def plot(runs: list[Run], smooth: int, references: dict[str, str], reference_label: str, path: Path) -> None:
-    """One panel per env id, one line (mean over seeds, +- std shaded) per label, references dashed."""
+    """One panel per env id, one line (mean or IQM over seeds, its 95% bootstrap interval shaded) per label,
+    references dashed."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -188,10 +234,10 @@ def plot(runs: list[Run], smooth: int, references: dict[str, str], reference_lab
             group = [run for run in runs if run.env_id == env_id and run.label == label]
             if not group:
                 continue
-            steps, mean, std = mean_curve(group, smooth)
-            axis.plot(steps, mean, color=f"C{color}", label=f"{label} ({count_seeds(group)})")
+            steps, middle, low, high = mean_curve(group, smooth)
+            axis.plot(steps, middle, color=f"C{color}", label=f"{label} ({count_seeds(group)})")
             if len(group) > 1:
-                axis.fill_between(steps, mean - std, mean + std, color=f"C{color}", alpha=0.2)
+                axis.fill_between(steps, low, high, color=f"C{color}", alpha=0.2)
         value = first_number(references.get(env_id, ""))
         if value is not None:
             axis.axhline(value, color="gray", linestyle="--", label=reference_label)
@@ -225,7 +271,10 @@ def main(argv: list[str] | None = None) -> tuple[Path, Path]:
     plot(runs, args.smooth, references, args.reference_label, png_path)
     facts = [
         f"final return: mean of the last {args.last_points} logged `{RETURN_KEY}` values of a run (each the mean "
-        "return of the episodes that ended in one iteration), then mean +- std (ddof 0) over seeds",
+        "return of the episodes that ended in one iteration), then over seeds mean +- std (ddof 0), the 95% "
+        f"percentile-bootstrap confidence interval of the mean ({RESAMPLES:,} draws of the seeds with replacement; "
+        "of the interquartile mean, which leads the cell, from 5 seeds) and each seed's value; the curves are the "
+        "same statistic of the smoothed returns at each step, shaded with its interval",
     ]
     runs_list = "\n".join(f"- {run.label} {run.env_id} seed {run.seed}: `{run.path}`" for run in runs)
     text = results_header(args.title, "benchmark.plot", argv, facts, args.notes)

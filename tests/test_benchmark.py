@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from benchmark import common, grad_sync, plot, run, scaling, scaling_model, stragglers
+from benchmark import common, grad_sync, interval, plot, run, scaling, scaling_model, stragglers
 from tests.helpers import ROOT, read_scalars, run_command
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -32,7 +32,7 @@ def assert_png(path: Path) -> None:
     assert path.read_bytes()[:8] == PNG_MAGIC and path.stat().st_size > 5_000, path
 
 
-@pytest.mark.parametrize("module", [run, plot, scaling, scaling_model, grad_sync, stragglers])
+@pytest.mark.parametrize("module", [run, plot, interval, scaling, scaling_model, grad_sync, stragglers])
 def test_every_entry_point_has_help(module, capsys):
     with pytest.raises(SystemExit) as exit_info:
         module.main(["--help"])
@@ -111,7 +111,10 @@ def test_run_two_seeds_in_parallel_then_plot_them(tmp_path, capsys):
     assert "\n\ntwo seeds, to test\n\n![learning curves](curves.png)" in text
     [[env_id, cell, reference]] = table_rows(text, "env")
     assert (env_id, reference) == ("CartPole-v1", "500 (ref)")
-    assert cell == f"{np.mean(finals):.2f} +- {np.std(finals):.2f} (2 seeds, 400 steps)"
+    low, high = sorted(finals)  # two seeds: the bootstrap's means run from one seed's value to the other's
+    per_seed = ", ".join(f"{value:.2f} (seed {seed})" for seed, value in enumerate(finals, 1))
+    spread = f"{np.mean(finals):.2f} +- {np.std(finals):.2f}, 95% CI [{low:.2f}, {high:.2f}]"
+    assert cell == f"{spread} (2 seeds, 400 steps: {per_seed})"
 
 
 def test_plot_curves_and_final_returns_on_synthetic_runs():
@@ -122,11 +125,36 @@ def test_plot_curves_and_final_returns_on_synthetic_runs():
     ]
     assert plot.final_return(runs[0], 3) == pytest.approx(8.0)
     assert plot.trailing_mean(np.array([1.0, 3.0, 5.0, 7.0]), 2).tolist() == [1.0, 2.0, 4.0, 6.0]
-    grid, mean, std = plot.mean_curve(runs, smooth=1, points=10)
+    grid, middle, low, high = plot.mean_curve(runs, smooth=1, points=10)
     assert grid.tolist() == steps.tolist()
-    assert mean.tolist() == pytest.approx((np.arange(10.0) + 1).tolist()) and std == pytest.approx(1.0)
+    assert middle.tolist() == pytest.approx((np.arange(10.0) + 1).tolist())
+    assert low.tolist() == np.arange(10.0).tolist() and high.tolist() == (np.arange(10.0) + 2).tolist()
     [[_, cell]] = table_rows(plot.summarize(runs, 3, {}, "ref"), "env")
-    assert cell == "9.00 +- 1.00 (2 seeds, 1,000 steps)"
+    assert cell == "9.00 +- 1.00, 95% CI [8.00, 10.00] (2 seeds, 1,000 steps: 8.00 (seed 1), 10.00 (seed 2))"
+
+
+def test_bootstrap_interval_of_the_mean_and_from_five_seeds_of_the_iqm():
+    # 3 seeds: all three draws of the lowest seed alone have probability 1/27 > 2.5%: the interval is their range
+    assert plot.bootstrap_interval(np.array([3.0, 1.0, 2.0])) == (1.0, 3.0)
+    values = np.array([4.0, 1.0, 3.0, 2.0])
+    low, high = plot.bootstrap_interval(values)
+    assert plot.center(values) == 2.5 and 1.0 < low < 2.5 < high < 4.0  # 4 seeds: narrower than their range
+    # close to the exact bootstrap distribution's percentiles (all 256 draws of 4 seeds alike; its means step by 0.25)
+    exact = values[np.stack(np.meshgrid(*[range(4)] * 4)).reshape(4, -1).T].mean(1)
+    assert (low, high) == pytest.approx(tuple(np.quantile(exact, [0.025, 0.975])), abs=0.25)
+    assert plot.bootstrap_interval(values) == (low, high)  # seeded: the same table every time
+    assert np.isnan(plot.bootstrap_interval([5.0])).all()
+    # from 5 seeds the IQM: a quarter cut from each end, so one wild seed moves it little, unlike the mean
+    wild = np.array([1.0, 2.0, 3.0, 4.0, 100.0, 6.0, 7.0, 8.0])
+    assert plot.center(wild) == np.mean([3.0, 4.0, 6.0, 7.0]) and plot.center(wild[:5]) == 3.0
+    cell = plot.final_returns_cell({str(seed): value for seed, value in enumerate(wild, 1)}, "10")
+    assert cell.startswith("IQM 5.00, 95% CI [") and "; 16.38 +- 31.69 (8 seeds, 10 steps: 1.00 (seed 1), 2.00" in cell
+    low, high = plot.bootstrap_interval(wild)
+    assert low < 5.0 < high < 50.0  # the mean's would reach far toward the wild seed
+    # the same cell from per-seed values alone (results whose run folders are gone)
+    assert interval.main([*map(str, wild), "--steps", "10"]) == cell
+    with pytest.raises(SystemExit, match="as many --seeds as values"):
+        interval.main(["1", "2", "--seeds", "7"])
 
 
 def test_scaling_builds_pinned_one_thread_commands_for_every_script_and_mode():
