@@ -57,7 +57,7 @@ def test_a_killed_rank_ends_the_mpirun_job_and_resume_continues_from_its_checkpo
     """SIGKILL one rank mid-run: mpirun ends the job with a non-zero exit within seconds (no hang); the same
     command with --resume continues from the last checkpoint to the end."""
     command = [*mpirun(2), sys.executable, str(ROOT / "ppo_continuous_mpi.py"), *PENDULUM]
-    command += ["--total-timesteps", "5120", "--checkpoint-every", "1", "--run-name", "killed"]
+    command += ["--total-timesteps", "2048", "--checkpoint-every", "1", "--run-name", "killed"]  # 8 iterations
     log = open(tmp_path / "first.out", "w")
     job = subprocess.Popen(command, cwd=tmp_path, env=clean_env(), stdout=log, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 120
@@ -77,4 +77,4 @@ def test_a_killed_rank_ends_the_mpirun_job_and_resume_continues_from_its_checkpo
     resumed = run_command([*command, "--resume"], tmp_path, timeout=300)
     assert_ok(resumed)
     assert "resuming from runs/killed/checkpoints/iter_" in resumed.stdout
-    assert "iteration 20/20" in resumed.stdout
+    assert "iteration 8/8" in resumed.stdout
