@@ -88,6 +88,24 @@ def assert_ok(result: subprocess.CompletedProcess) -> None:
     )
 
 
+def evaluate_one_episode(script: str, model_path: Path, cwd: Path) -> subprocess.CompletedProcess:
+    """`python script --eval-checkpoint model_path --eval-episodes 1` in `cwd`, checked to end with its `eval:` line."""
+    command = [sys.executable, str(ROOT / script), "--eval-checkpoint", str(model_path), "--eval-episodes", "1"]
+    result = run_command(command, cwd)
+    assert_ok(result)
+    last_line = result.stdout.strip().splitlines()[-1]
+    assert last_line.startswith("eval: episodes=1 return_mean="), last_line
+    return result
+
+
+def assert_no_settotalmass_warning(output: str, cwd: Path) -> None:
+    """gymnasium's HalfCheetah model makes MuJoCo 4 warn of its deprecated `settotalmass` for every model it compiles,
+    on the console and in MUJOCO_LOG.TXT in the working folder; the MLP scripts drop that warning wherever they make
+    an env."""
+    assert "settotalmass" not in output, output[-3000:]
+    assert not (cwd / "MUJOCO_LOG.TXT").exists()
+
+
 def run_dirs(cwd: Path) -> list[Path]:
     """The run folders a launch in `cwd` wrote under runs/."""
     return sorted(path for path in (cwd / "runs").iterdir() if path.is_dir())

@@ -3,7 +3,6 @@ test_bad_input.py)."""
 
 import dataclasses
 import os
-import sys
 
 import gymnasium as gym
 import numpy as np
@@ -13,14 +12,13 @@ import torch
 import ppo_atari_multigpu as ppo
 from tests.helpers import (
     LOG_KEYS,
-    ROOT,
     assert_ok,
     assert_same_parameters,
     cleanrl_ppo_loss,
     compiled_something,
+    evaluate_one_episode,
     rank_parameters,
     read_scalars,
-    run_command,
     run_dirs,
     run_ranks,
     torchrun,
@@ -500,11 +498,4 @@ def test_breakout_two_ranks_compiled_train_identically_log_and_evaluate(tmp_path
     # whole games of a near-random agent: 5 lives last far longer than one learner episode
     assert scalars["charts/episodic_return"] and all(length > 100 for _, length in scalars["charts/episodic_length"])
 
-    result = run_command(
-        [sys.executable, str(ROOT / "ppo_atari_multigpu.py"), "--eval-checkpoint", str(run_dir / "model.pt")]
-        + ["--eval-episodes", "1"],
-        tmp_path,
-    )
-    assert_ok(result)
-    last_line = result.stdout.strip().splitlines()[-1]
-    assert last_line.startswith("eval: episodes=1 return_mean="), last_line
+    evaluate_one_episode("ppo_atari_multigpu.py", run_dir / "model.pt", tmp_path)

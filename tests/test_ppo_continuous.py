@@ -17,10 +17,12 @@ import tyro
 import ppo_continuous_mpi as ppo
 from tests.helpers import (
     LOG_KEYS,
+    assert_no_settotalmass_warning,
     assert_ok,
     assert_same_parameters,
     cleanrl_ppo_loss,
     compiled_something,
+    evaluate_one_episode,
     rank_parameters,
     read_scalars,
     run_dirs,
@@ -308,10 +310,12 @@ def test_normalisation_statistics_equal_those_of_the_union_of_all_ranks_observat
 TINY = ["--num-minibatches", "4", "--update-epochs", "2"]
 
 
-def test_halfcheetah_two_ranks_train_identically_and_save_the_statistics(tmp_path):
+def test_halfcheetah_two_ranks_train_identically_save_the_statistics_and_evaluate_quietly(tmp_path):
     # 2 iterations of 512 steps per rank: each rank's env is truncated once, at step 1000
     flags = ["--env-id", "HalfCheetah-v5", "--num-steps", "512", "--total-timesteps", "2048", "--save-model", *TINY]
-    assert_ok(torchrun("ppo_continuous_mpi.py", flags, tmp_path, save_ranks=True))
+    result = torchrun("ppo_continuous_mpi.py", flags, tmp_path, save_ranks=True)
+    assert_ok(result)
+    assert_no_settotalmass_warning(result.stdout + result.stderr, tmp_path)
     states = rank_parameters(tmp_path, 2)
     assert_same_parameters(states)
     [run_dir] = run_dirs(tmp_path)
@@ -327,6 +331,9 @@ def test_halfcheetah_two_ranks_train_identically_and_save_the_statistics(tmp_pat
     assert checkpoint["env_id"] == "HalfCheetah-v5"
     assert_same_parameters([states[0], checkpoint["model"]])  # weights and normalisation statistics
     assert checkpoint["model"]["obs_rms.count"].item() == 2048  # every rank's observations of both iterations
+
+    evaluation = evaluate_one_episode("ppo_continuous_mpi.py", run_dir / "model.pt", tmp_path)
+    assert_no_settotalmass_warning(evaluation.stdout + evaluation.stderr, tmp_path)
 
 
 def test_compile_runs_two_ranks_in_step(tmp_path):

@@ -14,8 +14,10 @@ import vpg_mpi
 from tests.helpers import (
     RANK_ENTRY,
     ROOT,
+    assert_no_settotalmass_warning,
     assert_ok,
     assert_same_parameters,
+    evaluate_one_episode,
     finish,
     free_port,
     rank_parameters,
@@ -362,26 +364,21 @@ def test_evaluating_a_trained_cartpole_model_earns_its_training_return(tmp_path,
     assert evaluate_model(tmp_path / "fresh.pt", capsys) < 0.4 * trained
 
 
-def test_halfcheetah_two_ranks_gather_mode(tmp_path):
-    args = [
-        "--env-id",
-        "HalfCheetah-v5",
-        "--steps-per-epoch",
-        "2000",
-        "--total-timesteps",
-        "4000",
-        "--train-v-iters",
-        "5",
-        "--sync",
-        "gather",
-    ]
-    assert_ok(torchrun("vpg_mpi.py", args, tmp_path, save_ranks=True))
+def test_halfcheetah_two_ranks_gather_mode_trains_and_evaluates_quietly(tmp_path):
+    args = ["--env-id", "HalfCheetah-v5", "--steps-per-epoch", "2000", "--total-timesteps", "4000"]
+    args += ["--train-v-iters", "5", "--sync", "gather", "--save-model"]
+    result = torchrun("vpg_mpi.py", args, tmp_path, save_ranks=True)
+    assert_ok(result)
+    assert_no_settotalmass_warning(result.stdout + result.stderr, tmp_path)
     assert_same_parameters(rank_parameters(tmp_path, 2))
     [run_dir] = run_dirs(tmp_path)
     scalars = read_scalars(run_dir)
     assert epochs_logged(run_dir) == 2
     assert len(scalars["charts/episodic_return"]) == 2  # 1000-step episodes: one per env per epoch
     assert scalars["charts/episodic_length"][0][1] == 1000
+
+    evaluation = evaluate_one_episode("vpg_mpi.py", run_dir / "model.pt", tmp_path)
+    assert_no_settotalmass_warning(evaluation.stdout + evaluation.stderr, tmp_path)
 
 
 def assert_one_world_of_two_ranks(cwd, stdout: str) -> None:
