@@ -516,6 +516,7 @@ def update(
 def main(args: Args) -> Agent | None:
     """Train (or, with --eval-checkpoint, evaluate); returns this rank's trained agent."""
     run = Run(args)  # re-launches for --nprocs (mpirun or torchrun); reads the launcher's world
+    silence_settotalmass_warning()  # before any env is made: the input checks' probe and evaluation too
     if args.eval_checkpoint:
         return evaluate_checkpoint(args)
     check_args(args)
@@ -873,7 +874,6 @@ def check_args(args: Args) -> None:
             f"--preempt-fraction must lie in [0, 1] (0 = off) and --min-rollout-fraction in (0, 1]; got "
             f"{args.preempt_fraction:g} and {args.min_rollout_fraction:g}"
         )
-    silence_settotalmass_warning()  # as make_env does
     try:
         probe = gym.make(args.env_id)  # only to read its spaces; `module:EnvId` imports the module that registers it
     except Exception as error:  # an unknown id or module, or MuJoCo failing to load the renderer MUJOCO_GL names
@@ -908,7 +908,6 @@ def batch_table(args: Args) -> list[tuple[str, object, object]]:
 
 
 def render_one_frame(env_id: str) -> None:
-    silence_settotalmass_warning()  # as make_env does
     env = gym.make(env_id, render_mode="rgb_array")
     env.reset(seed=0)
     env.render()
@@ -942,7 +941,6 @@ def evaluate_checkpoint(args: Args) -> None:
     check_video_support(args, lambda: render_one_frame(checkpoint["env_id"]))
     if read_launcher_environment()[0] != 0:
         return
-    silence_settotalmass_warning()  # as make_env does
     env = gym.make(checkpoint["env_id"])
     agent = Agent(int(np.prod(env.observation_space.shape)), int(np.prod(env.action_space.shape)))
     env.close()

@@ -445,6 +445,7 @@ def update_one_learner(
 def main(args: Args) -> Agent | None:
     """Train (or, with --eval-checkpoint, evaluate); returns this rank's trained agent."""
     run = Run(args, unit="epoch")  # re-launches for --nprocs (mpirun or torchrun); reads the launcher's world
+    silence_settotalmass_warning()  # before any env is made: the input checks' probe and evaluation too
     if args.eval_checkpoint:
         return evaluate_checkpoint(args)
     check_args(args)
@@ -684,7 +685,6 @@ def check_args(args: Args) -> None:
     for name in counts:
         if getattr(args, name) < 1:
             fail(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
-    silence_settotalmass_warning()  # as make_env does
     try:
         probe = gym.make(args.env_id)  # only to read its spaces; `module:EnvId` imports the module that registers it
     except Exception as error:  # an unknown id or module, or MuJoCo failing to load the renderer MUJOCO_GL names
@@ -715,7 +715,6 @@ def batch_table(args: Args) -> list[tuple[str, object, object]]:
 
 
 def render_one_frame(env_id: str) -> None:
-    silence_settotalmass_warning()  # as make_env does
     env = gym.make(env_id, render_mode="rgb_array")
     env.reset(seed=0)
     env.render()
@@ -752,7 +751,6 @@ def evaluate_checkpoint(args: Args) -> None:
     if read_launcher_environment()[0] != 0:
         return
     saved = checkpoint["args"]
-    silence_settotalmass_warning()  # as make_env does
     env = gym.make(checkpoint["env_id"])
     agent = Agent(int(np.prod(env.observation_space.shape)), env.action_space, tuple(saved["hidden_sizes"]))
     env.close()
