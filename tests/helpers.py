@@ -258,7 +258,8 @@ def progress_lines(stdout: str) -> list[int]:
     ]
 
 
-# the TensorBoard keys DESIGN.md fixes for the PPO scripts (vpg_mpi.py has no clipfrac or old_approx_kl)
+# the TensorBoard keys docs/design.md ("What a user sees") fixes for the PPO scripts
+# (vpg_mpi.py has no clipfrac or old_approx_kl)
 LOG_KEYS = (
     "charts/episodic_return",
     "charts/episodic_length",

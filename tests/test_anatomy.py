@@ -1,5 +1,5 @@
-"""The three scripts read alike (DESIGN.md, "Anatomy"): the algorithm first, within its line budget, and one
-runtime block at the bottom that is the same text in every script."""
+"""The three scripts read alike (docs/design.md, "Anatomy of a script"): the algorithm first, within its line
+budget, and one runtime block at the bottom that is the same text in every script."""
 
 import ast
 import subprocess
