@@ -165,6 +165,10 @@ class Args:
     """steps per env a rollout collects before --preempt-fraction may cut it short (computed at run time)"""
 
 
+Batch = dict[str, torch.Tensor]  # a rollout's tensors by name: obs, actions, log_probs, values, advantages, returns
+Group = dist.ProcessGroup | None  # None: the world
+
+
 # --- batch arithmetic ---------------------------------------------------------------------------------
 
 
@@ -351,12 +355,12 @@ def compute_gae(
 # --- gradient sync (DDP averages the gradients; these carry the rest) ---------------------------------
 
 
-def group_size(group: dist.ProcessGroup | None = None) -> int:
+def group_size(group: Group = None) -> int:
     """Ranks in `group` (the world by default); 1 where no process group exists, so helpers become no-ops."""
     return dist.get_world_size(group) if dist.is_initialized() else 1
 
 
-def allreduce_mean(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+def allreduce_mean(tensor: torch.Tensor, group: Group = None) -> torch.Tensor:
     """Average `tensor` over the ranks of `group`, in place (all_reduce: MPI's under mpirun, else torch's)."""
     if group_size(group) > 1:
         all_reduce(tensor, group=group)
@@ -391,11 +395,12 @@ def global_mean_std(x: torch.Tensor | list[torch.Tensor]) -> tuple[torch.Tensor,
 # --- update -------------------------------------------------------------------------------------------
 
 LOSS_KEYS = ("policy_loss", "value_loss", "entropy", "old_approx_kl", "approx_kl", "clipfrac")
+APPROX_KL, CLIPFRAC = LOSS_KEYS.index("approx_kl"), LOSS_KEYS.index("clipfrac")
 
 
 def minibatch_loss(
     model: nn.Module,
-    mb: dict[str, torch.Tensor],
+    mb: Batch,
     adv_mean: torch.Tensor | None,
     adv_std: torch.Tensor | None,
     args: Args,
@@ -430,45 +435,48 @@ def minibatch_loss(
 
     entropy_loss = entropy.mean()
     loss = pg_loss - args.ent_coef * entropy_loss + v_loss * args.vf_coef
-    stats = torch.stack([pg_loss, v_loss, entropy_loss, old_approx_kl, approx_kl, clipfrac]).detach()
-    return loss, stats
+    return loss, torch.stack([pg_loss, v_loss, entropy_loss, old_approx_kl, approx_kl, clipfrac]).detach()  # LOSS_KEYS
 
 
-def minibatch_pieces(sample_counts: list[int], num_minibatches: int) -> torch.Tensor:
-    """[ranks, num_minibatches]: the samples each rank gives each world minibatch, its batch cut in near-equal pieces
-    (all equal unless preemption cut some rollouts short)."""
+def minibatch_sizes(sample_counts: list[int], num_minibatches: int) -> torch.Tensor:
+    """[ranks, num_minibatches]: how many samples each rank gives each world minibatch, its batch cut in near-equal
+    parts (all equal unless preemption cut some rollouts short)."""
     counts = torch.tensor(sample_counts)[:, None]
     return counts // num_minibatches + (torch.arange(num_minibatches) < counts % num_minibatches)
+
+
+def local_minibatches(sizes: torch.Tensor, group: Group = None) -> tuple[list[int], list[float] | None]:
+    """This rank's minibatch sizes (its row of `sizes`) and the weight of its loss in each world minibatch, its share
+    of the samples times the ranks, so that the average over ranks is the union's mean (None: all sizes equal)."""
+    local_sizes = sizes[dist.get_rank(group) if dist.is_initialized() else 0]
+    weights = (local_sizes.double() * len(sizes) / sizes.sum(0)).tolist()
+    return local_sizes.tolist(), None if bool((sizes == sizes[0, 0]).all()) else weights
 
 
 def update(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
-    batch: dict[str, torch.Tensor],
-    orders: torch.Tensor,
+    batch: Batch,
     args: Args,
-    pieces: torch.Tensor | None = None,
+    orders: torch.Tensor,
+    sizes: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, float]:
     """PPO's update epochs through `model`, the DDP-wrapped agent (or a plain one alone). Minibatch k of epoch e is
-    the k-th piece of `orders[e]` (a permutation of this rank's batch), `pieces[rank, k]` samples long
-    (minibatch_pieces; None: equal pieces), on this rank and the union over ranks in the world. Returns the
+    the k-th slice of `orders[e]` (a permutation of this rank's batch), `sizes[rank, k]` samples long
+    (minibatch_sizes; None: equal slices); the world's minibatch k is the union of every rank's. Returns the
     world-averaged LOSS_KEYS (the last minibatch's; clipfrac over all so far) and the seconds in backward passes and
-    collectives (DDP's allreduce overlaps backward: it cannot be timed apart).
-    """
+    collectives (DDP's allreduce overlaps backward: it cannot be timed apart). A `--target-kl` stop ends the epochs
+    alike on every rank."""
     parameters = list(model.parameters())
     sync_time = 0.0
-    if pieces is None:
-        pieces = minibatch_pieces([orders.shape[1]] * group_size(), args.num_minibatches)
-    mine = pieces[dist.get_rank() if dist.is_initialized() else 0]
-    equal = bool((pieces == pieces[0, 0]).all())
-    # a rank's loss and logged numbers weigh by its share of each world minibatch, so that DDP's average over ranks
-    # is the mean over the union's samples (weights 1 when the pieces are equal)
-    weights = (mine.double() * len(pieces) / pieces.sum(0)).tolist()
-    minibatches = [list(epoch_order.split(mine.tolist())) for epoch_order in orders]
+    if sizes is None:
+        sizes = minibatch_sizes([orders.shape[1]] * group_size(), args.num_minibatches)
+    local_sizes, weights = local_minibatches(sizes)
+    minibatches = [list(epoch_order.split(local_sizes)) for epoch_order in orders]  # [epoch][k]: sample indices
     if args.norm_adv:  # the world-wide mean and std of every minibatch this update will see, in one collective
         start = time.perf_counter()
         advantages = batch["advantages"]
-        if equal:
+        if weights is None:
             adv_mean, adv_std = global_mean_std(advantages[orders.view(len(orders), args.num_minibatches, -1)])
         else:
             adv_mean, adv_std = global_mean_std([advantages[index] for epoch in minibatches for index in epoch])
@@ -479,10 +487,10 @@ def update(
         for k, index in enumerate(epoch_minibatches):
             mb = {key: value[index] for key, value in batch.items()}
             mb_mean, mb_std = (adv_mean[epoch, k], adv_std[epoch, k]) if args.norm_adv else (None, None)
-            loss, minibatch_stats = minibatch_loss(model, mb, mb_mean, mb_std, args)
-            if not equal:
-                loss, minibatch_stats = loss * weights[k], minibatch_stats * weights[k]
-            clipfracs.append(minibatch_stats[5])
+            loss, minibatch_losses = minibatch_loss(model, mb, mb_mean, mb_std, args)
+            if weights is not None:
+                loss, minibatch_losses = loss * weights[k], minibatch_losses * weights[k]
+            clipfracs.append(minibatch_losses[CLIPFRAC])
             optimizer.zero_grad()
             start = time.perf_counter()
             loss.backward()  # DDP averages the (weighted) gradients over ranks here
@@ -492,13 +500,15 @@ def update(
                 raise NonFiniteError("a non-finite loss or gradient")
             optimizer.step()
 
-        # one collective per epoch: world-averaged statistics, which also decide target_kl alike on every rank
+        # one collective per epoch: world-averaged losses, which also decide target_kl alike on every rank
         start = time.perf_counter()
-        stats = allreduce_mean(torch.cat([minibatch_stats[:5], torch.stack(clipfracs).mean()[None]]).double())
+        losses = minibatch_losses.clone()  # the last minibatch's, with clipfrac over all so far
+        losses[CLIPFRAC] = torch.stack(clipfracs).mean()
+        losses = allreduce_mean(losses.double())
         sync_time += time.perf_counter() - start
-        if args.target_kl is not None and stats[4] > args.target_kl:
+        if args.target_kl is not None and losses[APPROX_KL] > args.target_kl:
             break
-    return stats, sync_time
+    return losses, sync_time
 
 
 def main(args: Args) -> Agent | None:
@@ -608,17 +618,16 @@ def main(args: Args) -> Agent | None:
             # --- update (through DDP) ---
             update_start = time.perf_counter()
             orders = torch.stack([torch.randperm(returns.numel(), device=device) for _ in range(args.update_epochs)])
-            pieces = minibatch_pieces(sample_counts, args.num_minibatches)
-            stats, sync_time = update(model, optimizer, batch, orders, args, pieces)
+            sizes = minibatch_sizes(sample_counts, args.num_minibatches)
+            losses, sync_time = update(model, optimizer, batch, args, orders, sizes)
             update_time = time.perf_counter() - update_start
 
             # --- logging: games ended on any rank, losses averaged over ranks, the world's explained variance ---
             explained_var = explained_variance(batch["returns"], batch["values"])
             world = run.sum_over_ranks(**finished)
-            losses = {f"losses/{key}": value for key, value in zip(LOSS_KEYS, stats.tolist(), strict=True)}
             scalars = {
                 "charts/learning_rate": optimizer.param_groups[0]["lr"],
-                **losses,
+                **{f"losses/{key}": value for key, value in zip(LOSS_KEYS, losses.tolist(), strict=True)},
                 "losses/explained_variance": explained_var,
                 "perf/rollout_time": rollout_time,
                 "perf/update_time": update_time,

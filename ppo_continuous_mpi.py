@@ -339,13 +339,14 @@ def flat_gradient_buffer(parameters: list[nn.Parameter], num_extras: int) -> tor
     return flat
 
 
-def average_gradients(flat: torch.Tensor, group: Group = None) -> torch.Tensor:
-    """Average a flat_gradient_buffer (gradients, then the scalars every rank must agree on) over ranks in one
-    allreduce. A NaN or inf anywhere spreads through the sum, so every rank raises NonFiniteError before any step."""
+def average_gradients(flat: torch.Tensor, group: Group = None) -> float:
+    """Average a flat_gradient_buffer (gradients, then scalars every rank must agree on) in one allreduce; returns its
+    seconds. A NaN or inf anywhere spreads through the sum, so every rank raises NonFiniteError before any step."""
+    start = time.perf_counter()
     allreduce_mean(flat, group)
     if not torch.isfinite(flat).all():
         raise NonFiniteError("a non-finite loss or gradient")
-    return flat
+    return time.perf_counter() - start
 
 
 def clip_flat_gradients(gradients: torch.Tensor, max_norm: float) -> None:
@@ -395,6 +396,7 @@ def global_mean_std(x: torch.Tensor | list[torch.Tensor], group: Group = None) -
 # --- update -------------------------------------------------------------------------------------------
 
 LOSS_KEYS = ("policy_loss", "value_loss", "entropy", "old_approx_kl", "approx_kl", "clipfrac")
+APPROX_KL, CLIPFRAC = LOSS_KEYS.index("approx_kl"), LOSS_KEYS.index("clipfrac")
 
 
 def minibatch_loss(
@@ -430,8 +432,7 @@ def minibatch_loss(
 
     entropy_loss = entropy.mean()
     loss = pg_loss - args.ent_coef * entropy_loss + v_loss * args.vf_coef
-    stats = torch.stack([pg_loss, v_loss, entropy_loss, old_approx_kl, approx_kl, clipfrac]).detach()
-    return loss, stats
+    return loss, torch.stack([pg_loss, v_loss, entropy_loss, old_approx_kl, approx_kl, clipfrac]).detach()  # LOSS_KEYS
 
 
 def loss_function(args: Args) -> Callable:
@@ -440,11 +441,19 @@ def loss_function(args: Args) -> Callable:
     return torch.compile(minibatch_loss, fullgraph=True, dynamic=dynamic) if args.compile else minibatch_loss
 
 
-def minibatch_pieces(sample_counts: list[int], num_minibatches: int) -> torch.Tensor:
-    """[ranks, num_minibatches]: the samples each rank gives each world minibatch, its batch cut in near-equal pieces
-    (all equal unless preemption cut some rollouts short)."""
+def minibatch_sizes(sample_counts: list[int], num_minibatches: int) -> torch.Tensor:
+    """[ranks, num_minibatches]: how many samples each rank gives each world minibatch, its batch cut in near-equal
+    parts (all equal unless preemption cut some rollouts short)."""
     counts = torch.tensor(sample_counts)[:, None]
     return counts // num_minibatches + (torch.arange(num_minibatches) < counts % num_minibatches)
+
+
+def local_minibatches(sizes: torch.Tensor, group: Group = None) -> tuple[list[int], list[float] | None]:
+    """This rank's minibatch sizes (its row of `sizes`) and the weight of its loss in each world minibatch, its share
+    of the samples times the ranks, so that the average over ranks is the union's mean (None: all sizes equal)."""
+    local_sizes = sizes[dist.get_rank(group) if dist.is_initialized() else 0]
+    weights = (local_sizes.double() * len(sizes) / sizes.sum(0)).tolist()
+    return local_sizes.tolist(), None if bool((sizes == sizes[0, 0]).all()) else weights
 
 
 def update(
@@ -453,64 +462,55 @@ def update(
     batch: Batch,
     args: Args,
     orders: torch.Tensor,
+    sizes: torch.Tensor | None = None,
     loss_fn: Callable = minibatch_loss,
     group: Group = None,
-    pieces: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, float, int]:
-    """PPO's update epochs; the world's minibatch k is the union of every rank's k-th piece of `orders[epoch]` (a
-    permutation of this rank's batch), `pieces[rank, k]` samples long (minibatch_pieces; None: equal pieces). Returns
-    the world-averaged LOSS_KEYS (the last minibatch's; clipfrac over all), the seconds spent in collectives, and the
-    epochs run (fewer after a `--target-kl` stop, alike on every rank)."""
+) -> tuple[torch.Tensor, float]:
+    """PPO's update epochs: minibatch k of epoch e is the k-th slice of `orders[e]` (this rank's batch permuted),
+    `sizes[rank, k]` samples long (minibatch_sizes; None: equal), and the world's is the union of every rank's. Returns
+    the world-averaged LOSS_KEYS (the last minibatch's; clipfrac over all) and the seconds spent in collectives."""
     parameters = list(agent.parameters())
     num_gradients = sum(p.numel() for p in parameters)
-    flat = flat_gradient_buffer(parameters, num_extras=len(LOSS_KEYS))  # gradients, then the numbers ranks log
-    gradients, stats = flat[:num_gradients], flat[num_gradients:]
+    flat = flat_gradient_buffer(parameters, num_extras=len(LOSS_KEYS))  # gradients, then the losses ranks log
+    gradients, losses = flat[:num_gradients], flat[num_gradients:]
+    if sizes is None:
+        sizes = minibatch_sizes([orders.shape[1]] * group_size(group), args.num_minibatches)
+    local_sizes, weights = local_minibatches(sizes, group)
+    starts = np.cumsum([0, *local_sizes]).tolist()  # where each minibatch starts in the epoch's order
     sync_time = 0.0
     clipfrac_sum = torch.zeros((), dtype=flat.dtype, device=flat.device)
-    minibatches_run = 0
-    if pieces is None:
-        pieces = minibatch_pieces([orders.shape[1]] * group_size(group), args.num_minibatches)
-    mine = pieces[dist.get_rank(group) if dist.is_initialized() else 0]
-    equal = bool((pieces == pieces[0, 0]).all())
-    # a rank's gradient and logged numbers weigh by its share of each world minibatch, so that allreduce_mean's
-    # average over ranks is the mean over the union's samples (weights 1 when the pieces are equal)
-    weights = (mine.double() * len(pieces) / pieces.sum(0)).tolist()
-    starts, mine = [0, *mine.cumsum(0).tolist()], mine.tolist()
     for epoch in range(args.update_epochs):
         # one gather per tensor per epoch; each minibatch is then a slice, not another gather
         shuffled = {key: value[orders[epoch]] for key, value in batch.items()}
         adv_mean = adv_std = [None] * args.num_minibatches
         if args.norm_adv:  # every global minibatch's mean and std in one collective per epoch
             start = time.perf_counter()
-            advantages = shuffled["advantages"]
-            advantages = advantages.view(args.num_minibatches, -1) if equal else list(advantages.split(mine))
+            advantages = shuffled["advantages"].split(local_sizes)  # this rank's part of each world minibatch
+            advantages = torch.stack(advantages) if weights is None else list(advantages)  # unequal: one by one
             adv_mean, adv_std = global_mean_std(advantages, group)
             sync_time += time.perf_counter() - start
         for k in range(args.num_minibatches):
             mb = {key: value[starts[k] : starts[k + 1]] for key, value in shuffled.items()}
-            loss, minibatch_stats = loss_fn(agent, mb, adv_mean[k], adv_std[k], args)
-            if not equal:
-                loss, minibatch_stats = loss * weights[k], minibatch_stats * weights[k]
+            loss, minibatch_losses = loss_fn(agent, mb, adv_mean[k], adv_std[k], args)
+            if weights is not None:
+                loss, minibatch_losses = loss * weights[k], minibatch_losses * weights[k]
             flat.zero_()
             loss.backward()  # accumulates into the views flat_gradient_buffer gave the parameters
-            minibatches_run += 1
-            clipfrac_sum += minibatch_stats[5]
+            clipfrac_sum += minibatch_losses[CLIPFRAC]
             with torch.no_grad():
-                stats[:5] = minibatch_stats[:5]
-                stats[5] = clipfrac_sum / minibatches_run
+                losses.copy_(minibatch_losses)
+                losses[CLIPFRAC] = clipfrac_sum / (epoch * args.num_minibatches + k + 1)
             # the (weighted) mean of the ranks' gradients is the union's; clipped alike after averaging
-            start = time.perf_counter()
-            average_gradients(flat, group)
-            sync_time += time.perf_counter() - start
+            sync_time += average_gradients(flat, group)
             clip_flat_gradients(gradients, args.max_grad_norm)
             optimizer.step()
 
         # the KL is the world average carried by the last gradient allreduce: every rank stops together
-        if args.target_kl is not None and stats[4] > args.target_kl:
+        if args.target_kl is not None and losses[APPROX_KL] > args.target_kl:
             break
     for parameter in parameters:  # let the buffer go (optimizer.zero_grad() would do the same)
         parameter.grad = None
-    return stats.clone(), sync_time, epoch + 1
+    return losses.clone(), sync_time
 
 
 def main(args: Args) -> Agent | None:
@@ -626,18 +626,19 @@ def main(args: Args) -> Agent | None:
             # --- update ---
             update_start = time.perf_counter()
             orders = torch.stack([torch.randperm(returns.size, device=device) for _ in range(args.update_epochs)])
-            pieces = minibatch_pieces(sample_counts, args.num_minibatches)
+            sizes = minibatch_sizes(sample_counts, args.num_minibatches)
             if args.sync == "allreduce":
-                stats, sync_time, _ = update(agent, optimizer, batch, args, orders, loss_fn, pieces=pieces)
+                losses, sync_time = update(agent, optimizer, batch, args, orders, sizes, loss_fn)
             else:  # the same update, by rank 0 alone on the union of every rank's batch
-                learner = (learner_group, pieces)
-                stats, sync_time = update_one_learner(agent, optimizer, batch, args, orders, loss_fn, *learner)
+                losses, sync_time = update_one_learner(
+                    agent, optimizer, batch, args, orders, sizes, loss_fn, learner_group
+                )
             update_time = time.perf_counter() - update_start
 
             # --- logging: episodes ended on any rank, losses averaged over ranks, the world's explained variance ---
             world = run.sum_over_ranks(**finished, **value_sums(returns, values[rows]))
-            losses = {f"losses/{key}": value for key, value in zip(LOSS_KEYS, stats.tolist(), strict=True)}
-            scalars = {"charts/learning_rate": optimizer.param_groups[0]["lr"], **losses}
+            scalars = {"charts/learning_rate": optimizer.param_groups[0]["lr"]}
+            scalars |= {f"losses/{key}": value for key, value in zip(LOSS_KEYS, losses.tolist(), strict=True)}
             scalars["losses/explained_variance"] = explained_variance(world)
             scalars |= {"perf/rollout_time": rollout_time, "perf/update_time": update_time, "perf/sync_time": sync_time}
             run.log(global_step, world, scalars)
@@ -785,23 +786,24 @@ def update_one_learner(
     batch: Batch,
     args: Args,
     orders: torch.Tensor,
+    sizes: torch.Tensor,
     loss_fn: Callable,
     learner_group: Group,
-    pieces: torch.Tensor,
 ) -> tuple[torch.Tensor, float]:
     """--sync gather: rank 0 runs `update` on the union of the ranks' batches in `learner_group` (a group of one),
     then one broadcast gives every rank its weights, the logged losses and whether it met a non-finite loss.
-    `pieces` are the ranks' minibatch_pieces. Returns those losses and the seconds of the gather and the broadcast."""
+    `sizes` are the ranks' minibatch_sizes. Returns those losses and the seconds of the gather and the broadcast."""
     start = time.perf_counter()
-    union = gather_to_learner(batch, orders, pieces, args)
+    union = gather_to_learner(batch, orders, sizes, args)
     outcome = torch.zeros(len(LOSS_KEYS) + 1, dtype=torch.float64, device=orders.device)  # losses, non-finite flag
     learner_start = time.perf_counter()
     if union is not None:
         union_batch, union_orders = union
-        try:
-            outcome[:-1] = update(
-                agent, optimizer, union_batch, args, union_orders, loss_fn, learner_group, pieces.sum(0, keepdim=True)
-            )[0]
+        try:  # the learner's minibatch k is the world's
+            losses, _ = update(
+                agent, optimizer, union_batch, args, union_orders, sizes.sum(0)[None], loss_fn, learner_group
+            )
+            outcome[:-1] = losses
         except NonFiniteError:
             outcome[-1] = 1.0
     learner_time = time.perf_counter() - learner_start
@@ -812,32 +814,32 @@ def update_one_learner(
 
 
 def gather_to_learner(
-    batch: Batch, orders: torch.Tensor, pieces: torch.Tensor, args: Args
+    batch: Batch, orders: torch.Tensor, sizes: torch.Tensor, args: Args
 ) -> tuple[Batch, torch.Tensor] | None:
     """--sync gather: every rank's batch and minibatch orders on rank 0 (one gather; each padded to a full local batch,
     as preemption may have cut it short), as the union batch and orders under which the world's minibatch k is every
-    rank's k-th piece, as with allreduce; None on the other ranks."""
+    rank's k-th minibatch, as with allreduce; None on the other ranks."""
     padding = args.local_batch_size - orders.shape[1]
     full = [torch.cat([value, value.new_zeros((padding, *value.shape[1:]))]) for value in batch.values()]
     full += [torch.cat([orders, orders.new_zeros((len(orders), padding))], 1)]
-    packed = torch.cat([value.reshape(-1).double() for value in full])
-    gathered = gather(packed)  # [ranks, packed] on rank 0
+    gathered = gather(torch.cat([value.reshape(-1).double() for value in full]))  # [ranks, packed] on rank 0
     if gathered is None:
         return None
-    counts, parts = pieces.sum(1).tolist(), [rank_packed.split([t.numel() for t in full]) for rank_packed in gathered]
+    numels = [value.numel() for value in full]
+    ranks = [[part.view_as(like) for part, like in zip(row.split(numels), full, strict=True)] for row in gathered]
+    counts = sizes.sum(1).tolist()  # each rank's samples, then where they start in the union
+    offsets = [0, *np.cumsum(counts)[:-1].tolist()]
     union = {
-        key: torch.cat([part[i].view_as(full[i])[:n] for part, n in zip(parts, counts, strict=True)]).to(value.dtype)
+        key: torch.cat([rank[i][:n] for rank, n in zip(ranks, counts, strict=True)]).to(value.dtype)
         for i, (key, value) in enumerate(batch.items())
     }
-    offsets = [0, *np.cumsum(counts)[:-1].tolist()]  # where each rank's samples start in the union
-    rank_pieces = [  # [rank][epoch][k]: the union's indices of rank r's k-th piece in that epoch
-        [(part[-1].view_as(full[-1])[epoch, :n].long() + offset).split(size.tolist()) for epoch in range(len(orders))]
-        for part, n, offset, size in zip(parts, counts, offsets, pieces, strict=True)
-    ]
-    union_orders = [
-        torch.cat([rank_pieces[r][epoch][k] for k in range(args.num_minibatches) for r in range(len(parts))])
-        for epoch in range(len(orders))
-    ]
+    union_orders = []
+    for epoch in range(len(orders)):
+        minibatches = [  # each rank's minibatches of this epoch, as indices into the union
+            (rank[-1][epoch, :n].long() + offset).split(rank_sizes.tolist())
+            for rank, n, offset, rank_sizes in zip(ranks, counts, offsets, sizes, strict=True)
+        ]
+        union_orders.append(torch.cat([rank[k] for k in range(args.num_minibatches) for rank in minibatches]))
     return union, torch.stack(union_orders).to(orders.device)
 
 

@@ -265,7 +265,7 @@ def nonfinite_update(ddrl, script: str, rank: int) -> tuple[str, bool]:
             step = lambda: ddrl.update(agent, optimizer, batch, args, order)  # noqa: E731
         else:
             model = torch.nn.parallel.DistributedDataParallel(agent)
-            step = lambda: ddrl.update(model, optimizer, batch, order, args)  # noqa: E731
+            step = lambda: ddrl.update(model, optimizer, batch, args, order)  # noqa: E731
     before = {key: value.clone() for key, value in agent.state_dict().items()}
     try:
         step()
