@@ -211,33 +211,6 @@ def env_seeds(seed: int, rank: int, local_num_envs: int, index_offset: int = 0) 
     return [seed + 10_000 * (index_offset + rank * local_num_envs + j) for j in range(local_num_envs)]
 
 
-def atari_settings(env_id: str) -> dict:
-    """The game and protocol of a gymnasium Atari id, read from its registration; a clear error for anything else.
-    `{Game}NoFrameskip-v4` plays without sticky actions, `ALE/{Game}-v5` repeats the last action with probability
-    0.25; both get this script's own 4-frame skip with max-pool."""
-    gym.register_envs(ale_py)
-    try:
-        spec = gym.spec(env_id)
-    except gym.error.Error as error:
-        fail(f"unknown --env-id {env_id!r} ({error}); pass an Atari game such as BreakoutNoFrameskip-v4")
-    if spec.entry_point not in ("ale_py.env:AtariEnv", ale_py.env.AtariEnv):
-        fail(f"--env-id {env_id} is not an Atari game; {SCRIPT} trains ALE games such as BreakoutNoFrameskip-v4")
-    kwargs = spec.kwargs
-    if kwargs.get("obs_type", "rgb") == "ram":
-        fail(f"--env-id {env_id} observes RAM; {SCRIPT} learns from pixels: use the id without '-ram'")
-    if not isinstance(kwargs.get("frameskip", 1), int):
-        fail(
-            f"--env-id {env_id} skips a random number of frames, which AtariVectorEnv cannot do; "
-            f"use the NoFrameskip-v4 or ALE/...-v5 id of the game"
-        )
-    return {
-        "game": kwargs["game"],
-        "repeat_action_probability": kwargs.get("repeat_action_probability", 0.25),
-        "full_action_space": kwargs.get("full_action_space", False),
-        "max_num_frames_per_episode": kwargs.get("max_num_frames_per_episode") or 108_000,
-    }
-
-
 def make_env(settings: dict, num_envs: int, num_threads: int) -> AtariVectorEnv:
     """This rank's envs (`settings` from atari_settings): C++ threads with the DQN preprocessing. Unlike
     AtariVectorEnv's defaults, rewards stay raw (the learner clips them, the log keeps the score), `life_loss_info`
@@ -297,37 +270,54 @@ class Agent(nn.Module):
         self.actor = layer_init(nn.Linear(512, num_actions), std=0.01)
         self.critic = layer_init(nn.Linear(512, 1), std=1)
 
-    def trunk(self, obs: torch.Tensor) -> torch.Tensor:
-        """Features of uint8 frames, converted here (per minibatch) to the weights' dtype and scaled to [0, 1]. With
-        `bf16` the trunk (nearly all the arithmetic) runs under bfloat16 autocast and its features come back in the
-        weights' dtype, so the heads, the log-probabilities and the losses keep full precision."""
+    def policy_value(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Log-probabilities of every action and the value at uint8 frames `obs`: the one definition of the policy and
+        the value function, which acting (RolloutPolicy) and learning (log_prob_entropy_value) share. Frames become the
+        weights' dtype here (per minibatch), scaled to [0, 1]; with `bf16` the trunk (nearly all the arithmetic) runs
+        under bfloat16 autocast and its features come back in the weights' dtype, so the heads keep full precision."""
         x = obs.to(self.critic.weight.dtype) / 255.0
         with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=self.bf16):
             hidden = self.network(x)
-        return hidden.to(x.dtype)
-
-    def policy_value(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Log-probabilities of every action and the value at `obs`: the one definition of the policy and the value
-        function, which acting (act) and learning (forward) share."""
-        hidden = self.trunk(obs)
+        hidden = hidden.to(x.dtype)
         return torch.log_softmax(self.actor(hidden), dim=-1), self.critic(hidden).squeeze(-1)
 
-    def forward(self, obs: torch.Tensor, actions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Log-probability of `actions`, policy entropy and value at `obs`: all the loss needs, in one DDP call."""
+    def log_prob_entropy_value(
+        self, obs: torch.Tensor, actions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Log-probability of `actions`, the policy's entropy and the value at `obs`."""
         log_probs, value = self.policy_value(obs)
         entropy = -(log_probs.exp() * log_probs).sum(-1)
         return log_probs.gather(-1, actions.long().unsqueeze(-1)).squeeze(-1), entropy, value
 
+    def forward(self, obs: torch.Tensor, actions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """log_prob_entropy_value: all the loss needs, in one call, as DDP syncs gradients only through forward."""
+        return self.log_prob_entropy_value(obs, actions)
+
+    def value(self, obs: torch.Tensor) -> torch.Tensor:
+        return self.policy_value(obs)[1]
+
+    def rollout_policy(self) -> "RolloutPolicy":
+        """The policy and value function as they are now, for a rollout (which never changes them)."""
+        return RolloutPolicy(self)
+
+
+class RolloutPolicy:
+    """The Agent acting on a batch of frames: its own modules under inference mode (no autograd, no DDP hooks),
+    sampling the categorical distribution that Agent.log_prob_entropy_value scores."""
+
+    def __init__(self, agent: Agent):
+        self.agent = agent
+
     @torch.inference_mode()
     def act(self, obs: torch.Tensor, deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Sampled (or modal) actions, their log-probabilities and the values at `obs`, for rollouts."""
-        log_probs, value = self.policy_value(obs)
+        """Sampled (or modal) actions, their log-probabilities and the values at `obs` [envs, 4, 84, 84]."""
+        log_probs, value = self.agent.policy_value(obs)
         actions = log_probs.argmax(-1) if deterministic else torch.multinomial(log_probs.exp(), 1).squeeze(-1)
         return actions, log_probs.gather(-1, actions.unsqueeze(-1)).squeeze(-1), value
 
     @torch.inference_mode()
     def value(self, obs: torch.Tensor) -> torch.Tensor:
-        return self.policy_value(obs)[1]
+        return self.agent.value(obs)
 
 
 def compute_gae(
@@ -461,12 +451,10 @@ def update(
     orders: torch.Tensor,
     sizes: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, float]:
-    """PPO's update epochs through `model`, the DDP-wrapped agent (or a plain one alone). Minibatch k of epoch e is
-    the k-th slice of `orders[e]` (a permutation of this rank's batch), `sizes[rank, k]` samples long
-    (minibatch_sizes; None: equal slices); the world's minibatch k is the union of every rank's. Returns the
-    world-averaged LOSS_KEYS (the last minibatch's; clipfrac over all so far) and the seconds in backward passes and
-    collectives (DDP's allreduce overlaps backward: it cannot be timed apart). A `--target-kl` stop ends the epochs
-    alike on every rank."""
+    """PPO's update epochs through `model`, the DDP-wrapped agent (or a plain one alone): minibatch k of epoch e is the
+    k-th slice of `orders[e]` (this rank's batch permuted), `sizes[rank, k]` samples long (minibatch_sizes; None:
+    equal), and the world's is the union of every rank's. Returns the world-averaged LOSS_KEYS (the last minibatch's;
+    clipfrac over all) and the seconds in backward and collectives (DDP's allreduce overlaps backward)."""
     parameters = list(model.parameters())
     sync_time = 0.0
     if sizes is None:
@@ -533,11 +521,13 @@ def main(args: Args) -> Agent | None:
         print(f"{SCRIPT}: warning: this {device.type} emulates bfloat16, so --bf16 is slower here", file=sys.stderr)
     # channels-last: oneDNN's fast convolution layout on CPU, and the layout tensor cores want
     agent = Agent(int(envs.single_action_space.n), bf16=args.bf16).to(device, memory_format=torch.channels_last)
-    if args.compile:  # only the update's calls, agent(obs, actions); rollouts call agent.act, left eager
+    if args.compile:  # only the update's calls, agent(obs, actions); rollouts (RolloutPolicy) stay eager
         agent.compile(fullgraph=True, dynamic=None if args.preempt_fraction else False)  # preemption varies shapes
     model = DDP(agent, device_ids=[device.index] if device.type == "cuda" else None)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.learning_rate, eps=1e-5)
-    check_rollout_policy(agent, rollout_probe(agent, envs.single_observation_space.shape, device), "at start")
+    check_rollout_policy(
+        agent, rollout_probe(agent.rollout_policy(), envs.single_observation_space.shape, device), "at start"
+    )
     random.seed(rank_seed(args.seed, rank))
     np.random.seed(rank_seed(args.seed, rank))
     torch.manual_seed(rank_seed(args.seed, rank))
@@ -561,10 +551,11 @@ def main(args: Args) -> Agent | None:
 
             # --- rollout (the unwrapped agent: no DDP hooks) ---
             rollout_start = time.perf_counter()
+            policy = agent.rollout_policy()
             finished = {"episodes": 0, "episode_return": 0.0, "episode_length": 0}  # whole games, raw scores
             for step in run.rollout_steps(args.num_steps, args.min_num_steps, args.preempt_fraction):
                 obs[step] = torch.from_numpy(next_obs).to(device)
-                action, logprobs[step], values[step] = agent.act(obs[step])
+                action, logprobs[step], values[step] = policy.act(obs[step])
                 actions[step] = action
                 env_action = action.cpu().numpy()
                 if fire is not None:  # CleanRL's FireResetEnv: FIRE after a lost life; the env ignores `action` there
@@ -581,9 +572,9 @@ def main(args: Args) -> Agent | None:
                     cut = truncated & ~terminated
                     if cut.any():  # truncation is not termination: bootstrap from V(final observation)
                         final_obs = torch.from_numpy(info["final_obs"][cut]).to(device)
-                        final_values[step, torch.from_numpy(cut).to(device)] = agent.value(final_obs)
+                        final_values[step, torch.from_numpy(cut).to(device)] = policy.value(final_obs)
             collected = step + 1  # steps per env: all of them, unless preemption cut the rollout short
-            last_values = agent.value(torch.from_numpy(next_obs).to(device))
+            last_values = policy.value(torch.from_numpy(next_obs).to(device))
             rollout_time = time.perf_counter() - rollout_start
             sample_counts = [args.local_batch_size] * args.world_size  # each rank's samples: one all_gather if cut
             if args.preempt_fraction:
@@ -672,34 +663,59 @@ class GameTracker:
         return game_over, returns, lengths
 
 
-# --- the check that acting (Agent.act, the rollout) and learning (Agent.forward, the update) agree ----
+# --- the check that acting (RolloutPolicy) and learning (Agent.log_prob_entropy_value) agree ----------
 
 ROLLOUT_CHECK_SAMPLES = 32  # frames: their forward costs well under 1% of an iteration
 
 
-def rollout_probe(agent: Agent, obs_shape: tuple[int, ...], device: torch.device) -> dict[str, torch.Tensor]:
-    """What Agent.act does on a batch of random frames: sampled actions, their log-probabilities and the values."""
+def rollout_probe(policy: RolloutPolicy, obs_shape: tuple[int, ...], device: torch.device) -> Batch:
+    """What `policy` does on a batch of random frames: sampled actions, their log-probabilities and the values."""
     obs = torch.randint(0, 256, (ROLLOUT_CHECK_SAMPLES, *obs_shape), dtype=torch.uint8, device=device)
-    actions, log_probs, values = agent.act(obs)
+    actions, log_probs, values = policy.act(obs)
     return {"obs": obs, "actions": actions, "log_probs": log_probs, "values": values}
 
 
-def check_rollout_policy(
-    agent: Agent, batch: dict[str, torch.Tensor], when: str, count: int = ROLLOUT_CHECK_SAMPLES
-) -> None:
-    """Stop unless Agent.forward gives the log-probabilities and values that Agent.act recorded in `batch`'s first
-    `count` rows (as many as act saw at once: the same kernels, so bfloat16 rounds alike too)."""
+def check_rollout_policy(agent: Agent, batch: Batch, when: str, count: int = ROLLOUT_CHECK_SAMPLES) -> None:
+    """Stop unless Agent.log_prob_entropy_value gives the log-probabilities and values that the rollout recorded in
+    `batch`'s first `count` rows (as many as it acted on at once: the same kernels, so bfloat16 rounds alike too)."""
     rows = {key: batch[key][:count] for key in ("obs", "actions", "log_probs", "values")}
     with torch.no_grad():
-        log_probs, _, values = agent.forward(rows["obs"], rows["actions"])  # eager, --compile or not
+        log_probs, _, values = agent.log_prob_entropy_value(rows["obs"], rows["actions"])  # eager, --compile or not
     check_agreement(
         when,
-        "Agent.act and Agent.forward (both on Agent.policy_value)",
+        "RolloutPolicy.act and Agent.log_prob_entropy_value (both on Agent.policy_value)",
         **{"log-probabilities": (log_probs, rows["log_probs"]), "values": (values, rows["values"])},
     )
 
 
 # --- input checks and the batch table -----------------------------------------------------------------
+
+
+def atari_settings(env_id: str) -> dict:
+    """The game and protocol of a gymnasium Atari id, read from its registration; a clear error for anything else.
+    `{Game}NoFrameskip-v4` plays without sticky actions, `ALE/{Game}-v5` repeats the last action with probability
+    0.25; both get this script's own 4-frame skip with max-pool."""
+    gym.register_envs(ale_py)
+    try:
+        spec = gym.spec(env_id)
+    except gym.error.Error as error:
+        fail(f"unknown --env-id {env_id!r} ({error}); pass an Atari game such as BreakoutNoFrameskip-v4")
+    if spec.entry_point not in ("ale_py.env:AtariEnv", ale_py.env.AtariEnv):
+        fail(f"--env-id {env_id} is not an Atari game; {SCRIPT} trains ALE games such as BreakoutNoFrameskip-v4")
+    kwargs = spec.kwargs
+    if kwargs.get("obs_type", "rgb") == "ram":
+        fail(f"--env-id {env_id} observes RAM; {SCRIPT} learns from pixels: use the id without '-ram'")
+    if not isinstance(kwargs.get("frameskip", 1), int):
+        fail(
+            f"--env-id {env_id} skips a random number of frames, which AtariVectorEnv cannot do; "
+            f"use the NoFrameskip-v4 or ALE/...-v5 id of the game"
+        )
+    return {
+        "game": kwargs["game"],
+        "repeat_action_probability": kwargs.get("repeat_action_probability", 0.25),
+        "full_action_space": kwargs.get("full_action_space", False),
+        "max_num_frames_per_episode": kwargs.get("max_num_frames_per_episode") or 108_000,
+    }
 
 
 def check_args(args: Args) -> None:
@@ -829,11 +845,12 @@ def evaluate(agent: Agent, env_id: str, args: Args, video_folder: str | None = N
     """Play `args.eval_episodes` whole games with one env; returns their raw scores."""
     env = make_eval_env(env_id, video_folder)
     device = next(agent.parameters()).device
+    policy = agent.rollout_policy()
     returns = []
     obs, _ = env.reset(seed=args.seed)
     episode_return = 0.0
     while len(returns) < args.eval_episodes:
-        action, _, _ = agent.act(torch.as_tensor(obs, device=device).unsqueeze(0), args.eval_deterministic)
+        action, _, _ = policy.act(torch.as_tensor(obs, device=device).unsqueeze(0), args.eval_deterministic)
         obs, reward, terminated, truncated, _ = env.step(int(action[0]))
         episode_return += reward
         if terminated or truncated:

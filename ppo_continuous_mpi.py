@@ -226,8 +226,9 @@ def layer_init(layer: nn.Linear, std: float = math.sqrt(2), bias_const: float = 
 
 
 def mlp(in_size: int, out_size: int, out_std: float) -> nn.Sequential:
-    """CleanRL's 64-64 tanh MLP with orthogonal init, the output layer scaled by `out_std` (Sequential: below)."""
-    return Sequential(
+    """CleanRL's 64-64 tanh MLP with orthogonal init, the output layer scaled by `out_std`; its forward skips module
+    dispatch (DispatchFreeSequential, beside the rollout's numpy fast path below main)."""
+    return DispatchFreeSequential(
         layer_init(nn.Linear(in_size, 64)),
         nn.Tanh(),
         layer_init(nn.Linear(64, 64)),
@@ -260,7 +261,10 @@ class Agent(nn.Module):
         log_std = self.actor_logstd  # broadcast over the batch; state-dependent: self.actor_logstd(obs)
         log_prob = (-0.5 * ((actions - mean) / log_std.exp()) ** 2 - log_std - LOG_SQRT_2PI).sum(-1)
         entropy = (0.5 + LOG_SQRT_2PI + log_std).sum(-1).expand(len(obs))
-        return log_prob, entropy, self.critic(obs).squeeze(-1)
+        return log_prob, entropy, self.value(obs)
+
+    def value(self, obs: torch.Tensor) -> torch.Tensor:
+        return self.critic(obs).squeeze(-1)
 
     def rollout_policy(self, numpy_networks: bool = True) -> "RolloutPolicy":
         """The policy and value function as they are now, for a rollout (which never changes them)."""
@@ -291,25 +295,22 @@ class RolloutPolicy:
 def compute_gae(
     rewards: np.ndarray,
     values: np.ndarray,
-    last_values: np.ndarray,
-    final_values: np.ndarray,
+    next_values: np.ndarray,
     terminations: np.ndarray,
-    truncations: np.ndarray,
+    episode_ends: np.ndarray,
     gamma: float,
     gae_lambda: float,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """GAE-lambda advantages and value targets for arrays [T, envs]. Step t bootstraps from the next row's values (after
-    the last row, `last_values`), from zero where the episode terminated at t, and from `final_values[t]` =
-    V(final observation) where it was truncated: truncation is not termination."""
-    next_values = np.concatenate([values[1:], last_values[None]])
-    next_values = np.where(truncations > 0, final_values, next_values)
-    deltas = rewards + gamma * (1.0 - terminations) * next_values - values
-    continues = 1.0 - np.maximum(terminations, truncations)
+    """GAE-lambda advantages and value targets (advantages + values) for arrays [T, envs]. `next_values[t]` is V of
+    the state that followed step t in its own episode (V(final observation) where it was truncated: truncation is not
+    termination); `terminations[t]` zeroes it; `episode_ends[t]` (terminated or truncated) stops the next episode's
+    advantage from flowing back into step t."""
     advantages = np.zeros_like(rewards)
-    last_advantage = np.zeros_like(rewards[0])
+    next_advantage = np.zeros_like(rewards[0])
     for t in reversed(range(len(rewards))):
-        last_advantage = deltas[t] + gamma * gae_lambda * continues[t] * last_advantage
-        advantages[t] = last_advantage
+        delta = rewards[t] + gamma * (1.0 - terminations[t]) * next_values[t] - values[t]
+        next_advantage = delta + gamma * gae_lambda * (1.0 - episode_ends[t]) * next_advantage
+        advantages[t] = next_advantage
     return advantages, advantages + values
 
 
@@ -347,12 +348,6 @@ def average_gradients(flat: torch.Tensor, group: Group = None) -> float:
     if not torch.isfinite(flat).all():
         raise NonFiniteError("a non-finite loss or gradient")
     return time.perf_counter() - start
-
-
-def clip_flat_gradients(gradients: torch.Tensor, max_norm: float) -> None:
-    """Scale the flat gradients to a total norm of at most `max_norm` (nn.utils.clip_grad_norm_, in one piece)."""
-    total_norm = gradients.norm()
-    gradients.mul_(torch.clamp(max_norm / (total_norm + 1e-6), max=1.0))
 
 
 def broadcast_parameters(module: nn.Module, extras: torch.Tensor | None = None) -> None:
@@ -502,7 +497,7 @@ def update(
                 losses[CLIPFRAC] = clipfrac_sum / (epoch * args.num_minibatches + k + 1)
             # the (weighted) mean of the ranks' gradients is the union's; clipped alike after averaging
             sync_time += average_gradients(flat, group)
-            clip_flat_gradients(gradients, args.max_grad_norm)
+            gradients.mul_(torch.clamp(args.max_grad_norm / (gradients.norm() + 1e-6), max=1.0))  # clip_grad_norm_
             optimizer.step()
 
         # the KL is the world average carried by the last gradient allreduce: every rank stops together
@@ -549,8 +544,8 @@ def main(args: Args) -> Agent | None:
     raw_obs = np.zeros(shape + (obs_dim,))  # unnormalised, for the statistics
     obs = np.zeros(shape + (obs_dim,), dtype=np.float32)  # normalised, as the agent saw them
     actions = np.zeros(shape + (action_dim,), dtype=np.float32)
-    # final_values: V(final observation) where an episode was truncated
-    logprobs, values, rewards, terminations, truncations, final_values = np.zeros((6, *shape), dtype=np.float32)
+    # episode_ends: terminated or truncated; final_values: V(final observation) where an episode was truncated
+    logprobs, values, rewards, terminations, episode_ends, final_values = np.zeros((6, *shape), dtype=np.float32)
     discounted_returns = np.zeros(shape)  # the running return whose std scales the rewards
 
     # a resumed run starts fresh episodes, on envs seeded after all the earlier attempts' envs
@@ -575,11 +570,11 @@ def main(args: Args) -> Agent | None:
                 actions[step], logprobs[step], values[step] = policy.act(obs[step])
                 clipped_action = np.clip(actions[step], envs.single_action_space.low, envs.single_action_space.high)
                 next_obs, reward, terminated, truncated, info = envs.step(clipped_action)
-                rewards[step], terminations[step], truncations[step] = reward, terminated, truncated
+                ended = terminated | truncated
+                rewards[step], terminations[step], episode_ends[step] = reward, terminated, ended
                 discounted_returns[step] = discounted_return = discounted_return * args.gamma + reward
                 episode_return += reward
                 episode_length += 1
-                ended = terminated | truncated
                 if ended.any():
                     finished["episodes"] += int(ended.sum())
                     finished["episode_return"] += float(episode_return[ended].sum())
@@ -590,7 +585,8 @@ def main(args: Args) -> Agent | None:
                         final_obs = np.stack(info["final_obs"][cut]).reshape(cut.sum(), -1)
                         final_values[step, cut] = policy.value(normalize(final_obs, obs_mean, obs_std))
             collected = step + 1  # steps per env: all of them, unless preemption cut the rollout short
-            next_value = policy.value(normalize(next_obs.reshape(args.local_num_envs, -1), obs_mean, obs_std))
+            rows = slice(collected)  # the rollout's rows
+            last_values = policy.value(normalize(next_obs.reshape(args.local_num_envs, -1), obs_mean, obs_std))
             rollout_time = time.perf_counter() - rollout_start
             sample_counts = [args.local_batch_size] * args.world_size  # each rank's samples: one all_gather if cut
             if args.preempt_fraction:
@@ -598,20 +594,22 @@ def main(args: Args) -> Agent | None:
             global_step += sum(sample_counts)
 
             # --- normalisation statistics: merged over all ranks' rollouts in one collective ---
-            local_data = [raw_obs[:collected].reshape(-1, obs_dim).T, discounted_returns[:collected].reshape(1, -1)]
+            local_data = [raw_obs[rows].reshape(-1, obs_dim).T, discounted_returns[rows].reshape(1, -1)]
             count, mean, m2 = global_moments(torch.as_tensor(np.concatenate(local_data), device=device))
             agent.obs_rms.update(count[0], mean[:obs_dim], m2[:obs_dim])
             agent.return_rms.update(count[obs_dim], mean[obs_dim], m2[obs_dim])
-            # the rewards are used only from here on, so they are scaled with statistics that include this rollout
+            # the learner sees scaled rewards, used only from here on: with statistics that include this rollout
             reward_scale = math.sqrt(agent.return_rms.var.item() + NORM_EPS)
-            scaled_rewards = np.clip(rewards[:collected] / reward_scale, -NORM_CLIP, NORM_CLIP)
+            rewards[rows] = np.clip(rewards[rows] / reward_scale, -NORM_CLIP, NORM_CLIP)
 
-            # --- GAE (a rollout cut at step t bootstraps from V(observation after t), as a full one does) ---
-            rows = slice(collected)  # the rollout's rows: all, unless preemption cut it short
+            # --- GAE: each step bootstraps from the next row's value, or V(final observation) where its episode ended
+            next_values = np.concatenate([values[rows][1:], last_values[None]])  # a cut rollout's too, as a full one's
+            next_values = np.where(episode_ends[rows] > 0, final_values[rows], next_values)
             advantages, returns = compute_gae(
-                scaled_rewards, values[rows], next_value, final_values[rows], terminations[rows], truncations[rows],
-                args.gamma, args.gae_lambda,
+                rewards[rows], values[rows], next_values, terminations[rows], episode_ends[rows], args.gamma,
+                args.gae_lambda,
             )  # fmt: skip
+            final_values[:] = 0.0
             batch = {
                 "obs": obs[rows].reshape(-1, obs_dim),
                 "actions": actions[rows].reshape(-1, action_dim),
@@ -703,7 +701,7 @@ def normalize(x: np.ndarray, mean: np.ndarray, std: np.ndarray) -> np.ndarray:
 ROLLOUT_CHECK_SAMPLES = 256
 
 
-class Sequential(nn.Sequential):
+class DispatchFreeSequential(nn.Sequential):
     """nn.Sequential that runs Linear and Tanh layers' arithmetic itself: at minibatches of 64 module dispatch and
     attribute lookups cost ~5% of a step. Any other layer runs as its module, so every edit to the layers counts."""
 

@@ -160,11 +160,11 @@ def never_fire_rank(rank: int, world_size: int, folder: str) -> dict[str, np.nda
 
     @torch.inference_mode()
     def never_fire(self, obs, deterministic=False):  # NOOP, with its log-probability (the agreement check reads it)
-        log_probs, values = self.policy_value(obs)
+        log_probs, values = self.agent.policy_value(obs)
         return torch.zeros(len(obs), dtype=torch.long, device=obs.device), log_probs[:, 0], values
 
     make_env = ppo.make_env
-    ppo.make_env, ppo.Agent.act = recording_make_env, never_fire
+    ppo.make_env, ppo.RolloutPolicy.act = recording_make_env, never_fire
     args = ppo.Args(cuda=False, total_timesteps=512, local_num_envs=2, num_steps=128, num_minibatches=2)
     ppo.main(dataclasses.replace(args, update_epochs=1))
     [envs] = recorders

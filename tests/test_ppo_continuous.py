@@ -45,9 +45,9 @@ def test_truncation_bootstraps_from_final_value_and_termination_from_zero():
     terminations[1, 1] = 1  # env 1: terminated at step 1, so step 1 bootstraps from zero
     final_values[3, 2], truncations[3, 2] = 4.0, 1  # env 2: truncated at the last step: 4, not the last value 8
     terminations[1, 3] = truncations[1, 3] = 1  # env 3: both at once: a termination
-    advantages, returns = ppo.compute_gae(
-        ones, values, np.full(4, 8.0), final_values, terminations, truncations, 0.5, 0.5
-    )
+    episode_ends = np.maximum(terminations, truncations)  # as main builds the next values
+    next_values = np.where(episode_ends > 0, final_values, np.concatenate([values[1:], np.full((1, 4), 8.0)]))
+    advantages, returns = ppo.compute_gae(ones, values, next_values, terminations, episode_ends, 0.5, 0.5)
     # e.g. env 0, step 1: delta = 1 + 0.5 * 4 - 2 = 1 and its episode ends; step 0: delta = 1 + 0.5 * 2 - 1 = 1,
     # advantage = 1 + 0.25 * 1; steps 3, 2: 1 + 0.5 * 8 = 5, then 1 + 0.25 * 5 = 2.25
     expected = np.array(
