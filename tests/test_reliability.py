@@ -248,7 +248,7 @@ def nonfinite_update(ddrl, script: str, rank: int) -> tuple[str, bool]:
         batch["obs"][3] += poison
         pi_optimizer = torch.optim.Adam(agent.policy_parameters(), lr=0.01)
         vf_optimizer = torch.optim.Adam(agent.critic.parameters(), lr=0.01)
-        step = lambda: ddrl.update(agent, pi_optimizer, vf_optimizer, batch, 2)  # noqa: E731
+        step = lambda: ddrl.update(agent, pi_optimizer, vf_optimizer, batch, ddrl.Args(train_v_iters=2))  # noqa: E731
     else:
         if script == "ppo_continuous_mpi.py":
             agent = ddrl.Agent(4, 2)
