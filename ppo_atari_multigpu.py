@@ -358,7 +358,9 @@ def allreduce_mean(tensor: torch.Tensor, group: Group = None) -> torch.Tensor:
     return tensor
 
 
-def global_moments(x: torch.Tensor | list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def global_moments(
+    x: torch.Tensor | list[torch.Tensor], group: Group = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Count, mean and M2 along the last dim of `x` (or of each 1-d piece in a list of unequal ones) over all ranks'
     elements, as if concatenated (one all_gather)."""
     if isinstance(x, list):
@@ -367,18 +369,18 @@ def global_moments(x: torch.Tensor | list[torch.Tensor]) -> tuple[torch.Tensor, 
         local_mean = x.mean(-1)
         local_m2 = ((x - local_mean.unsqueeze(-1)) ** 2).sum(-1)
         local = torch.stack([torch.full_like(local_mean, x.shape[-1]), local_mean, local_m2])
-    if group_size() == 1:
+    if group_size(group) == 1:
         return local[0], local[1], local[2]
-    count_i, mean_i, m2_i = all_gather(local).transpose(0, 1)  # each [ranks, rows...]
+    count_i, mean_i, m2_i = all_gather(local, group).transpose(0, 1)  # each [ranks, rows...]
     count = count_i.sum(0)
     mean = (count_i * mean_i).sum(0) / count
     m2 = (m2_i + count_i * (mean_i - mean) ** 2).sum(0)
     return count, mean, m2
 
 
-def global_mean_std(x: torch.Tensor | list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+def global_mean_std(x: torch.Tensor | list[torch.Tensor], group: Group = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Mean and unbiased std along the last dim of `x` over all ranks' elements, as if concatenated (one collective)."""
-    count, mean, m2 = global_moments(x)
+    count, mean, m2 = global_moments(x, group)
     return mean, torch.sqrt(m2 / (count - 1))
 
 
@@ -614,12 +616,11 @@ def main(args: Args) -> Agent | None:
             update_time = time.perf_counter() - update_start
 
             # --- logging: games ended on any rank, losses averaged over ranks, the world's explained variance ---
-            explained_var = explained_variance(batch["returns"], batch["values"])
             world = run.sum_over_ranks(**finished)
             scalars = {
                 "charts/learning_rate": optimizer.param_groups[0]["lr"],
                 **{f"losses/{key}": value for key, value in zip(LOSS_KEYS, losses.tolist(), strict=True)},
-                "losses/explained_variance": explained_var,
+                "losses/explained_variance": explained_variance(batch["returns"], batch["values"]),
                 "perf/rollout_time": rollout_time,
                 "perf/update_time": update_time,
                 "perf/sync_time": sync_time,
@@ -634,9 +635,10 @@ def main(args: Args) -> Agent | None:
 
 
 def explained_variance(returns: torch.Tensor, values: torch.Tensor) -> float:
-    """1 - Var(returns - values) / Var(returns) over the world's batch (one collective)."""
-    _, stds = global_mean_std(torch.stack([returns - values, returns]))
-    return (1 - stds[0] ** 2 / (stds[1] ** 2).clamp_min(1e-8)).item()
+    """1 - Var(returns - values) / Var(returns) over the world's batch, in float64 (one collective); NaN where the
+    returns do not vary."""
+    _, stds = global_mean_std(torch.stack([returns - values, returns]).double())
+    return float("nan") if stds[1] == 0 else (1 - stds[0] ** 2 / stds[1] ** 2).item()
 
 
 class GameTracker:

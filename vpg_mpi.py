@@ -511,12 +511,13 @@ def main(args: Args) -> Agent | None:
                 losses, sync_time = update_one_learner(agent, pi_optimizer, vf_optimizer, batch, args, learner_group)
             update_time = time.perf_counter() - update_start
 
-            # --- logging: episodes ended on any rank; losses averaged over ranks (rank 0's with --sync gather) ---
-            world = run.sum_over_ranks(**finished, **value_sums(returns, values))
-            losses = {f"losses/{key}": value for key, value in zip(LOSS_KEYS, losses.tolist(), strict=True)}
-            losses["losses/explained_variance"] = explained_variance(world)  # of the world's batch
-            perf = {"perf/rollout_time": rollout_time, "perf/update_time": update_time, "perf/sync_time": sync_time}
-            run.log(global_step, world, {"charts/learning_rate": pi_optimizer.param_groups[0]["lr"], **losses, **perf})
+            # --- logging: episodes ended on any rank, losses averaged over ranks, the world's explained variance ---
+            world = run.sum_over_ranks(**finished)
+            scalars = {"charts/learning_rate": pi_optimizer.param_groups[0]["lr"]}
+            scalars |= {f"losses/{key}": value for key, value in zip(LOSS_KEYS, losses.tolist(), strict=True)}
+            scalars["losses/explained_variance"] = explained_variance(batch["returns"], batch["values"])
+            scalars |= {"perf/rollout_time": rollout_time, "perf/update_time": update_time, "perf/sync_time": sync_time}
+            run.log(global_step, world, scalars)
             if run.end_iteration(global_step):  # weight check, checkpoint; every rank stops here on SIGTERM
                 break
 
@@ -525,23 +526,11 @@ def main(args: Args) -> Agent | None:
     return agent
 
 
-# --- logging: the explained variance of the world's batch ---------------------------------------------
-
-
-def value_sums(returns: np.ndarray, values: np.ndarray) -> dict[str, float]:
-    """This rank's sums from which explained_variance finds the world's, once summed over ranks."""
-    residuals = (returns - values).astype(np.float64)
-    returns = returns.astype(np.float64)
-    sums = (returns.size, returns.sum(), (returns**2).sum(), residuals.sum(), (residuals**2).sum())
-    return dict(zip(("samples", "returns", "returns_squared", "residuals", "residuals_squared"), sums, strict=True))
-
-
-def explained_variance(world: dict[str, float]) -> float:
-    """1 - Var(returns - values) / Var(returns) over the world's batch."""
-    n = world["samples"]
-    var_returns = world["returns_squared"] / n - (world["returns"] / n) ** 2
-    var_residuals = world["residuals_squared"] / n - (world["residuals"] / n) ** 2
-    return np.nan if var_returns <= 0 else 1 - var_residuals / var_returns
+def explained_variance(returns: torch.Tensor, values: torch.Tensor) -> float:
+    """1 - Var(returns - values) / Var(returns) over the world's batch, in float64 (one collective); NaN where the
+    returns do not vary."""
+    _, stds = global_mean_std(torch.stack([returns - values, returns]).double())
+    return float("nan") if stds[1] == 0 else (1 - stds[0] ** 2 / stds[1] ** 2).item()
 
 
 # --- the rollout's numpy copy of the Agent's networks, and the check that it agrees with the Agent ----
