@@ -200,17 +200,6 @@ def derive_batch_sizes(args: Args, world_size: int) -> None:
 # --- environment, agent, GAE --------------------------------------------------------------------------
 
 
-def rank_seed(seed: int, rank: int) -> int:
-    """Seed of python, numpy and action sampling on `rank` (SpinningUp's stride: nearby seeds never collide)."""
-    return seed + 10_000 * rank
-
-
-def env_seeds(seed: int, rank: int, local_num_envs: int, index_offset: int = 0) -> list[int]:
-    """Seeds of this rank's envs: env j of rank r has global index g = index_offset + r * local_num_envs + j. A resumed
-    run passes `index_offset` = restarts x the world's envs, so its fresh episodes never replay a seed."""
-    return [seed + 10_000 * (index_offset + rank * local_num_envs + j) for j in range(local_num_envs)]
-
-
 def make_env(settings: dict, num_envs: int, num_threads: int) -> AtariVectorEnv:
     """This rank's envs (`settings` from atari_settings): C++ threads with the DQN preprocessing. Unlike
     AtariVectorEnv's defaults, rewards stay raw (the learner clips them, the log keeps the score), `life_loss_info`
@@ -431,8 +420,7 @@ def minibatch_loss(
 
 
 def minibatch_sizes(sample_counts: list[int], num_minibatches: int) -> torch.Tensor:
-    """[ranks, num_minibatches]: how many samples each rank gives each world minibatch, its batch cut in near-equal
-    parts (all equal unless preemption cut some rollouts short)."""
+    """[ranks, num_minibatches]: the samples each rank gives each world minibatch (unequal after preemption only)."""
     counts = torch.tensor(sample_counts)[:, None]
     return counts // num_minibatches + (torch.arange(num_minibatches) < counts % num_minibatches)
 
@@ -639,6 +627,17 @@ def explained_variance(returns: torch.Tensor, values: torch.Tensor) -> float:
     returns do not vary."""
     _, stds = global_mean_std(torch.stack([returns - values, returns]).double())
     return float("nan") if stds[1] == 0 else (1 - stds[0] ** 2 / stds[1] ** 2).item()
+
+
+def rank_seed(seed: int, rank: int) -> int:
+    """Seed of python, numpy and action sampling on `rank` (SpinningUp's stride: nearby seeds never collide)."""
+    return seed + 10_000 * rank
+
+
+def env_seeds(seed: int, rank: int, local_num_envs: int, index_offset: int = 0) -> list[int]:
+    """Seeds of this rank's envs: env j of rank r has global index g = index_offset + r * local_num_envs + j. A resumed
+    run passes `index_offset` = restarts x the world's envs, so its fresh episodes never replay a seed."""
+    return [seed + 10_000 * (index_offset + rank * local_num_envs + j) for j in range(local_num_envs)]
 
 
 class GameTracker:

@@ -7,14 +7,13 @@ running return std (each clipped to +-10); that return restarts with every episo
 
     torchrun --standalone --nproc_per_node=2 ppo_continuous_mpi.py     # README: every launcher, GPUs, evaluation
 
-Distributed story: `--local-num-envs` and `--num-steps` are per rank, so N ranks collect N times the batch of one.
-Each rank steps its own envs and computes GAE on its share. The world's minibatch k is the union of every rank's
-minibatch k: its advantages are normalised with the union's mean and std, and after each backward one allreduce of
-one flat buffer averages the gradients (the KL for `--target-kl` and the logged losses ride along) before clipping.
-Observation and return statistics are frozen during a rollout and merged world-wide once per iteration. So every
-rank takes the step one process would take on the concatenated batch, and holds the same weights. `--sync gather`
-instead sends every batch to rank 0, which runs that same update alone and broadcasts the weights.
-`--preempt-fraction` (DD-PPO) cuts stragglers' rollouts short; each rank's gradient then weighs by its samples.
+Distributed story: `--local-num-envs` and `--num-steps` are per rank, so N ranks collect N times the batch of one;
+each rank steps its own envs and computes GAE on its share. The world's minibatch k is the union of every rank's
+minibatch k: its advantages are normalised with the union's mean and std, and one allreduce of one flat buffer
+averages the gradients (the KL for `--target-kl` and the logged losses ride along) before clipping. Observation and
+return statistics are frozen during a rollout and merged world-wide once per iteration. So every rank takes the step
+one process would take on the concatenated batch. `--sync gather` has rank 0 run that update alone on every rank's
+batch and broadcast the weights; `--preempt-fraction` (DD-PPO) cuts stragglers' rollouts short.
 """
 
 import contextlib
@@ -208,26 +207,30 @@ def make_env(env_id: str, video_folder: str | None = None) -> Callable[[], gym.E
     return thunk
 
 
-def rank_seed(seed: int, rank: int) -> int:
-    """Seed of python, numpy and action sampling on `rank` (SpinningUp's stride: nearby seeds never collide)."""
-    return seed + 10_000 * rank
-
-
-def env_seeds(seed: int, rank: int, local_num_envs: int, index_offset: int = 0) -> list[int]:
-    """Seeds of this rank's envs: env j of rank r has global index g = index_offset + r * local_num_envs + j. A resumed
-    run passes `index_offset` = restarts x the world's envs, so its fresh episodes never replay a seed."""
-    return [seed + 10_000 * (index_offset + rank * local_num_envs + j) for j in range(local_num_envs)]
-
-
 def layer_init(layer: nn.Linear, std: float = math.sqrt(2), bias_const: float = 0.0) -> nn.Linear:
     torch.nn.init.orthogonal_(layer.weight, std)
     torch.nn.init.constant_(layer.bias, bias_const)
     return layer
 
 
+class DispatchFreeSequential(nn.Sequential):
+    """nn.Sequential that runs Linear and Tanh layers' arithmetic itself: at minibatches of 64 module dispatch and
+    attribute lookups cost ~5% of a step. Any other layer runs as its module, so every edit to the layers counts."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self:
+            parameters = layer._parameters  # not layer.weight: nn.Module.__getattr__ costs ~1.5 us a lookup
+            if type(layer) is nn.Linear and parameters["bias"] is not None and x.dim() == 2:
+                x = torch.addmm(parameters["bias"], x, parameters["weight"].t())
+            elif type(layer) is nn.Tanh:
+                x = torch.tanh(x)
+            else:
+                x = layer(x)
+        return x
+
+
 def mlp(in_size: int, out_size: int, out_std: float) -> nn.Sequential:
-    """CleanRL's 64-64 tanh MLP with orthogonal init, the output layer scaled by `out_std`; its forward skips module
-    dispatch (DispatchFreeSequential, beside the rollout's numpy fast path below main)."""
+    """CleanRL's 64-64 tanh MLP with orthogonal init, the output layer scaled by `out_std`."""
     return DispatchFreeSequential(
         layer_init(nn.Linear(in_size, 64)),
         nn.Tanh(),
@@ -242,8 +245,7 @@ LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
 
 class Agent(nn.Module):
     """CleanRL's continuous agent: separate 64-64 tanh MLPs, a state-independent log-std, and the observation and
-    return statistics (buffers, so they travel with the weights). The one place that says what the networks and the
-    distribution compute: the rollout's numpy copy is built from these modules and checked against them."""
+    return statistics (buffers: they travel with the weights). The one place that says what is computed."""
 
     def __init__(self, obs_dim: int, action_dim: int):
         super().__init__()
@@ -437,8 +439,7 @@ def loss_function(args: Args) -> Callable:
 
 
 def minibatch_sizes(sample_counts: list[int], num_minibatches: int) -> torch.Tensor:
-    """[ranks, num_minibatches]: how many samples each rank gives each world minibatch, its batch cut in near-equal
-    parts (all equal unless preemption cut some rollouts short)."""
+    """[ranks, num_minibatches]: the samples each rank gives each world minibatch (unequal after preemption only)."""
     counts = torch.tensor(sample_counts)[:, None]
     return counts // num_minibatches + (torch.arange(num_minibatches) < counts % num_minibatches)
 
@@ -464,10 +465,8 @@ def update(
     """PPO's update epochs: minibatch k of epoch e is the k-th slice of `orders[e]` (this rank's batch permuted),
     `sizes[rank, k]` samples long (minibatch_sizes; None: equal), and the world's is the union of every rank's. Returns
     the world-averaged LOSS_KEYS (the last minibatch's; clipfrac over all) and the seconds spent in collectives."""
-    parameters = list(agent.parameters())
-    num_gradients = sum(p.numel() for p in parameters)
-    flat = flat_gradient_buffer(parameters, num_extras=len(LOSS_KEYS))  # gradients, then the losses ranks log
-    gradients, losses = flat[:num_gradients], flat[num_gradients:]
+    flat = flat_gradient_buffer(list(agent.parameters()), num_extras=len(LOSS_KEYS))  # gradients, then the losses
+    gradients, losses = flat[: -len(LOSS_KEYS)], flat[-len(LOSS_KEYS) :]
     if sizes is None:
         sizes = minibatch_sizes([orders.shape[1]] * group_size(group), args.num_minibatches)
     local_sizes, weights = local_minibatches(sizes, group)
@@ -503,8 +502,6 @@ def update(
         # the KL is the world average carried by the last gradient allreduce: every rank stops together
         if args.target_kl is not None and losses[APPROX_KL] > args.target_kl:
             break
-    for parameter in parameters:  # let the buffer go (optimizer.zero_grad() would do the same)
-        parameter.grad = None
     return losses.clone(), sync_time
 
 
@@ -655,6 +652,17 @@ def explained_variance(returns: torch.Tensor, values: torch.Tensor) -> float:
     return float("nan") if stds[1] == 0 else (1 - stds[0] ** 2 / stds[1] ** 2).item()
 
 
+def rank_seed(seed: int, rank: int) -> int:
+    """Seed of python, numpy and action sampling on `rank` (SpinningUp's stride: nearby seeds never collide)."""
+    return seed + 10_000 * rank
+
+
+def env_seeds(seed: int, rank: int, local_num_envs: int, index_offset: int = 0) -> list[int]:
+    """Seeds of this rank's envs: env j of rank r has global index g = index_offset + r * local_num_envs + j. A resumed
+    run passes `index_offset` = restarts x the world's envs, so its fresh episodes never replay a seed."""
+    return [seed + 10_000 * (index_offset + rank * local_num_envs + j) for j in range(local_num_envs)]
+
+
 # --- running statistics: observation normalisation and reward scaling ---------------------------------
 
 
@@ -687,25 +695,9 @@ def normalize(x: np.ndarray, mean: np.ndarray, std: np.ndarray) -> np.ndarray:
     return np.clip((x - mean) / std, -NORM_CLIP, NORM_CLIP).astype(np.float32)
 
 
-# --- fast paths built from the Agent's modules, and the check that the rollout agrees with the Agent --
+# --- the rollout's numpy copy of the Agent's networks, and the check that it agrees with the Agent ----
 
 ROLLOUT_CHECK_SAMPLES = 256
-
-
-class DispatchFreeSequential(nn.Sequential):
-    """nn.Sequential that runs Linear and Tanh layers' arithmetic itself: at minibatches of 64 module dispatch and
-    attribute lookups cost ~5% of a step. Any other layer runs as its module, so every edit to the layers counts."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self:
-            parameters = layer._parameters  # not layer.weight: nn.Module.__getattr__ costs ~1.5 us a lookup
-            if type(layer) is nn.Linear and parameters["bias"] is not None and x.dim() == 2:
-                x = torch.addmm(parameters["bias"], x, parameters["weight"].t())
-            elif type(layer) is nn.Tanh:
-                x = torch.tanh(x)
-            else:
-                x = layer(x)
-        return x
 
 
 def numpy_module(module: nn.Module | nn.Parameter, numpy_layers: bool = True) -> Callable[[np.ndarray], np.ndarray]:
@@ -745,8 +737,7 @@ def numpy_module(module: nn.Module | nn.Parameter, numpy_layers: bool = True) ->
 
 
 def rollout_probe(policy: RolloutPolicy, obs_dim: int, device: torch.device) -> Batch:
-    """What `policy` does on a batch of standard-normal observations (as normalised ones look): sampled actions,
-    their log-probabilities and the values."""
+    """`policy`'s actions, log-probabilities and values at standard-normal observations (as normalised ones look)."""
     obs = np.random.standard_normal((ROLLOUT_CHECK_SAMPLES, obs_dim)).astype(np.float32)
     actions, log_probs, values = policy.act(obs)
     probe = {"obs": obs, "actions": actions, "log_probs": log_probs, "values": values}
@@ -781,7 +772,7 @@ def update_one_learner(
 ) -> tuple[torch.Tensor, float]:
     """--sync gather: rank 0 runs `update` on the union of the ranks' batches in `learner_group` (a group of one),
     then one broadcast gives every rank its weights, the logged losses and whether it met a non-finite loss.
-    `sizes` are the ranks' minibatch_sizes. Returns those losses and the seconds of the gather and the broadcast."""
+    Returns those losses and the seconds of the gather and the broadcast."""
     start = time.perf_counter()
     union = gather_to_learner(batch, orders, sizes, args)
     outcome = torch.zeros(len(LOSS_KEYS) + 1, dtype=torch.float64, device=orders.device)  # losses, non-finite flag

@@ -175,17 +175,6 @@ def make_env(env_id: str, max_ep_len: int, video_folder: str | None = None) -> C
     return thunk
 
 
-def rank_seed(seed: int, rank: int) -> int:
-    """Seed of python, numpy and action sampling on `rank` (SpinningUp's stride: nearby seeds never collide)."""
-    return seed + 10_000 * rank
-
-
-def env_seeds(seed: int, rank: int, local_num_envs: int, index_offset: int = 0) -> list[int]:
-    """Seeds of this rank's envs: env j of rank r has global index g = index_offset + r * local_num_envs + j. A resumed
-    run passes `index_offset` = restarts x the world's envs, so its fresh episodes never replay a seed."""
-    return [seed + 10_000 * (index_offset + rank * local_num_envs + j) for j in range(local_num_envs)]
-
-
 def layer_init(layer: nn.Linear, std: float = math.sqrt(2), bias_const: float = 0.0) -> nn.Linear:
     torch.nn.init.orthogonal_(layer.weight, std)
     torch.nn.init.constant_(layer.bias, bias_const)
@@ -401,8 +390,6 @@ def update(
         value_flat[-1] = value_loss.detach()
         sync_time += average_gradients(value_flat, group)
         vf_optimizer.step()
-    for parameter in agent.parameters():  # let the buffers go (optimizer.zero_grad() would do the same)
-        parameter.grad = None
 
     with torch.no_grad():
         new_log_prob, _ = agent.log_prob_entropy(obs, actions)
@@ -533,6 +520,17 @@ def explained_variance(returns: torch.Tensor, values: torch.Tensor) -> float:
     return float("nan") if stds[1] == 0 else (1 - stds[0] ** 2 / stds[1] ** 2).item()
 
 
+def rank_seed(seed: int, rank: int) -> int:
+    """Seed of python, numpy and action sampling on `rank` (SpinningUp's stride: nearby seeds never collide)."""
+    return seed + 10_000 * rank
+
+
+def env_seeds(seed: int, rank: int, local_num_envs: int, index_offset: int = 0) -> list[int]:
+    """Seeds of this rank's envs: env j of rank r has global index g = index_offset + r * local_num_envs + j. A resumed
+    run passes `index_offset` = restarts x the world's envs, so its fresh episodes never replay a seed."""
+    return [seed + 10_000 * (index_offset + rank * local_num_envs + j) for j in range(local_num_envs)]
+
+
 # --- the rollout's numpy copy of the Agent's networks, and the check that it agrees with the Agent ----
 
 ROLLOUT_CHECK_SAMPLES = 256
@@ -575,8 +573,7 @@ def numpy_module(module: nn.Module | nn.Parameter, numpy_layers: bool = True) ->
 
 
 def rollout_probe(policy: RolloutPolicy, obs_dim: int, device: torch.device) -> Batch:
-    """What `policy` does on a batch of standard-normal observations: sampled actions, their log-probabilities and
-    the values."""
+    """`policy`'s actions, log-probabilities and values at standard-normal observations."""
     obs = np.random.standard_normal((ROLLOUT_CHECK_SAMPLES, obs_dim)).astype(np.float32)
     actions, log_probs, values = policy.act(obs)
     probe = {"obs": obs, "actions": actions, "log_probs": log_probs, "values": values}
