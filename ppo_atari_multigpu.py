@@ -318,10 +318,9 @@ def compute_gae(
     gamma: float,
     gae_lambda: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """GAE-lambda advantages and value targets (advantages + values) for tensors [T, envs]. `next_values[t]` is V of
-    the state that followed step t in its own episode (V(final observation) where it was truncated: truncation is not
-    termination); `terminations[t]` zeroes it; `episode_ends[t]` (terminated or truncated, a lost life included)
-    stops the next episode's advantage from flowing back into step t."""
+    """GAE-lambda advantages and value targets (advantages + values) for [T, envs]. `next_values[t]` is V of the state
+    after step t in its own episode (V(final observation) where it was truncated: truncation is not termination),
+    zeroed where `terminations[t]`; `episode_ends[t]` (a lost life too) keeps the next episode's advantage out of t."""
     advantages = torch.zeros_like(rewards)
     next_advantage = torch.zeros_like(rewards[0])
     for t in reversed(range(len(rewards))):
@@ -623,8 +622,7 @@ def main(args: Args) -> Agent | None:
 
 
 def explained_variance(returns: torch.Tensor, values: torch.Tensor) -> float:
-    """1 - Var(returns - values) / Var(returns) over the world's batch, in float64 (one collective); NaN where the
-    returns do not vary."""
+    """1 - Var(returns - values) / Var(returns) over the world's batch in float64 (one collective; constant: NaN)."""
     _, stds = global_mean_std(torch.stack([returns - values, returns]).double())
     return float("nan") if stds[1] == 0 else (1 - stds[0] ** 2 / stds[1] ** 2).item()
 

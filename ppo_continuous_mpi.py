@@ -245,7 +245,7 @@ LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
 
 class Agent(nn.Module):
     """CleanRL's continuous agent: separate 64-64 tanh MLPs, a state-independent log-std, and the observation and
-    return statistics (buffers: they travel with the weights). The one place that says what is computed."""
+    return statistics (buffers, saved with the weights): the one definition the rollout's copy is checked against."""
 
     def __init__(self, obs_dim: int, action_dim: int):
         super().__init__()
@@ -303,10 +303,9 @@ def compute_gae(
     gamma: float,
     gae_lambda: float,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """GAE-lambda advantages and value targets (advantages + values) for arrays [T, envs]. `next_values[t]` is V of
-    the state that followed step t in its own episode (V(final observation) where it was truncated: truncation is not
-    termination); `terminations[t]` zeroes it; `episode_ends[t]` (terminated or truncated) stops the next episode's
-    advantage from flowing back into step t."""
+    """GAE-lambda advantages and value targets (advantages + values) for [T, envs]. `next_values[t]` is V of the state
+    after step t in its own episode (V(final observation) where it was truncated: truncation is not termination),
+    zeroed where `terminations[t]`; `episode_ends[t]` keeps the next episode's advantage out of step t."""
     advantages = np.zeros_like(rewards)
     next_advantage = np.zeros_like(rewards[0])
     for t in reversed(range(len(rewards))):
@@ -646,8 +645,7 @@ def main(args: Args) -> Agent | None:
 
 
 def explained_variance(returns: torch.Tensor, values: torch.Tensor) -> float:
-    """1 - Var(returns - values) / Var(returns) over the world's batch, in float64 (one collective); NaN where the
-    returns do not vary."""
+    """1 - Var(returns - values) / Var(returns) over the world's batch in float64 (one collective; constant: NaN)."""
     _, stds = global_mean_std(torch.stack([returns - values, returns]).double())
     return float("nan") if stds[1] == 0 else (1 - stds[0] ** 2 / stds[1] ** 2).item()
 
@@ -796,9 +794,8 @@ def update_one_learner(
 def gather_to_learner(
     batch: Batch, orders: torch.Tensor, sizes: torch.Tensor, args: Args
 ) -> tuple[Batch, torch.Tensor] | None:
-    """--sync gather: every rank's batch and minibatch orders on rank 0 (one gather; each padded to a full local batch,
-    as preemption may have cut it short), as the union batch and orders under which the world's minibatch k is every
-    rank's k-th minibatch, as with allreduce; None on the other ranks."""
+    """--sync gather: every rank's batch and orders on rank 0 (one gather, padded where preemption cut them short), as
+    the union batch and the orders that make its minibatch k the world's, as with allreduce; None on other ranks."""
     padding = args.local_batch_size - orders.shape[1]
     full = [torch.cat([value, value.new_zeros((padding, *value.shape[1:]))]) for value in batch.values()]
     full += [torch.cat([orders, orders.new_zeros((len(orders), padding))], 1)]
