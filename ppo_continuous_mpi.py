@@ -562,7 +562,7 @@ def main(args: Args) -> Agent | None:
             finished = {"episodes": 0, "episode_return": 0.0, "episode_length": 0}  # summed over ranks for the log
             for step in run.rollout_steps(args.num_steps, args.min_num_steps, args.preempt_fraction):
                 raw_obs[step] = next_obs.reshape(args.local_num_envs, -1)
-                obs[step] = normalize(raw_obs[step], obs_mean, obs_std)
+                obs[step] = normalize_obs(raw_obs[step], obs_mean, obs_std)
                 actions[step], logprobs[step], values[step] = policy.act(obs[step])
                 clipped_action = np.clip(actions[step], envs.single_action_space.low, envs.single_action_space.high)
                 next_obs, reward, terminated, truncated, info = envs.step(clipped_action)
@@ -579,10 +579,10 @@ def main(args: Args) -> Agent | None:
                     cut = truncated & ~terminated
                     if cut.any():  # truncation is not termination: bootstrap from V(final observation)
                         final_obs = np.stack(info["final_obs"][cut]).reshape(cut.sum(), -1)
-                        final_values[step, cut] = policy.value(normalize(final_obs, obs_mean, obs_std))
+                        final_values[step, cut] = policy.value(normalize_obs(final_obs, obs_mean, obs_std))
             collected = step + 1  # steps per env: all of them, unless preemption cut the rollout short
             rows = slice(collected)  # the rollout's rows
-            last_values = policy.value(normalize(next_obs.reshape(args.local_num_envs, -1), obs_mean, obs_std))
+            last_values = policy.value(normalize_obs(next_obs.reshape(args.local_num_envs, -1), obs_mean, obs_std))
             rollout_time = time.perf_counter() - rollout_start
             sample_counts = [args.local_batch_size] * args.world_size  # each rank's samples: one all_gather if cut
             if args.preempt_fraction:
@@ -688,7 +688,7 @@ class RunningMeanStd(nn.Module):
         return self.mean.cpu().numpy().copy(), np.sqrt(self.var.cpu().numpy() + NORM_EPS)
 
 
-def normalize(x: np.ndarray, mean: np.ndarray, std: np.ndarray) -> np.ndarray:
+def normalize_obs(x: np.ndarray, mean: np.ndarray, std: np.ndarray) -> np.ndarray:
     """Observations as the agent sees them: standardised with frozen statistics, clipped, float32."""
     return np.clip((x - mean) / std, -NORM_CLIP, NORM_CLIP).astype(np.float32)
 
@@ -902,7 +902,7 @@ def evaluate(agent: Agent, env_id: str, args: Args, video_folder: str | None = N
     obs, _ = env.reset(seed=args.seed)
     episode_return = 0.0
     while len(returns) < args.eval_episodes:
-        action, _, _ = policy.act(normalize(obs.reshape(1, -1), obs_mean, obs_std), args.eval_deterministic)
+        action, _, _ = policy.act(normalize_obs(obs.reshape(1, -1), obs_mean, obs_std), args.eval_deterministic)
         action = np.clip(action[0], env.action_space.low, env.action_space.high)
         obs, reward, terminated, truncated, _ = env.step(action)
         episode_return += float(reward)
