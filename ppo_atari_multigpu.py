@@ -165,6 +165,10 @@ class Args:
     """steps per env a rollout collects before --preempt-fraction may cut it short (computed at run time)"""
 
 
+Batch = dict[str, torch.Tensor]  # a rollout's tensors by name: obs, actions, log_probs, values, advantages, returns
+Group = dist.ProcessGroup | None  # None: the world
+
+
 # --- batch arithmetic ---------------------------------------------------------------------------------
 
 
@@ -194,44 +198,6 @@ def derive_batch_sizes(args: Args, world_size: int) -> None:
 
 
 # --- environment, agent, GAE --------------------------------------------------------------------------
-
-
-def rank_seed(seed: int, rank: int) -> int:
-    """Seed of python, numpy and action sampling on `rank` (SpinningUp's stride: nearby seeds never collide)."""
-    return seed + 10_000 * rank
-
-
-def env_seeds(seed: int, rank: int, local_num_envs: int, index_offset: int = 0) -> list[int]:
-    """Seeds of this rank's envs: env j of rank r has global index g = index_offset + r * local_num_envs + j. A resumed
-    run passes `index_offset` = restarts x the world's envs, so its fresh episodes never replay a seed."""
-    return [seed + 10_000 * (index_offset + rank * local_num_envs + j) for j in range(local_num_envs)]
-
-
-def atari_settings(env_id: str) -> dict:
-    """The game and protocol of a gymnasium Atari id, read from its registration; a clear error for anything else.
-    `{Game}NoFrameskip-v4` plays without sticky actions, `ALE/{Game}-v5` repeats the last action with probability
-    0.25; both get this script's own 4-frame skip with max-pool."""
-    gym.register_envs(ale_py)
-    try:
-        spec = gym.spec(env_id)
-    except gym.error.Error as error:
-        fail(f"unknown --env-id {env_id!r} ({error}); pass an Atari game such as BreakoutNoFrameskip-v4")
-    if spec.entry_point not in ("ale_py.env:AtariEnv", ale_py.env.AtariEnv):
-        fail(f"--env-id {env_id} is not an Atari game; {SCRIPT} trains ALE games such as BreakoutNoFrameskip-v4")
-    kwargs = spec.kwargs
-    if kwargs.get("obs_type", "rgb") == "ram":
-        fail(f"--env-id {env_id} observes RAM; {SCRIPT} learns from pixels: use the id without '-ram'")
-    if not isinstance(kwargs.get("frameskip", 1), int):
-        fail(
-            f"--env-id {env_id} skips a random number of frames, which AtariVectorEnv cannot do; "
-            f"use the NoFrameskip-v4 or ALE/...-v5 id of the game"
-        )
-    return {
-        "game": kwargs["game"],
-        "repeat_action_probability": kwargs.get("repeat_action_probability", 0.25),
-        "full_action_space": kwargs.get("full_action_space", False),
-        "max_num_frames_per_episode": kwargs.get("max_num_frames_per_episode") or 108_000,
-    }
 
 
 def make_env(settings: dict, num_envs: int, num_threads: int) -> AtariVectorEnv:
@@ -293,37 +259,54 @@ class Agent(nn.Module):
         self.actor = layer_init(nn.Linear(512, num_actions), std=0.01)
         self.critic = layer_init(nn.Linear(512, 1), std=1)
 
-    def trunk(self, obs: torch.Tensor) -> torch.Tensor:
-        """Features of uint8 frames, converted here (per minibatch) to the weights' dtype and scaled to [0, 1]. With
-        `bf16` the trunk (nearly all the arithmetic) runs under bfloat16 autocast and its features come back in the
-        weights' dtype, so the heads, the log-probabilities and the losses keep full precision."""
+    def policy_value(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Log-probabilities of every action and the value at uint8 frames `obs`: the one definition of the policy and
+        the value function, which acting (RolloutPolicy) and learning (log_prob_entropy_value) share. Frames become the
+        weights' dtype here (per minibatch), scaled to [0, 1]; with `bf16` the trunk (nearly all the arithmetic) runs
+        under bfloat16 autocast and its features come back in the weights' dtype, so the heads keep full precision."""
         x = obs.to(self.critic.weight.dtype) / 255.0
         with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=self.bf16):
             hidden = self.network(x)
-        return hidden.to(x.dtype)
-
-    def policy_value(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Log-probabilities of every action and the value at `obs`: the one definition of the policy and the value
-        function, which acting (act) and learning (forward) share."""
-        hidden = self.trunk(obs)
+        hidden = hidden.to(x.dtype)
         return torch.log_softmax(self.actor(hidden), dim=-1), self.critic(hidden).squeeze(-1)
 
-    def forward(self, obs: torch.Tensor, actions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Log-probability of `actions`, policy entropy and value at `obs`: all the loss needs, in one DDP call."""
+    def log_prob_entropy_value(
+        self, obs: torch.Tensor, actions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Log-probability of `actions`, the policy's entropy and the value at `obs`."""
         log_probs, value = self.policy_value(obs)
         entropy = -(log_probs.exp() * log_probs).sum(-1)
         return log_probs.gather(-1, actions.long().unsqueeze(-1)).squeeze(-1), entropy, value
 
+    def forward(self, obs: torch.Tensor, actions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """log_prob_entropy_value: all the loss needs, in one call, as DDP syncs gradients only through forward."""
+        return self.log_prob_entropy_value(obs, actions)
+
+    def value(self, obs: torch.Tensor) -> torch.Tensor:
+        return self.policy_value(obs)[1]
+
+    def rollout_policy(self) -> "RolloutPolicy":
+        """The policy and value function as they are now, for a rollout (which never changes them)."""
+        return RolloutPolicy(self)
+
+
+class RolloutPolicy:
+    """The Agent acting on a batch of frames: its own modules under inference mode (no autograd, no DDP hooks),
+    sampling the categorical distribution that Agent.log_prob_entropy_value scores."""
+
+    def __init__(self, agent: Agent):
+        self.agent = agent
+
     @torch.inference_mode()
     def act(self, obs: torch.Tensor, deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Sampled (or modal) actions, their log-probabilities and the values at `obs`, for rollouts."""
-        log_probs, value = self.policy_value(obs)
+        """Sampled (or modal) actions, their log-probabilities and the values at `obs` [envs, 4, 84, 84]."""
+        log_probs, value = self.agent.policy_value(obs)
         actions = log_probs.argmax(-1) if deterministic else torch.multinomial(log_probs.exp(), 1).squeeze(-1)
         return actions, log_probs.gather(-1, actions.unsqueeze(-1)).squeeze(-1), value
 
     @torch.inference_mode()
     def value(self, obs: torch.Tensor) -> torch.Tensor:
-        return self.policy_value(obs)[1]
+        return self.agent.value(obs)
 
 
 def compute_gae(
@@ -335,10 +318,9 @@ def compute_gae(
     gamma: float,
     gae_lambda: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """GAE-lambda advantages and value targets (advantages + values) for tensors [T, envs]. `next_values[t]` is V of
-    the state that followed step t in its own episode (V(final observation) where it was truncated: truncation is not
-    termination); `terminations[t]` zeroes it; `episode_ends[t]` (terminated or truncated, a lost life included)
-    stops the next episode's advantage from flowing back into step t."""
+    """GAE-lambda advantages and value targets (advantages + values) for [T, envs]. `next_values[t]` is V of the state
+    after step t in its own episode (V(final observation) where it was truncated: truncation is not termination),
+    zeroed where `terminations[t]`; `episode_ends[t]` (a lost life too) keeps the next episode's advantage out of t."""
     advantages = torch.zeros_like(rewards)
     next_advantage = torch.zeros_like(rewards[0])
     for t in reversed(range(len(rewards))):
@@ -351,12 +333,12 @@ def compute_gae(
 # --- gradient sync (DDP averages the gradients; these carry the rest) ---------------------------------
 
 
-def group_size(group: dist.ProcessGroup | None = None) -> int:
+def group_size(group: Group = None) -> int:
     """Ranks in `group` (the world by default); 1 where no process group exists, so helpers become no-ops."""
     return dist.get_world_size(group) if dist.is_initialized() else 1
 
 
-def allreduce_mean(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+def allreduce_mean(tensor: torch.Tensor, group: Group = None) -> torch.Tensor:
     """Average `tensor` over the ranks of `group`, in place (all_reduce: MPI's under mpirun, else torch's)."""
     if group_size(group) > 1:
         all_reduce(tensor, group=group)
@@ -364,7 +346,9 @@ def allreduce_mean(tensor: torch.Tensor, group: dist.ProcessGroup | None = None)
     return tensor
 
 
-def global_moments(x: torch.Tensor | list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def global_moments(
+    x: torch.Tensor | list[torch.Tensor], group: Group = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Count, mean and M2 along the last dim of `x` (or of each 1-d piece in a list of unequal ones) over all ranks'
     elements, as if concatenated (one all_gather)."""
     if isinstance(x, list):
@@ -373,29 +357,30 @@ def global_moments(x: torch.Tensor | list[torch.Tensor]) -> tuple[torch.Tensor, 
         local_mean = x.mean(-1)
         local_m2 = ((x - local_mean.unsqueeze(-1)) ** 2).sum(-1)
         local = torch.stack([torch.full_like(local_mean, x.shape[-1]), local_mean, local_m2])
-    if group_size() == 1:
+    if group_size(group) == 1:
         return local[0], local[1], local[2]
-    count_i, mean_i, m2_i = all_gather(local).transpose(0, 1)  # each [ranks, rows...]
+    count_i, mean_i, m2_i = all_gather(local, group).transpose(0, 1)  # each [ranks, rows...]
     count = count_i.sum(0)
     mean = (count_i * mean_i).sum(0) / count
     m2 = (m2_i + count_i * (mean_i - mean) ** 2).sum(0)
     return count, mean, m2
 
 
-def global_mean_std(x: torch.Tensor | list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+def global_mean_std(x: torch.Tensor | list[torch.Tensor], group: Group = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Mean and unbiased std along the last dim of `x` over all ranks' elements, as if concatenated (one collective)."""
-    count, mean, m2 = global_moments(x)
+    count, mean, m2 = global_moments(x, group)
     return mean, torch.sqrt(m2 / (count - 1))
 
 
 # --- update -------------------------------------------------------------------------------------------
 
 LOSS_KEYS = ("policy_loss", "value_loss", "entropy", "old_approx_kl", "approx_kl", "clipfrac")
+APPROX_KL, CLIPFRAC = LOSS_KEYS.index("approx_kl"), LOSS_KEYS.index("clipfrac")
 
 
 def minibatch_loss(
     model: nn.Module,
-    mb: dict[str, torch.Tensor],
+    mb: Batch,
     adv_mean: torch.Tensor | None,
     adv_std: torch.Tensor | None,
     args: Args,
@@ -430,45 +415,45 @@ def minibatch_loss(
 
     entropy_loss = entropy.mean()
     loss = pg_loss - args.ent_coef * entropy_loss + v_loss * args.vf_coef
-    stats = torch.stack([pg_loss, v_loss, entropy_loss, old_approx_kl, approx_kl, clipfrac]).detach()
-    return loss, stats
+    return loss, torch.stack([pg_loss, v_loss, entropy_loss, old_approx_kl, approx_kl, clipfrac]).detach()  # LOSS_KEYS
 
 
-def minibatch_pieces(sample_counts: list[int], num_minibatches: int) -> torch.Tensor:
-    """[ranks, num_minibatches]: the samples each rank gives each world minibatch, its batch cut in near-equal pieces
-    (all equal unless preemption cut some rollouts short)."""
+def minibatch_sizes(sample_counts: list[int], num_minibatches: int) -> torch.Tensor:
+    """[ranks, num_minibatches]: the samples each rank gives each world minibatch (unequal after preemption only)."""
     counts = torch.tensor(sample_counts)[:, None]
     return counts // num_minibatches + (torch.arange(num_minibatches) < counts % num_minibatches)
+
+
+def local_minibatches(sizes: torch.Tensor, group: Group = None) -> tuple[list[int], list[float] | None]:
+    """This rank's minibatch sizes (its row of `sizes`) and the weight of its loss in each world minibatch, its share
+    of the samples times the ranks, so that the average over ranks is the union's mean (None: all sizes equal)."""
+    local_sizes = sizes[dist.get_rank(group) if dist.is_initialized() else 0]
+    weights = (local_sizes.double() * len(sizes) / sizes.sum(0)).tolist()
+    return local_sizes.tolist(), None if bool((sizes == sizes[0, 0]).all()) else weights
 
 
 def update(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
-    batch: dict[str, torch.Tensor],
-    orders: torch.Tensor,
+    batch: Batch,
     args: Args,
-    pieces: torch.Tensor | None = None,
+    orders: torch.Tensor,
+    sizes: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, float]:
-    """PPO's update epochs through `model`, the DDP-wrapped agent (or a plain one alone). Minibatch k of epoch e is
-    the k-th piece of `orders[e]` (a permutation of this rank's batch), `pieces[rank, k]` samples long
-    (minibatch_pieces; None: equal pieces), on this rank and the union over ranks in the world. Returns the
-    world-averaged LOSS_KEYS (the last minibatch's; clipfrac over all so far) and the seconds in backward passes and
-    collectives (DDP's allreduce overlaps backward: it cannot be timed apart).
-    """
+    """PPO's update epochs through `model`, the DDP-wrapped agent (or a plain one alone): minibatch k of epoch e is the
+    k-th slice of `orders[e]` (this rank's batch permuted), `sizes[rank, k]` samples long (minibatch_sizes; None:
+    equal), and the world's is the union of every rank's. Returns the world-averaged LOSS_KEYS (the last minibatch's;
+    clipfrac over all) and the seconds in backward and collectives (DDP's allreduce overlaps backward)."""
     parameters = list(model.parameters())
     sync_time = 0.0
-    if pieces is None:
-        pieces = minibatch_pieces([orders.shape[1]] * group_size(), args.num_minibatches)
-    mine = pieces[dist.get_rank() if dist.is_initialized() else 0]
-    equal = bool((pieces == pieces[0, 0]).all())
-    # a rank's loss and logged numbers weigh by its share of each world minibatch, so that DDP's average over ranks
-    # is the mean over the union's samples (weights 1 when the pieces are equal)
-    weights = (mine.double() * len(pieces) / pieces.sum(0)).tolist()
-    minibatches = [list(epoch_order.split(mine.tolist())) for epoch_order in orders]
+    if sizes is None:
+        sizes = minibatch_sizes([orders.shape[1]] * group_size(), args.num_minibatches)
+    local_sizes, weights = local_minibatches(sizes)
+    minibatches = [list(epoch_order.split(local_sizes)) for epoch_order in orders]  # [epoch][k]: sample indices
     if args.norm_adv:  # the world-wide mean and std of every minibatch this update will see, in one collective
         start = time.perf_counter()
         advantages = batch["advantages"]
-        if equal:
+        if weights is None:
             adv_mean, adv_std = global_mean_std(advantages[orders.view(len(orders), args.num_minibatches, -1)])
         else:
             adv_mean, adv_std = global_mean_std([advantages[index] for epoch in minibatches for index in epoch])
@@ -479,10 +464,10 @@ def update(
         for k, index in enumerate(epoch_minibatches):
             mb = {key: value[index] for key, value in batch.items()}
             mb_mean, mb_std = (adv_mean[epoch, k], adv_std[epoch, k]) if args.norm_adv else (None, None)
-            loss, minibatch_stats = minibatch_loss(model, mb, mb_mean, mb_std, args)
-            if not equal:
-                loss, minibatch_stats = loss * weights[k], minibatch_stats * weights[k]
-            clipfracs.append(minibatch_stats[5])
+            loss, minibatch_losses = minibatch_loss(model, mb, mb_mean, mb_std, args)
+            if weights is not None:
+                loss, minibatch_losses = loss * weights[k], minibatch_losses * weights[k]
+            clipfracs.append(minibatch_losses[CLIPFRAC])
             optimizer.zero_grad()
             start = time.perf_counter()
             loss.backward()  # DDP averages the (weighted) gradients over ranks here
@@ -492,13 +477,15 @@ def update(
                 raise NonFiniteError("a non-finite loss or gradient")
             optimizer.step()
 
-        # one collective per epoch: world-averaged statistics, which also decide target_kl alike on every rank
+        # one collective per epoch: world-averaged losses, which also decide target_kl alike on every rank
         start = time.perf_counter()
-        stats = allreduce_mean(torch.cat([minibatch_stats[:5], torch.stack(clipfracs).mean()[None]]).double())
+        losses = minibatch_losses.clone()  # the last minibatch's, with clipfrac over all so far
+        losses[CLIPFRAC] = torch.stack(clipfracs).mean()
+        losses = allreduce_mean(losses.double())
         sync_time += time.perf_counter() - start
-        if args.target_kl is not None and stats[4] > args.target_kl:
+        if args.target_kl is not None and losses[APPROX_KL] > args.target_kl:
             break
-    return stats, sync_time
+    return losses, sync_time
 
 
 def main(args: Args) -> Agent | None:
@@ -523,11 +510,13 @@ def main(args: Args) -> Agent | None:
         print(f"{SCRIPT}: warning: this {device.type} emulates bfloat16, so --bf16 is slower here", file=sys.stderr)
     # channels-last: oneDNN's fast convolution layout on CPU, and the layout tensor cores want
     agent = Agent(int(envs.single_action_space.n), bf16=args.bf16).to(device, memory_format=torch.channels_last)
-    if args.compile:  # only the update's calls, agent(obs, actions); rollouts call agent.act, left eager
+    if args.compile:  # only the update's calls, agent(obs, actions); rollouts (RolloutPolicy) stay eager
         agent.compile(fullgraph=True, dynamic=None if args.preempt_fraction else False)  # preemption varies shapes
     model = DDP(agent, device_ids=[device.index] if device.type == "cuda" else None)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.learning_rate, eps=1e-5)
-    check_rollout_policy(agent, rollout_probe(agent, envs.single_observation_space.shape, device), "at start")
+    check_rollout_policy(
+        agent, rollout_probe(agent.rollout_policy(), envs.single_observation_space.shape, device), "at start"
+    )
     random.seed(rank_seed(args.seed, rank))
     np.random.seed(rank_seed(args.seed, rank))
     torch.manual_seed(rank_seed(args.seed, rank))
@@ -551,10 +540,11 @@ def main(args: Args) -> Agent | None:
 
             # --- rollout (the unwrapped agent: no DDP hooks) ---
             rollout_start = time.perf_counter()
+            policy = agent.rollout_policy()
             finished = {"episodes": 0, "episode_return": 0.0, "episode_length": 0}  # whole games, raw scores
             for step in run.rollout_steps(args.num_steps, args.min_num_steps, args.preempt_fraction):
                 obs[step] = torch.from_numpy(next_obs).to(device)
-                action, logprobs[step], values[step] = agent.act(obs[step])
+                action, logprobs[step], values[step] = policy.act(obs[step])
                 actions[step] = action
                 env_action = action.cpu().numpy()
                 if fire is not None:  # CleanRL's FireResetEnv: FIRE after a lost life; the env ignores `action` there
@@ -571,9 +561,9 @@ def main(args: Args) -> Agent | None:
                     cut = truncated & ~terminated
                     if cut.any():  # truncation is not termination: bootstrap from V(final observation)
                         final_obs = torch.from_numpy(info["final_obs"][cut]).to(device)
-                        final_values[step, torch.from_numpy(cut).to(device)] = agent.value(final_obs)
+                        final_values[step, torch.from_numpy(cut).to(device)] = policy.value(final_obs)
             collected = step + 1  # steps per env: all of them, unless preemption cut the rollout short
-            last_values = agent.value(torch.from_numpy(next_obs).to(device))
+            last_values = policy.value(torch.from_numpy(next_obs).to(device))
             rollout_time = time.perf_counter() - rollout_start
             sample_counts = [args.local_batch_size] * args.world_size  # each rank's samples: one all_gather if cut
             if args.preempt_fraction:
@@ -608,18 +598,16 @@ def main(args: Args) -> Agent | None:
             # --- update (through DDP) ---
             update_start = time.perf_counter()
             orders = torch.stack([torch.randperm(returns.numel(), device=device) for _ in range(args.update_epochs)])
-            pieces = minibatch_pieces(sample_counts, args.num_minibatches)
-            stats, sync_time = update(model, optimizer, batch, orders, args, pieces)
+            sizes = minibatch_sizes(sample_counts, args.num_minibatches)
+            losses, sync_time = update(model, optimizer, batch, args, orders, sizes)
             update_time = time.perf_counter() - update_start
 
             # --- logging: games ended on any rank, losses averaged over ranks, the world's explained variance ---
-            explained_var = explained_variance(batch["returns"], batch["values"])
             world = run.sum_over_ranks(**finished)
-            losses = {f"losses/{key}": value for key, value in zip(LOSS_KEYS, stats.tolist(), strict=True)}
             scalars = {
                 "charts/learning_rate": optimizer.param_groups[0]["lr"],
-                **losses,
-                "losses/explained_variance": explained_var,
+                **{f"losses/{key}": value for key, value in zip(LOSS_KEYS, losses.tolist(), strict=True)},
+                "losses/explained_variance": explained_variance(batch["returns"], batch["values"]),
                 "perf/rollout_time": rollout_time,
                 "perf/update_time": update_time,
                 "perf/sync_time": sync_time,
@@ -634,9 +622,20 @@ def main(args: Args) -> Agent | None:
 
 
 def explained_variance(returns: torch.Tensor, values: torch.Tensor) -> float:
-    """1 - Var(returns - values) / Var(returns) over the world's batch (one collective)."""
-    _, stds = global_mean_std(torch.stack([returns - values, returns]))
-    return (1 - stds[0] ** 2 / (stds[1] ** 2).clamp_min(1e-8)).item()
+    """1 - Var(returns - values) / Var(returns) over the world's batch in float64 (one collective; constant: NaN)."""
+    _, stds = global_mean_std(torch.stack([returns - values, returns]).double())
+    return float("nan") if stds[1] == 0 else (1 - stds[0] ** 2 / stds[1] ** 2).item()
+
+
+def rank_seed(seed: int, rank: int) -> int:
+    """Seed of python, numpy and action sampling on `rank` (SpinningUp's stride: nearby seeds never collide)."""
+    return seed + 10_000 * rank
+
+
+def env_seeds(seed: int, rank: int, local_num_envs: int, index_offset: int = 0) -> list[int]:
+    """Seeds of this rank's envs: env j of rank r has global index g = index_offset + r * local_num_envs + j. A resumed
+    run passes `index_offset` = restarts x the world's envs, so its fresh episodes never replay a seed."""
+    return [seed + 10_000 * (index_offset + rank * local_num_envs + j) for j in range(local_num_envs)]
 
 
 class GameTracker:
@@ -663,34 +662,59 @@ class GameTracker:
         return game_over, returns, lengths
 
 
-# --- the check that acting (Agent.act, the rollout) and learning (Agent.forward, the update) agree ----
+# --- the check that acting (RolloutPolicy) and learning (Agent.log_prob_entropy_value) agree ----------
 
 ROLLOUT_CHECK_SAMPLES = 32  # frames: their forward costs well under 1% of an iteration
 
 
-def rollout_probe(agent: Agent, obs_shape: tuple[int, ...], device: torch.device) -> dict[str, torch.Tensor]:
-    """What Agent.act does on a batch of random frames: sampled actions, their log-probabilities and the values."""
+def rollout_probe(policy: RolloutPolicy, obs_shape: tuple[int, ...], device: torch.device) -> Batch:
+    """What `policy` does on a batch of random frames: sampled actions, their log-probabilities and the values."""
     obs = torch.randint(0, 256, (ROLLOUT_CHECK_SAMPLES, *obs_shape), dtype=torch.uint8, device=device)
-    actions, log_probs, values = agent.act(obs)
+    actions, log_probs, values = policy.act(obs)
     return {"obs": obs, "actions": actions, "log_probs": log_probs, "values": values}
 
 
-def check_rollout_policy(
-    agent: Agent, batch: dict[str, torch.Tensor], when: str, count: int = ROLLOUT_CHECK_SAMPLES
-) -> None:
-    """Stop unless Agent.forward gives the log-probabilities and values that Agent.act recorded in `batch`'s first
-    `count` rows (as many as act saw at once: the same kernels, so bfloat16 rounds alike too)."""
+def check_rollout_policy(agent: Agent, batch: Batch, when: str, count: int = ROLLOUT_CHECK_SAMPLES) -> None:
+    """Stop unless Agent.log_prob_entropy_value gives the log-probabilities and values that the rollout recorded in
+    `batch`'s first `count` rows (as many as it acted on at once: the same kernels, so bfloat16 rounds alike too)."""
     rows = {key: batch[key][:count] for key in ("obs", "actions", "log_probs", "values")}
     with torch.no_grad():
-        log_probs, _, values = agent.forward(rows["obs"], rows["actions"])  # eager, --compile or not
+        log_probs, _, values = agent.log_prob_entropy_value(rows["obs"], rows["actions"])  # eager, --compile or not
     check_agreement(
         when,
-        "Agent.act and Agent.forward (both on Agent.policy_value)",
+        "RolloutPolicy.act and Agent.log_prob_entropy_value (both on Agent.policy_value)",
         **{"log-probabilities": (log_probs, rows["log_probs"]), "values": (values, rows["values"])},
     )
 
 
 # --- input checks and the batch table -----------------------------------------------------------------
+
+
+def atari_settings(env_id: str) -> dict:
+    """The game and protocol of a gymnasium Atari id, read from its registration; a clear error for anything else.
+    `{Game}NoFrameskip-v4` plays without sticky actions, `ALE/{Game}-v5` repeats the last action with probability
+    0.25; both get this script's own 4-frame skip with max-pool."""
+    gym.register_envs(ale_py)
+    try:
+        spec = gym.spec(env_id)
+    except gym.error.Error as error:
+        fail(f"unknown --env-id {env_id!r} ({error}); pass an Atari game such as BreakoutNoFrameskip-v4")
+    if spec.entry_point not in ("ale_py.env:AtariEnv", ale_py.env.AtariEnv):
+        fail(f"--env-id {env_id} is not an Atari game; {SCRIPT} trains ALE games such as BreakoutNoFrameskip-v4")
+    kwargs = spec.kwargs
+    if kwargs.get("obs_type", "rgb") == "ram":
+        fail(f"--env-id {env_id} observes RAM; {SCRIPT} learns from pixels: use the id without '-ram'")
+    if not isinstance(kwargs.get("frameskip", 1), int):
+        fail(
+            f"--env-id {env_id} skips a random number of frames, which AtariVectorEnv cannot do; "
+            f"use the NoFrameskip-v4 or ALE/...-v5 id of the game"
+        )
+    return {
+        "game": kwargs["game"],
+        "repeat_action_probability": kwargs.get("repeat_action_probability", 0.25),
+        "full_action_space": kwargs.get("full_action_space", False),
+        "max_num_frames_per_episode": kwargs.get("max_num_frames_per_episode") or 108_000,
+    }
 
 
 def check_args(args: Args) -> None:
@@ -820,11 +844,12 @@ def evaluate(agent: Agent, env_id: str, args: Args, video_folder: str | None = N
     """Play `args.eval_episodes` whole games with one env; returns their raw scores."""
     env = make_eval_env(env_id, video_folder)
     device = next(agent.parameters()).device
+    policy = agent.rollout_policy()
     returns = []
     obs, _ = env.reset(seed=args.seed)
     episode_return = 0.0
     while len(returns) < args.eval_episodes:
-        action, _, _ = agent.act(torch.as_tensor(obs, device=device).unsqueeze(0), args.eval_deterministic)
+        action, _, _ = policy.act(torch.as_tensor(obs, device=device).unsqueeze(0), args.eval_deterministic)
         obs, reward, terminated, truncated, _ = env.step(int(action[0]))
         episode_return += reward
         if terminated or truncated:

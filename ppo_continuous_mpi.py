@@ -7,14 +7,13 @@ running return std (each clipped to +-10); that return restarts with every episo
 
     torchrun --standalone --nproc_per_node=2 ppo_continuous_mpi.py     # README: every launcher, GPUs, evaluation
 
-Distributed story: `--local-num-envs` and `--num-steps` are per rank, so N ranks collect N times the batch of one.
-Each rank steps its own envs and computes GAE on its share. The world's minibatch k is the union of every rank's
-minibatch k: its advantages are normalised with the union's mean and std, and after each backward one allreduce of
-one flat buffer averages the gradients (the KL for `--target-kl` and the logged losses ride along) before clipping.
-Observation and return statistics are frozen during a rollout and merged world-wide once per iteration. So every
-rank takes the step one process would take on the concatenated batch, and holds the same weights. `--sync gather`
-instead sends every batch to rank 0, which runs that same update alone and broadcasts the weights.
-`--preempt-fraction` (DD-PPO) cuts stragglers' rollouts short; each rank's gradient then weighs by its samples.
+Distributed story: `--local-num-envs` and `--num-steps` are per rank, so N ranks collect N times the batch of one;
+each rank steps its own envs and computes GAE on its share. The world's minibatch k is the union of every rank's
+minibatch k: its advantages are normalised with the union's mean and std, and one allreduce of one flat buffer
+averages the gradients (the KL for `--target-kl` and the logged losses ride along) before clipping. Observation and
+return statistics are frozen during a rollout and merged world-wide once per iteration. So every rank takes the step
+one process would take on the concatenated batch. `--sync gather` has rank 0 run that update alone on every rank's
+batch and broadcast the weights; `--preempt-fraction` (DD-PPO) cuts stragglers' rollouts short.
 """
 
 import contextlib
@@ -208,26 +207,31 @@ def make_env(env_id: str, video_folder: str | None = None) -> Callable[[], gym.E
     return thunk
 
 
-def rank_seed(seed: int, rank: int) -> int:
-    """Seed of python, numpy and action sampling on `rank` (SpinningUp's stride: nearby seeds never collide)."""
-    return seed + 10_000 * rank
-
-
-def env_seeds(seed: int, rank: int, local_num_envs: int, index_offset: int = 0) -> list[int]:
-    """Seeds of this rank's envs: env j of rank r has global index g = index_offset + r * local_num_envs + j. A resumed
-    run passes `index_offset` = restarts x the world's envs, so its fresh episodes never replay a seed."""
-    return [seed + 10_000 * (index_offset + rank * local_num_envs + j) for j in range(local_num_envs)]
-
-
 def layer_init(layer: nn.Linear, std: float = math.sqrt(2), bias_const: float = 0.0) -> nn.Linear:
     torch.nn.init.orthogonal_(layer.weight, std)
     torch.nn.init.constant_(layer.bias, bias_const)
     return layer
 
 
+class DispatchFreeSequential(nn.Sequential):
+    """nn.Sequential that runs Linear and Tanh layers' arithmetic itself: at minibatches of 64 module dispatch and
+    attribute lookups cost ~5% of a step. Any other layer runs as its module, so every edit to the layers counts."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self:
+            parameters = layer._parameters  # not layer.weight: nn.Module.__getattr__ costs ~1.5 us a lookup
+            if type(layer) is nn.Linear and parameters["bias"] is not None and x.dim() == 2:
+                x = torch.addmm(parameters["bias"], x, parameters["weight"].t())
+            elif type(layer) is nn.Tanh:
+                x = torch.tanh(x)
+            else:
+                x = layer(x)
+        return x
+
+
 def mlp(in_size: int, out_size: int, out_std: float) -> nn.Sequential:
-    """CleanRL's 64-64 tanh MLP with orthogonal init, the output layer scaled by `out_std` (Sequential: below)."""
-    return Sequential(
+    """CleanRL's 64-64 tanh MLP with orthogonal init, the output layer scaled by `out_std`."""
+    return DispatchFreeSequential(
         layer_init(nn.Linear(in_size, 64)),
         nn.Tanh(),
         layer_init(nn.Linear(64, 64)),
@@ -241,8 +245,7 @@ LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
 
 class Agent(nn.Module):
     """CleanRL's continuous agent: separate 64-64 tanh MLPs, a state-independent log-std, and the observation and
-    return statistics (buffers, so they travel with the weights). The one place that says what the networks and the
-    distribution compute: the rollout's numpy copy is built from these modules and checked against them."""
+    return statistics (buffers, saved with the weights): the one definition the rollout's copy is checked against."""
 
     def __init__(self, obs_dim: int, action_dim: int):
         super().__init__()
@@ -260,7 +263,10 @@ class Agent(nn.Module):
         log_std = self.actor_logstd  # broadcast over the batch; state-dependent: self.actor_logstd(obs)
         log_prob = (-0.5 * ((actions - mean) / log_std.exp()) ** 2 - log_std - LOG_SQRT_2PI).sum(-1)
         entropy = (0.5 + LOG_SQRT_2PI + log_std).sum(-1).expand(len(obs))
-        return log_prob, entropy, self.critic(obs).squeeze(-1)
+        return log_prob, entropy, self.value(obs)
+
+    def value(self, obs: torch.Tensor) -> torch.Tensor:
+        return self.critic(obs).squeeze(-1)
 
     def rollout_policy(self, numpy_networks: bool = True) -> "RolloutPolicy":
         """The policy and value function as they are now, for a rollout (which never changes them)."""
@@ -291,25 +297,21 @@ class RolloutPolicy:
 def compute_gae(
     rewards: np.ndarray,
     values: np.ndarray,
-    last_values: np.ndarray,
-    final_values: np.ndarray,
+    next_values: np.ndarray,
     terminations: np.ndarray,
-    truncations: np.ndarray,
+    episode_ends: np.ndarray,
     gamma: float,
     gae_lambda: float,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """GAE-lambda advantages and value targets for arrays [T, envs]. Step t bootstraps from the next row's values (after
-    the last row, `last_values`), from zero where the episode terminated at t, and from `final_values[t]` =
-    V(final observation) where it was truncated: truncation is not termination."""
-    next_values = np.concatenate([values[1:], last_values[None]])
-    next_values = np.where(truncations > 0, final_values, next_values)
-    deltas = rewards + gamma * (1.0 - terminations) * next_values - values
-    continues = 1.0 - np.maximum(terminations, truncations)
+    """GAE-lambda advantages and value targets (advantages + values) for [T, envs]. `next_values[t]` is V of the state
+    after step t in its own episode (V(final observation) where it was truncated: truncation is not termination),
+    zeroed where `terminations[t]`; `episode_ends[t]` keeps the next episode's advantage out of step t."""
     advantages = np.zeros_like(rewards)
-    last_advantage = np.zeros_like(rewards[0])
+    next_advantage = np.zeros_like(rewards[0])
     for t in reversed(range(len(rewards))):
-        last_advantage = deltas[t] + gamma * gae_lambda * continues[t] * last_advantage
-        advantages[t] = last_advantage
+        delta = rewards[t] + gamma * (1.0 - terminations[t]) * next_values[t] - values[t]
+        next_advantage = delta + gamma * gae_lambda * (1.0 - episode_ends[t]) * next_advantage
+        advantages[t] = next_advantage
     return advantages, advantages + values
 
 
@@ -339,19 +341,14 @@ def flat_gradient_buffer(parameters: list[nn.Parameter], num_extras: int) -> tor
     return flat
 
 
-def average_gradients(flat: torch.Tensor, group: Group = None) -> torch.Tensor:
-    """Average a flat_gradient_buffer (gradients, then the scalars every rank must agree on) over ranks in one
-    allreduce. A NaN or inf anywhere spreads through the sum, so every rank raises NonFiniteError before any step."""
+def average_gradients(flat: torch.Tensor, group: Group = None) -> float:
+    """Average a flat_gradient_buffer (gradients, then scalars every rank must agree on) in one allreduce; returns its
+    seconds. A NaN or inf anywhere spreads through the sum, so every rank raises NonFiniteError before any step."""
+    start = time.perf_counter()
     allreduce_mean(flat, group)
     if not torch.isfinite(flat).all():
         raise NonFiniteError("a non-finite loss or gradient")
-    return flat
-
-
-def clip_flat_gradients(gradients: torch.Tensor, max_norm: float) -> None:
-    """Scale the flat gradients to a total norm of at most `max_norm` (nn.utils.clip_grad_norm_, in one piece)."""
-    total_norm = gradients.norm()
-    gradients.mul_(torch.clamp(max_norm / (total_norm + 1e-6), max=1.0))
+    return time.perf_counter() - start
 
 
 def broadcast_parameters(module: nn.Module, extras: torch.Tensor | None = None) -> None:
@@ -395,6 +392,7 @@ def global_mean_std(x: torch.Tensor | list[torch.Tensor], group: Group = None) -
 # --- update -------------------------------------------------------------------------------------------
 
 LOSS_KEYS = ("policy_loss", "value_loss", "entropy", "old_approx_kl", "approx_kl", "clipfrac")
+APPROX_KL, CLIPFRAC = LOSS_KEYS.index("approx_kl"), LOSS_KEYS.index("clipfrac")
 
 
 def minibatch_loss(
@@ -430,8 +428,7 @@ def minibatch_loss(
 
     entropy_loss = entropy.mean()
     loss = pg_loss - args.ent_coef * entropy_loss + v_loss * args.vf_coef
-    stats = torch.stack([pg_loss, v_loss, entropy_loss, old_approx_kl, approx_kl, clipfrac]).detach()
-    return loss, stats
+    return loss, torch.stack([pg_loss, v_loss, entropy_loss, old_approx_kl, approx_kl, clipfrac]).detach()  # LOSS_KEYS
 
 
 def loss_function(args: Args) -> Callable:
@@ -440,11 +437,18 @@ def loss_function(args: Args) -> Callable:
     return torch.compile(minibatch_loss, fullgraph=True, dynamic=dynamic) if args.compile else minibatch_loss
 
 
-def minibatch_pieces(sample_counts: list[int], num_minibatches: int) -> torch.Tensor:
-    """[ranks, num_minibatches]: the samples each rank gives each world minibatch, its batch cut in near-equal pieces
-    (all equal unless preemption cut some rollouts short)."""
+def minibatch_sizes(sample_counts: list[int], num_minibatches: int) -> torch.Tensor:
+    """[ranks, num_minibatches]: the samples each rank gives each world minibatch (unequal after preemption only)."""
     counts = torch.tensor(sample_counts)[:, None]
     return counts // num_minibatches + (torch.arange(num_minibatches) < counts % num_minibatches)
+
+
+def local_minibatches(sizes: torch.Tensor, group: Group = None) -> tuple[list[int], list[float] | None]:
+    """This rank's minibatch sizes (its row of `sizes`) and the weight of its loss in each world minibatch, its share
+    of the samples times the ranks, so that the average over ranks is the union's mean (None: all sizes equal)."""
+    local_sizes = sizes[dist.get_rank(group) if dist.is_initialized() else 0]
+    weights = (local_sizes.double() * len(sizes) / sizes.sum(0)).tolist()
+    return local_sizes.tolist(), None if bool((sizes == sizes[0, 0]).all()) else weights
 
 
 def update(
@@ -453,64 +457,51 @@ def update(
     batch: Batch,
     args: Args,
     orders: torch.Tensor,
+    sizes: torch.Tensor | None = None,
     loss_fn: Callable = minibatch_loss,
     group: Group = None,
-    pieces: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, float, int]:
-    """PPO's update epochs; the world's minibatch k is the union of every rank's k-th piece of `orders[epoch]` (a
-    permutation of this rank's batch), `pieces[rank, k]` samples long (minibatch_pieces; None: equal pieces). Returns
-    the world-averaged LOSS_KEYS (the last minibatch's; clipfrac over all), the seconds spent in collectives, and the
-    epochs run (fewer after a `--target-kl` stop, alike on every rank)."""
-    parameters = list(agent.parameters())
-    num_gradients = sum(p.numel() for p in parameters)
-    flat = flat_gradient_buffer(parameters, num_extras=len(LOSS_KEYS))  # gradients, then the numbers ranks log
-    gradients, stats = flat[:num_gradients], flat[num_gradients:]
+) -> tuple[torch.Tensor, float]:
+    """PPO's update epochs: minibatch k of epoch e is the k-th slice of `orders[e]` (this rank's batch permuted),
+    `sizes[rank, k]` samples long (minibatch_sizes; None: equal), and the world's is the union of every rank's. Returns
+    the world-averaged LOSS_KEYS (the last minibatch's; clipfrac over all) and the seconds spent in collectives."""
+    flat = flat_gradient_buffer(list(agent.parameters()), num_extras=len(LOSS_KEYS))  # gradients, then the losses
+    gradients, losses = flat[: -len(LOSS_KEYS)], flat[-len(LOSS_KEYS) :]
+    if sizes is None:
+        sizes = minibatch_sizes([orders.shape[1]] * group_size(group), args.num_minibatches)
+    local_sizes, weights = local_minibatches(sizes, group)
+    starts = np.cumsum([0, *local_sizes]).tolist()  # where each minibatch starts in the epoch's order
     sync_time = 0.0
     clipfrac_sum = torch.zeros((), dtype=flat.dtype, device=flat.device)
-    minibatches_run = 0
-    if pieces is None:
-        pieces = minibatch_pieces([orders.shape[1]] * group_size(group), args.num_minibatches)
-    mine = pieces[dist.get_rank(group) if dist.is_initialized() else 0]
-    equal = bool((pieces == pieces[0, 0]).all())
-    # a rank's gradient and logged numbers weigh by its share of each world minibatch, so that allreduce_mean's
-    # average over ranks is the mean over the union's samples (weights 1 when the pieces are equal)
-    weights = (mine.double() * len(pieces) / pieces.sum(0)).tolist()
-    starts, mine = [0, *mine.cumsum(0).tolist()], mine.tolist()
     for epoch in range(args.update_epochs):
         # one gather per tensor per epoch; each minibatch is then a slice, not another gather
         shuffled = {key: value[orders[epoch]] for key, value in batch.items()}
         adv_mean = adv_std = [None] * args.num_minibatches
         if args.norm_adv:  # every global minibatch's mean and std in one collective per epoch
             start = time.perf_counter()
-            advantages = shuffled["advantages"]
-            advantages = advantages.view(args.num_minibatches, -1) if equal else list(advantages.split(mine))
+            advantages = shuffled["advantages"].split(local_sizes)  # this rank's part of each world minibatch
+            advantages = torch.stack(advantages) if weights is None else list(advantages)  # unequal: one by one
             adv_mean, adv_std = global_mean_std(advantages, group)
             sync_time += time.perf_counter() - start
         for k in range(args.num_minibatches):
             mb = {key: value[starts[k] : starts[k + 1]] for key, value in shuffled.items()}
-            loss, minibatch_stats = loss_fn(agent, mb, adv_mean[k], adv_std[k], args)
-            if not equal:
-                loss, minibatch_stats = loss * weights[k], minibatch_stats * weights[k]
+            loss, minibatch_losses = loss_fn(agent, mb, adv_mean[k], adv_std[k], args)
+            if weights is not None:
+                loss, minibatch_losses = loss * weights[k], minibatch_losses * weights[k]
             flat.zero_()
             loss.backward()  # accumulates into the views flat_gradient_buffer gave the parameters
-            minibatches_run += 1
-            clipfrac_sum += minibatch_stats[5]
+            clipfrac_sum += minibatch_losses[CLIPFRAC]
             with torch.no_grad():
-                stats[:5] = minibatch_stats[:5]
-                stats[5] = clipfrac_sum / minibatches_run
+                losses.copy_(minibatch_losses)
+                losses[CLIPFRAC] = clipfrac_sum / (epoch * args.num_minibatches + k + 1)
             # the (weighted) mean of the ranks' gradients is the union's; clipped alike after averaging
-            start = time.perf_counter()
-            average_gradients(flat, group)
-            sync_time += time.perf_counter() - start
-            clip_flat_gradients(gradients, args.max_grad_norm)
+            sync_time += average_gradients(flat, group)
+            gradients.mul_(torch.clamp(args.max_grad_norm / (gradients.norm() + 1e-6), max=1.0))  # clip_grad_norm_
             optimizer.step()
 
         # the KL is the world average carried by the last gradient allreduce: every rank stops together
-        if args.target_kl is not None and stats[4] > args.target_kl:
+        if args.target_kl is not None and losses[APPROX_KL] > args.target_kl:
             break
-    for parameter in parameters:  # let the buffer go (optimizer.zero_grad() would do the same)
-        parameter.grad = None
-    return stats.clone(), sync_time, epoch + 1
+    return losses.clone(), sync_time
 
 
 def main(args: Args) -> Agent | None:
@@ -549,8 +540,8 @@ def main(args: Args) -> Agent | None:
     raw_obs = np.zeros(shape + (obs_dim,))  # unnormalised, for the statistics
     obs = np.zeros(shape + (obs_dim,), dtype=np.float32)  # normalised, as the agent saw them
     actions = np.zeros(shape + (action_dim,), dtype=np.float32)
-    # final_values: V(final observation) where an episode was truncated
-    logprobs, values, rewards, terminations, truncations, final_values = np.zeros((6, *shape), dtype=np.float32)
+    # episode_ends: terminated or truncated; final_values: V(final observation) where an episode was truncated
+    logprobs, values, rewards, terminations, episode_ends, final_values = np.zeros((6, *shape), dtype=np.float32)
     discounted_returns = np.zeros(shape)  # the running return whose std scales the rewards
 
     # a resumed run starts fresh episodes, on envs seeded after all the earlier attempts' envs
@@ -571,15 +562,15 @@ def main(args: Args) -> Agent | None:
             finished = {"episodes": 0, "episode_return": 0.0, "episode_length": 0}  # summed over ranks for the log
             for step in run.rollout_steps(args.num_steps, args.min_num_steps, args.preempt_fraction):
                 raw_obs[step] = next_obs.reshape(args.local_num_envs, -1)
-                obs[step] = normalize(raw_obs[step], obs_mean, obs_std)
+                obs[step] = normalize_obs(raw_obs[step], obs_mean, obs_std)
                 actions[step], logprobs[step], values[step] = policy.act(obs[step])
                 clipped_action = np.clip(actions[step], envs.single_action_space.low, envs.single_action_space.high)
                 next_obs, reward, terminated, truncated, info = envs.step(clipped_action)
-                rewards[step], terminations[step], truncations[step] = reward, terminated, truncated
+                ended = terminated | truncated
+                rewards[step], terminations[step], episode_ends[step] = reward, terminated, ended
                 discounted_returns[step] = discounted_return = discounted_return * args.gamma + reward
                 episode_return += reward
                 episode_length += 1
-                ended = terminated | truncated
                 if ended.any():
                     finished["episodes"] += int(ended.sum())
                     finished["episode_return"] += float(episode_return[ended].sum())
@@ -588,9 +579,10 @@ def main(args: Args) -> Agent | None:
                     cut = truncated & ~terminated
                     if cut.any():  # truncation is not termination: bootstrap from V(final observation)
                         final_obs = np.stack(info["final_obs"][cut]).reshape(cut.sum(), -1)
-                        final_values[step, cut] = policy.value(normalize(final_obs, obs_mean, obs_std))
+                        final_values[step, cut] = policy.value(normalize_obs(final_obs, obs_mean, obs_std))
             collected = step + 1  # steps per env: all of them, unless preemption cut the rollout short
-            next_value = policy.value(normalize(next_obs.reshape(args.local_num_envs, -1), obs_mean, obs_std))
+            rows = slice(collected)  # the rollout's rows
+            last_values = policy.value(normalize_obs(next_obs.reshape(args.local_num_envs, -1), obs_mean, obs_std))
             rollout_time = time.perf_counter() - rollout_start
             sample_counts = [args.local_batch_size] * args.world_size  # each rank's samples: one all_gather if cut
             if args.preempt_fraction:
@@ -598,20 +590,22 @@ def main(args: Args) -> Agent | None:
             global_step += sum(sample_counts)
 
             # --- normalisation statistics: merged over all ranks' rollouts in one collective ---
-            local_data = [raw_obs[:collected].reshape(-1, obs_dim).T, discounted_returns[:collected].reshape(1, -1)]
+            local_data = [raw_obs[rows].reshape(-1, obs_dim).T, discounted_returns[rows].reshape(1, -1)]
             count, mean, m2 = global_moments(torch.as_tensor(np.concatenate(local_data), device=device))
             agent.obs_rms.update(count[0], mean[:obs_dim], m2[:obs_dim])
             agent.return_rms.update(count[obs_dim], mean[obs_dim], m2[obs_dim])
-            # the rewards are used only from here on, so they are scaled with statistics that include this rollout
+            # the learner sees scaled rewards, used only from here on: with statistics that include this rollout
             reward_scale = math.sqrt(agent.return_rms.var.item() + NORM_EPS)
-            scaled_rewards = np.clip(rewards[:collected] / reward_scale, -NORM_CLIP, NORM_CLIP)
+            rewards[rows] = np.clip(rewards[rows] / reward_scale, -NORM_CLIP, NORM_CLIP)
 
-            # --- GAE (a rollout cut at step t bootstraps from V(observation after t), as a full one does) ---
-            rows = slice(collected)  # the rollout's rows: all, unless preemption cut it short
+            # --- GAE: each step bootstraps from the next row's value, or V(final observation) where its episode ended
+            next_values = np.concatenate([values[rows][1:], last_values[None]])  # a cut rollout's too, as a full one's
+            next_values = np.where(episode_ends[rows] > 0, final_values[rows], next_values)
             advantages, returns = compute_gae(
-                scaled_rewards, values[rows], next_value, final_values[rows], terminations[rows], truncations[rows],
-                args.gamma, args.gae_lambda,
+                rewards[rows], values[rows], next_values, terminations[rows], episode_ends[rows], args.gamma,
+                args.gae_lambda,
             )  # fmt: skip
+            final_values[:] = 0.0
             batch = {
                 "obs": obs[rows].reshape(-1, obs_dim),
                 "actions": actions[rows].reshape(-1, action_dim),
@@ -626,19 +620,20 @@ def main(args: Args) -> Agent | None:
             # --- update ---
             update_start = time.perf_counter()
             orders = torch.stack([torch.randperm(returns.size, device=device) for _ in range(args.update_epochs)])
-            pieces = minibatch_pieces(sample_counts, args.num_minibatches)
+            sizes = minibatch_sizes(sample_counts, args.num_minibatches)
             if args.sync == "allreduce":
-                stats, sync_time, _ = update(agent, optimizer, batch, args, orders, loss_fn, pieces=pieces)
+                losses, sync_time = update(agent, optimizer, batch, args, orders, sizes, loss_fn)
             else:  # the same update, by rank 0 alone on the union of every rank's batch
-                learner = (learner_group, pieces)
-                stats, sync_time = update_one_learner(agent, optimizer, batch, args, orders, loss_fn, *learner)
+                losses, sync_time = update_one_learner(
+                    agent, optimizer, batch, args, orders, sizes, loss_fn, learner_group
+                )
             update_time = time.perf_counter() - update_start
 
             # --- logging: episodes ended on any rank, losses averaged over ranks, the world's explained variance ---
-            world = run.sum_over_ranks(**finished, **value_sums(returns, values[rows]))
-            losses = {f"losses/{key}": value for key, value in zip(LOSS_KEYS, stats.tolist(), strict=True)}
-            scalars = {"charts/learning_rate": optimizer.param_groups[0]["lr"], **losses}
-            scalars["losses/explained_variance"] = explained_variance(world)
+            world = run.sum_over_ranks(**finished)
+            scalars = {"charts/learning_rate": optimizer.param_groups[0]["lr"]}
+            scalars |= {f"losses/{key}": value for key, value in zip(LOSS_KEYS, losses.tolist(), strict=True)}
+            scalars["losses/explained_variance"] = explained_variance(batch["returns"], batch["values"])
             scalars |= {"perf/rollout_time": rollout_time, "perf/update_time": update_time, "perf/sync_time": sync_time}
             run.log(global_step, world, scalars)
             if run.end_iteration(global_step):  # weight check, checkpoint; every rank stops here on SIGTERM
@@ -649,20 +644,21 @@ def main(args: Args) -> Agent | None:
     return agent
 
 
-def value_sums(returns: np.ndarray, values: np.ndarray) -> dict[str, float]:
-    """This rank's sums from which explained_variance finds the world's, once summed over ranks."""
-    residuals = (returns - values).astype(np.float64)
-    returns = returns.astype(np.float64)
-    sums = (returns.size, returns.sum(), (returns**2).sum(), residuals.sum(), (residuals**2).sum())
-    return dict(zip(("samples", "returns", "returns_squared", "residuals", "residuals_squared"), sums, strict=True))
+def explained_variance(returns: torch.Tensor, values: torch.Tensor) -> float:
+    """1 - Var(returns - values) / Var(returns) over the world's batch in float64 (one collective; constant: NaN)."""
+    _, stds = global_mean_std(torch.stack([returns - values, returns]).double())
+    return float("nan") if stds[1] == 0 else (1 - stds[0] ** 2 / stds[1] ** 2).item()
 
 
-def explained_variance(world: dict[str, float]) -> float:
-    """1 - Var(returns - values) / Var(returns) over the world's batch."""
-    n = world["samples"]
-    var_returns = world["returns_squared"] / n - (world["returns"] / n) ** 2
-    var_residuals = world["residuals_squared"] / n - (world["residuals"] / n) ** 2
-    return np.nan if var_returns <= 0 else 1 - var_residuals / var_returns
+def rank_seed(seed: int, rank: int) -> int:
+    """Seed of python, numpy and action sampling on `rank` (SpinningUp's stride: nearby seeds never collide)."""
+    return seed + 10_000 * rank
+
+
+def env_seeds(seed: int, rank: int, local_num_envs: int, index_offset: int = 0) -> list[int]:
+    """Seeds of this rank's envs: env j of rank r has global index g = index_offset + r * local_num_envs + j. A resumed
+    run passes `index_offset` = restarts x the world's envs, so its fresh episodes never replay a seed."""
+    return [seed + 10_000 * (index_offset + rank * local_num_envs + j) for j in range(local_num_envs)]
 
 
 # --- running statistics: observation normalisation and reward scaling ---------------------------------
@@ -692,30 +688,14 @@ class RunningMeanStd(nn.Module):
         return self.mean.cpu().numpy().copy(), np.sqrt(self.var.cpu().numpy() + NORM_EPS)
 
 
-def normalize(x: np.ndarray, mean: np.ndarray, std: np.ndarray) -> np.ndarray:
+def normalize_obs(x: np.ndarray, mean: np.ndarray, std: np.ndarray) -> np.ndarray:
     """Observations as the agent sees them: standardised with frozen statistics, clipped, float32."""
     return np.clip((x - mean) / std, -NORM_CLIP, NORM_CLIP).astype(np.float32)
 
 
-# --- fast paths built from the Agent's modules, and the check that the rollout agrees with the Agent --
+# --- the rollout's numpy copy of the Agent's networks, and the check that it agrees with the Agent ----
 
 ROLLOUT_CHECK_SAMPLES = 256
-
-
-class Sequential(nn.Sequential):
-    """nn.Sequential that runs Linear and Tanh layers' arithmetic itself: at minibatches of 64 module dispatch and
-    attribute lookups cost ~5% of a step. Any other layer runs as its module, so every edit to the layers counts."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self:
-            parameters = layer._parameters  # not layer.weight: nn.Module.__getattr__ costs ~1.5 us a lookup
-            if type(layer) is nn.Linear and parameters["bias"] is not None and x.dim() == 2:
-                x = torch.addmm(parameters["bias"], x, parameters["weight"].t())
-            elif type(layer) is nn.Tanh:
-                x = torch.tanh(x)
-            else:
-                x = layer(x)
-        return x
 
 
 def numpy_module(module: nn.Module | nn.Parameter, numpy_layers: bool = True) -> Callable[[np.ndarray], np.ndarray]:
@@ -755,8 +735,7 @@ def numpy_module(module: nn.Module | nn.Parameter, numpy_layers: bool = True) ->
 
 
 def rollout_probe(policy: RolloutPolicy, obs_dim: int, device: torch.device) -> Batch:
-    """What `policy` does on a batch of standard-normal observations (as normalised ones look): sampled actions,
-    their log-probabilities and the values."""
+    """`policy`'s actions, log-probabilities and values at standard-normal observations (as normalised ones look)."""
     obs = np.random.standard_normal((ROLLOUT_CHECK_SAMPLES, obs_dim)).astype(np.float32)
     actions, log_probs, values = policy.act(obs)
     probe = {"obs": obs, "actions": actions, "log_probs": log_probs, "values": values}
@@ -785,23 +764,24 @@ def update_one_learner(
     batch: Batch,
     args: Args,
     orders: torch.Tensor,
+    sizes: torch.Tensor,
     loss_fn: Callable,
     learner_group: Group,
-    pieces: torch.Tensor,
 ) -> tuple[torch.Tensor, float]:
     """--sync gather: rank 0 runs `update` on the union of the ranks' batches in `learner_group` (a group of one),
     then one broadcast gives every rank its weights, the logged losses and whether it met a non-finite loss.
-    `pieces` are the ranks' minibatch_pieces. Returns those losses and the seconds of the gather and the broadcast."""
+    Returns those losses and the seconds of the gather and the broadcast."""
     start = time.perf_counter()
-    union = gather_to_learner(batch, orders, pieces, args)
+    union = gather_to_learner(batch, orders, sizes, args)
     outcome = torch.zeros(len(LOSS_KEYS) + 1, dtype=torch.float64, device=orders.device)  # losses, non-finite flag
     learner_start = time.perf_counter()
     if union is not None:
         union_batch, union_orders = union
-        try:
-            outcome[:-1] = update(
-                agent, optimizer, union_batch, args, union_orders, loss_fn, learner_group, pieces.sum(0, keepdim=True)
-            )[0]
+        try:  # the learner's minibatch k is the world's
+            losses, _ = update(
+                agent, optimizer, union_batch, args, union_orders, sizes.sum(0)[None], loss_fn, learner_group
+            )
+            outcome[:-1] = losses
         except NonFiniteError:
             outcome[-1] = 1.0
     learner_time = time.perf_counter() - learner_start
@@ -812,32 +792,31 @@ def update_one_learner(
 
 
 def gather_to_learner(
-    batch: Batch, orders: torch.Tensor, pieces: torch.Tensor, args: Args
+    batch: Batch, orders: torch.Tensor, sizes: torch.Tensor, args: Args
 ) -> tuple[Batch, torch.Tensor] | None:
-    """--sync gather: every rank's batch and minibatch orders on rank 0 (one gather; each padded to a full local batch,
-    as preemption may have cut it short), as the union batch and orders under which the world's minibatch k is every
-    rank's k-th piece, as with allreduce; None on the other ranks."""
+    """--sync gather: every rank's batch and orders on rank 0 (one gather, padded where preemption cut them short), as
+    the union batch and the orders that make its minibatch k the world's, as with allreduce; None on other ranks."""
     padding = args.local_batch_size - orders.shape[1]
     full = [torch.cat([value, value.new_zeros((padding, *value.shape[1:]))]) for value in batch.values()]
     full += [torch.cat([orders, orders.new_zeros((len(orders), padding))], 1)]
-    packed = torch.cat([value.reshape(-1).double() for value in full])
-    gathered = gather(packed)  # [ranks, packed] on rank 0
+    gathered = gather(torch.cat([value.reshape(-1).double() for value in full]))  # [ranks, packed] on rank 0
     if gathered is None:
         return None
-    counts, parts = pieces.sum(1).tolist(), [rank_packed.split([t.numel() for t in full]) for rank_packed in gathered]
+    numels = [value.numel() for value in full]
+    ranks = [[part.view_as(like) for part, like in zip(row.split(numels), full, strict=True)] for row in gathered]
+    counts = sizes.sum(1).tolist()  # each rank's samples, then where they start in the union
+    offsets = [0, *np.cumsum(counts)[:-1].tolist()]
     union = {
-        key: torch.cat([part[i].view_as(full[i])[:n] for part, n in zip(parts, counts, strict=True)]).to(value.dtype)
+        key: torch.cat([rank[i][:n] for rank, n in zip(ranks, counts, strict=True)]).to(value.dtype)
         for i, (key, value) in enumerate(batch.items())
     }
-    offsets = [0, *np.cumsum(counts)[:-1].tolist()]  # where each rank's samples start in the union
-    rank_pieces = [  # [rank][epoch][k]: the union's indices of rank r's k-th piece in that epoch
-        [(part[-1].view_as(full[-1])[epoch, :n].long() + offset).split(size.tolist()) for epoch in range(len(orders))]
-        for part, n, offset, size in zip(parts, counts, offsets, pieces, strict=True)
-    ]
-    union_orders = [
-        torch.cat([rank_pieces[r][epoch][k] for k in range(args.num_minibatches) for r in range(len(parts))])
-        for epoch in range(len(orders))
-    ]
+    union_orders = []
+    for epoch in range(len(orders)):
+        minibatches = [  # each rank's minibatches of this epoch, as indices into the union
+            (rank[-1][epoch, :n].long() + offset).split(rank_sizes.tolist())
+            for rank, n, offset, rank_sizes in zip(ranks, counts, offsets, sizes, strict=True)
+        ]
+        union_orders.append(torch.cat([rank[k] for k in range(args.num_minibatches) for rank in minibatches]))
     return union, torch.stack(union_orders).to(orders.device)
 
 
@@ -923,7 +902,7 @@ def evaluate(agent: Agent, env_id: str, args: Args, video_folder: str | None = N
     obs, _ = env.reset(seed=args.seed)
     episode_return = 0.0
     while len(returns) < args.eval_episodes:
-        action, _, _ = policy.act(normalize(obs.reshape(1, -1), obs_mean, obs_std), args.eval_deterministic)
+        action, _, _ = policy.act(normalize_obs(obs.reshape(1, -1), obs_mean, obs_std), args.eval_deterministic)
         action = np.clip(action[0], env.action_space.low, env.action_space.high)
         obs, reward, terminated, truncated, _ = env.step(action)
         episode_return += float(reward)

@@ -133,6 +133,10 @@ class Args:
     """number of epochs: total_timesteps // steps_per_epoch (computed at run time)"""
 
 
+Batch = dict[str, torch.Tensor]  # a rollout's tensors by name: obs, actions, log_probs, values, advantages, returns
+Group = dist.ProcessGroup | None  # None: the world
+
+
 # --- batch arithmetic ---------------------------------------------------------------------------------
 
 
@@ -171,17 +175,6 @@ def make_env(env_id: str, max_ep_len: int, video_folder: str | None = None) -> C
     return thunk
 
 
-def rank_seed(seed: int, rank: int) -> int:
-    """Seed of python, numpy and action sampling on `rank` (SpinningUp's stride: nearby seeds never collide)."""
-    return seed + 10_000 * rank
-
-
-def env_seeds(seed: int, rank: int, local_num_envs: int, index_offset: int = 0) -> list[int]:
-    """Seeds of this rank's envs: env j of rank r has global index g = index_offset + r * local_num_envs + j. A resumed
-    run passes `index_offset` = restarts x the world's envs, so its fresh episodes never replay a seed."""
-    return [seed + 10_000 * (index_offset + rank * local_num_envs + j) for j in range(local_num_envs)]
-
-
 def layer_init(layer: nn.Linear, std: float = math.sqrt(2), bias_const: float = 0.0) -> nn.Linear:
     torch.nn.init.orthogonal_(layer.weight, std)
     torch.nn.init.constant_(layer.bias, bias_const)
@@ -211,13 +204,6 @@ class Agent(nn.Module):
         if self.continuous:
             self.log_std = nn.Parameter(torch.full((num_outputs,), -0.5))  # state-independent, as SpinningUp's
 
-    def policy_parameters(self) -> list[nn.Parameter]:
-        """All but the critic's: what the policy step trains (a module added to the actor's side joins by itself)."""
-        return [parameter for name, parameter in self.named_parameters() if not name.startswith("critic.")]
-
-    def value(self, obs: torch.Tensor) -> torch.Tensor:
-        return self.critic(obs).squeeze(-1)
-
     def log_prob_entropy(self, obs: torch.Tensor, actions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Log-probability of `actions` and the policy's entropy at `obs` (closed forms, no Distribution objects)."""
         out = self.actor(obs)
@@ -228,6 +214,13 @@ class Agent(nn.Module):
         log_probs = torch.log_softmax(out, dim=-1)
         log_prob = log_probs.gather(-1, actions.long().unsqueeze(-1)).squeeze(-1)
         return log_prob, -(log_probs.exp() * log_probs).sum(-1)
+
+    def value(self, obs: torch.Tensor) -> torch.Tensor:
+        return self.critic(obs).squeeze(-1)
+
+    def policy_parameters(self) -> list[nn.Parameter]:
+        """All but the critic's: what the policy step trains (a module added to the actor's side joins by itself)."""
+        return [parameter for name, parameter in self.named_parameters() if not name.startswith("critic.")]
 
     def rollout_policy(self, numpy_networks: bool = True) -> "RolloutPolicy":
         """The policy and value function as they are now, for a rollout (which never changes them)."""
@@ -275,7 +268,7 @@ def compute_gae(
     terminations: np.ndarray,
     episode_ends: np.ndarray,
     gamma: float,
-    lam: float,
+    gae_lambda: float,
 ) -> tuple[np.ndarray, np.ndarray]:
     """GAE-lambda advantages and discounted rewards-to-go (the value targets) for arrays [T, envs]. `next_values[t]`
     is V of the state after step t in its episode (V(final observation) where it was truncated), zeroed where
@@ -287,21 +280,21 @@ def compute_gae(
         bootstrap = gamma * (1.0 - terminations[t]) * next_values[t]
         continues = np.zeros_like(rewards[t]) if t == len(rewards) - 1 else 1.0 - episode_ends[t]
         delta = rewards[t] + bootstrap - values[t]
-        next_advantage = delta + gamma * lam * continues * next_advantage
+        next_advantage = delta + gamma * gae_lambda * continues * next_advantage
         next_return = rewards[t] + continues * gamma * next_return + (1.0 - continues) * bootstrap
         advantages[t], rewards_to_go[t] = next_advantage, next_return
     return advantages, rewards_to_go
 
 
-# --- gradient sync, and the gather of --sync gather ---------------------------------------------------
+# --- gradient sync ------------------------------------------------------------------------------------
 
 
-def group_size(group: dist.ProcessGroup | None = None) -> int:
+def group_size(group: Group = None) -> int:
     """Ranks in `group` (the world by default); 1 where no process group exists, so helpers become no-ops."""
     return dist.get_world_size(group) if dist.is_initialized() else 1
 
 
-def allreduce_mean(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+def allreduce_mean(tensor: torch.Tensor, group: Group = None) -> torch.Tensor:
     """Average `tensor` over the ranks of `group`, in place (all_reduce: MPI's under mpirun, else torch's)."""
     if group_size(group) > 1:
         all_reduce(tensor, group=group)
@@ -309,60 +302,50 @@ def allreduce_mean(tensor: torch.Tensor, group: dist.ProcessGroup | None = None)
     return tensor
 
 
-def average_gradients(parameters: list[nn.Parameter], group: dist.ProcessGroup | None, loss: torch.Tensor) -> float:
-    """Average the gradients over `group` in one allreduce of one flat buffer, `loss` riding at its end; returns
-    the seconds it took. A NaN or inf anywhere spreads through the sum, so every rank raises NonFiniteError before
-    any optimizer step."""
+def flat_gradient_buffer(parameters: list[nn.Parameter], num_extras: int) -> torch.Tensor:
+    """One zeroed buffer of every gradient, then `num_extras` scalars; each `.grad` is a view into it, so backward()
+    accumulates into what the allreduce sends. Zero it with `zero_()` (`optimizer.zero_grad()` drops the views)."""
+    sizes = [p.numel() for p in parameters]
+    flat = torch.zeros(sum(sizes) + num_extras, dtype=parameters[0].dtype, device=parameters[0].device)
+    for parameter, gradient in zip(parameters, flat[: sum(sizes)].split(sizes), strict=True):
+        parameter.grad = gradient.view_as(parameter)
+    return flat
+
+
+def average_gradients(flat: torch.Tensor, group: Group = None) -> float:
+    """Average a flat_gradient_buffer (gradients, then scalars every rank must agree on) in one allreduce; returns its
+    seconds. A NaN or inf anywhere spreads through the sum, so every rank raises NonFiniteError before any step."""
     start = time.perf_counter()
-    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in parameters]
-    flat = allreduce_mean(torch.cat([*(g.reshape(-1) for g in grads), loss.detach().reshape(-1)]), group)
+    allreduce_mean(flat, group)
     if not torch.isfinite(flat).all():
         raise NonFiniteError("a non-finite loss or gradient")
-    offset = 0
-    for parameter, grad in zip(parameters, grads, strict=True):
-        parameter.grad = flat[offset : offset + grad.numel()].view_as(grad)
-        offset += grad.numel()
     return time.perf_counter() - start
 
 
-def broadcast_parameters(module: nn.Module, src: int = 0, extras: torch.Tensor | None = None) -> torch.Tensor | None:
-    """Copy rank `src`'s parameters and buffers to every rank with one flat broadcast; `extras` (flags rank `src` must
-    tell everyone) ride at its end and come back as rank `src` sent them."""
-    if group_size() == 1:
-        return extras
+def broadcast_parameters(module: nn.Module, extras: torch.Tensor | None = None) -> None:
+    """Copy rank 0's parameters and buffers, and `extras` (numbers riding along), to every rank in one broadcast."""
     tensors = [t for t in (*module.parameters(), *module.buffers()) if t.is_floating_point()]
-    with torch.no_grad():
-        flat = torch.cat([t.reshape(-1) for t in tensors])
-        if extras is not None:  # on the weights' device and in their dtype: one tensor for the backend
-            flat = torch.cat([flat, extras.to(flat).reshape(-1)])
-        broadcast(flat, src=src)
-        offset = 0
-        for tensor in tensors:
-            tensor.copy_(flat[offset : offset + tensor.numel()].view_as(tensor))
-            offset += tensor.numel()
-    return None if extras is None else flat[offset:]
+    tensors += [] if extras is None else [extras]
+    if group_size() > 1:
+        with torch.no_grad():
+            flat = torch.cat([t.reshape(-1).double() for t in tensors])
+            broadcast(flat)
+            for tensor, part in zip(tensors, flat.split([t.numel() for t in tensors]), strict=True):
+                tensor.copy_(part.view_as(tensor))
 
 
-def global_mean_std(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mean and unbiased std of `x` over all ranks' elements in `group`, as if concatenated (one all_gather)."""
-    local_mean = x.mean()
-    local = torch.stack([x.new_tensor(x.numel()), local_mean, ((x - local_mean) ** 2).sum()])
+def global_mean_std(x: torch.Tensor, group: Group = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean and unbiased std along the last dim of `x` over all ranks' elements, as if concatenated (one all_gather)."""
+    local_mean = x.mean(-1)
+    local_m2 = ((x - local_mean.unsqueeze(-1)) ** 2).sum(-1)
+    local = torch.stack([torch.full_like(local_mean, x.shape[-1]), local_mean, local_m2])
+    count, mean, m2 = local
     if group_size(group) > 1:
-        count, mean_i, m2_i = all_gather(local, group).T
-        total = count.sum()
-        mean = (count * mean_i).sum() / total
-        m2 = (m2_i + count * (mean_i - mean) ** 2).sum()
-    else:
-        total, mean, m2 = local
-    return mean, torch.sqrt(m2 / (total - 1))
-
-
-def gather_to_rank0(tensor: torch.Tensor) -> torch.Tensor | None:
-    """Concatenate every rank's equally-shaped `tensor` along dim 0 on rank 0 (rank order); None elsewhere."""
-    if group_size() == 1:
-        return tensor
-    gathered = gather(tensor)
-    return None if gathered is None else gathered.flatten(0, 1)
+        count_i, mean_i, m2_i = all_gather(local, group).transpose(0, 1)  # each [ranks, rows...]
+        count = count_i.sum(0)
+        mean = (count_i * mean_i).sum(0) / count
+        m2 = (m2_i + count_i * (mean_i - mean) ** 2).sum(0)
+    return mean, torch.sqrt(m2 / (count - 1))
 
 
 # --- update -------------------------------------------------------------------------------------------
@@ -374,9 +357,9 @@ def update(
     agent: Agent,
     pi_optimizer: torch.optim.Optimizer,
     vf_optimizer: torch.optim.Optimizer,
-    batch: dict[str, torch.Tensor],
-    train_v_iters: int,
-    group: dist.ProcessGroup | None = None,
+    batch: Batch,
+    args: Args,
+    group: Group = None,
 ) -> tuple[torch.Tensor, float]:
     """One VPG epoch on this rank's batch, gradients averaged over `group`: the policy step, then the value steps. A
     non-finite loss or gradient stops every rank before its own step, not earlier ones (met in the value steps: after
@@ -384,62 +367,35 @@ def update(
     obs, actions, returns, old_log_prob = batch["obs"], batch["actions"], batch["returns"], batch["log_probs"]
     adv_mean, adv_std = global_mean_std(batch["advantages"], group)
     advantages = (batch["advantages"] - adv_mean) / (adv_std + 1e-8)
+    # each step's gradients, then its loss (a non-finite loss stops every rank too), in one allreduce
+    policy_flat = flat_gradient_buffer(agent.policy_parameters(), num_extras=1)
+    value_flat = flat_gradient_buffer(list(agent.critic.parameters()), num_extras=1)
     sync_time = 0.0
 
     # one policy-gradient step
     log_prob, entropy = agent.log_prob_entropy(obs, actions)
     policy_loss = -(log_prob * advantages).mean()
-    pi_optimizer.zero_grad()
-    policy_loss.backward()
-    sync_time += average_gradients(agent.policy_parameters(), group, loss=policy_loss)
+    policy_loss.backward()  # into the zeroed views flat_gradient_buffer gave the parameters
+    policy_flat[-1] = policy_loss.detach()
+    sync_time += average_gradients(policy_flat, group)
     pi_optimizer.step()
 
     # value regression on the rewards-to-go
-    for i in range(train_v_iters):
+    for i in range(args.train_v_iters):
         value_loss = ((agent.value(obs) - returns) ** 2).mean()
         if i == 0:
             first_value_loss = value_loss.detach()
-        vf_optimizer.zero_grad()
+        value_flat.zero_()
         value_loss.backward()
-        sync_time += average_gradients(list(agent.critic.parameters()), group, loss=value_loss)
+        value_flat[-1] = value_loss.detach()
+        sync_time += average_gradients(value_flat, group)
         vf_optimizer.step()
 
     with torch.no_grad():
         new_log_prob, _ = agent.log_prob_entropy(obs, actions)
         approx_kl = (old_log_prob - new_log_prob).mean()
-        stats = torch.stack([policy_loss.detach(), first_value_loss, entropy.mean().detach(), approx_kl])
-        stats = allreduce_mean(stats.double(), group)
-    return stats, sync_time
-
-
-def update_one_learner(
-    agent: Agent,
-    pi_optimizer: torch.optim.Optimizer,
-    vf_optimizer: torch.optim.Optimizer,
-    batch: dict[str, torch.Tensor],
-    train_v_iters: int,
-    learner_group: dist.ProcessGroup | None,
-) -> tuple[torch.Tensor, float]:
-    """--sync gather: the rollouts gathered to rank 0, which updates alone (in `learner_group`, a group of one), then
-    broadcasts its weights. Returns rank 0's LOSS_KEYS (zeros elsewhere) and the seconds of gather and broadcast."""
-    start = time.perf_counter()
-    gathered = gather_to_rank0(pack_batch(batch))
-    sync_time = time.perf_counter() - start
-    device = next(agent.parameters()).device  # every tensor of a collective lives there (NCCL has no CPU tensors)
-    stats = torch.zeros(len(LOSS_KEYS), dtype=torch.float64, device=device)
-    nonfinite = torch.zeros(1, device=device)  # rank 0 learns alone: it tells the others in the weights' broadcast
-    if gathered is not None:
-        try:
-            stats, _ = update(
-                agent, pi_optimizer, vf_optimizer, unpack_batch(gathered, batch), train_v_iters, learner_group
-            )
-        except NonFiniteError:
-            nonfinite[0] = 1.0
-    start = time.perf_counter()
-    nonfinite = broadcast_parameters(agent, extras=nonfinite)
-    if nonfinite.item():
-        raise NonFiniteError("a non-finite loss or gradient")
-    return stats, sync_time + time.perf_counter() - start
+        losses = torch.stack([policy_loss.detach(), first_value_loss, entropy.mean().detach(), approx_kl])  # LOSS_KEYS
+    return allreduce_mean(losses.double(), group), sync_time
 
 
 def main(args: Args) -> Agent | None:
@@ -477,9 +433,8 @@ def main(args: Args) -> Agent | None:
     shape = (args.num_steps, args.local_num_envs)
     obs = np.zeros(shape + (obs_dim,), dtype=np.float32)
     actions = np.zeros(shape + action_space.shape, dtype=np.float32)
-    logprobs, values, rewards = np.zeros(shape, np.float32), np.zeros(shape, np.float32), np.zeros(shape, np.float32)
-    terminations, dones = np.zeros(shape, np.float32), np.zeros(shape, np.float32)  # dones: terminated or truncated
-    final_values = np.zeros(shape, dtype=np.float32)  # V(final observation) where an episode was truncated
+    # episode_ends: terminated or truncated; final_values: V(final observation) where an episode was truncated
+    logprobs, values, rewards, terminations, episode_ends, final_values = np.zeros((6, *shape), dtype=np.float32)
 
     # a resumed run starts fresh episodes, on envs seeded after all the earlier attempts' envs
     index_offset = run.restarts * args.world_size * args.local_num_envs
@@ -501,7 +456,7 @@ def main(args: Args) -> Agent | None:
                     action = np.clip(action, action_space.low, action_space.high)
                 next_obs, reward, terminated, truncated, info = envs.step(action)
                 ended = terminated | truncated
-                rewards[step], terminations[step], dones[step] = reward, terminated, ended
+                rewards[step], terminations[step], episode_ends[step] = reward, terminated, ended
                 episode_return += reward
                 episode_length += 1
                 if ended.any():
@@ -519,8 +474,10 @@ def main(args: Args) -> Agent | None:
 
             # --- GAE: each step bootstraps from the next row's value, or V(final observation) where its episode ended
             next_values = np.concatenate([values[1:], last_values[None]])
-            next_values = np.where(dones > 0, final_values, next_values)
-            advantages, returns = compute_gae(rewards, values, next_values, terminations, dones, args.gamma, args.lam)
+            next_values = np.where(episode_ends > 0, final_values, next_values)
+            advantages, returns = compute_gae(
+                rewards, values, next_values, terminations, episode_ends, args.gamma, args.lam
+            )
             final_values[:] = 0.0
             batch = {
                 "obs": obs.reshape(-1, obs_dim),
@@ -536,19 +493,18 @@ def main(args: Args) -> Agent | None:
             # --- update ---
             update_start = time.perf_counter()
             if args.sync == "allreduce":
-                stats, sync_time = update(agent, pi_optimizer, vf_optimizer, batch, args.train_v_iters)
-            else:
-                stats, sync_time = update_one_learner(
-                    agent, pi_optimizer, vf_optimizer, batch, args.train_v_iters, learner_group
-                )
+                losses, sync_time = update(agent, pi_optimizer, vf_optimizer, batch, args)
+            else:  # the same update, by rank 0 alone on the union of every rank's batch
+                losses, sync_time = update_one_learner(agent, pi_optimizer, vf_optimizer, batch, args, learner_group)
             update_time = time.perf_counter() - update_start
 
-            # --- logging: episodes ended on any rank; losses averaged over ranks (rank 0's with --sync gather) ---
-            world = run.sum_over_ranks(**finished, **value_sums(returns, values))
-            losses = {f"losses/{key}": value for key, value in zip(LOSS_KEYS, stats.tolist(), strict=True)}
-            losses["losses/explained_variance"] = explained_variance(world)  # of the world's batch
-            perf = {"perf/rollout_time": rollout_time, "perf/update_time": update_time, "perf/sync_time": sync_time}
-            run.log(global_step, world, {"charts/learning_rate": pi_optimizer.param_groups[0]["lr"], **losses, **perf})
+            # --- logging: episodes ended on any rank, losses averaged over ranks, the world's explained variance ---
+            world = run.sum_over_ranks(**finished)
+            scalars = {"charts/learning_rate": pi_optimizer.param_groups[0]["lr"]}
+            scalars |= {f"losses/{key}": value for key, value in zip(LOSS_KEYS, losses.tolist(), strict=True)}
+            scalars["losses/explained_variance"] = explained_variance(batch["returns"], batch["values"])
+            scalars |= {"perf/rollout_time": rollout_time, "perf/update_time": update_time, "perf/sync_time": sync_time}
+            run.log(global_step, world, scalars)
             if run.end_iteration(global_step):  # weight check, checkpoint; every rank stops here on SIGTERM
                 break
 
@@ -557,23 +513,21 @@ def main(args: Args) -> Agent | None:
     return agent
 
 
-# --- logging: the explained variance of the world's batch ---------------------------------------------
+def explained_variance(returns: torch.Tensor, values: torch.Tensor) -> float:
+    """1 - Var(returns - values) / Var(returns) over the world's batch in float64 (one collective; constant: NaN)."""
+    _, stds = global_mean_std(torch.stack([returns - values, returns]).double())
+    return float("nan") if stds[1] == 0 else (1 - stds[0] ** 2 / stds[1] ** 2).item()
 
 
-def value_sums(returns: np.ndarray, values: np.ndarray) -> dict[str, float]:
-    """This rank's sums from which explained_variance finds the world's, once summed over ranks."""
-    residuals = (returns - values).astype(np.float64)
-    returns = returns.astype(np.float64)
-    sums = (returns.size, returns.sum(), (returns**2).sum(), residuals.sum(), (residuals**2).sum())
-    return dict(zip(("samples", "returns", "returns_squared", "residuals", "residuals_squared"), sums, strict=True))
+def rank_seed(seed: int, rank: int) -> int:
+    """Seed of python, numpy and action sampling on `rank` (SpinningUp's stride: nearby seeds never collide)."""
+    return seed + 10_000 * rank
 
 
-def explained_variance(world: dict[str, float]) -> float:
-    """1 - Var(returns - values) / Var(returns) over the world's batch."""
-    n = world["samples"]
-    var_returns = world["returns_squared"] / n - (world["returns"] / n) ** 2
-    var_residuals = world["residuals_squared"] / n - (world["residuals"] / n) ** 2
-    return np.nan if var_returns <= 0 else 1 - var_residuals / var_returns
+def env_seeds(seed: int, rank: int, local_num_envs: int, index_offset: int = 0) -> list[int]:
+    """Seeds of this rank's envs: env j of rank r has global index g = index_offset + r * local_num_envs + j. A resumed
+    run passes `index_offset` = restarts x the world's envs, so its fresh episodes never replay a seed."""
+    return [seed + 10_000 * (index_offset + rank * local_num_envs + j) for j in range(local_num_envs)]
 
 
 # --- the rollout's numpy copy of the Agent's networks, and the check that it agrees with the Agent ----
@@ -617,16 +571,15 @@ def numpy_module(module: nn.Module | nn.Parameter, numpy_layers: bool = True) ->
     return activations[type(module)]
 
 
-def rollout_probe(policy: RolloutPolicy, obs_dim: int, device: torch.device) -> dict[str, torch.Tensor]:
-    """What `policy` does on a batch of standard-normal observations: sampled actions, their log-probabilities and
-    the values."""
+def rollout_probe(policy: RolloutPolicy, obs_dim: int, device: torch.device) -> Batch:
+    """`policy`'s actions, log-probabilities and values at standard-normal observations."""
     obs = np.random.standard_normal((ROLLOUT_CHECK_SAMPLES, obs_dim)).astype(np.float32)
     actions, log_probs, values = policy.act(obs)
     probe = {"obs": obs, "actions": actions, "log_probs": log_probs, "values": values}
     return {key: torch.as_tensor(value, device=device) for key, value in probe.items()}
 
 
-def check_rollout_policy(agent: Agent, batch: dict[str, torch.Tensor], when: str) -> None:
+def check_rollout_policy(agent: Agent, batch: Batch, when: str) -> None:
     """Stop unless Agent.log_prob_entropy and Agent.value give the log-probabilities and values that the rollout
     recorded in `batch` (its first ROLLOUT_CHECK_SAMPLES rows)."""
     rows = {key: batch[key][:ROLLOUT_CHECK_SAMPLES] for key in ("obs", "actions", "log_probs", "values")}
@@ -639,23 +592,45 @@ def check_rollout_policy(agent: Agent, batch: dict[str, torch.Tensor], when: str
     )
 
 
-# --- --sync gather: a rank's batch as one tensor ------------------------------------------------------
+# --- --sync gather: rank 0 learns alone on the union of the ranks' batches ----------------------------
 
 
-def pack_batch(batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """One [n, width] float tensor holding a rank's batch, so --sync gather needs one collective."""
-    dtype = batch["obs"].dtype  # actions of a Discrete space are small integers: exact in any float type
-    return torch.cat([tensor.reshape(len(tensor), -1).to(dtype) for tensor in batch.values()], dim=1)
+def update_one_learner(
+    agent: Agent,
+    pi_optimizer: torch.optim.Optimizer,
+    vf_optimizer: torch.optim.Optimizer,
+    batch: Batch,
+    args: Args,
+    learner_group: Group,
+) -> tuple[torch.Tensor, float]:
+    """--sync gather: rank 0 runs `update` on the union of the ranks' batches in `learner_group` (a group of one),
+    then one broadcast gives every rank its weights, the logged losses and whether it met a non-finite loss.
+    Returns those losses and the seconds of the gather and the broadcast."""
+    start = time.perf_counter()
+    union = gather_to_learner(batch)
+    outcome = torch.zeros(len(LOSS_KEYS) + 1, dtype=torch.float64, device=batch["returns"].device)  # + non-finite
+    learner_start = time.perf_counter()
+    if union is not None:
+        try:  # the learner's batch is the world's
+            losses, _ = update(agent, pi_optimizer, vf_optimizer, union, args, learner_group)
+            outcome[:-1] = losses
+        except NonFiniteError:
+            outcome[-1] = 1.0
+    learner_time = time.perf_counter() - learner_start
+    broadcast_parameters(agent, outcome)
+    if outcome[-1] > 0:
+        raise NonFiniteError("a non-finite loss or gradient")
+    return outcome[:-1], time.perf_counter() - start - learner_time
 
 
-def unpack_batch(packed: torch.Tensor, like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Inverse of pack_batch, with the field shapes of `like`."""
-    batch, offset = {}, 0
-    for key, tensor in like.items():
-        width = tensor[0].numel()
-        batch[key] = packed[:, offset : offset + width].reshape((-1,) + tensor.shape[1:]).to(tensor.dtype)
-        offset += width
-    return batch
+def gather_to_learner(batch: Batch) -> Batch | None:
+    """--sync gather: every rank's batch on rank 0 (one gather), as their union in rank order; None on the other
+    ranks."""
+    gathered = gather(torch.cat([value.reshape(-1).double() for value in batch.values()]))  # [ranks, packed] on rank 0
+    if gathered is None:
+        return None
+    union = gathered.split([value.numel() for value in batch.values()], 1)  # per field: [ranks, its elements]
+    return {key: union[i].reshape(-1, *value.shape[1:]).to(value.dtype) for i, (key, value) in enumerate(batch.items())}
 
 
 # --- MuJoCo's console: one deprecation warning less ---------------------------------------------------

@@ -10,8 +10,8 @@ The models are the scripts' own: `vpg_mpi.Agent` and `ppo_continuous_mpi.Agent` 
 - DDP: median time of forward+backward through DistributedDataParallel minus the median of the same
   forward+backward on the unwrapped model, on each script's local minibatch (what ppo_atari_multigpu.py does;
   DDP overlaps its bucketed allreduce with backward, so this is the sync time that backward does not hide);
-- gather+broadcast (vpg only, `--sync gather`): `vpg_mpi.gather_to_rank0` of a packed rollout batch of
-  4000/N samples to rank 0 plus `vpg_mpi.broadcast_parameters` of the weights, once per epoch.
+- gather+broadcast (vpg only, `--sync gather`): `vpg_mpi.gather_to_learner` of a rollout batch of 4000/N samples
+  to rank 0 plus `vpg_mpi.broadcast_parameters` of the weights, once per epoch.
 
 Each repetition starts after a barrier; a repetition's time is the slowest rank's. The table gives the median,
 the 10th-90th percentiles and the mean over repetitions, and the cost per iteration at the scripts' defaults (mean
@@ -260,10 +260,13 @@ def measure_model(name: str, args: Args, rank: int) -> list[dict]:
     if name == "vpg":
         import vpg_mpi
 
-        packed = vpg_mpi.pack_batch(vpg_gather_batch(rank))
-        gathered = vpg_mpi.gather_to_rank0(packed)
-        expected = torch.cat([piece for piece in world_gather(packed)])
-        checks["gather+broadcast"] = gathered is None or torch.equal(gathered, expected)
+        rollout = vpg_gather_batch(rank)
+        expected = {key: torch.cat(world_gather(value)) for key, value in rollout.items()}
+
+        def is_union(union: dict[str, torch.Tensor] | None) -> bool:  # None: not the learner
+            return union is None or all(torch.equal(union[key], value) for key, value in expected.items())
+
+        checks["gather+broadcast"] = is_union(vpg_mpi.gather_to_learner(rollout))
         agent = module.agent
         if rank:
             with torch.no_grad():
@@ -273,18 +276,20 @@ def measure_model(name: str, args: Args, rank: int) -> list[dict]:
         weights = torch.cat([parameter.detach().reshape(-1) for parameter in agent.parameters()])
         checks["gather+broadcast"] &= all(torch.equal(piece, weights) for piece in world_gather(weights))
         methods["gather+broadcast"] = (
-            f"gather_to_rank0 of {len(packed)}x{packed.shape[1]} floats per rank + broadcast_parameters",
-            lambda: (vpg_mpi.gather_to_rank0(packed), vpg_mpi.broadcast_parameters(agent)),
+            f"gather_to_learner of {sum(value.numel() for value in rollout.values())} numbers per rank (as float64) + "
+            "broadcast_parameters",
+            lambda: (vpg_mpi.gather_to_learner(rollout), vpg_mpi.broadcast_parameters(agent)),
         )
         if MPI is not None:  # the script's own functions, with its collectives routed as --collectives mpi does
             methods["gather+broadcast, MPI"] = (
                 "the same through MPI (vpg_mpi.MPIWorld set, as under mpirun)",
                 lambda: through_script_mpi(
-                    vpg_mpi, lambda: (vpg_mpi.gather_to_rank0(packed), vpg_mpi.broadcast_parameters(agent))
+                    vpg_mpi, lambda: (vpg_mpi.gather_to_learner(rollout), vpg_mpi.broadcast_parameters(agent))
                 ),
             )
-            gathered = through_script_mpi(vpg_mpi, lambda: vpg_mpi.gather_to_rank0(packed))
-            checks["gather+broadcast, MPI"] = gathered is None or torch.equal(gathered, expected)
+            checks["gather+broadcast, MPI"] = is_union(
+                through_script_mpi(vpg_mpi, lambda: vpg_mpi.gather_to_learner(rollout))
+            )
 
     rows = []
     for method, (what, function) in methods.items():

@@ -164,7 +164,8 @@ def atari_compute_limit(seconds: float) -> tuple[float, float, float]:
             loss.backward()
             optimizer.step()
 
-        act = rate(lambda: agent.act(frames), seconds)
+        policy = agent.rollout_policy()
+        act = rate(lambda: policy.act(frames), seconds)
         step = rate(train_step, seconds)
     finally:
         torch.set_num_threads(threads_before)

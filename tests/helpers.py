@@ -320,16 +320,16 @@ def cleanrl_ppo_loss(
 # --- the one-rank reference of a distributed update -----------------------------------------------------
 
 
-def union_orders(orders: list[torch.Tensor], pieces: torch.Tensor) -> torch.Tensor:
+def union_orders(orders: list[torch.Tensor], minibatch_sizes: torch.Tensor) -> torch.Tensor:
     """The one-rank reference's minibatch orders over the union of the ranks' batches (rank 0's samples first):
-    given each rank's orders [epochs, its samples] and the scripts' minibatch_pieces [ranks, minibatches], its
+    given each rank's orders [epochs, its samples] and the scripts' minibatch_sizes [ranks, minibatches], its
     minibatch k is rank 0's k-th piece, then rank 1's, and so on, as the world's minibatch k is."""
     offsets = [sum(len(rank_orders[0]) for rank_orders in orders[:rank]) for rank in range(len(orders))]
     epochs = []
     for epoch in range(len(orders[0])):
         rank_pieces = [
             (rank_orders[epoch] + offset).split(rank_sizes.tolist())
-            for rank_orders, offset, rank_sizes in zip(orders, offsets, pieces, strict=True)
+            for rank_orders, offset, rank_sizes in zip(orders, offsets, minibatch_sizes, strict=True)
         ]
-        epochs.append(torch.cat([piece[k] for k in range(pieces.shape[1]) for piece in rank_pieces]))
+        epochs.append(torch.cat([piece[k] for k in range(minibatch_sizes.shape[1]) for piece in rank_pieces]))
     return torch.stack(epochs)

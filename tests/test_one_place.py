@@ -65,7 +65,7 @@ ONE_SIDED = {
     ("ppo_atari_multigpu.py", "a softmax temperature in act alone"): (
         [(ATARI_SAMPLING, "log_probs = torch.log_softmax(log_probs / 2, dim=-1)\n        " + ATARI_SAMPLING)],
         "log-probabilities",
-        "Agent.act and Agent.forward",
+        "RolloutPolicy.act and Agent.log_prob_entropy_value",
     ),
 }
 

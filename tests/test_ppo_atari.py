@@ -160,11 +160,11 @@ def never_fire_rank(rank: int, world_size: int, folder: str) -> dict[str, np.nda
 
     @torch.inference_mode()
     def never_fire(self, obs, deterministic=False):  # NOOP, with its log-probability (the agreement check reads it)
-        log_probs, values = self.policy_value(obs)
+        log_probs, values = self.agent.policy_value(obs)
         return torch.zeros(len(obs), dtype=torch.long, device=obs.device), log_probs[:, 0], values
 
     make_env = ppo.make_env
-    ppo.make_env, ppo.Agent.act = recording_make_env, never_fire
+    ppo.make_env, ppo.RolloutPolicy.act = recording_make_env, never_fire
     args = ppo.Args(cuda=False, total_timesteps=512, local_num_envs=2, num_steps=128, num_minibatches=2)
     ppo.main(dataclasses.replace(args, update_epochs=1))
     [envs] = recorders
@@ -299,9 +299,9 @@ def update_args(target_kl: float | None) -> ppo.Args:
     return ppo.Args(update_epochs=EPOCHS, num_minibatches=MINIBATCHES, target_kl=target_kl)
 
 
-def run_update(model, agent: ppo.Agent, batch: dict, orders: torch.Tensor, target_kl: float | None, pieces=None):
+def run_update(model, agent: ppo.Agent, batch: dict, orders: torch.Tensor, target_kl: float | None, sizes=None):
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3, eps=1e-5)
-    stats, _ = ppo.update(model, optimizer, batch, orders, update_args(target_kl), pieces)
+    stats, _ = ppo.update(model, optimizer, batch, update_args(target_kl), orders, sizes)
     return agent.state_dict(), stats
 
 
@@ -345,7 +345,7 @@ def ddp_rank(rank: int, world_size: int, batch: dict, orders: list[torch.Tensor]
     float64). Unequal sizes are rollouts cut short by preemption."""
     start = sum(sizes[:rank])
     local = {key: value[start : start + sizes[rank]] for key, value in batch.items()}
-    pieces = ppo.minibatch_pieces(sizes, MINIBATCHES)
+    minibatch_sizes = ppo.minibatch_sizes(sizes, MINIBATCHES)
     results = []
     # early stopping off; on after the first epoch; off with --compile's agent (as main compiles it)
     for target_kl, compile in ((None, False), (1e-12, False), (None, True)):
@@ -354,7 +354,7 @@ def ddp_rank(rank: int, world_size: int, batch: dict, orders: list[torch.Tensor]
             graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
             agent.compile(fullgraph=True, dynamic=False if sizes[0] == sizes[1] else None)
         model = torch.nn.parallel.DistributedDataParallel(agent)
-        results.append(run_update(model, agent, local, orders[rank], target_kl, pieces))
+        results.append(run_update(model, agent, local, orders[rank], target_kl, minibatch_sizes))
         if compile:
             assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > graphs
     return results
@@ -372,14 +372,14 @@ def test_two_ddp_ranks_end_the_update_with_the_one_rank_weights_on_their_union(s
         for g, size in zip(generators, sizes, strict=True)
     ]
     # world minibatch k = the union of the ranks' minibatches k (rank 1's rows come after rank 0's)
-    pieces = ppo.minibatch_pieces(sizes, MINIBATCHES)
-    whole_order, whole_pieces = union_orders(orders, pieces), pieces.sum(0)[None]
+    minibatch_sizes = ppo.minibatch_sizes(sizes, MINIBATCHES)
+    whole_order, whole_sizes = union_orders(orders, minibatch_sizes), minibatch_sizes.sum(0)[None]
     initial = new_agent().state_dict()
 
     ranks = run_ranks(ddp_rank, 2, tmp_path, batch, orders, initial, sizes, timeout=300)  # it compiles: minutes
     for run, target_kl in enumerate((None, 1e-12)):
         agent = new_agent(initial)
-        expected, expected_stats = run_update(agent, agent, batch, whole_order, target_kl, whole_pieces)
+        expected, expected_stats = run_update(agent, agent, batch, whole_order, target_kl, whole_sizes)
         (state0, stats0), (state1, stats1) = ranks[0][run], ranks[1][run]
         assert_same_parameters([state0, state1])  # bit for bit: every rank took the same steps
         assert torch.equal(stats0, stats1)
@@ -399,7 +399,7 @@ def test_two_ddp_ranks_end_the_update_with_the_one_rank_weights_on_their_union(s
     assert not torch.allclose(alone["network.0.weight"], ranks[0][0][0]["network.0.weight"], atol=1e-6)
     # and early stopping on the averaged KL stopped both ranks after one of the two epochs
     agent = new_agent(initial)
-    one_epoch, _ = run_update(agent, agent, batch, whole_order[:1], None, whole_pieces)
+    one_epoch, _ = run_update(agent, agent, batch, whole_order[:1], None, whole_sizes)
     assert_same_parameters([one_epoch, ranks[0][1][0]], atol=1e-10)
 
 

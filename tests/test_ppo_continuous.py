@@ -45,9 +45,9 @@ def test_truncation_bootstraps_from_final_value_and_termination_from_zero():
     terminations[1, 1] = 1  # env 1: terminated at step 1, so step 1 bootstraps from zero
     final_values[3, 2], truncations[3, 2] = 4.0, 1  # env 2: truncated at the last step: 4, not the last value 8
     terminations[1, 3] = truncations[1, 3] = 1  # env 3: both at once: a termination
-    advantages, returns = ppo.compute_gae(
-        ones, values, np.full(4, 8.0), final_values, terminations, truncations, 0.5, 0.5
-    )
+    episode_ends = np.maximum(terminations, truncations)  # as main builds the next values
+    next_values = np.where(episode_ends > 0, final_values, np.concatenate([values[1:], np.full((1, 4), 8.0)]))
+    advantages, returns = ppo.compute_gae(ones, values, next_values, terminations, episode_ends, 0.5, 0.5)
     # e.g. env 0, step 1: delta = 1 + 0.5 * 4 - 2 = 1 and its episode ends; step 0: delta = 1 + 0.5 * 2 - 1 = 1,
     # advantage = 1 + 0.25 * 1; steps 3, 2: 1 + 0.5 * 8 = 5, then 1 + 0.25 * 5 = 2.25
     expected = np.array(
@@ -99,6 +99,12 @@ def fixed_batch(obs_scale: float = 1.0, seed: int = 3) -> dict[str, torch.Tensor
     }
 
 
+def epochs_run(optimizer: torch.optim.Optimizer, num_minibatches: int) -> int:
+    """The update epochs an optimizer stepped through: Adam counts its steps, `num_minibatches` per epoch."""
+    [steps] = {int(state["step"]) for state in optimizer.state.values()}
+    return steps // num_minibatches
+
+
 def local_orders(rank: int, size: int, epochs: int) -> torch.Tensor:
     generator = torch.Generator().manual_seed(100 + rank)
     return torch.stack([torch.randperm(size, generator=generator) for _ in range(epochs)])
@@ -109,10 +115,10 @@ def update_rank(rank: int, world_size: int, sizes: list[int]) -> tuple[dict, tor
     agent, optimizer = new_learner()
     start = sum(sizes[:rank])
     local = {key: value[start : start + sizes[rank]] for key, value in fixed_batch().items()}
-    pieces = ppo.minibatch_pieces(sizes, MINIBATCHES)
+    minibatch_sizes = ppo.minibatch_sizes(sizes, MINIBATCHES)
     orders = local_orders(rank, sizes[rank], EPOCHS)
-    stats, _, epochs = ppo.update(agent, optimizer, local, UPDATE_ARGS, orders, pieces=pieces)
-    return agent.state_dict(), stats, epochs
+    stats, _ = ppo.update(agent, optimizer, local, UPDATE_ARGS, orders, minibatch_sizes)
+    return agent.state_dict(), stats, epochs_run(optimizer, MINIBATCHES)
 
 
 def test_compiled_loss_takes_the_eager_update_steps():
@@ -121,11 +127,11 @@ def test_compiled_loss_takes_the_eager_update_steps():
     orders = local_orders(0, BATCH, EPOCHS)
     eager, eager_optimizer = new_learner()
     initial = copy.deepcopy(eager.state_dict())
-    expected_stats, _, _ = ppo.update(eager, eager_optimizer, fixed_batch(), args, orders)
+    expected_stats, _ = ppo.update(eager, eager_optimizer, fixed_batch(), args, orders)
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     agent, optimizer = new_learner()
     loss_fn = ppo.loss_function(dataclasses.replace(args, compile=True))
-    stats, _, _ = ppo.update(agent, optimizer, fixed_batch(), args, orders, loss_fn)
+    stats, _ = ppo.update(agent, optimizer, fixed_batch(), args, orders, loss_fn=loss_fn)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > graphs
     assert (eager.actor_mean[0].weight - initial["actor_mean.0.weight"]).abs().max() > 1e-3  # it moved
     assert_same_parameters([eager.state_dict(), agent.state_dict()], atol=1e-10)
@@ -169,15 +175,15 @@ def test_minibatch_loss_equals_cleanrl_loss_written_out_independently(clip_vloss
 def test_two_ranks_end_the_update_with_the_one_rank_weights_on_their_union(sizes, collectives, tmp_path):
     """Also when preemption cut a rollout short: rank 1's 21 samples give pieces of 6, 5, 5, 5 to minibatches of
     16, 15, 15, 15 samples; each sample weighs alike, wherever it was collected."""
-    pieces = ppo.minibatch_pieces(sizes, MINIBATCHES)
+    minibatch_sizes = ppo.minibatch_sizes(sizes, MINIBATCHES)
     union = {key: value[: sum(sizes)] for key, value in fixed_batch().items()}
     assert not dist.is_initialized()  # the helpers are no-ops: one rank alone
     agent, optimizer = new_learner()
     initial = copy.deepcopy(agent.state_dict())
-    reference_orders = union_orders([local_orders(rank, size, EPOCHS) for rank, size in enumerate(sizes)], pieces)
-    expected_stats, _, _ = ppo.update(
-        agent, optimizer, union, UPDATE_ARGS, reference_orders, pieces=pieces.sum(0)[None]
+    reference_orders = union_orders(
+        [local_orders(rank, size, EPOCHS) for rank, size in enumerate(sizes)], minibatch_sizes
     )
+    expected_stats, _ = ppo.update(agent, optimizer, union, UPDATE_ARGS, reference_orders, minibatch_sizes.sum(0)[None])
     expected = agent.state_dict()
     assert (expected["actor_mean.0.weight"] - initial["actor_mean.0.weight"]).abs().max() > 1e-3  # it moved
     assert 0 < expected_stats[5] < 1  # some ratios were clipped, some not
@@ -220,8 +226,8 @@ def target_kl_rank(rank: int, world_size: int) -> tuple[torch.Tensor, int, dict]
     dist.all_gather(local_kls, local_kl(probe, batch))
     args.target_kl = float(torch.stack(local_kls).prod().sqrt())  # between them, below their mean
 
-    _, _, epochs = ppo.update(agent, optimizer, batch, args, orders)  # with a local check one rank runs on: a hang
-    return torch.stack(local_kls), epochs, agent.state_dict()
+    ppo.update(agent, optimizer, batch, args, orders)  # with a local check one rank runs on: a hang
+    return torch.stack(local_kls), epochs_run(optimizer, args.num_minibatches), agent.state_dict()
 
 
 def test_target_kl_stops_every_rank_at_the_same_epoch(tmp_path):
@@ -419,14 +425,14 @@ def sync_modes_rank(rank: int, world_size: int, target_kl: float | None, sizes: 
     args = dataclasses.replace(UPDATE_ARGS, num_minibatches=2, update_epochs=6, target_kl=target_kl, world_size=2)
     args = dataclasses.replace(args, local_batch_size=BATCH, batch_size=2 * BATCH)
     orders = local_orders(rank, sizes[rank], args.update_epochs)
-    pieces = ppo.minibatch_pieces(sizes, args.num_minibatches)
+    minibatch_sizes = ppo.minibatch_sizes(sizes, args.num_minibatches)
     agent, optimizer = new_learner()
-    stats, _, epochs = ppo.update(agent, optimizer, batch, args, orders, pieces=pieces)
-    outcome = {"allreduce": agent.state_dict(), "stats": stats, "epochs": epochs}
+    stats, _ = ppo.update(agent, optimizer, batch, args, orders, minibatch_sizes)
+    outcome = {"allreduce": agent.state_dict(), "stats": stats, "epochs": epochs_run(optimizer, args.num_minibatches)}
     agent, optimizer = new_learner()
     learner_group = dist.new_group([0])
     outcome["gather_stats"], _ = ppo.update_one_learner(
-        agent, optimizer, batch, args, orders, ppo.minibatch_loss, learner_group, pieces
+        agent, optimizer, batch, args, orders, minibatch_sizes, ppo.minibatch_loss, learner_group
     )
     outcome["gather"] = agent.state_dict()
     return outcome

@@ -248,7 +248,7 @@ def nonfinite_update(ddrl, script: str, rank: int) -> tuple[str, bool]:
         batch["obs"][3] += poison
         pi_optimizer = torch.optim.Adam(agent.policy_parameters(), lr=0.01)
         vf_optimizer = torch.optim.Adam(agent.critic.parameters(), lr=0.01)
-        step = lambda: ddrl.update(agent, pi_optimizer, vf_optimizer, batch, 2)  # noqa: E731
+        step = lambda: ddrl.update(agent, pi_optimizer, vf_optimizer, batch, ddrl.Args(train_v_iters=2))  # noqa: E731
     else:
         if script == "ppo_continuous_mpi.py":
             agent = ddrl.Agent(4, 2)
@@ -265,7 +265,7 @@ def nonfinite_update(ddrl, script: str, rank: int) -> tuple[str, bool]:
             step = lambda: ddrl.update(agent, optimizer, batch, args, order)  # noqa: E731
         else:
             model = torch.nn.parallel.DistributedDataParallel(agent)
-            step = lambda: ddrl.update(model, optimizer, batch, order, args)  # noqa: E731
+            step = lambda: ddrl.update(model, optimizer, batch, args, order)  # noqa: E731
     before = {key: value.clone() for key, value in agent.state_dict().items()}
     try:
         step()

@@ -95,7 +95,7 @@ def test_truncation_bootstraps_from_final_value_and_termination_from_zero():
     next_values = np.array([[10.0, 10.0], [0.0, 0.0]])
     terminated = np.array([[0.0, 1.0], [0.0, 0.0]])
     ended = np.array([[1.0, 1.0], [0.0, 0.0]])
-    _, returns = vpg_mpi.compute_gae(rewards, values, next_values, terminated, ended, gamma=0.5, lam=1.0)
+    _, returns = vpg_mpi.compute_gae(rewards, values, next_values, terminated, ended, gamma=0.5, gae_lambda=1.0)
     assert returns[0].tolist() == [1.0 + 0.5 * 10.0, 1.0]
 
 
@@ -131,6 +131,7 @@ def test_no_value_steps_is_refused_before_training(tmp_path, monkeypatch, capsys
 # --- distributed equivalence ---------------------------------------------------------------------------
 
 OBS_DIM, ACT_DIM, BATCH, V_ITERS = 5, 2, 64, 4
+UPDATE_ARGS = vpg_mpi.Args(train_v_iters=V_ITERS)
 
 
 def fixed_batch() -> dict[str, torch.Tensor]:
@@ -160,10 +161,10 @@ def vpg_rank(rank: int, world_size: int) -> dict[str, tuple[dict, torch.Tensor]]
     half = BATCH // world_size
     local = {key: value[rank * half : (rank + 1) * half] for key, value in fixed_batch().items()}
     agent, pi_optimizer, vf_optimizer = new_learner()
-    allreduce = vpg_mpi.update(agent, pi_optimizer, vf_optimizer, local, V_ITERS)[0], agent.state_dict()
+    allreduce = vpg_mpi.update(agent, pi_optimizer, vf_optimizer, local, UPDATE_ARGS)[0], agent.state_dict()
     agent, pi_optimizer, vf_optimizer = new_learner()
     learner_group = torch.distributed.new_group([0])
-    gather = vpg_mpi.update_one_learner(agent, pi_optimizer, vf_optimizer, local, V_ITERS, learner_group)[0]
+    gather = vpg_mpi.update_one_learner(agent, pi_optimizer, vf_optimizer, local, UPDATE_ARGS, learner_group)[0]
     return {"allreduce": (allreduce[1], allreduce[0]), "gather": (agent.state_dict(), gather)}
 
 
@@ -172,7 +173,7 @@ def test_two_ranks_end_an_epoch_with_the_one_rank_weights_in_both_sync_modes(col
     try:
         initial = new_learner()[0].state_dict()
         agent, pi_optimizer, vf_optimizer = new_learner()
-        expected_stats, _ = vpg_mpi.update(agent, pi_optimizer, vf_optimizer, fixed_batch(), V_ITERS)
+        expected_stats, _ = vpg_mpi.update(agent, pi_optimizer, vf_optimizer, fixed_batch(), UPDATE_ARGS)
     finally:
         torch.set_default_dtype(torch.float32)
     expected = agent.state_dict()
@@ -210,7 +211,7 @@ def nan_value_targets_rank(rank: int, world_size: int) -> dict:
     vf_optimizer = torch.optim.Adam(agent.critic.parameters(), lr=0.01)
     before = {key: value.clone() for key, value in agent.state_dict().items()}
     try:
-        vpg_mpi.update(agent, pi_optimizer, vf_optimizer, batch, 3)
+        vpg_mpi.update(agent, pi_optimizer, vf_optimizer, batch, vpg_mpi.Args(train_v_iters=3))
         raised = False
     except vpg_mpi.NonFiniteError:
         raised = True
@@ -257,7 +258,7 @@ def test_gather_mode_hands_every_collective_tensors_on_the_weights_device(monkey
     monkeypatch.setattr(vpg_mpi.dist, "gather", gather)
     monkeypatch.setattr(vpg_mpi.dist, "broadcast", broadcast)
     with pytest.raises(BroadcastReached):
-        vpg_mpi.update_one_learner(agent, pi_optimizer, vf_optimizer, batch, 2, learner_group=None)
+        vpg_mpi.update_one_learner(agent, pi_optimizer, vf_optimizer, batch, vpg_mpi.Args(), learner_group=None)
     meta = torch.device("meta")
     assert handed == [("gather", meta), ("broadcast", meta)]
 
