@@ -1,39 +1,173 @@
-"""What the benchmark modules (and the tests) share: launching a script under torchrun, streaming its
-output, reading TensorBoard event files, and the header every results file starts with."""
+"""What the benchmark modules (and the tests) share: their common arguments, the scripts' defaults, launching a
+script (through its own `--nprocs`), reading TensorBoard event files, and the header every results file starts
+with."""
 
+import contextlib
 import datetime
+import functools
+import importlib.util
 import os
 import platform
 import re
 import shlex
+import shutil
 import socket
+import statistics
 import subprocess
 import sys
-from collections.abc import Callable, Sequence
+import tempfile
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TextIO
+from typing import TextIO, TypeVar
 
 import torch
+import tyro
 
 ROOT = Path(__file__).resolve().parent.parent
 """the repository root, where the scripts live"""
 SCRIPTS = ("vpg_mpi.py", "ppo_continuous_mpi.py", "ppo_atari_multigpu.py")
 """the training scripts the benchmarks know"""
+ATARI = "ppo_atari_multigpu.py"
 PROGRESS_LINE = re.compile(r"^(?:iteration|epoch) (\d+)/(\d+) step (\d+) SPS (\d+) return (\S+)")
 """the per-iteration line rank 0 of every script prints: (iteration, iterations, global step, SPS, return)"""
+PIN_RANK = ROOT / "benchmark" / "pin_rank"
+"""the folder whose sitecustomize.py pins each rank to its core (see there)"""
+PINNED = (
+    "`taskset -c C0,..,C(N-1) env PYTHONPATH=benchmark/pin_rank DDRL_PIN_CORES=C0,..,C(N-1) python SCRIPT --nprocs N "
+    "--collectives torch` (`mpi` under mpirun), benchmark/pin_rank/sitecustomize.py pinning local rank r to core Cr"
+)
+"""how script_command launches N pinned ranks, as a results file says it"""
 
 
-# --- launching ---------------------------------------------------------------------------------------
+def usable_cores() -> list[int]:
+    """The cores this process may run on, sorted."""
+    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
 
 
-def torchrun_launcher(nprocs: int) -> list[str]:
-    """`python -m torch.distributed.run --standalone --nproc_per_node=N`: what precedes the program to launch."""
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nprocs}"]
+# --- arguments ---------------------------------------------------------------------------------------
+
+
+@dataclass(kw_only=True)
+class ResultsArgs:
+    """The arguments of every module that writes a results file (each module sets its own default `out`)."""
+
+    out: Path = Path("benchmark_results/results")
+    """output stem: writes OUT.md (and OUT.png where the module plots)"""
+    notes: tuple[str, ...] = ()
+    """paragraphs of prose under the header of the markdown file (what was run, how and why); the command shown there
+    leaves them out"""
+
+
+@dataclass(kw_only=True)
+class TimingArgs(ResultsArgs):
+    """The arguments of a module that times something."""
+
+    max_load: float = 1.0
+    """above this 1-minute load average at the start, the results file opens with a MEASURED UNDER LOAD warning"""
+
+
+@dataclass(kw_only=True)
+class RunsArgs(TimingArgs):
+    """The arguments of a module that times runs of the scripts."""
+
+    out_dir: Path | None = None
+    """where the runs are launched (runs/ and logs/ land there, and are kept); default: a temporary folder"""
+
+
+ArgsT = TypeVar("ArgsT")
+
+
+def cli(args_class: type[ArgsT], argv: Sequence[str] | None, script_args: bool = False) -> tuple[ArgsT, list, list]:
+    """Parse a module's command line (default: sys.argv[1:]), its docstring as the help: (its Args, the whole command
+    line, and with `script_args` the arguments after the first `--`, which go to every run of a script)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    cut = argv.index("--") if "--" in argv else len(argv)
+    if cut < len(argv) and not script_args:
+        raise SystemExit("benchmark: error: this module runs no script, so it takes no arguments after --")
+    description = sys.modules[args_class.__module__].__doc__
+    return tyro.cli(args_class, args=argv[:cut], description=description), argv, argv[cut + 1 :]
+
+
+@contextlib.contextmanager
+def work_folder(out_dir: Path | None, prefix: str) -> Iterator[Path]:
+    """Where the runs are launched for the with-block: `out_dir`, or a temporary folder deleted afterwards."""
+    if out_dir is not None:
+        yield out_dir.resolve()
+        return
+    with tempfile.TemporaryDirectory(prefix=prefix, ignore_cleanup_errors=True) as folder:
+        yield Path(folder)
+
+
+# --- the scripts -------------------------------------------------------------------------------------
+
+
+@functools.cache
+def load_script(script: str, root: Path = ROOT):
+    """A training script of checkout `root` imported as a module (importing one does no work)."""
+    name = f"benchmark_{Path(script).stem}_{abs(hash(str(root)))}"
+    spec = importlib.util.spec_from_file_location(name, root / script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def defaults(script: str):
+    """The script's default hyperparameters: its `Args()`."""
+    return load_script(script).Args()
+
+
+def env_spaces(env_id: str) -> tuple:
+    """(observation space, action space) of `env_id` as gym.make builds it (Atari ids included)."""
+    import ale_py
+    import gymnasium as gym
+
+    gym.register_envs(ale_py)
+    with contextlib.closing(gym.make(env_id)) as env:
+        return env.observation_space, env.action_space
+
+
+def budget_args(script: str, ranks: int, local_steps: int, iterations: int) -> list[str]:
+    """Arguments giving `script` a batch of `local_steps` env steps per rank per iteration for `iterations`."""
+    total = ["--total-timesteps", str(iterations * ranks * local_steps)]
+    if script == "vpg_mpi.py":  # SpinningUp's global steps per epoch
+        return ["--steps-per-epoch", str(ranks * local_steps), *total]
+    envs = defaults(script).local_num_envs
+    if local_steps % envs:
+        raise SystemExit(f"benchmark: error: {script} runs {envs} envs per rank: local steps must be a multiple")
+    return ["--local-num-envs", str(envs), "--num-steps", str(local_steps // envs), *total]
+
+
+def default_local_steps(script: str) -> int:
+    """Env steps per rank per iteration at the script's defaults (at 1 rank for VPG's global batch)."""
+    args = defaults(script)
+    return args.steps_per_epoch if script == "vpg_mpi.py" else args.local_num_envs * args.num_steps
+
+
+def script_command(
+    script: Path, args: Sequence[str], ranks: int = 1, launcher: str = "", cores: Sequence[int] = ()
+) -> list[str]:
+    """`python SCRIPT ARGS`, as `ranks` ranks through the script's own `--nprocs`: under `launcher` torchrun
+    (`--collectives torch`) or mpirun (`--collectives mpi`), or as the script chooses. With `cores`, the command runs
+    under `taskset` to them, and local rank r is pinned to cores[r] (benchmark/pin_rank)."""
+    command = [sys.executable, str(script)]
+    if ranks > 1:
+        command += ["--nprocs", str(ranks)]
+        command += {"torchrun": ["--collectives", "torch"], "mpirun": ["--collectives", "mpi"], "": []}[launcher]
+    if not cores:
+        return [*command, *args]
+    if ranks > len(cores):
+        raise ValueError(f"{ranks} ranks but only {len(cores)} usable cores")
+    pinned = ",".join(str(core) for core in cores[:ranks])
+    if ranks > 1:
+        path = os.pathsep.join([str(PIN_RANK), *filter(None, [os.environ.get("PYTHONPATH")])])
+        command = ["env", f"PYTHONPATH={path}", f"DDRL_PIN_CORES={pinned}", *command]
+    return ["taskset", "-c", pinned, *command, *args]
 
 
 def mpirun_launcher(nprocs: int) -> list[str]:
-    """Open MPI's `mpirun -np N` (as root too; no binding of its own: the caller pins), with a free MASTER_PORT for the
-    scripts' store: what precedes the program to launch."""
+    """Open MPI's `mpirun -np N` (as root too; no binding of its own), with a free MASTER_PORT: what precedes the
+    program to launch (benchmark.grad_sync's ranks)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -41,20 +175,7 @@ def mpirun_launcher(nprocs: int) -> list[str]:
     return ["mpirun", *root, "--bind-to", "none", "-np", str(nprocs), "-x", f"MASTER_PORT={port}", sys.executable]
 
 
-def torchrun_command(script: str, nprocs: int, script_args: Sequence[str] = ()) -> list[str]:
-    """The command that runs `script` (a file in the repo root) as `nprocs` ranks on this machine."""
-    if script not in SCRIPTS:
-        raise ValueError(f"unknown script {script!r}; expected one of {', '.join(SCRIPTS)}")
-    return [*torchrun_launcher(nprocs), str(ROOT / script), *script_args]
-
-
-def split_script_args(argv: Sequence[str]) -> tuple[list[str], list[str]]:
-    """Split a command line at the first `--`: (the benchmark's own arguments, arguments passed to the script)."""
-    argv = list(argv)
-    if "--" not in argv:
-        return argv, []
-    cut = argv.index("--")
-    return argv[:cut], argv[cut + 1 :]
+# --- running commands --------------------------------------------------------------------------------
 
 
 def open_log(command: Sequence[str], cwd: Path, log_path: Path) -> TextIO:
@@ -97,6 +218,22 @@ def run_at_once(commands: Sequence[Sequence[str]], cwd: Path, log_paths: Sequenc
 def last_lines(path: Path, count: int = 15) -> str:
     """The last `count` lines of a log file (to show why a run failed)."""
     return "\n".join(path.read_text(errors="replace").splitlines()[-count:])
+
+
+def run_logged(commands: dict[str, list[str]], work_dir: Path, at_once: bool = False) -> list[Path]:
+    """Run each command, named by its run, in `work_dir`, one after the other or all at once, its output to
+    logs/NAME.log; their run folders runs/NAME, or exit naming the first run that failed and its log's last lines."""
+    logs = [work_dir / "logs" / f"{name}.log" for name in commands]
+    for name in commands:
+        shutil.rmtree(work_dir / "runs" / name, ignore_errors=True)
+    if at_once:
+        codes = run_at_once(list(commands.values()), work_dir, logs)
+    else:
+        codes = [run_streaming(command, work_dir, log) for command, log in zip(commands.values(), logs, strict=True)]
+    for name, log, code in zip(commands, logs, codes, strict=True):
+        if code:
+            raise SystemExit(f"benchmark: error: run {name} failed (exit {code}); {log}:\n{last_lines(log)}")
+    return [work_dir / "runs" / name for name in commands]
 
 
 # --- reading TensorBoard -----------------------------------------------------------------------------
@@ -144,6 +281,41 @@ def find_run_dirs(paths: Sequence[Path]) -> list[Path]:
     return sorted(found)
 
 
+PARTS = ("rollout", "update", "sync")
+"""the parts of an iteration the scripts time (perf/PART_time)"""
+
+
+@dataclass
+class Measurement:
+    """One run of a script reduced to its speed and rank 0's time split."""
+
+    script: str
+    mode: str
+    ranks: int
+    global_batch: int
+    iterations: int
+    sps: float
+    script_sps: float
+    rollout: float
+    update: float
+    sync: float
+
+
+def measure(run_dir: Path, script: str, mode: str, ranks: int) -> Measurement:
+    """A run's events as a Measurement: SPS from the end of iteration 1 to the end of the last (leaving out start-up
+    and the first iteration's warm-up) beside the script's own charts/SPS, and the medians over iterations 2.. of
+    perf/rollout_time, perf/update_time and perf/sync_time."""
+    scalars = read_scalar_events(run_dir)
+    sps_events = scalars.get("charts/SPS", [])
+    if len(sps_events) < 2:
+        raise SystemExit(f"benchmark: error: {run_dir} logged {len(sps_events)} iterations; need at least 2")
+    (first_wall, first_step, _), (last_wall, last_step, script_sps) = sps_events[0], sps_events[-1]
+    sps = (last_step - first_step) / max(last_wall - first_wall, 1e-9)
+    batch, iterations = (last_step - first_step) // (len(sps_events) - 1), len(sps_events)
+    seconds = [statistics.median(value for _, _, value in scalars[f"perf/{part}_time"][1:]) for part in PARTS]
+    return Measurement(script, mode, ranks, batch, iterations, sps, script_sps, *seconds)
+
+
 # --- results files -----------------------------------------------------------------------------------
 
 
@@ -166,47 +338,41 @@ def load_average() -> str:
         return "unknown"
 
 
-def load_warning(max_load: float) -> str | None:
-    """A loud warning for a timing results file when the 1-minute load average exceeds `max_load`, else None."""
-    try:
-        one_minute = os.getloadavg()[0]
-    except OSError:
-        return None
+def check_load(max_load: float) -> tuple[str, str | None]:
+    """Before a timing: the load averages now, and a loud warning for the results file when the 1-minute one exceeds
+    `max_load` (also printed to stderr), else None."""
+    load = load_average()
+    one_minute = float(load.split(",")[0]) if load != "unknown" else 0.0
     if one_minute <= max_load:
-        return None
-    return (
+        return load, None
+    warning = (
         f"MEASURED UNDER LOAD: the 1-minute load average was {one_minute:.2f} when the measurement started (more "
         f"than {max_load}): other processes shared the CPU, so these timings are distorted. Re-run on a quiet machine."
     )
-
-
-def check_load(max_load: float) -> tuple[str, str | None]:
-    """Before a timing: the load averages now, and `load_warning(max_load)`, which is also printed to stderr."""
-    load, warning = load_average(), load_warning(max_load)
-    if warning:
-        print(f"benchmark: warning: {warning}", file=sys.stderr)
+    print(f"benchmark: warning: {warning}", file=sys.stderr)
     return load, warning
 
 
 def machine_description() -> str:
     """One line: CPU model, usable cores, OS, Python and torch versions."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return (
-        f"{cpu_model()}, {cores} usable cores ({os.cpu_count()} online), {platform.system()} {platform.release()}, "
-        f"Python {platform.python_version()}, torch {torch.__version__}"
+        f"{cpu_model()}, {len(usable_cores())} usable cores ({os.cpu_count()} online), {platform.system()} "
+        f"{platform.release()}, Python {platform.python_version()}, torch {torch.__version__}"
     )
 
 
-def code_version() -> str:
-    """The git commit of the checkout the benchmark runs from, and which scripts differ from it, if any."""
+def code_version(root: Path = ROOT, short: bool = False) -> str:
+    """The git commit of a checkout, and which scripts differ from it (`+changes` if `short`), if any."""
     try:
-        git = ["git", "-C", str(ROOT)]
+        git = ["git", "-C", str(root)]
         commit = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True)
         changed = subprocess.run([*git, "status", "--porcelain", "--", *SCRIPTS], capture_output=True, text=True)
     except (OSError, subprocess.CalledProcessError):
         return "unknown (not a git checkout)"
     dirty = [line[3:] for line in changed.stdout.splitlines()]
-    return commit.stdout.strip() + (f" with uncommitted changes to {', '.join(dirty)}" if dirty else "")
+    if not dirty:
+        return commit.stdout.strip()
+    return commit.stdout.strip() + ("+changes" if short else f" with uncommitted changes to {', '.join(dirty)}")
 
 
 def command_line(module: str, argv: Sequence[str]) -> str:
@@ -253,6 +419,19 @@ def results_header(
     return "\n".join(lines)
 
 
+def write_results(
+    args: ResultsArgs, argv: Sequence[str], title: str, facts: list[str], body: str, load: str = "", warning: str = ""
+) -> Path:
+    """Write OUT.md: the results header (with a timing's `load` before the measurement and `warning`, as check_load
+    gives them) then `body`; its path."""
+    facts = [*facts, *([f"load average (1, 5, 15 min) before the measurement: {load}"] if load else [])]
+    module = sys.modules[type(args).__module__].__spec__.name  # benchmark.X, also when run as __main__
+    path, _ = output_paths(args.out)
+    path.write_text(results_header(title, module, argv, facts, args.notes, warning or None) + body)
+    print(f"wrote {path}")
+    return path
+
+
 def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     """A markdown table; columns whose cells all start with a number are right-aligned, the others left-aligned."""
 
@@ -265,7 +444,30 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> 
     return "\n".join(lines) + "\n"
 
 
+def columns(header_row: str) -> tuple[str, ...]:
+    """A table's headers written as its markdown header row, `a | b | c`."""
+    return tuple(header_row.split(" | "))
+
+
 def output_paths(stem: Path) -> tuple[Path, Path]:
     """STEM.md and STEM.png, with the parent folder created."""
     stem.parent.mkdir(parents=True, exist_ok=True)
     return stem.with_name(stem.name + ".md"), stem.with_name(stem.name + ".png")
+
+
+@contextlib.contextmanager
+def figure(path: Path, rows: int = 1, cols: int = 1, size: tuple[float, float] = (8, 5)) -> Iterator[list]:
+    """A matplotlib figure (no display needed) of rows x cols axes for the with-block; laid out and saved to `path`
+    when the block ends."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(rows, cols, figsize=size, squeeze=False)
+    try:
+        yield list(axes.flat)
+        fig.tight_layout()
+        fig.savefig(path, dpi=100)
+    finally:
+        plt.close(fig)

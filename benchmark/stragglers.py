@@ -2,25 +2,23 @@
 
     python -m benchmark.stragglers --out benchmark/results/stragglers
 
-Two ranks pinned one to a core as in benchmark.scaling (`taskset -c C0,C1 python -m torch.distributed.run --standalone
---nproc_per_node 2 benchmark/pin_rank.py SCRIPT --torch-threads 1`, the Atari script also `--env-threads 1`); rank 1
-is the straggler. Each case runs twice on the same `--total-timesteps` (`--iterations` full world batches): waiting
-(`--preempt-fraction 0`, the scripts' default) and `--preempt-fraction F`, with which the other ranks stop their
-rollout once F of the ranks finished theirs (after `--min-rollout-fraction` of it), so a preempted run takes more,
-smaller iterations. Cases (`--cases`):
+Two ranks under torchrun, pinned one to a core as in benchmark.scaling (`python SCRIPT --nprocs 2 --collectives torch
+--torch-threads 1`, the Atari script also `--env-threads 1`); rank 1 is the straggler. Each case runs twice on the
+same `--total-timesteps` (`--iterations` full world batches): waiting (`--preempt-fraction 0`, the scripts' default)
+and `--preempt-fraction F`, with which the other ranks stop their rollout once F of the ranks finished theirs (after
+`--min-rollout-fraction` of it), so a preempted run takes more, smaller iterations. Cases (`--cases`):
 
 - rollout-dominated: ppo_continuous_mpi.py at its defaults on `benchmark.stragglers:StragglerHalfCheetah-v0`,
   HalfCheetah-v5 whose every step takes a fixed time, its own step then busy-waiting for the rest (CPU time, as a
   simulator spends it; not a sleep), the cost read when the env is built, in the rank's process, from
       DDRL_STEP_MS      milliseconds per env step (default 1; the benchmark sets it from --step-ms)
       DDRL_SLOW_FACTOR  rank 1's (torchrun's RANK) steps take this many times as long (default 3; from --slow-factor)
-- halfcheetah: ppo_continuous_mpi.py on plain HalfCheetah-v5, rank 1 sharing its core with a CPU hog (a busy-loop
-  process pinned to that core for the run, killed after it), which leaves rank 1 about half its core;
-- breakout: ppo_atari_multigpu.py on BreakoutNoFrameskip-v4 (8 envs x 128 steps per rank), the same CPU hog.
+- halfcheetah: ppo_continuous_mpi.py at its defaults (plain HalfCheetah), rank 1 sharing its core with a CPU hog (a
+  busy-loop process pinned to that core for the run, killed after it), which leaves rank 1 about half its core;
+- breakout: ppo_atari_multigpu.py at its defaults (Breakout), the same CPU hog.
 
-From rank 0's TensorBoard events, as benchmark.scaling: SPS from the end of iteration 1 to the end of the last;
-speedup = SPS(preempt) / SPS(wait); medians over iterations 2.. of `perf/rollout_time`, `perf/update_time`,
-`perf/sync_time` (rank 0 is the fast rank); the mean share of the full world batch collected per iteration (2..).
+From rank 0's TensorBoard events, as benchmark.scaling (SPS and the time split of iterations 2..; rank 0 is the fast
+rank): speedup = SPS(preempt) / SPS(wait), and the mean share of the full world batch collected per iteration.
 Arguments after `--` go to every run, after the benchmark's own. The defaults take about 10 minutes on 2 cores.
 `--side-by-side` runs a case's two runs at once, for learning checks at equal env steps in about half the time.
 """
@@ -28,10 +26,8 @@ Arguments after `--` go to every run, after the benchmark's own. The defaults ta
 import contextlib
 import os
 import shlex
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -39,29 +35,9 @@ from pathlib import Path
 from typing import Literal
 
 import gymnasium as gym
-import tyro
 
-from benchmark.common import (
-    check_load,
-    last_lines,
-    markdown_table,
-    output_paths,
-    read_hyperparameters,
-    results_header,
-    run_at_once,
-    run_streaming,
-    split_script_args,
-)
-from benchmark.scaling import (
-    ATARI,
-    SCRIPT_DEFAULTS,
-    Measurement,
-    launch_command,
-    measure,
-    script_args,
-    script_modes,
-    usable_cores,
-)
+from benchmark import common
+from benchmark.scaling import script_args, script_modes
 
 STEP_MS_VAR, SLOW_FACTOR_VAR = "DDRL_STEP_MS", "DDRL_SLOW_FACTOR"
 DEFAULT_STEP_MS, DEFAULT_SLOW_FACTOR = 1.0, 3.0
@@ -133,6 +109,7 @@ def cpu_hog(core: int) -> Iterator[subprocess.Popen]:
 class Case:
     script: str
     env_id: str
+    """empty: the script's default"""
     cpu_hog: bool
     """True: rank 1 shares its core with a CPU hog; False: rank 1's env steps cost DDRL_SLOW_FACTOR times more"""
     models: str
@@ -152,7 +129,7 @@ CASES = {
     ),
     "halfcheetah": Case(
         CONTINUOUS,
-        SCRIPT_DEFAULTS[CONTINUOUS][0],
+        "",
         cpu_hog=True,
         models=(
             "a node shared with another job at the scripts' own costs: rank 1 gets about half its core, so its "
@@ -162,8 +139,8 @@ CASES = {
         ),
     ),
     "breakout": Case(
-        ATARI,
-        SCRIPT_DEFAULTS[ATARI][0],
+        common.ATARI,
+        "",
         cpu_hog=True,
         models=(
             "the same shared node for the Atari script, whose iteration is mostly update (the Nature CNN's "
@@ -174,28 +151,20 @@ CASES = {
 }
 CaseName = Literal["rollout-dominated", "halfcheetah", "breakout"]
 
-TABLE_HEADERS = (
-    "case",
-    "mode",
-    "iterations",
-    "SPS (iterations 2..)",
-    "speedup",
-    "s / iteration",
-    "rollout s / it",
-    "update s / it",
-    "of which sync s / it",
-    "collected / full batch",
+TABLE_HEADERS = common.columns(
+    "case | mode | iterations | SPS (iterations 2..) | speedup | s / iteration | rollout s / it | update s / it | "
+    "of which sync s / it | collected / full batch"
 )
 
 
-@dataclass
-class Args:
+@dataclass(kw_only=True)
+class Args(common.RunsArgs):
     cases: tuple[CaseName, ...] = ("rollout-dominated", "halfcheetah", "breakout")
     """the cases to measure, each waiting and with preemption"""
     iterations: int = 10
     """full world batches per run (--total-timesteps, the same in both modes); at least 2 (the first is left out)"""
     local_steps: int = 0
-    """env steps per rank per iteration; 0 = the script's own default (PPO 2048, Atari 8 envs x 128)"""
+    """env steps per rank per iteration; 0 = the script's own default"""
     step_ms: float = DEFAULT_STEP_MS
     """rollout-dominated: milliseconds every env step spins on rank 0 (DDRL_STEP_MS)"""
     slow_factor: float = DEFAULT_SLOW_FACTOR
@@ -204,19 +173,11 @@ class Args:
     """the scripts' --preempt-fraction in the preempting runs (the waiting runs pass 0)"""
     sync: Literal["allreduce", "gather"] = "gather"
     """ppo_continuous_mpi.py's --sync (gather: the mode README's quick start runs at 2 ranks); Atari syncs by DDP"""
-    out: Path = Path("benchmark_results/stragglers")
-    """output stem: writes OUT.md and OUT.png"""
-    out_dir: Path | None = None
-    """where the runs are launched (runs/ and logs/ land there, and are kept); default: a temporary folder"""
-    notes: tuple[str, ...] = ()
-    """paragraphs of prose under the header of the markdown file (what was run, how and why); the command shown there
-    leaves them out"""
-    max_load: float = 1.0
-    """above this 1-minute load average at the start, the results file opens with a MEASURED UNDER LOAD warning"""
     side_by_side: bool = False
     """run a case's waiting and preempting runs at the same time, rank 0 of each on C0 and rank 1 of each on C1: for
     learning checks (returns at equal env steps) in about half the wall time; their SPS then measure two runs sharing
     the cores, not the modes"""
+    out: Path = Path("benchmark_results/stragglers")
 
 
 @dataclass
@@ -225,7 +186,7 @@ class Result:
 
     case: str
     mode: str
-    measurement: Measurement
+    measurement: common.Measurement
     full_batch: int
 
     @property
@@ -242,14 +203,14 @@ def straggler_command(
     case: Case, preempt_fraction: float, args: Args, extra: list[str], cores: list[int], name: str
 ) -> list[str]:
     """The pinned 2-rank command of one run: the script's own flags, then `extra`; the slow env's costs in front."""
-    local_steps = args.local_steps or SCRIPT_DEFAULTS[case.script][1]
+    local_steps = args.local_steps or common.default_local_steps(case.script)
     run_args = [
-        *("--env-id", case.env_id, "--run-name", name),
+        *("--env-id", case.env_id or common.defaults(case.script).env_id, "--run-name", name),
         *script_args(case.script, script_modes(case.script, (args.sync,))[0], 2, local_steps, args.iterations),
         *("--preempt-fraction", f"{preempt_fraction:g}"),
         *extra,
     ]
-    command = launch_command(case.script, 2, cores, run_args)
+    command = common.script_command(common.ROOT / case.script, run_args, 2, "torchrun", cores)
     if case.cpu_hog:
         return command
     return ["env", f"{STEP_MS_VAR}={args.step_ms:g}", f"{SLOW_FACTOR_VAR}={args.slow_factor:g}", *command]
@@ -261,26 +222,18 @@ def run_case(
     """Launch the case's runs, one per preempt fraction, one after the other or (--side-by-side) at once, under a CPU
     hog on rank 1's core if the case has one; reduce each run's events to a Result."""
     case, modes = CASES[case_name], [mode_label(fraction) for fraction in fractions]
-    names = [f"stragglers__{case_name}__{mode.split()[0]}" for mode in modes]
-    commands = []
-    for fraction, mode, name in zip(fractions, modes, names, strict=True):
-        shutil.rmtree(work_dir / "runs" / name, ignore_errors=True)
-        commands.append(straggler_command(case, fraction, args, extra, cores, name))
+    commands = {}
+    for fraction, mode in zip(fractions, modes, strict=True):
+        name = f"stragglers__{case_name}__{mode.split()[0]}"
+        commands[name] = straggler_command(case, fraction, args, extra, cores, name)
         hog = f" (CPU hog on core {cores[1]})" if case.cpu_hog else ""
-        print(f"{case_name}, {mode}{hog}: {shlex.join(commands[-1])}", flush=True)
-    log_paths = [work_dir / "logs" / f"{name}.log" for name in names]
+        print(f"{case_name}, {mode}{hog}: {shlex.join(commands[name])}", flush=True)
     with cpu_hog(cores[1]) if case.cpu_hog else contextlib.nullcontext():
-        if args.side_by_side:
-            codes = run_at_once(commands, work_dir, log_paths)
-        else:
-            codes = [run_streaming(command, work_dir, log) for command, log in zip(commands, log_paths, strict=True)]
+        run_dirs = common.run_logged(commands, work_dir, at_once=args.side_by_side)
     results = []
-    for mode, name, log_path, code in zip(modes, names, log_paths, codes, strict=True):
-        if code:
-            raise SystemExit(f"benchmark.stragglers: error: {name} failed; {log_path}:\n{last_lines(log_path)}")
-        run_dir = work_dir / "runs" / name
-        full_batch = int(read_hyperparameters(run_dir)["batch_size"])
-        results.append(Result(case_name, mode, measure(run_dir, case.script, mode, 2), full_batch))
+    for mode, run_dir in zip(modes, run_dirs, strict=True):
+        full_batch = int(common.read_hyperparameters(run_dir)["batch_size"])
+        results.append(Result(case_name, mode, common.measure(run_dir, case.script, mode, 2), full_batch))
         print(f"  {mode}: SPS {results[-1].measurement.sps:,.0f}, collected {results[-1].collected:.2f}", flush=True)
     return results
 
@@ -291,92 +244,66 @@ def stragglers_table(results: list[Result]) -> str:
     rows = []
     for r in results:
         m = r.measurement
-        rows.append(
-            [
-                r.case,
-                r.mode,
-                m.iterations,
-                f"{m.sps:,.0f}",
-                f"{m.sps / waiting[r.case]:.2f}",
-                f"{m.global_batch / m.sps:.3f}",
-                f"{m.rollout:.3f}",
-                f"{m.update:.3f}",
-                f"{m.sync:.3f}",
-                f"{r.collected:.2f}",
-            ]
-        )
-    return markdown_table(TABLE_HEADERS, rows)
+        speed = [f"{m.sps:,.0f}", f"{m.sps / waiting[r.case]:.2f}", f"{m.global_batch / m.sps:.3f}"]
+        seconds = [f"{m.rollout:.3f}", f"{m.update:.3f}", f"{m.sync:.3f}"]
+        rows.append([r.case, r.mode, m.iterations, *speed, *seconds, f"{r.collected:.2f}"])
+    return common.markdown_table(TABLE_HEADERS, rows)
 
 
 def plot(results: list[Result], path: Path) -> None:
     """SPS per case, a bar per mode, the speedup written over each preempting bar."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     cases = list(dict.fromkeys(r.case for r in results))
     modes = list(dict.fromkeys(r.mode for r in results))
+    waiting = {r.case: r.measurement.sps for r in results if r.mode == "wait"}
     width = 0.8 / len(modes)
-    figure, axes = plt.subplots(figsize=(8, 5))
-    for index, mode in enumerate(modes):
-        rows = {r.case: r for r in results if r.mode == mode}
-        positions = [cases.index(case) + (index - (len(modes) - 1) / 2) * width for case in rows]
-        bars = axes.bar(positions, [r.measurement.sps for r in rows.values()], width, label=mode, color=f"C{index}")
-        if mode != "wait":
-            waiting = {r.case: r.measurement.sps for r in results if r.mode == "wait"}
-            labels = [f"{r.measurement.sps / waiting[case]:.2f}x" for case, r in rows.items()]
-            axes.bar_label(bars, labels, fontsize="small")
-    axes.set_xticks(range(len(cases)), cases)
-    axes.set_ylabel("env steps per second (iterations 2..)")
-    axes.set_title("2 ranks on 2 cores, rank 1 a straggler: waiting for it or preempting it")
-    axes.legend(fontsize="small")
-    axes.grid(axis="y", alpha=0.3)
-    figure.tight_layout()
-    figure.savefig(path, dpi=100)
-    plt.close(figure)
+    with common.figure(path) as [axes]:
+        for index, mode in enumerate(modes):
+            rows = {r.case: r for r in results if r.mode == mode}
+            positions = [cases.index(case) + (index - (len(modes) - 1) / 2) * width for case in rows]
+            sps = [r.measurement.sps for r in rows.values()]
+            bars = axes.bar(positions, sps, width, label=mode, color=f"C{index}")
+            if mode != "wait":
+                labels = [f"{r.measurement.sps / waiting[case]:.2f}x" for case, r in rows.items()]
+                axes.bar_label(bars, labels, fontsize="small")
+        axes.set_xticks(range(len(cases)), cases)
+        axes.set_ylabel("env steps per second (iterations 2..)")
+        axes.set_title("2 ranks on 2 cores, rank 1 a straggler: waiting for it or preempting it")
+        axes.legend(fontsize="small")
+        axes.grid(axis="y", alpha=0.3)
 
 
 def main(argv: list[str] | None = None) -> tuple[Path, Path]:
     """Run every case waiting and preempting, write OUT.md and OUT.png; returns their paths."""
-    argv = sys.argv[1:] if argv is None else argv
-    own, extra = split_script_args(argv)
-    args = tyro.cli(Args, args=own, description=__doc__)
+    args, argv, extra = common.cli(Args, argv, script_args=True)
     if args.iterations < 2 or not 0 < args.preempt_fraction <= 1 or args.step_ms < 0 or args.slow_factor <= 0:
         raise SystemExit(
             "benchmark.stragglers: error: --iterations must be >= 2, --preempt-fraction in (0, 1], --step-ms >= 0 and "
             "--slow-factor > 0"
         )
-    cores = usable_cores()
+    cores = common.usable_cores()
     if len(cores) < 2:
         raise SystemExit(
             f"benchmark.stragglers: error: 2 ranks on 2 cores need 2 usable cores; this process has {cores}"
         )
-    work_dir = args.out_dir.resolve() if args.out_dir else Path(tempfile.mkdtemp(prefix="ddrl_stragglers_"))
-    load_before, warning = check_load(args.max_load)
-    results = []
-    try:
-        for case_name in dict.fromkeys(args.cases):
-            results += run_case(case_name, (0.0, args.preempt_fraction), args, extra, cores, work_dir)
-    finally:
-        if args.out_dir is None:
-            shutil.rmtree(work_dir, ignore_errors=True)
+    load_before, warning = common.check_load(args.max_load)
+    cases = list(dict.fromkeys(args.cases))
+    with common.work_folder(args.out_dir, "ddrl_stragglers_") as work_dir:
+        results = [
+            r for name in cases for r in run_case(name, (0.0, args.preempt_fraction), args, extra, cores, work_dir)
+        ]
 
-    table_path, png_path = output_paths(args.out)
+    table_path, png_path = common.output_paths(args.out)
     plot(results, png_path)
     batch = f"{args.local_steps:,} env steps" if args.local_steps else "each script's default batch"
     facts = [
-        f"2 ranks on cores {cores[0]} and {cores[1]}: `taskset -c {cores[0]},{cores[1]} python -m "
-        "torch.distributed.run --standalone --nproc_per_node 2 benchmark/pin_rank.py SCRIPT --torch-threads 1` "
-        "(pin_rank.py pins local rank r to the r-th core; the Atari script also gets --env-threads 1); rank 1 is the "
-        "straggler",
+        f"2 ranks on cores {cores[0]} and {cores[1]} as {common.PINNED}, then `--torch-threads 1` (the Atari script "
+        "also --env-threads 1); rank 1 is the straggler",
         f"budget: --total-timesteps = {args.iterations} full world batches ({batch} per rank per iteration) in both "
         "modes, so a preempting run, collecting less per iteration, runs more iterations",
         f"modes: wait = --preempt-fraction 0; {mode_label(args.preempt_fraction)} = --preempt-fraction "
         f"{args.preempt_fraction:g}, each rollout at least --min-rollout-fraction of --num-steps (0.25 unless set "
         "after --)",
     ]
-    cases = list(dict.fromkeys(args.cases))
     if any(not CASES[name].cpu_hog for name in cases):
         facts.append(
             f"rollout-dominated env: every env step takes {args.step_ms:g} ms on rank 0 (HalfCheetah's own step, then "
@@ -397,7 +324,7 @@ def main(argv: list[str] | None = None) -> tuple[Path, Path]:
         )
     facts.append(f"load average (1, 5, 15 min) before the runs: {load_before}")
     title = "Stragglers: waiting for the slowest rank or preempting it (2 ranks on 2 cores)"
-    text = results_header(title, "benchmark.stragglers", argv, facts, args.notes, warning)
+    text = common.results_header(title, "benchmark.stragglers", argv, facts, args.notes, warning)
     text += f"\n![stragglers]({png_path.name})\n\n{stragglers_table(results)}\n"
     text += (
         "SPS: world env steps per second from the end of iteration 1 to the end of the last (TensorBoard event wall "
@@ -411,7 +338,9 @@ def main(argv: list[str] | None = None) -> tuple[Path, Path]:
     )
     for case_name in dict.fromkeys(r.case for r in results):
         case = CASES[case_name]
-        text += f"- {case_name} ({case.script} on {case.env_id}): {case.models}.\n"
+        text += (
+            f"- {case_name} ({case.script} on {case.env_id or common.defaults(case.script).env_id}): {case.models}.\n"
+        )
     table_path.write_text(text)
     print(f"wrote {table_path} and {png_path}")
     return table_path, png_path
