@@ -11,7 +11,6 @@ import platform
 import re
 import shlex
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -163,16 +162,6 @@ def script_command(
         path = os.pathsep.join([str(PIN_RANK), *filter(None, [os.environ.get("PYTHONPATH")])])
         command = ["env", f"PYTHONPATH={path}", f"DDRL_PIN_CORES={pinned}", *command]
     return ["taskset", "-c", pinned, *command, *args]
-
-
-def mpirun_launcher(nprocs: int) -> list[str]:
-    """Open MPI's `mpirun -np N` (as root too; no binding of its own), with a free MASTER_PORT: what precedes the
-    program to launch (benchmark.grad_sync's ranks)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    root = ["--allow-run-as-root"] if os.geteuid() == 0 else []
-    return ["mpirun", *root, "--bind-to", "none", "-np", str(nprocs), "-x", f"MASTER_PORT={port}", sys.executable]
 
 
 # --- running commands --------------------------------------------------------------------------------
