@@ -1,6 +1,5 @@
-"""What the benchmark modules (and the tests) share: their common arguments, the scripts' defaults, launching a
-script (through its own `--nprocs`), reading TensorBoard event files, and the header every results file starts
-with."""
+"""What the benchmark modules (and the tests) share: their common arguments, the scripts and their defaults, launching
+a script through its own `--nprocs`, reading TensorBoard event files, and writing a results file."""
 
 import contextlib
 import datetime
@@ -18,20 +17,19 @@ import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TextIO, TypeVar
+from typing import Literal, TextIO, TypeVar, get_args
 
 import torch
 import tyro
 
 ROOT = Path(__file__).resolve().parent.parent
 """the repository root, where the scripts live"""
-SCRIPTS = ("vpg_mpi.py", "ppo_continuous_mpi.py", "ppo_atari_multigpu.py")
+Script = Literal["vpg_mpi.py", "ppo_continuous_mpi.py", "ppo_atari_multigpu.py"]
+SCRIPTS: tuple[str, ...] = get_args(Script)
 """the training scripts the benchmarks know"""
 ATARI = "ppo_atari_multigpu.py"
 PROGRESS_LINE = re.compile(r"^(?:iteration|epoch) (\d+)/(\d+) step (\d+) SPS (\d+) return (\S+)")
 """the per-iteration line rank 0 of every script prints: (iteration, iterations, global step, SPS, return)"""
-PIN_RANK = ROOT / "benchmark" / "pin_rank"
-"""the folder whose sitecustomize.py pins each rank to its core (see there)"""
 PINNED = (
     "`taskset -c C0,..,C(N-1) env PYTHONPATH=benchmark/pin_rank DDRL_PIN_CORES=C0,..,C(N-1) python SCRIPT --nprocs N "
     "--collectives torch` (`mpi` under mpirun), benchmark/pin_rank/sitecustomize.py pinning local rank r to core Cr"
@@ -49,7 +47,7 @@ def usable_cores() -> list[int]:
 
 @dataclass(kw_only=True)
 class ResultsArgs:
-    """The arguments of every module that writes a results file (each module sets its own default `out`)."""
+    """The arguments of every module that writes a results file (each sets its own default `out`)."""
 
     out: Path = Path("benchmark_results/results")
     """output stem: writes OUT.md (and OUT.png where the module plots)"""
@@ -60,8 +58,6 @@ class ResultsArgs:
 
 @dataclass(kw_only=True)
 class TimingArgs(ResultsArgs):
-    """The arguments of a module that times something."""
-
     max_load: float = 1.0
     """above this 1-minute load average at the start, the results file opens with a MEASURED UNDER LOAD warning"""
 
@@ -70,8 +66,14 @@ class TimingArgs(ResultsArgs):
 class RunsArgs(TimingArgs):
     """The arguments of a module that times runs of the scripts."""
 
+    iterations: int = 6
+    """iterations (epochs) per run; at least 2 (the first is left out of SPS and the time split)"""
     out_dir: Path | None = None
     """where the runs are launched (runs/ and logs/ land there, and are kept); default: a temporary folder"""
+
+    def __post_init__(self):
+        if self.iterations < 2:
+            raise SystemExit("benchmark: error: need --iterations >= 2 (the first is left out of SPS)")
 
 
 ArgsT = TypeVar("ArgsT")
@@ -104,8 +106,9 @@ def work_folder(out_dir: Path | None, prefix: str) -> Iterator[Path]:
 @functools.cache
 def load_script(script: str, root: Path = ROOT):
     """A training script of checkout `root` imported as a module (importing one does no work)."""
-    name = f"benchmark_{Path(script).stem}_{abs(hash(str(root)))}"
-    spec = importlib.util.spec_from_file_location(name, root / script)
+    spec = importlib.util.spec_from_file_location(
+        f"benchmark_{Path(script).stem}_{abs(hash(str(root)))}", root / script
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -126,6 +129,12 @@ def env_spaces(env_id: str) -> tuple:
         return env.observation_space, env.action_space
 
 
+def default_local_steps(script: str) -> int:
+    """Env steps per rank per iteration at the script's defaults (at 1 rank for VPG's global batch)."""
+    args = defaults(script)
+    return args.steps_per_epoch if script == "vpg_mpi.py" else args.local_num_envs * args.num_steps
+
+
 def budget_args(script: str, ranks: int, local_steps: int, iterations: int) -> list[str]:
     """Arguments giving `script` a batch of `local_steps` env steps per rank per iteration for `iterations`."""
     total = ["--total-timesteps", str(iterations * ranks * local_steps)]
@@ -137,29 +146,23 @@ def budget_args(script: str, ranks: int, local_steps: int, iterations: int) -> l
     return ["--local-num-envs", str(envs), "--num-steps", str(local_steps // envs), *total]
 
 
-def default_local_steps(script: str) -> int:
-    """Env steps per rank per iteration at the script's defaults (at 1 rank for VPG's global batch)."""
-    args = defaults(script)
-    return args.steps_per_epoch if script == "vpg_mpi.py" else args.local_num_envs * args.num_steps
-
-
 def script_command(
     script: Path, args: Sequence[str], ranks: int = 1, launcher: str = "", cores: Sequence[int] = ()
 ) -> list[str]:
     """`python SCRIPT ARGS`, as `ranks` ranks through the script's own `--nprocs`: under `launcher` torchrun
-    (`--collectives torch`) or mpirun (`--collectives mpi`), or as the script chooses. With `cores`, the command runs
-    under `taskset` to them, and local rank r is pinned to cores[r] (benchmark/pin_rank)."""
+    (`--collectives torch`) or mpirun (`--collectives mpi`), or as the script chooses. With `cores`, under `taskset`
+    to them, local rank r pinned to cores[r] by benchmark/pin_rank (see PINNED)."""
     command = [sys.executable, str(script)]
     if ranks > 1:
-        command += ["--nprocs", str(ranks)]
-        command += {"torchrun": ["--collectives", "torch"], "mpirun": ["--collectives", "mpi"], "": []}[launcher]
+        collectives = {"torchrun": ["--collectives", "torch"], "mpirun": ["--collectives", "mpi"], "": []}[launcher]
+        command += ["--nprocs", str(ranks), *collectives]
     if not cores:
         return [*command, *args]
     if ranks > len(cores):
         raise ValueError(f"{ranks} ranks but only {len(cores)} usable cores")
     pinned = ",".join(str(core) for core in cores[:ranks])
     if ranks > 1:
-        path = os.pathsep.join([str(PIN_RANK), *filter(None, [os.environ.get("PYTHONPATH")])])
+        path = os.pathsep.join(filter(None, [str(ROOT / "benchmark" / "pin_rank"), os.environ.get("PYTHONPATH")]))
         command = ["env", f"PYTHONPATH={path}", f"DDRL_PIN_CORES={pinned}", *command]
     return ["taskset", "-c", pinned, *command, *args]
 
@@ -177,20 +180,16 @@ def open_log(command: Sequence[str], cwd: Path, log_path: Path) -> TextIO:
     return log
 
 
-def run_streaming(
-    command: Sequence[str], cwd: Path, log_path: Path, on_line: Callable[[str], None] | None = None
-) -> int:
+def run_streaming(command: Sequence[str], cwd: Path, log_path: Path, on_line: Callable[[str], None]) -> int:
     """Run `command` in `cwd`, copy its stdout and stderr to `log_path`, call `on_line` on each line; the exit code."""
     with open_log(command, cwd, log_path) as log:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         process = subprocess.Popen(
             command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
         )
-        assert process.stdout is not None
         for line in process.stdout:
             log.write(line)
-            if on_line is not None:
-                on_line(line.rstrip("\n"))
+            on_line(line.rstrip("\n"))
         return process.wait()
 
 
@@ -218,7 +217,9 @@ def run_logged(commands: dict[str, list[str]], work_dir: Path, at_once: bool = F
     if at_once:
         codes = run_at_once(list(commands.values()), work_dir, logs)
     else:
-        codes = [run_streaming(command, work_dir, log) for command, log in zip(commands.values(), logs, strict=True)]
+        codes = [
+            run_at_once([command], work_dir, [log])[0] for command, log in zip(commands.values(), logs, strict=True)
+        ]
     for name, log, code in zip(commands, logs, codes, strict=True):
         if code:
             raise SystemExit(f"benchmark: error: run {name} failed (exit {code}); {log}:\n{last_lines(log)}")
@@ -239,10 +240,8 @@ def _accumulator(run_dir: Path):
 def read_scalar_events(run_dir: Path) -> dict[str, list[tuple[float, int, float]]]:
     """Every scalar series in a run folder's event files, as (wall_time, step, value) triples in logged order."""
     accumulator = _accumulator(run_dir)
-    return {
-        tag: [(event.wall_time, event.step, event.value) for event in accumulator.Scalars(tag)]
-        for tag in accumulator.Tags()["scalars"]
-    }
+    tags = accumulator.Tags()["scalars"]
+    return {tag: [(event.wall_time, event.step, event.value) for event in accumulator.Scalars(tag)] for tag in tags}
 
 
 def read_scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
@@ -276,7 +275,7 @@ PARTS = ("rollout", "update", "sync")
 
 @dataclass
 class Measurement:
-    """One run of a script reduced to its speed and rank 0's time split."""
+    """One run of a script reduced to its speed and rank 0's seconds per iteration in each part."""
 
     script: str
     mode: str
@@ -300,9 +299,9 @@ def measure(run_dir: Path, script: str, mode: str, ranks: int) -> Measurement:
         raise SystemExit(f"benchmark: error: {run_dir} logged {len(sps_events)} iterations; need at least 2")
     (first_wall, first_step, _), (last_wall, last_step, script_sps) = sps_events[0], sps_events[-1]
     sps = (last_step - first_step) / max(last_wall - first_wall, 1e-9)
-    batch, iterations = (last_step - first_step) // (len(sps_events) - 1), len(sps_events)
-    seconds = [statistics.median(value for _, _, value in scalars[f"perf/{part}_time"][1:]) for part in PARTS]
-    return Measurement(script, mode, ranks, batch, iterations, sps, script_sps, *seconds)
+    batch = (last_step - first_step) // (len(sps_events) - 1)
+    seconds = [statistics.median(event[2] for event in scalars[f"perf/{part}_time"][1:]) for part in PARTS]
+    return Measurement(script, mode, ranks, batch, len(sps_events), sps, script_sps, *seconds)
 
 
 # --- results files -----------------------------------------------------------------------------------
@@ -310,44 +309,30 @@ def measure(run_dir: Path, script: str, mode: str, ranks: int) -> Measurement:
 
 def cpu_model() -> str:
     """The CPU's model name from /proc/cpuinfo (the platform's processor string elsewhere)."""
-    try:
+    with contextlib.suppress(OSError):
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
                 return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
     return platform.processor() or "unknown CPU"
 
 
 def load_average() -> str:
     """The 1, 5 and 15 minute load averages, as `uptime` shows them."""
-    try:
-        return ", ".join(f"{value:.2f}" for value in os.getloadavg())
-    except OSError:
-        return "unknown"
+    return ", ".join(f"{value:.2f}" for value in os.getloadavg()) if hasattr(os, "getloadavg") else "unknown"
 
 
 def check_load(max_load: float) -> tuple[str, str | None]:
     """Before a timing: the load averages now, and a loud warning for the results file when the 1-minute one exceeds
     `max_load` (also printed to stderr), else None."""
     load = load_average()
-    one_minute = float(load.split(",")[0]) if load != "unknown" else 0.0
-    if one_minute <= max_load:
+    if load == "unknown" or float(load.split(",")[0]) <= max_load:
         return load, None
     warning = (
-        f"MEASURED UNDER LOAD: the 1-minute load average was {one_minute:.2f} when the measurement started (more "
+        f"MEASURED UNDER LOAD: the 1-minute load average was {load.split(',')[0]} when the measurement started (more "
         f"than {max_load}): other processes shared the CPU, so these timings are distorted. Re-run on a quiet machine."
     )
     print(f"benchmark: warning: {warning}", file=sys.stderr)
     return load, warning
-
-
-def machine_description() -> str:
-    """One line: CPU model, usable cores, OS, Python and torch versions."""
-    return (
-        f"{cpu_model()}, {len(usable_cores())} usable cores ({os.cpu_count()} online), {platform.system()} "
-        f"{platform.release()}, Python {platform.python_version()}, torch {torch.__version__}"
-    )
 
 
 def code_version(root: Path = ROOT, short: bool = False) -> str:
@@ -379,63 +364,43 @@ def command_line(module: str, argv: Sequence[str]) -> str:
     return shlex.join(["python", "-m", module, *shown])
 
 
-def results_header(
-    title: str,
-    module: str,
-    argv: Sequence[str],
-    facts: Sequence[str] = (),
-    notes: Sequence[str] = (),
-    warning: str | None = None,
-) -> str:
+def results_header(title: str, module: str, argv: Sequence[str], facts=(), notes=(), warning: str | None = None) -> str:
     """The markdown header of a results file: title, a bold warning if any, then a list of the command that reproduces
     it (`python -m MODULE ARGV` without `--notes`), date, machine, checkout, load and the `facts` the module measured
     or fixed, then each of `notes` (what was run, by whom and why) as a paragraph of prose."""
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    lines = [
-        f"# {title}",
-        "",
-        *([f"**{warning}**", ""] if warning else []),
-        f"- command: `{command_line(module, argv)}` (from the repository root)",
-        f"- date: {now}",
-        f"- machine: {machine_description()}",
-        f"- checkout: commit {code_version()}",
-        f"- load average (1, 5, 15 min) when written: {load_average()}",
-        *(f"- {fact}" for fact in facts),
-        "",
-    ]
-    for note in notes:
-        lines += [note, ""]
-    return "\n".join(lines)
+    machine = (
+        f"{cpu_model()}, {len(usable_cores())} usable cores ({os.cpu_count()} online), {platform.system()} "
+        f"{platform.release()}, Python {platform.python_version()}, torch {torch.__version__}"
+    )
+    lines = [f"# {title}", "", *([f"**{warning}**", ""] if warning else [])]
+    lines += [f"- command: `{command_line(module, argv)}` (from the repository root)", f"- date: {now}"]
+    lines += [f"- machine: {machine}", f"- checkout: commit {code_version()}"]
+    lines += [f"- load average (1, 5, 15 min) when written: {load_average()}", *(f"- {fact}" for fact in facts), ""]
+    return "\n".join(lines + [line for note in notes for line in (note, "")])
 
 
-def write_results(
-    args: ResultsArgs, argv: Sequence[str], title: str, facts: list[str], body: str, load: str = "", warning: str = ""
-) -> Path:
+def write_results(args: ResultsArgs, argv, title: str, facts: list[str], body: str, load="", warning=None) -> Path:
     """Write OUT.md: the results header (with a timing's `load` before the measurement and `warning`, as check_load
     gives them) then `body`; its path."""
     facts = [*facts, *([f"load average (1, 5, 15 min) before the measurement: {load}"] if load else [])]
     module = sys.modules[type(args).__module__].__spec__.name  # benchmark.X, also when run as __main__
     path, _ = output_paths(args.out)
-    path.write_text(results_header(title, module, argv, facts, args.notes, warning or None) + body)
+    path.write_text(results_header(title, module, argv, facts, args.notes, warning) + body)
     print(f"wrote {path}")
     return path
 
 
-def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
-    """A markdown table; columns whose cells all start with a number are right-aligned, the others left-aligned."""
+def markdown_table(header_row: str, rows: Sequence[Sequence[object]]) -> str:
+    """A markdown table under `header_row` (`a | b | c`); columns whose cells all start with a number are
+    right-aligned, the others left-aligned."""
 
     def numeric(column: int) -> bool:
         return all(re.match(r"^[-+]?[\d.]", str(row[column])) for row in rows if str(row[column]))
 
-    alignments = ["--:" if rows and numeric(column) else ":--" for column in range(len(headers))]
-    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join(alignments) + "|"]
-    lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
-    return "\n".join(lines) + "\n"
-
-
-def columns(header_row: str) -> tuple[str, ...]:
-    """A table's headers written as its markdown header row, `a | b | c`."""
-    return tuple(header_row.split(" | "))
+    alignments = ["--:" if rows and numeric(column) else ":--" for column in range(header_row.count(" | ") + 1)]
+    lines = [f"| {header_row} |", "|" + "|".join(alignments) + "|"]
+    return "\n".join(lines + ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]) + "\n"
 
 
 def output_paths(stem: Path) -> tuple[Path, Path]:

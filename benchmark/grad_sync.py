@@ -2,26 +2,16 @@
 
     python -m benchmark.grad_sync --nprocs 2 --repeats 50 --out benchmark/results/grad_sync
 
-The models are the scripts' own Agents for their default envs: `vpg_mpi.Agent` and `ppo_continuous_mpi.Agent` (64-64
-tanh MLPs, HalfCheetah) and `ppo_atari_multigpu.Agent` (Nature CNN, Breakout). Methods:
+Each script's Agent for its default env, with a local batch of the script's default size. Methods: per-parameter (one
+all_reduce per gradient tensor, SpinningUp's mpi_avg_grads); flat (the script's own `average_gradients` of its
+`flat_gradient_buffer`, the sync of vpg_mpi.py and ppo_continuous_mpi.py; ppo_continuous_mpi.py's functions for a
+script without them); DDP (forward+backward through DistributedDataParallel minus the same without it, the sync of
+ppo_atari_multigpu.py that backward does not hide); gather+broadcast (vpg_mpi.py's --sync gather, its own functions).
+With `--mpi` (ranks started by mpirun) the scripts' methods run again with their collectives routed through MPI.
 
-- per-parameter: one `all_reduce` per gradient tensor, then divide (SpinningUp's mpi_avg_grads pattern);
-- flat: the script's own `average_gradients` of its `flat_gradient_buffer` (every gradient a view into one buffer,
-  the logged losses after them): one allreduce per minibatch, what vpg_mpi.py and ppo_continuous_mpi.py do; a script
-  without these functions (the Atari script) is timed with ppo_continuous_mpi.py's, what they would cost there;
-- flat, MPI (`--mpi`, ranks started by mpirun): the same with the script's collectives routed through MPI (mpi4py,
-  in place on a numpy view), as `--collectives mpi` routes them;
-- DDP: median time of forward+backward through DistributedDataParallel minus the median of the same
-  forward+backward on the unwrapped model, on each script's local minibatch (what ppo_atari_multigpu.py does;
-  DDP overlaps its bucketed allreduce with backward, so this is the sync time that backward does not hide);
-- gather+broadcast (vpg only, `--sync gather`): `vpg_mpi.gather_to_rank0` of a packed rollout batch of its steps
-  per epoch / N samples to rank 0 plus `vpg_mpi.broadcast_parameters` of the weights, once per epoch (and through
-  MPI with `--mpi`).
-
-Each repetition starts after a barrier; a repetition's time is the slowest rank's. The table gives the median,
-the 10th-90th percentiles and the mean over repetitions, and the cost per iteration at the scripts' defaults (mean
-times syncs: time adds up, so a minority of slow syncs counts in full). Before timing, every method's result is
-checked against an all_gather reference (the averaged gradient; the gathered batch and broadcast weights).
+Each repetition starts after a barrier and counts at the slowest rank; the table gives the median, the 10th-90th
+percentiles and the mean, and the mean times the syncs per iteration at the scripts' defaults (time adds up, so a
+minority of slow syncs counts in full). Every method's result is first checked against an all_gather reference.
 """
 
 import contextlib
@@ -36,6 +26,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 import torch
@@ -54,8 +45,8 @@ MPI = None  # mpi4py's MPI module in a rank that mpirun started (--mpi)
 class Args(common.TimingArgs):
     nprocs: int = 2
     """ranks (spawned processes joined in a gloo group)"""
-    models: tuple[str, ...] = tuple(SCRIPT_OF)
-    """which models: vpg, ppo_continuous, atari"""
+    models: tuple[Literal["vpg", "ppo_continuous", "atari"], ...] = ("vpg", "ppo_continuous", "atari")
+    """which scripts' models (SCRIPT_OF)"""
     repeats: int = 50
     """timed repetitions per method"""
     warmup: int = 5
@@ -89,26 +80,17 @@ class LossOf(nn.Module):
         return -(log_prob * advantages).mean() + 0.5 * ((value - returns) ** 2).mean()
 
 
-def local_batch(name: str, args: Args) -> int:
-    """The samples of one rank's forward+backward: vpg's whole epoch share, the PPO scripts' local minibatch."""
-    defaults = common.defaults(SCRIPT_OF[name])
-    if name == "vpg":
-        return defaults.steps_per_epoch // dist.get_world_size()
-    chosen = args.cnn_batch if name == "atari" else args.mlp_batch
-    return chosen or defaults.local_num_envs * defaults.num_steps // defaults.num_minibatches
-
-
-def syncs_per_iteration(name: str) -> int:
-    """Gradient syncs per iteration at the script's defaults: vpg's policy step and value steps, PPO's minibatches."""
-    defaults = common.defaults(SCRIPT_OF[name])
-    return 1 + defaults.train_v_iters if name == "vpg" else defaults.num_minibatches * defaults.update_epochs
-
-
-def build(name: str, batch: int, rank: int) -> tuple[LossOf, tuple[torch.Tensor, ...]]:
-    """The script's Agent for its default env (same initial weights on every rank) in a LossOf, and a random batch."""
+def build(name: str, args: Args, rank: int) -> tuple[LossOf, tuple[torch.Tensor, ...], int]:
+    """The script's Agent for its default env (same initial weights on every rank) in a LossOf, a random local batch of
+    the script's size (vpg: its epoch's share; PPO: its minibatch, or --mlp-batch / --cnn-batch), and that size."""
     script = common.load_script(SCRIPT_OF[name])
-    obs_space, action_space = common.env_spaces(script.Args().env_id)
-    obs_shape = obs_space.shape
+    defaults = script.Args()
+    obs_space, action_space = common.env_spaces(defaults.env_id)
+    if name == "vpg":
+        batch = defaults.steps_per_epoch // dist.get_world_size()
+    else:
+        chosen = args.cnn_batch if name == "atari" else args.mlp_batch
+        batch = chosen or defaults.local_num_envs * defaults.num_steps // defaults.num_minibatches
     torch.manual_seed(0)
     generator = torch.Generator().manual_seed(1 + rank)
     if name == "atari":
@@ -116,14 +98,23 @@ def build(name: str, batch: int, rank: int) -> tuple[LossOf, tuple[torch.Tensor,
         obs = torch.randint(0, 256, (batch, 4, 84, 84), dtype=torch.uint8, generator=generator)
         actions = torch.randint(0, action_space.n, (batch,), generator=generator)
     else:
-        if name == "vpg":
-            agent = script.Agent(obs_shape[0], action_space, script.Args().hidden_sizes)
-        else:
-            agent = script.Agent(obs_shape[0], action_space.shape[0])
-        obs = torch.randn(batch, *obs_shape, generator=generator)
+        obs_dim = obs_space.shape[0]
+        vpg = name == "vpg"
+        agent = (
+            script.Agent(obs_dim, action_space, defaults.hidden_sizes)
+            if vpg
+            else script.Agent(obs_dim, action_space.shape[0])
+        )
+        obs = torch.randn(batch, obs_dim, generator=generator)
         actions = torch.randn(batch, *action_space.shape, generator=generator)
     advantages, returns = torch.randn(2, batch, generator=generator)
-    return LossOf(name, agent), (obs, actions, advantages, returns)
+    return LossOf(name, agent), (obs, actions, advantages, returns), batch
+
+
+def syncs_per_iteration(name: str) -> int:
+    """Gradient syncs per iteration at the script's defaults: vpg's policy step and value steps, PPO's minibatches."""
+    defaults = common.defaults(SCRIPT_OF[name])
+    return 1 + defaults.train_v_iters if name == "vpg" else defaults.num_minibatches * defaults.update_epochs
 
 
 def allreduce_per_parameter(parameters: list[nn.Parameter]) -> None:
@@ -186,14 +177,7 @@ def gather_method(rank: int, agent: nn.Module, inputs: tuple[torch.Tensor, ...])
     vpg_mpi = common.load_script("vpg_mpi.py")
     n = vpg_mpi.Args().steps_per_epoch // dist.get_world_size()
     generator = torch.Generator().manual_seed(100 + rank)
-    widths = {
-        "obs": inputs[0].shape[1],
-        "actions": inputs[1].shape[1],
-        "log_probs": 1,
-        "values": 1,
-        "advantages": 1,
-        "returns": 1,
-    }
+    widths = dict(obs=inputs[0].shape[1], actions=inputs[1].shape[1], log_probs=1, values=1, advantages=1, returns=1)
     packed = vpg_mpi.pack_batch({key: torch.randn(n, width, generator=generator) for key, width in widths.items()})
     expected = torch.cat(world_gather(packed))
     works = []
@@ -215,8 +199,7 @@ def measure_model(name: str, args: Args, rank: int) -> list[dict]:
     """Check, then time, every method that applies to model `name`; one dict per method (rank 0's copy counts)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    batch = local_batch(name, args)
-    module, inputs = build(name, batch, rank)
+    module, inputs, batch = build(name, args, rank)
     parameters = list(module.parameters())
     script = common.load_script(SCRIPT_OF[name])
     if not hasattr(script, "flat_gradient_buffer"):  # the Atari script: the MLP scripts' flat allreduce on its model
@@ -300,27 +283,21 @@ def format_table(rows: list[dict]) -> str:
     """The results table: one row per (model, method)."""
     table = []
     for row in rows:
-        spread = f" ({row['p10_ms']:.2f}-{row['p90_ms']:.2f})" if "p10_ms" in row else ""
-        model = (
+        agent = (
             f"{Path(SCRIPT_OF[row['model']]).stem}.Agent ({'Nature CNN' if row['model'] == 'atari' else '64-64 MLPs'})"
         )
-        cells = [
+        spread = f" ({row['p10_ms']:.2f}-{row['p90_ms']:.2f})" if "p10_ms" in row else ""
+        timing = [
             f"{row['median_ms']:.2f}{spread}",
             f"{row['mean_ms']:.2f}",
             row["syncs"],
             f"{row['mean_ms'] * row['syncs']:.1f}",
         ]
+        checked = "yes" if row["checked"] else "NO"
         table.append(
-            [
-                model,
-                f"{row['parameters']:,} in {row['tensors']} tensors",
-                row["method"],
-                *cells,
-                "yes" if row["checked"] else "NO",
-                row["what"],
-            ]
+            [agent, f"{row['parameters']:,} in {row['tensors']} tensors", row["method"], *timing, checked, row["what"]]
         )
-    headers = common.columns(
+    headers = (
         "model | parameters | method | ms per sync, median (p10-p90) | ms per sync, mean | syncs per iteration | "
         "ms per iteration (mean x syncs) | result checked | what is timed"
     )
@@ -330,12 +307,10 @@ def format_table(rows: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> Path:
     """Start the ranks, measure, write OUT.md; returns its path."""
     args, argv, _ = common.cli(Args, argv)
-    if args.nprocs < 2 or args.repeats < 1 or any(name not in SCRIPT_OF for name in args.models):
-        raise SystemExit(
-            f"benchmark.grad_sync: error: need --nprocs >= 2, --repeats >= 1, models among {tuple(SCRIPT_OF)}"
-        )
+    if args.nprocs < 2 or args.repeats < 1:
+        raise SystemExit("benchmark.grad_sync: error: need --nprocs >= 2 and --repeats >= 1")
     args.threads = args.threads or max(1, len(common.usable_cores()) // args.nprocs)
-    load_before, warning = common.check_load(args.max_load)
+    load = common.check_load(args.max_load)
     with tempfile.TemporaryDirectory(prefix="ddrl_grad_sync_") as tmp:
         result_path = Path(tmp) / "rows.json"
         plain_args = {key: str(value) if isinstance(value, Path) else value for key, value in asdict(args).items()}
@@ -363,15 +338,8 @@ def main(argv: list[str] | None = None) -> Path:
         "vpg_mpi.py's policy step syncs only the policy's gradient and its value steps only the critic's, about half "
         "the floats, so its per-iteration figures are an upper bound)",
         "DDP rows for the MLPs show what DDP would cost there; only ppo_atari_multigpu.py uses DDP",
-        f"load average (1, 5, 15 min) before the measurement: {load_before}",
     ]
-    table_path, _ = common.output_paths(args.out)
-    text = common.results_header(
-        "Gradient sync: time per sync", "benchmark.grad_sync", argv, facts, args.notes, warning
-    )
-    table_path.write_text(text + "\n" + format_table(rows))
-    print(table_path.read_text())
-    return table_path
+    return common.write_results(args, argv, "Gradient sync: time per sync", facts, "\n" + format_table(rows), *load)
 
 
 if __name__ == "__main__":

@@ -4,13 +4,9 @@
         --reference HalfCheetah-v5="1442.64 +- 46.03" --reference-name "CleanRL, v4 envs, 1M steps"
 
 Every folder under the given paths that holds event files is one run. Its env id, seed and label come from the
-`hyperparameters` table the scripts write (the label is `exp_name` unless `--label-keys` says otherwise), so
-runs of any name can be mixed. One panel per env id, one line per label: the mean over seeds (the IQM from 5 seeds)
-of each seed's `charts/episodic_return` (smoothed over `--smooth` logged points, interpolated onto a common step
-grid), shaded with its 95% bootstrap confidence interval. A run's final return is the mean of its last
-`--last-points` logged values of `charts/episodic_return` (each the mean return of the episodes that ended in one
-iteration); the table gives, over seeds, mean +- std (ddof 0), the 95% bootstrap confidence interval of the mean (of
-the IQM from 5 seeds, which the cell then leads with) and each seed's value.
+`hyperparameters` table the scripts write (the label is `exp_name` unless `--label-keys` says otherwise), so runs of
+any name can be mixed. One panel per env id, one line per label over seeds; the table gives each label's final return
+over seeds with its 95% bootstrap confidence interval and each seed's value (the output's header says how).
 """
 
 import math
@@ -196,8 +192,7 @@ def summarize(runs: list[Run], last_points: int, references: dict[str, str], ref
         if references:
             row.append(references.get(env_id, ""))
         rows.append(row)
-    headers = ["env", *labels, *([reference_name] if references else [])]
-    return common.markdown_table(headers, rows)
+    return common.markdown_table(" | ".join(["env", *labels, *([reference_name] if references else [])]), rows)
 
 
 def seed_order(run: Run) -> tuple[int, str]:

@@ -4,12 +4,10 @@
         --nprocs 2 --out-dir runs/bench -- --num-steps 1024 --total-timesteps 1000000
     python -m benchmark.plot runs/bench/runs --out benchmark/results/ppo_continuous
 
-A run is `python SCRIPT --nprocs N ...`, which re-launches itself under mpirun where mpi4py and mpirun are installed,
-else under torchrun (`-- --collectives torch` keeps it to torchrun); arguments after `--` go to every run. Run
-`{script}__{env}__{seed}` writes TensorBoard to OUT_DIR/runs/{run_name} (the scripts write to runs/ under their working
-directory, OUT_DIR) and its output to OUT_DIR/logs/{run_name}.log; a progress line per run shows how far it got.
-`--parallel P` runs P at a time and gives each rank `usable cores // (nprocs * P)` torch threads. `--dry-run` prints
-the commands.
+A run is `python SCRIPT --nprocs N ...` (mpirun where mpi4py and mpirun are installed, else torchrun; `--
+--collectives torch` keeps it to torchrun), arguments after `--` going to every run, in OUT_DIR: TensorBoard under
+OUT_DIR/runs/{script}__{env}__{seed}, its output in OUT_DIR/logs/, a progress line per run here. `--parallel P` runs P
+at a time, each rank with `usable cores // (nprocs * P)` torch threads. `--dry-run` prints the commands.
 """
 
 import shlex
@@ -26,8 +24,8 @@ from benchmark import common
 
 @dataclass
 class Args:
-    script: str = "ppo_continuous_mpi.py"
-    """the script to run (one of vpg_mpi.py, ppo_continuous_mpi.py, ppo_atari_multigpu.py)"""
+    script: common.Script = "ppo_continuous_mpi.py"
+    """the script to run"""
     env_ids: tuple[str, ...] = ("HalfCheetah-v5", "Hopper-v5")
     """the env ids to run"""
     seeds: tuple[int, ...] = (1, 2, 3)
@@ -49,8 +47,6 @@ class Args:
 def plan(args: Args, script_args: list[str]) -> dict[str, list[str]]:
     """{run name `{script stem}__{env id, / as -}__{seed}`: command} for every env id and seed, in that order;
     `script_args` go to every run."""
-    if args.script not in common.SCRIPTS:
-        raise SystemExit(f"benchmark.run: error: --script must be one of {', '.join(common.SCRIPTS)}")
     if args.nprocs < 1 or args.parallel < 1:
         raise SystemExit("benchmark.run: error: --nprocs and --parallel must be at least 1")
     extra = list(script_args)

@@ -7,20 +7,11 @@ ranks run on N cores through the script's own launch, `python SCRIPT --nprocs N 
 `mpirun` in `--launchers`: `--collectives mpi`), local rank r pinned to core Cr by benchmark/pin_rank, where C0, C1,
 .. are the usable cores, sorted; the Atari script also gets `--env-threads 1`. Each rank keeps the same batch
 (`--local-steps` env steps per iteration; the global batch grows with N) for `--iterations` iterations. Scripts with
-`--sync` run once per mode in `--sync-modes`; the Atari script syncs by DDP only. From rank 0's TensorBoard events
-(benchmark.common.measure):
-
-- SPS: global steps per second from the end of iteration 1 to the end of the last; the script's own `charts/SPS`
-  (whole run) beside it;
-- speedup = SPS(N) / SPS(1 rank, same script and mode), parallel efficiency = speedup / N;
-- seconds per iteration in rollout, update and sync: medians over iterations 2.. of `perf/rollout_time`,
-  `perf/update_time` and `perf/sync_time` (what sync covers differs per script and mode, see the notes in the output);
-- the ceiling (`--independent`): N copies of the 1-rank run at once, copy i alone on core Ci, no process group between
-  them; their summed SPS over the 1-rank run is what the machine allows N ranks before any sync (shared caches and
-  memory bandwidth, the hypervisor), so a mode's speedup below it is what its sync costs.
-
-Arguments after `--` go to every run, after the benchmark's own (so `-- --torch-threads 2` overrides the one thread).
-Timing on a loaded machine is distorted: the output records the load average before the runs.
+`--sync` run once per mode in `--sync-modes`; the Atari script syncs by DDP only. A row gives SPS and rank 0's seconds
+per iteration as benchmark.common.measure reads them from the run's events, the speedup = SPS(N) / SPS(1 rank, same
+script and mode) and the parallel efficiency = speedup / N; `--independent` adds the machine's ceiling (see its
+help). Arguments after `--` go to every run, after the benchmark's own (so `-- --torch-threads 2` overrides the one
+thread). Timing on a loaded machine is distorted: the output records the load average before the runs.
 `python -m benchmark.scaling_model` extrapolates the result to more ranks.
 """
 
@@ -64,7 +55,7 @@ SYNC_MEANS = {
 # in the project's reference list: steps/s by number of processes
 MPI_UTIL_SPS = {1: 546, 2: 1040, 3: 1712, 4: 2014, 6: 2100, 8: 2400, 9: 2484, 12: 2169}
 
-TABLE_HEADERS = common.columns(
+TABLE_HEADERS = (
     "mode | ranks (= cores) | global batch / iteration | SPS (iterations 2..) | charts/SPS (whole run) | speedup | "
     "efficiency | rollout s / it | update s / it | of which sync s / it"
 )
@@ -73,7 +64,7 @@ TABLE_HEADERS = common.columns(
 
 @dataclass(kw_only=True)
 class Args(common.RunsArgs):
-    scripts: tuple[str, ...] = common.SCRIPTS
+    scripts: tuple[common.Script, ...] = common.SCRIPTS
     """the scripts to measure"""
     sync_modes: tuple[Literal["allreduce", "gather"], ...] = ("allreduce", "gather")
     """the `--sync` modes to run, for the scripts that have the flag (the Atari script always runs its DDP)"""
@@ -84,8 +75,6 @@ class Args(common.RunsArgs):
     ranks: tuple[int, ...] = ()
     """the numbers of ranks (each on its own core) besides the 1-rank baseline, which always runs; default: 2, 4, 8,
     .. up to the usable cores, and the usable cores"""
-    iterations: int = 6
-    """iterations (epochs) per run; at least 2 (the first one is left out of SPS and the time split)"""
     rounds: int = 1
     """runs of every (script, mode, ranks), interleaved round by round (a VM's speed can drift between runs minutes
     apart); a row shows the run with the median SPS (the lower middle one for an even count), and each round's
@@ -169,7 +158,7 @@ def reference_table() -> str:
     """mpi_util's published SPS with its speedup and efficiency."""
     base = MPI_UTIL_SPS[1]
     rows = [[n, f"{sps:,}", f"{sps / base:.2f}", f"{sps / base / n:.0%}"] for n, sps in MPI_UTIL_SPS.items()]
-    return common.markdown_table(common.columns("processes | steps/s | speedup | efficiency"), rows)
+    return common.markdown_table("processes | steps/s | speedup | efficiency", rows)
 
 
 def plot(results: dict[tuple[str, str], list[common.Measurement]], path: Path) -> None:
@@ -214,7 +203,7 @@ def jobs(args: Args, script: str, ranks_to_run: list[int]) -> list[tuple[str, in
 
 def run_job(args: Args, extra: list[str], script: str, job: tuple[str, int, str], name: str, work_dir: Path):
     """Launch one job, pinned (the independent copies: `ranks` 1-rank runs of the first mode at once, copy i alone on
-    core Ci), and reduce it to one common.Measurement."""
+    core Ci), and reduce it to one Measurement."""
     mode, ranks, launcher = job
     cores = common.usable_cores()
     independent = mode == INDEPENDENT
@@ -226,9 +215,8 @@ def run_job(args: Args, extra: list[str], script: str, job: tuple[str, int, str]
         run_args += [*script_args(script, run_mode, run_ranks, local_steps, args.iterations), *extra]
         commands[run_name] = common.script_command(common.ROOT / script, run_args, run_ranks, launcher, cores[i:])
     print(f"{script} {mode} on {ranks} core(s): {' & '.join(map(shlex.join, commands.values()))}", flush=True)
-    copies = [
-        common.measure(run_dir, script, mode, 1) for run_dir in common.run_logged(commands, work_dir, at_once=True)
-    ]
+    run_dirs = common.run_logged(commands, work_dir, at_once=True)
+    copies = [common.measure(run_dir, script, mode, 1) for run_dir in run_dirs]
     measurement = combine_copies(copies) if independent else replace(copies[0], ranks=ranks)
     print(f"  SPS {measurement.sps:,.0f} (charts/SPS {measurement.script_sps:,.0f})", flush=True)
     return measurement
@@ -237,26 +225,24 @@ def run_job(args: Args, extra: list[str], script: str, job: tuple[str, int, str]
 def main(argv: list[str] | None = None) -> tuple[Path, Path]:
     """Run every (script, mode, ranks), write OUT.md and OUT.png; returns their paths."""
     args, argv, extra = common.cli(Args, argv, script_args=True)
-    unknown = [script for script in args.scripts if script not in common.SCRIPTS]
-    if unknown or args.iterations < 2 or args.rounds < 1:
-        raise SystemExit(f"benchmark.scaling: error: scripts must be in {common.SCRIPTS}, iterations >= 2, rounds >= 1")
+    if args.rounds < 1:
+        raise SystemExit("benchmark.scaling: error: --rounds must be at least 1")
     cores = common.usable_cores()
     ranks_to_run = rank_counts(args.ranks, len(cores))
-    load_before, warning = common.check_load(args.max_load)
+    load = common.check_load(args.max_load)
     rounds: dict[tuple[str, str, int], list[common.Measurement]] = {}  # (script, mode, ranks): one per round
     with common.work_folder(args.out_dir, "ddrl_scaling_") as work_dir:
         for round_index, script in ((r, script) for r in range(args.rounds) for script in args.scripts):
             for job in jobs(args, script, ranks_to_run):
                 name = f"scaling__{Path(script).stem}__{job[0].replace(' ', '_')}__{job[1]}ranks"
                 name += f"__round{round_index + 1}" if args.rounds > 1 else ""
-                measurement = run_job(args, extra, script, job, name, work_dir)
-                rounds.setdefault((script, job[0], job[1]), []).append(measurement)
+                rounds.setdefault((script, *job[:2]), []).append(run_job(args, extra, script, job, name, work_dir))
     results: dict[tuple[str, str], list[common.Measurement]] = {}
     for (script, mode, _), measurements in rounds.items():
         results.setdefault((script, mode), []).append(sorted(measurements, key=lambda m: m.sps)[(args.rounds - 1) // 2])
-
-    table_path, png_path = common.output_paths(args.out)
+    _, png_path = common.output_paths(args.out)
     plot(results, png_path)
+
     batch = f"{args.local_steps:,}" if args.local_steps else "each script's default"
     facts = [
         f"weak scaling: {args.iterations} iterations per run, a fixed batch per rank ({batch} env steps per rank per "
@@ -264,26 +250,24 @@ def main(argv: list[str] | None = None) -> tuple[Path, Path]:
         f"pinning: the usable cores C0, C1, .. are {', '.join(map(str, cores))}; 1 rank runs as `taskset -c C0 python "
         f"SCRIPT --torch-threads 1`, N ranks as {common.PINNED}, then `--torch-threads 1`; the Atari script also gets "
         "--env-threads 1",
-        f"load average (1, 5, 15 min) before the runs: {load_before}",
     ]
-    text = common.results_header("Scaling: N ranks on N cores", "benchmark.scaling", argv, facts, args.notes, warning)
-    text += f"\n![scaling]({png_path.name})\n"
+    body = f"\n![scaling]({png_path.name})\n"
     for script in args.scripts:
         measurements = [m for (name, _), rows in results.items() if name == script for m in rows]
-        text += f"\n## {script} on {args.env_id or common.defaults(script).env_id}\n\n{scaling_table(measurements)}\n"
+        body += f"\n## {script} on {args.env_id or common.defaults(script).env_id}\n\n{scaling_table(measurements)}\n"
         if args.rounds > 1:
-            text += round_speedups({key: value for key, value in rounds.items() if key[0] == script}) + "\n"
+            body += round_speedups({key: value for key, value in rounds.items() if key[0] == script}) + "\n"
         for mode in dict.fromkeys(m.mode for m in measurements if m.mode != INDEPENDENT):
-            text += f"sync with {mode} means {sync_means(script, mode)}.\n\n"
+            body += f"sync with {mode} means {sync_means(script, mode)}.\n\n"
         if args.independent and len(ranks_to_run) > 1:
-            text += f"{INDEPENDENT} means {INDEPENDENT_MEANS}.\n\n"
-    text += (
+            body += f"{INDEPENDENT} means {INDEPENDENT_MEANS}.\n\n"
+    body += (
         "## Reference: mpi_util\n\nmpi_util's published throughput (Walker2d, 6-core Xeon X5680 + GTX 1070, rollouts "
         "gathered to rank 0), as listed in the project's references; 1 -> 2 processes: 546 -> 1040 steps/s.\n\n"
     )
-    table_path.write_text(text + reference_table())
-    print(f"wrote {table_path} and {png_path}")
-    return table_path, png_path
+    return common.write_results(
+        args, argv, "Scaling: N ranks on N cores", facts, body + reference_table(), *load
+    ), png_path
 
 
 if __name__ == "__main__":

@@ -33,13 +33,11 @@ STOPS_PAYING = 0.5
 """the efficiency below which a mode no longer pays for its ranks"""
 MAX_RANKS = 2**30
 """where the search for the 50% point gives up"""
-INPUT_COLUMNS = common.columns(
+INPUT_COLUMNS = (
     "script | mode | T(1) | u (update, 1 rank) | s (sync, 1 rank) | sync, 2 ranks | c (added by rank 2) | "
     "L(2) / L(1) (learner update)"
 )
-PREDICTION_COLUMNS = common.columns(
-    "script | mode | model: what grows with N | ranks | SPS relative to 1 rank | efficiency | measured"
-)
+PREDICTION_COLUMNS = "script | mode | model: what grows with N | ranks | SPS relative to 1 rank | efficiency | measured"
 
 
 @dataclass(kw_only=True)
@@ -88,7 +86,7 @@ class Seconds:
 
 def read_scaling(text: str) -> dict[tuple[str, str], Seconds]:
     """Every (script, mode) of a benchmark.scaling results file with both a 1- and a 2-rank row."""
-    mode, ranks, batch, sps, _, _, efficiency_, _, update, sync = TABLE_HEADERS
+    mode, ranks, batch, sps, _, _, efficiency_, _, update, sync = TABLE_HEADERS.split(" | ")
     rows: dict[tuple[str, str], dict[int, dict[str, str]]] = {}
     script, headers = "", None
     for line in text.splitlines():
@@ -241,7 +239,7 @@ def main(argv: list[str] | None = None) -> Path:
     body += "\n## Where each mode stops paying (efficiency below 50%)\n\n" + "\n".join(verdicts) + "\n"
     title = "Scaling model: efficiency at more ranks, from the 1- and 2-rank measurements"
     facts = [f"input: {args.source}, measured with {'; '.join(source_facts)}"]
-    return common.write_results(args, argv, title, facts, body, warning=warning or "")
+    return common.write_results(args, argv, title, facts, body, warning=warning or None)
 
 
 if __name__ == "__main__":

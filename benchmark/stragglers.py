@@ -2,25 +2,18 @@
 
     python -m benchmark.stragglers --out benchmark/results/stragglers
 
-Two ranks under torchrun, pinned one to a core as in benchmark.scaling (`python SCRIPT --nprocs 2 --collectives torch
---torch-threads 1`, the Atari script also `--env-threads 1`); rank 1 is the straggler. Each case runs twice on the
-same `--total-timesteps` (`--iterations` full world batches): waiting (`--preempt-fraction 0`, the scripts' default)
-and `--preempt-fraction F`, with which the other ranks stop their rollout once F of the ranks finished theirs (after
-`--min-rollout-fraction` of it), so a preempted run takes more, smaller iterations. Cases (`--cases`):
-
-- rollout-dominated: ppo_continuous_mpi.py at its defaults on `benchmark.stragglers:StragglerHalfCheetah-v0`,
-  HalfCheetah-v5 whose every step takes a fixed time, its own step then busy-waiting for the rest (CPU time, as a
-  simulator spends it; not a sleep), the cost read when the env is built, in the rank's process, from
-      DDRL_STEP_MS      milliseconds per env step (default 1; the benchmark sets it from --step-ms)
-      DDRL_SLOW_FACTOR  rank 1's (torchrun's RANK) steps take this many times as long (default 3; from --slow-factor)
-- halfcheetah: ppo_continuous_mpi.py at its defaults (plain HalfCheetah), rank 1 sharing its core with a CPU hog (a
-  busy-loop process pinned to that core for the run, killed after it), which leaves rank 1 about half its core;
-- breakout: ppo_atari_multigpu.py at its defaults (Breakout), the same CPU hog.
-
-From rank 0's TensorBoard events, as benchmark.scaling (SPS and the time split of iterations 2..; rank 0 is the fast
-rank): speedup = SPS(preempt) / SPS(wait), and the mean share of the full world batch collected per iteration.
-Arguments after `--` go to every run, after the benchmark's own. The defaults take about 10 minutes on 2 cores.
-`--side-by-side` runs a case's two runs at once, for learning checks at equal env steps in about half the time.
+Two ranks under torchrun, pinned one to a core as in benchmark.scaling; rank 1 is the straggler. Each case runs twice
+on the same `--total-timesteps` (`--iterations` full world batches): waiting (`--preempt-fraction 0`, the scripts'
+default) and `--preempt-fraction F`, with which the other ranks stop their rollout once F of the ranks finished
+theirs (after `--min-rollout-fraction` of it), so a preempted run takes more, smaller iterations. Cases (CASES says
+what each stands for): rollout-dominated, ppo_continuous_mpi.py on `benchmark.stragglers:StragglerHalfCheetah-v0`,
+HalfCheetah-v5 whose steps busy-wait (CPU time, as a simulator spends it) to DDRL_STEP_MS milliseconds each (from
+`--step-ms`), DDRL_SLOW_FACTOR times that on rank 1 (torchrun's RANK; from `--slow-factor`), both read in the rank's
+process when the env is built; halfcheetah and breakout, the MLP and Atari scripts at their defaults with a CPU hog
+(a busy loop pinned to rank 1's core for the run) leaving rank 1 about half its core. The table gives SPS and rank
+0's time split as benchmark.scaling does, the speedup SPS(preempt) / SPS(wait) and the share of the full batch
+collected. Arguments after `--` go to every run. The defaults take about 10 minutes on 2 cores; `--side-by-side`
+runs a case's two runs at once, for learning checks at equal env steps in about half the time.
 """
 
 import contextlib
@@ -32,12 +25,11 @@ import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import gymnasium as gym
 
-from benchmark import common
-from benchmark.scaling import script_args, script_modes
+from benchmark import common, scaling
 
 STEP_MS_VAR, SLOW_FACTOR_VAR = "DDRL_STEP_MS", "DDRL_SLOW_FACTOR"
 DEFAULT_STEP_MS, DEFAULT_SLOW_FACTOR = 1.0, 3.0
@@ -121,39 +113,41 @@ CASES = {
         CONTINUOUS,
         ENV_ID,
         cpu_hog=False,
-        models=(
-            "a simulator that dominates the iteration and runs slower on one rank (a slower node, harder scenes): "
-            "HalfCheetah whose every step takes a fixed CPU time, DDRL_SLOW_FACTOR times as long on rank 1. Both "
-            "ranks keep a core each, so only rank 1's rollout is slow; its update is as fast as rank 0's"
-        ),
+        models="a simulator that dominates the iteration and runs slower on one rank (a slower node, harder scenes): "
+        "HalfCheetah whose every step takes a fixed CPU time, DDRL_SLOW_FACTOR times as long on rank 1. Both ranks "
+        "keep a core each, so only rank 1's rollout is slow; its update is as fast as rank 0's",
     ),
     "halfcheetah": Case(
         CONTINUOUS,
         "",
         cpu_hog=True,
-        models=(
-            "a node shared with another job at the scripts' own costs: rank 1 gets about half its core, so its "
-            "rollout runs at half speed, and with --sync allreduce its share of the update too (every minibatch's "
-            "gradient allreduce waits for it; preemption shortens only the rollout); with --sync gather rank 0, on "
-            "its own core, learns alone"
-        ),
+        models="a node shared with another job at the scripts' own costs: rank 1 gets about half its core, so its "
+        "rollout runs at half speed, and with --sync allreduce its share of the update too (every minibatch's gradient "
+        "allreduce waits for it; preemption shortens only the rollout); with --sync gather rank 0, on its own core, "
+        "learns alone",
     ),
     "breakout": Case(
         common.ATARI,
         "",
         cpu_hog=True,
-        models=(
-            "the same shared node for the Atari script, whose iteration is mostly update (the Nature CNN's "
-            "backward passes, synced by DDP, which waits for rank 1 in every minibatch), so a shorter rollout saves "
-            "a smaller share"
-        ),
+        models="the same shared node for the Atari script, whose iteration is mostly update (the Nature CNN's backward "
+        "passes, synced by DDP, which waits for rank 1 in every minibatch), so a shorter rollout saves a smaller share",
     ),
 }
 CaseName = Literal["rollout-dominated", "halfcheetah", "breakout"]
-
-TABLE_HEADERS = common.columns(
+TABLE_HEADERS = (
     "case | mode | iterations | SPS (iterations 2..) | speedup | s / iteration | rollout s / it | update s / it | "
     "of which sync s / it | collected / full batch"
+)
+COLUMNS_MEAN = (
+    "SPS: world env steps per second from the end of iteration 1 to the end of the last (TensorBoard event wall "
+    "times); speedup: SPS over the waiting run's of the same case; s / iteration: the wall time per iteration (2..). "
+    "Rollout, update and sync are rank 0's medians over iterations 2.. (`perf/*_time`). Rank 0 is the fast rank, so "
+    "its rollout is whole in both modes; it waits for rank 1's rollout in the first collective after its own, which no "
+    "column covers where that is the preempting runs' all_gather of sample counts or ppo_continuous's normalisation "
+    "statistics, and update and sync cover in the waiting Atari runs (the update's first collective); s / iteration "
+    "always includes it. Collected: the mean share of the full world batch (2 x the per-rank batch) the world "
+    "collected per iteration (2..)."
 )
 
 
@@ -162,7 +156,6 @@ class Args(common.RunsArgs):
     cases: tuple[CaseName, ...] = ("rollout-dominated", "halfcheetah", "breakout")
     """the cases to measure, each waiting and with preemption"""
     iterations: int = 10
-    """full world batches per run (--total-timesteps, the same in both modes); at least 2 (the first is left out)"""
     local_steps: int = 0
     """env steps per rank per iteration; 0 = the script's own default"""
     step_ms: float = DEFAULT_STEP_MS
@@ -175,66 +168,52 @@ class Args(common.RunsArgs):
     """ppo_continuous_mpi.py's --sync (gather: the mode README's quick start runs at 2 ranks); Atari syncs by DDP"""
     side_by_side: bool = False
     """run a case's waiting and preempting runs at the same time, rank 0 of each on C0 and rank 1 of each on C1: for
-    learning checks (returns at equal env steps) in about half the wall time; their SPS then measure two runs sharing
-    the cores, not the modes"""
+    learning checks (returns at equal env steps) in about half the wall time; their SPS then measure two runs
+    sharing the cores, not the modes"""
     out: Path = Path("benchmark_results/stragglers")
 
 
-@dataclass
-class Result:
-    """One run: its case, mode and measurement, and the full world batch per iteration it could have collected."""
+class Result(NamedTuple):
+    """One run: its case, mode and measurement, and the mean share of the full world batch it collected per
+    iteration (2..)."""
 
     case: str
     mode: str
     measurement: common.Measurement
-    full_batch: int
-
-    @property
-    def collected(self) -> float:
-        """The mean share of the full world batch collected per iteration (iterations 2..)."""
-        return self.measurement.global_batch / self.full_batch
+    collected: float
 
 
 def mode_label(preempt_fraction: float) -> str:
     return f"preempt {preempt_fraction:g}" if preempt_fraction else "wait"
 
 
-def straggler_command(
-    case: Case, preempt_fraction: float, args: Args, extra: list[str], cores: list[int], name: str
-) -> list[str]:
-    """The pinned 2-rank command of one run: the script's own flags, then `extra`; the slow env's costs in front."""
+def run_case(name: str, args: Args, extra: list[str], cores: list[int], work_dir: Path) -> list[Result]:
+    """Launch the case's pinned 2-rank runs, waiting and preempting, one after the other or (--side-by-side) at once,
+    under a CPU hog on rank 1's core if the case has one (else the slow env's costs in front); their Results."""
+    case = CASES[name]
     local_steps = args.local_steps or common.default_local_steps(case.script)
-    run_args = [
-        *("--env-id", case.env_id or common.defaults(case.script).env_id, "--run-name", name),
-        *script_args(case.script, script_modes(case.script, (args.sync,))[0], 2, local_steps, args.iterations),
-        *("--preempt-fraction", f"{preempt_fraction:g}"),
-        *extra,
-    ]
-    command = common.script_command(common.ROOT / case.script, run_args, 2, "torchrun", cores)
-    if case.cpu_hog:
-        return command
-    return ["env", f"{STEP_MS_VAR}={args.step_ms:g}", f"{SLOW_FACTOR_VAR}={args.slow_factor:g}", *command]
-
-
-def run_case(
-    case_name: str, fractions: tuple[float, ...], args: Args, extra: list[str], cores: list[int], work_dir: Path
-) -> list[Result]:
-    """Launch the case's runs, one per preempt fraction, one after the other or (--side-by-side) at once, under a CPU
-    hog on rank 1's core if the case has one; reduce each run's events to a Result."""
-    case, modes = CASES[case_name], [mode_label(fraction) for fraction in fractions]
+    mode = scaling.script_modes(case.script, (args.sync,))[0]
+    slow_env = ["env", f"{STEP_MS_VAR}={args.step_ms:g}", f"{SLOW_FACTOR_VAR}={args.slow_factor:g}"]
     commands = {}
-    for fraction, mode in zip(fractions, modes, strict=True):
-        name = f"stragglers__{case_name}__{mode.split()[0]}"
-        commands[name] = straggler_command(case, fraction, args, extra, cores, name)
+    for fraction in (0.0, args.preempt_fraction):
+        run_name = f"stragglers__{name}__{mode_label(fraction).split()[0]}"
+        run_args = ["--env-id", case.env_id or common.defaults(case.script).env_id, "--run-name", run_name]
+        run_args += scaling.script_args(case.script, mode, 2, local_steps, args.iterations)
+        run_args += ["--preempt-fraction", f"{fraction:g}", *extra]
+        command = common.script_command(common.ROOT / case.script, run_args, 2, "torchrun", cores)
+        commands[run_name] = command if case.cpu_hog else [*slow_env, *command]
         hog = f" (CPU hog on core {cores[1]})" if case.cpu_hog else ""
-        print(f"{case_name}, {mode}{hog}: {shlex.join(commands[name])}", flush=True)
+        print(f"{name}, {mode_label(fraction)}{hog}: {shlex.join(commands[run_name])}", flush=True)
     with cpu_hog(cores[1]) if case.cpu_hog else contextlib.nullcontext():
         run_dirs = common.run_logged(commands, work_dir, at_once=args.side_by_side)
     results = []
-    for mode, run_dir in zip(modes, run_dirs, strict=True):
+    for fraction, run_dir in zip((0.0, args.preempt_fraction), run_dirs, strict=True):
+        measurement = common.measure(run_dir, case.script, mode_label(fraction), 2)
         full_batch = int(common.read_hyperparameters(run_dir)["batch_size"])
-        results.append(Result(case_name, mode, common.measure(run_dir, case.script, mode, 2), full_batch))
-        print(f"  {mode}: SPS {results[-1].measurement.sps:,.0f}, collected {results[-1].collected:.2f}", flush=True)
+        results.append(Result(name, mode_label(fraction), measurement, measurement.global_batch / full_batch))
+        print(
+            f"  {mode_label(fraction)}: SPS {measurement.sps:,.0f}, collected {results[-1].collected:.2f}", flush=True
+        )
     return results
 
 
@@ -242,11 +221,10 @@ def stragglers_table(results: list[Result]) -> str:
     """A row per run; speedup against the waiting run of the same case."""
     waiting = {r.case: r.measurement.sps for r in results if r.mode == "wait"}
     rows = []
-    for r in results:
-        m = r.measurement
-        speed = [f"{m.sps:,.0f}", f"{m.sps / waiting[r.case]:.2f}", f"{m.global_batch / m.sps:.3f}"]
-        seconds = [f"{m.rollout:.3f}", f"{m.update:.3f}", f"{m.sync:.3f}"]
-        rows.append([r.case, r.mode, m.iterations, *speed, *seconds, f"{r.collected:.2f}"])
+    for case, mode, m, collected in results:
+        speed = [f"{m.sps:,.0f}", f"{m.sps / waiting[case]:.2f}", f"{m.global_batch / m.sps:.3f}"]
+        rows.append([case, mode, m.iterations, *speed, *(f"{s:.3f}" for s in (m.rollout, m.update, m.sync))])
+        rows[-1].append(f"{collected:.2f}")
     return common.markdown_table(TABLE_HEADERS, rows)
 
 
@@ -258,15 +236,13 @@ def plot(results: list[Result], path: Path) -> None:
     width = 0.8 / len(modes)
     with common.figure(path) as [axes]:
         for index, mode in enumerate(modes):
-            rows = {r.case: r for r in results if r.mode == mode}
+            rows = {r.case: r.measurement.sps for r in results if r.mode == mode}
             positions = [cases.index(case) + (index - (len(modes) - 1) / 2) * width for case in rows]
-            sps = [r.measurement.sps for r in rows.values()]
-            bars = axes.bar(positions, sps, width, label=mode, color=f"C{index}")
+            bars = axes.bar(positions, list(rows.values()), width, label=mode, color=f"C{index}")
             if mode != "wait":
-                labels = [f"{r.measurement.sps / waiting[case]:.2f}x" for case, r in rows.items()]
-                axes.bar_label(bars, labels, fontsize="small")
+                axes.bar_label(bars, [f"{sps / waiting[case]:.2f}x" for case, sps in rows.items()], fontsize="small")
         axes.set_xticks(range(len(cases)), cases)
-        axes.set_ylabel("env steps per second (iterations 2..)")
+        axes.set(ylabel="env steps per second (iterations 2..)")
         axes.set_title("2 ranks on 2 cores, rank 1 a straggler: waiting for it or preempting it")
         axes.legend(fontsize="small")
         axes.grid(axis="y", alpha=0.3)
@@ -285,15 +261,13 @@ def main(argv: list[str] | None = None) -> tuple[Path, Path]:
         raise SystemExit(
             f"benchmark.stragglers: error: 2 ranks on 2 cores need 2 usable cores; this process has {cores}"
         )
-    load_before, warning = common.check_load(args.max_load)
+    load = common.check_load(args.max_load)
     cases = list(dict.fromkeys(args.cases))
     with common.work_folder(args.out_dir, "ddrl_stragglers_") as work_dir:
-        results = [
-            r for name in cases for r in run_case(name, (0.0, args.preempt_fraction), args, extra, cores, work_dir)
-        ]
-
-    table_path, png_path = common.output_paths(args.out)
+        results = [result for name in cases for result in run_case(name, args, extra, cores, work_dir)]
+    _, png_path = common.output_paths(args.out)
     plot(results, png_path)
+
     batch = f"{args.local_steps:,} env steps" if args.local_steps else "each script's default batch"
     facts = [
         f"2 ranks on cores {cores[0]} and {cores[1]} as {common.PINNED}, then `--torch-threads 1` (the Atari script "
@@ -305,10 +279,10 @@ def main(argv: list[str] | None = None) -> tuple[Path, Path]:
         "after --)",
     ]
     if any(not CASES[name].cpu_hog for name in cases):
+        slow = args.step_ms * args.slow_factor
         facts.append(
             f"rollout-dominated env: every env step takes {args.step_ms:g} ms on rank 0 (HalfCheetah's own step, then "
-            f"a busy-wait), {args.slow_factor:g}x "
-            f"that ({args.step_ms * args.slow_factor:g} ms) on rank 1 ({STEP_MS_VAR}={args.step_ms:g} "
+            f"a busy-wait), {args.slow_factor:g}x that ({slow:g} ms) on rank 1 ({STEP_MS_VAR}={args.step_ms:g} "
             f"{SLOW_FACTOR_VAR}={args.slow_factor:g})"
         )
     if hogged := [name for name in cases if CASES[name].cpu_hog]:
@@ -322,28 +296,12 @@ def main(argv: list[str] | None = None) -> tuple[Path, Path]:
             f"{cores[0]} and rank 1 of both on core {cores[1]}; their SPS measure two runs sharing the cores, not the "
             "modes (a learning check)"
         )
-    facts.append(f"load average (1, 5, 15 min) before the runs: {load_before}")
+    body = f"\n![stragglers]({png_path.name})\n\n{stragglers_table(results)}\n{COLUMNS_MEAN}\n\n"
+    for name in cases:
+        env_id = CASES[name].env_id or common.defaults(CASES[name].script).env_id
+        body += f"- {name} ({CASES[name].script} on {env_id}): {CASES[name].models}.\n"
     title = "Stragglers: waiting for the slowest rank or preempting it (2 ranks on 2 cores)"
-    text = common.results_header(title, "benchmark.stragglers", argv, facts, args.notes, warning)
-    text += f"\n![stragglers]({png_path.name})\n\n{stragglers_table(results)}\n"
-    text += (
-        "SPS: world env steps per second from the end of iteration 1 to the end of the last (TensorBoard event wall "
-        "times); speedup: SPS over the waiting run's of the same case; s / iteration: the wall time per iteration "
-        "(2..). Rollout, update and sync are rank 0's medians over iterations 2.. (`perf/*_time`). Rank 0 is the "
-        "fast rank, so its rollout is whole in both modes; it waits for rank 1's rollout in the first collective "
-        "after its own, which no column covers where that is the preempting runs' all_gather of sample counts or "
-        "ppo_continuous's normalisation statistics, and update and sync cover in the waiting Atari runs (the update's "
-        "first collective); s / iteration always includes it. Collected: the mean share of the full world batch "
-        "(2 x the per-rank batch) the world collected per iteration (2..).\n\n"
-    )
-    for case_name in dict.fromkeys(r.case for r in results):
-        case = CASES[case_name]
-        text += (
-            f"- {case_name} ({case.script} on {case.env_id or common.defaults(case.script).env_id}): {case.models}.\n"
-        )
-    table_path.write_text(text)
-    print(f"wrote {table_path} and {png_path}")
-    return table_path, png_path
+    return common.write_results(args, argv, title, facts, body, *load), png_path
 
 
 if __name__ == "__main__":

@@ -3,21 +3,14 @@
     python -m benchmark.throughput --out benchmark/results/throughput
     python -m benchmark.throughput --compare-with ../before --repeats 3     # A/B against another checkout
 
-For each script, one rank at its defaults (`python SCRIPT`; the scripts' default torch threads: every usable core):
-
-- vpg_mpi.py and ppo_continuous_mpi.py against the env-only step rate: the same env built by the script's own
-  `make_env`, in the same vector env (SyncVectorEnv of `--local-num-envs` 1, same-step autoreset), stepped with
-  uniformly random actions drawn beforehand, so only the env is timed. Targets: ppo_continuous at least 30% of
-  it, vpg at least 50%.
-- ppo_atari_multigpu.py against its fp32 eager compute limit: the script's own Agent timed in plain PyTorch on
-  random frames, one `act` on the script's envs per env step plus the update's minibatch forward/backward/Adam
-  steps, all at its default sizes, expressed as samples per second. Target: at least 1.2x that limit (the script
-  overlaps nothing, so beating it takes a cheaper update than the plain one, e.g. bf16 or compile).
-
-A script's SPS and its `perf/rollout_time` and `perf/update_time` medians are those of iterations 2.., as in
-`benchmark.scaling`. `--compare-with DIR` also runs the scripts of another checkout (e.g. `git worktree add ../before
-HEAD~1`), alternating with this checkout's in every one of `--repeats` rounds, so load on the machine affects both
-alike; each cell is the median over the rounds. Timing on a loaded machine is distorted: the output records the load.
+Each script runs one rank at its defaults (`python SCRIPT`: torch threads on every usable core), its SPS and time split
+those of iterations 2.. (benchmark.common.measure), beside its bound (TARGETS: issue 7's least ratios to it):
+vpg_mpi.py and ppo_continuous_mpi.py the env-only step rate (the env from the script's own `make_env`, in the same
+vector env, stepped with random actions drawn beforehand); ppo_atari_multigpu.py its fp32 eager compute limit (the
+script's Agent in plain PyTorch on random frames: one `act` per env step plus the update's minibatch steps, at its
+default sizes), which only a cheaper update (bf16, compile) can beat. `--compare-with DIR` also runs another
+checkout's scripts (e.g. `git worktree add ../before HEAD~1`), alternating with this one's in every round, so load
+affects both alike; each cell is the median over `--repeats` rounds. The output records the load on the machine.
 """
 
 import statistics
@@ -37,10 +30,8 @@ TARGETS = {"vpg_mpi.py": 0.5, "ppo_continuous_mpi.py": 0.3, common.ATARI: 1.2}
 
 @dataclass(kw_only=True)
 class Args(common.RunsArgs):
-    scripts: tuple[str, ...] = common.SCRIPTS
+    scripts: tuple[common.Script, ...] = common.SCRIPTS
     """the scripts to measure"""
-    iterations: int = 6
-    """iterations (epochs) per script run at its default batch; at least 2 (the first is left out of SPS)"""
     env_seconds: float = 3.0
     """seconds of env-only stepping per env id (and of each timed part of the Atari compute limit)"""
     repeats: int = 1
@@ -140,17 +131,24 @@ def run_script(script: str, root: Path, args: Args, work_dir: Path, name: str, f
     return common.measure(run_dir, script, "default", 1)
 
 
+def bound(script: str, args: Args) -> tuple[float, list[float]]:
+    """What bounds `script`'s SPS, measured now: the env-only rate, or for Atari the compute limit (and its parts)."""
+    if script == common.ATARI:
+        limit, *parts = atari_compute_limit(args.env_seconds)
+        print(f"{script}: compute limit {limit:,.0f} samples/s", flush=True)
+        return limit, parts
+    env_id = args.env_id or common.defaults(script).env_id
+    steps = env_only_rate(script, env_id, args.env_seconds)
+    print(f"{script}: {env_id} env-only {steps:,.0f} steps/s", flush=True)
+    return steps, []
+
+
 def main(argv: list[str] | None = None) -> Path:
     """Measure every script beside its bound, write OUT.md; returns its path."""
     args, argv, _ = common.cli(Args, argv)
     variants = [tuple(variant.split()) for variant in args.variants]
-    unknown = [script for script in args.scripts if script not in TARGETS]
-    unknown += [variant[0] for variant in variants if variant[0] not in TARGETS]
-    if unknown or args.iterations < 2 or args.repeats < 1:
-        raise SystemExit(
-            f"benchmark.throughput: error: scripts (and each variant's first word) must be in {tuple(TARGETS)}, "
-            "iterations >= 2"
-        )
+    if args.repeats < 1 or any(variant[0] not in TARGETS for variant in variants):
+        raise SystemExit(f"benchmark.throughput: error: each variant's first word must be in {tuple(TARGETS)}")
     checkouts = {"this": common.ROOT}
     if args.compare_with is not None:
         other = args.compare_with.resolve()
@@ -159,62 +157,49 @@ def main(argv: list[str] | None = None) -> Path:
         checkouts = {"other": other, "this": common.ROOT}
     labels = {key: common.code_version(root, short=True) for key, root in checkouts.items()}
     labels["this"] += " (this checkout)"
-    load_before, warning = common.check_load(args.max_load)
+    load = common.check_load(args.max_load)
 
     bounds: dict[str, list[float]] = {}  # script -> env-only rate or compute limit, per round
-    atari_parts = []
-    runs: dict[tuple[str, str], list] = {}  # (checkout or flags, script) -> Measurement per round
+    atari_parts: list[list[float]] = []
+    runs: dict[tuple[str, str], list] = {}  # (row label, script) -> Measurement per round
     with common.work_folder(args.out_dir, "ddrl_throughput_") as work_dir:
         for round_index in range(args.repeats):
             for script in args.scripts:
-                if script == common.ATARI:
-                    limit, *parts = atari_compute_limit(args.env_seconds)
-                    bounds.setdefault(script, []).append(limit)
-                    atari_parts.append(parts)
-                    print(f"{script}: compute limit {limit:,.0f} samples/s", flush=True)
-                else:
-                    env_id = args.env_id or common.defaults(script).env_id
-                    bounds.setdefault(script, []).append(env_only_rate(script, env_id, args.env_seconds))
-                    print(f"{script}: {env_id} env-only {bounds[script][-1]:,.0f} steps/s", flush=True)
-                flag_runs = [(key, root, ()) for key, root in checkouts.items()]
-                flag_runs += [(" ".join(v[1:]), common.ROOT, v[1:]) for v in variants if v[0] == script]
-                for key, root, flags in flag_runs:
-                    tag = "_".join(flag.strip("-") for flag in flags) or key
+                limit, parts = bound(script, args)
+                bounds.setdefault(script, []).append(limit)
+                atari_parts += [parts] if parts else []
+                flag_runs = [(labels[key], root, (), key) for key, root in checkouts.items()]
+                for flags in (variant[1:] for variant in variants if variant[0] == script):
+                    tag = "_".join(flag.strip("-") for flag in flags)
+                    flag_runs.append((f"{labels['this']} {' '.join(flags)}", common.ROOT, flags, tag))
+                for label, root, flags, tag in flag_runs:
                     name = f"throughput__{Path(script).stem}__{tag}__{round_index}"
-                    runs.setdefault((key, script), []).append(run_script(script, root, args, work_dir, name, flags))
-                    print(f"  {labels.get(key, labels['this'] + ' ' + key)}: SPS {runs[key, script][-1].sps:,.0f}")
+                    runs.setdefault((label, script), []).append(run_script(script, root, args, work_dir, name, flags))
+                    print(f"  {label}: SPS {runs[label, script][-1].sps:,.0f}", flush=True)
 
     rows = []
-    for script in args.scripts:
-        bound, atari = statistics.median(bounds[script]), script == common.ATARI
-        env_id = common.defaults(script).env_id if atari else args.env_id or common.defaults(script).env_id
-        for key in [*checkouts, *(" ".join(variant[1:]) for variant in variants if variant[0] == script)]:
-            measurements = runs[key, script]
-            sps = statistics.median(m.sps for m in measurements)
-            ratio, target = sps / bound, TARGETS[script]
-            row = [script, labels.get(key, f"{labels['this']} {key}"), env_id]
-            row += [f"{bound:,.0f} ({'compute limit' if atari else 'env only'})", f"{sps:,.0f}"]
-            row += [f"{ratio:.2f}", f"{target:.1f}x"] if atari else [f"{ratio:.0%}", f"{target:.0%}"]
-            row += ["yes" if ratio >= target else "no"]
-            row += [
-                f"{statistics.median(getattr(m, part) for m in measurements):.3f}" for part in ("rollout", "update")
-            ]
-            rows.append(row)
-    facts = [
-        f"1 rank, default hyperparameters, {args.iterations} iterations per script run, {args.repeats} round(s); "
-        "each cell the median over rounds",
-        f"load average (1, 5, 15 min) before the runs: {load_before}",
-    ]
-    title = "Throughput against the env-only rate and the compute limit"
-    text = common.results_header(title, "benchmark.throughput", argv, facts, args.notes, warning)
-    headers = common.columns(
+    for (label, script), measurements in sorted(runs.items(), key=lambda item: args.scripts.index(item[0][1])):
+        limit, atari, target = statistics.median(bounds[script]), script == common.ATARI, TARGETS[script]
+        sps = statistics.median(m.sps for m in measurements)
+        row = [
+            script,
+            label,
+            common.defaults(script).env_id if atari else args.env_id or common.defaults(script).env_id,
+        ]
+        row += [f"{limit:,.0f} ({'compute limit' if atari else 'env only'})", f"{sps:,.0f}"]
+        row += [f"{sps / limit:.2f}", f"{target:.1f}x"] if atari else [f"{sps / limit:.0%}", f"{target:.0%}"]
+        row += ["yes" if sps / limit >= target else "no"]
+        rows.append(
+            row + [f"{statistics.median(getattr(m, part) for m in measurements):.3f}" for part in common.PARTS[:2]]
+        )
+    headers = (
         "script | checkout | env | bound (steps/s) | script SPS (iterations 2..) | ratio | target | met | "
         "rollout s / it | update s / it"
     )
-    text += "\n" + common.markdown_table(headers, rows)
     atari = common.defaults(common.ATARI)
     envs, minibatch = atari.local_num_envs, atari.local_num_envs * atari.num_steps // atari.num_minibatches
-    text += (
+    body = "\n" + common.markdown_table(headers, rows)
+    body += (
         "\nbound: for the MLP scripts, env steps per second of the same env in the same SyncVectorEnv (one env, "
         f"same-step autoreset, random actions); for Atari, the fp32 eager compute limit (one batch-{envs} act per env "
         f"step plus {atari.update_epochs * atari.num_minibatches} minibatch forward/backward/Adam steps of {minibatch} "
@@ -223,12 +208,14 @@ def main(argv: list[str] | None = None) -> Path:
     )
     if atari_parts:
         act_ms, step_ms = (statistics.median(part) for part in zip(*atari_parts, strict=True))
-        text += f"\nAtari compute limit parts: batch-{envs} act {act_ms:.2f} ms, "
-        text += f"minibatch-{minibatch} step {step_ms:.1f} ms.\n"
-    table_path, _ = common.output_paths(args.out)
-    table_path.write_text(text)
-    print(f"wrote {table_path}")
-    return table_path
+        body += f"\nAtari compute limit parts: batch-{envs} act {act_ms:.2f} ms, minibatch-{minibatch} step "
+        body += f"{step_ms:.1f} ms.\n"
+    facts = [
+        f"1 rank, default hyperparameters, {args.iterations} iterations per script run, {args.repeats} round(s); "
+        "each cell the median over rounds"
+    ]
+    title = "Throughput against the env-only rate and the compute limit"
+    return common.write_results(args, argv, title, facts, body, *load)
 
 
 if __name__ == "__main__":
