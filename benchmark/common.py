@@ -52,8 +52,7 @@ class ResultsArgs:
     out: Path = Path("benchmark_results/results")
     """output stem: writes OUT.md (and OUT.png where the module plots)"""
     notes: tuple[str, ...] = ()
-    """paragraphs of prose under the header of the markdown file (what was run, how and why); the command shown there
-    leaves them out"""
+    """paragraphs of prose under the results file's header (what was run, how and why), not in its command line"""
 
 
 @dataclass(kw_only=True)
@@ -64,8 +63,6 @@ class TimingArgs(ResultsArgs):
 
 @dataclass(kw_only=True)
 class RunsArgs(TimingArgs):
-    """The arguments of a module that times runs of the scripts."""
-
     iterations: int = 6
     """iterations (epochs) per run; at least 2 (the first is left out of SPS and the time split)"""
     out_dir: Path | None = None
@@ -106,9 +103,7 @@ def work_folder(out_dir: Path | None, prefix: str) -> Iterator[Path]:
 @functools.cache
 def load_script(script: str, root: Path = ROOT):
     """A training script of checkout `root` imported as a module (importing one does no work)."""
-    spec = importlib.util.spec_from_file_location(
-        f"benchmark_{Path(script).stem}_{abs(hash(str(root)))}", root / script
-    )
+    spec = importlib.util.spec_from_file_location(f"{Path(script).stem}_{abs(hash(str(root)))}", root / script)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -129,21 +124,26 @@ def env_spaces(env_id: str) -> tuple:
         return env.observation_space, env.action_space
 
 
-def default_local_steps(script: str) -> int:
-    """Env steps per rank per iteration at the script's defaults (at 1 rank for VPG's global batch)."""
-    args = defaults(script)
-    return args.steps_per_epoch if script == "vpg_mpi.py" else args.local_num_envs * args.num_steps
-
-
 def budget_args(script: str, ranks: int, local_steps: int, iterations: int) -> list[str]:
-    """Arguments giving `script` a batch of `local_steps` env steps per rank per iteration for `iterations`."""
+    """Arguments giving `script` a batch of `local_steps` env steps per rank per iteration (0: its default batch,
+    VPG's at 1 rank) for `iterations` iterations."""
+    args = defaults(script)
+    if not local_steps:
+        local_steps = args.steps_per_epoch if script == "vpg_mpi.py" else args.local_num_envs * args.num_steps
     total = ["--total-timesteps", str(iterations * ranks * local_steps)]
     if script == "vpg_mpi.py":  # SpinningUp's global steps per epoch
         return ["--steps-per-epoch", str(ranks * local_steps), *total]
-    envs = defaults(script).local_num_envs
-    if local_steps % envs:
-        raise SystemExit(f"benchmark: error: {script} runs {envs} envs per rank: local steps must be a multiple")
-    return ["--local-num-envs", str(envs), "--num-steps", str(local_steps // envs), *total]
+    if local_steps % args.local_num_envs:
+        raise SystemExit(
+            f"benchmark: error: {script} runs {args.local_num_envs} envs per rank: local steps must be a multiple"
+        )
+    return [
+        "--local-num-envs",
+        str(args.local_num_envs),
+        "--num-steps",
+        str(local_steps // args.local_num_envs),
+        *total,
+    ]
 
 
 def script_command(
@@ -401,6 +401,13 @@ def markdown_table(header_row: str, rows: Sequence[Sequence[object]]) -> str:
     alignments = ["--:" if rows and numeric(column) else ":--" for column in range(header_row.count(" | ") + 1)]
     lines = [f"| {header_row} |", "|" + "|".join(alignments) + "|"]
     return "\n".join(lines + ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]) + "\n"
+
+
+def draw(args: ResultsArgs, plot: Callable[[Path], None], alt: str) -> tuple[Path, str]:
+    """OUT.png drawn by `plot`: its path, and the markdown line that shows it in OUT.md."""
+    png_path = output_paths(args.out)[1]
+    plot(png_path)
+    return png_path, f"\n![{alt}]({png_path.name})\n"
 
 
 def output_paths(stem: Path) -> tuple[Path, Path]:

@@ -98,14 +98,9 @@ def build(name: str, args: Args, rank: int) -> tuple[LossOf, tuple[torch.Tensor,
         obs = torch.randint(0, 256, (batch, 4, 84, 84), dtype=torch.uint8, generator=generator)
         actions = torch.randint(0, action_space.n, (batch,), generator=generator)
     else:
-        obs_dim = obs_space.shape[0]
-        vpg = name == "vpg"
-        agent = (
-            script.Agent(obs_dim, action_space, defaults.hidden_sizes)
-            if vpg
-            else script.Agent(obs_dim, action_space.shape[0])
-        )
-        obs = torch.randn(batch, obs_dim, generator=generator)
+        shape = (action_space, defaults.hidden_sizes) if name == "vpg" else (action_space.shape[0],)
+        agent = script.Agent(obs_space.shape[0], *shape)
+        obs = torch.randn(batch, *obs_space.shape, generator=generator)
         actions = torch.randn(batch, *action_space.shape, generator=generator)
     advantages, returns = torch.randn(2, batch, generator=generator)
     return LossOf(name, agent), (obs, actions, advantages, returns), batch
@@ -212,35 +207,29 @@ def measure_model(name: str, args: Args, rank: int) -> list[dict]:
     checks = {}
     backward(ddp, inputs)
     checks["DDP"] = torch.allclose(flat, reference, rtol=1e-4, atol=1e-6)
-    per_parameter = f"{len(parameters)} all_reduce calls on the gradients"
-    average = (
-        f"{Path(script.__file__).stem}.average_gradients of its flat_gradient_buffer (gradient views): one allreduce"
-    )
+    average = f"{Path(script.__file__).stem}.average_gradients of its flat_gradient_buffer: one allreduce"
     methods = {
-        "per-parameter": (per_parameter, lambda: allreduce_per_parameter(parameters), None),
+        "per-parameter": (f"{len(parameters)} all_reduce calls", lambda: allreduce_per_parameter(parameters), None),
         "flat": (average, lambda: script.average_gradients(flat), script),
     }
-    for method, (_, function, routed) in methods.items():
-        for mpi in (False, True) if MPI and routed else (False,):
-            flat.copy_(local)
-            with through_mpi(routed if mpi else None):
-                function()
-            checks[method + ", MPI" * mpi] = torch.allclose(flat, reference, rtol=1e-4, atol=1e-6)
     if name == "vpg":
         what, function, vpg_mpi, works = gather_method(rank, module.agent, inputs)
         methods["gather+broadcast"] = (what, function, vpg_mpi)
         checks.update({"gather+broadcast" + ", MPI" * mpi: ok for mpi, ok in enumerate(works)})
-
     rows = []
     for method, (what, function, routed) in methods.items():
         for mpi in (False, True) if MPI and routed else (False,):
-            times = []
+            label, times = method + ", MPI" * mpi, []
             with through_mpi(routed if mpi else None):
+                if label not in checks:
+                    flat.copy_(local)
+                    function()
+                    checks[label] = torch.allclose(flat, reference, rtol=1e-4, atol=1e-6)
                 for _ in range(args.warmup + args.repeats):
                     flat.copy_(local)  # keep the buffer's values bounded and realistic between repetitions
                     times.append(timed(function, mpi))
             what = "the same through MPI (mpi4py, in place on numpy views), as --collectives mpi" if mpi else what
-            rows.append({"method": method + ", MPI" * mpi, "what": what, **summary(times[args.warmup :])})
+            rows.append({"method": label, "what": what, **summary(times[args.warmup :])})
 
     # DDP: forward+backward with and without it, interleaved so that both see the same machine
     plain, wrapped = [], []
@@ -282,21 +271,13 @@ def worker(rank: int, world_size: int, init_file: str, args_dict: dict, result_p
 def format_table(rows: list[dict]) -> str:
     """The results table: one row per (model, method)."""
     table = []
-    for row in rows:
-        agent = (
-            f"{Path(SCRIPT_OF[row['model']]).stem}.Agent ({'Nature CNN' if row['model'] == 'atari' else '64-64 MLPs'})"
-        )
-        spread = f" ({row['p10_ms']:.2f}-{row['p90_ms']:.2f})" if "p10_ms" in row else ""
-        timing = [
-            f"{row['median_ms']:.2f}{spread}",
-            f"{row['mean_ms']:.2f}",
-            row["syncs"],
-            f"{row['mean_ms'] * row['syncs']:.1f}",
-        ]
-        checked = "yes" if row["checked"] else "NO"
-        table.append(
-            [agent, f"{row['parameters']:,} in {row['tensors']} tensors", row["method"], *timing, checked, row["what"]]
-        )
+    for r in rows:
+        agent = f"{Path(SCRIPT_OF[r['model']]).stem}.Agent ({'Nature CNN' if r['model'] == 'atari' else '64-64 MLPs'})"
+        spread = f" ({r['p10_ms']:.2f}-{r['p90_ms']:.2f})" if "p10_ms" in r else ""
+        per_sync = [f"{r['median_ms']:.2f}{spread}", f"{r['mean_ms']:.2f}"]
+        timing = [*per_sync, r["syncs"], f"{r['mean_ms'] * r['syncs']:.1f}"]
+        size, checked = f"{r['parameters']:,} in {r['tensors']} tensors", "yes" if r["checked"] else "NO"
+        table.append([agent, size, r["method"], *timing, checked, r["what"]])
     headers = (
         "model | parameters | method | ms per sync, median (p10-p90) | ms per sync, mean | syncs per iteration | "
         "ms per iteration (mean x syncs) | result checked | what is timed"
@@ -326,17 +307,14 @@ def main(argv: list[str] | None = None) -> Path:
         rows = json.loads(result_path.read_text())
     if not all(row["checked"] for row in rows):
         print("benchmark.grad_sync: warning: a method's result did not match the all_gather reference", file=sys.stderr)
-    vpg, continuous, atari = (common.defaults(script) for script in SCRIPT_OF.values())
     facts = [
         f"{args.nprocs} ranks ({'by mpirun' if args.mpi else 'spawned'}; gloo, and MPI where a method says so), "
         f"{args.threads} torch thread(s) each; {args.repeats} timed repetitions after {args.warmup} warm-up ones, "
         "each after a barrier, each counted on the slowest rank",
-        f"syncs per iteration at the scripts' defaults: vpg_mpi.py 1 policy + {vpg.train_v_iters} value steps per "
-        "epoch with --sync allreduce, one gather+broadcast per epoch with --sync gather; ppo_continuous_mpi.py "
-        f"{continuous.num_minibatches} minibatches x {continuous.update_epochs} epochs; ppo_atari_multigpu.py "
-        f"{atari.num_minibatches} minibatches x {atari.update_epochs} epochs (each sync here covers the whole model; "
-        "vpg_mpi.py's policy step syncs only the policy's gradient and its value steps only the critic's, about half "
-        "the floats, so its per-iteration figures are an upper bound)",
+        "syncs per iteration at the scripts' defaults: vpg_mpi.py's 1 policy + train_v_iters value steps per epoch "
+        "(--sync allreduce) or one gather+broadcast (--sync gather), the PPO scripts' minibatches x epochs (each sync "
+        "here covers the whole model; vpg_mpi.py's policy step syncs only the policy's gradient and its value steps "
+        "only the critic's, about half the floats, so its per-iteration figures are an upper bound)",
         "DDP rows for the MLPs show what DDP would cost there; only ppo_atari_multigpu.py uses DDP",
     ]
     return common.write_results(args, argv, "Gradient sync: time per sync", facts, "\n" + format_table(rows), *load)

@@ -240,8 +240,9 @@ def main(argv: list[str] | None = None) -> tuple[Path, Path]:
         if key in seen:
             print(f"benchmark.plot: warning: {run.path} and {seen[key]} are both {' '.join(key)}", file=sys.stderr)
         seen[key] = run.path
-    _, png_path = common.output_paths(args.out)
-    plot(runs, args.smooth, references, args.reference_label, png_path)
+    png_path, image = common.draw(
+        args, lambda path: plot(runs, args.smooth, references, args.reference_label, path), "learning curves"
+    )
     facts = [
         f"final return: mean of the last {args.last_points} logged `{RETURN_KEY}` values of a run (each the mean "
         "return of the episodes that ended in one iteration), then over seeds mean +- std (ddof 0), the 95% "
@@ -249,8 +250,7 @@ def main(argv: list[str] | None = None) -> tuple[Path, Path]:
         "of the interquartile mean, which leads the cell, from 5 seeds) and each seed's value; the curves are the "
         "same statistic of the smoothed returns at each step, shaded with its interval",
     ]
-    body = f"\n![learning curves]({png_path.name})\n\n"
-    body += summarize(runs, args.last_points, references, args.reference_name) + "\nRuns read:\n\n"
+    body = image + "\n" + summarize(runs, args.last_points, references, args.reference_name) + "\nRuns read:\n\n"
     body += "".join(f"- {run.label} {run.env_id} seed {run.seed}: `{run.path}`\n" for run in runs)
     return common.write_results(args, argv, args.title, facts, body), png_path
 

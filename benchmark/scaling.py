@@ -36,20 +36,20 @@ GATHER_SYNC = (
     "the gather of every rank's rollout to rank 0 (which also waits for the slowest rank's rollout) and the broadcast "
     "of the weights; the rest of update is rank 0 learning alone on the world's batch"
 )
-# per (script, mode): what perf/sync_time covers; a script's modes are its keys here
+VPG_SYNC = "the flat gradient allreduces of the update (1 policy step + {train_v_iters} value steps per epoch)"
+PPO_SYNC = "the flat gradient allreduce after every minibatch plus one advantage-statistics collective per epoch"
+DDP_SYNC = (
+    "the backward passes (DDP overlaps its allreduce with backward, so they cannot be timed apart) plus the explicit "
+    "collectives; compare with the 1-rank row for the communication share"
+)
 SYNC_MEANS = {
-    ("vpg_mpi.py", "allreduce"): "the flat gradient allreduces of the update (1 policy step + {train_v_iters} value "
-    "steps per epoch)",
+    ("vpg_mpi.py", "allreduce"): VPG_SYNC,
     ("vpg_mpi.py", "gather"): GATHER_SYNC,
-    ("ppo_continuous_mpi.py", "allreduce"): (
-        "the flat gradient allreduce after every minibatch plus one advantage-statistics collective per epoch"
-    ),
+    ("ppo_continuous_mpi.py", "allreduce"): PPO_SYNC,
     ("ppo_continuous_mpi.py", "gather"): GATHER_SYNC,
-    (common.ATARI, DDP): (
-        "the backward passes (DDP overlaps its allreduce with backward, so they cannot be timed apart) plus the "
-        "explicit collectives; compare with the 1-rank row for the communication share"
-    ),
+    (common.ATARI, DDP): DDP_SYNC,
 }
+"""per (script, mode): what perf/sync_time covers; a script's modes are its keys here"""
 
 # mpi_util's published throughput (Walker2d, 6-core Xeon X5680 + GTX 1070, rollouts gathered to rank 0), as quoted
 # in the project's reference list: steps/s by number of processes
@@ -63,27 +63,29 @@ TABLE_HEADERS = (
 
 
 @dataclass(kw_only=True)
-class Args(common.RunsArgs):
+class PinnedArgs(common.RunsArgs):
+    """The arguments of pinned runs, one rank to a core with one torch thread (this module's and stragglers')."""
+
+    local_steps: int = 0
+    """env steps per rank per iteration; 0 = the script's own default batch"""
+
+
+@dataclass(kw_only=True)
+class Args(PinnedArgs):
     scripts: tuple[common.Script, ...] = common.SCRIPTS
     """the scripts to measure"""
     sync_modes: tuple[Literal["allreduce", "gather"], ...] = ("allreduce", "gather")
     """the `--sync` modes to run, for the scripts that have the flag (the Atari script always runs its DDP)"""
     launchers: tuple[Literal["torchrun", "mpirun"], ...] = ("torchrun",)
-    """what starts N ranks (`--nprocs` with `--collectives torch` or `mpi`): torchrun (collectives through gloo),
-    mpirun (the MLP scripts' CPU collectives through MPI); rows of a launcher after the first read `MODE mpirun`,
-    beside the same 1-rank baseline"""
+    """what starts N ranks (`--nprocs` with `--collectives torch` or `mpi`; mpirun: the MLP scripts only); rows of a
+    launcher after the first read `MODE mpirun`, beside the same 1-rank baseline"""
     ranks: tuple[int, ...] = ()
-    """the numbers of ranks (each on its own core) besides the 1-rank baseline, which always runs; default: 2, 4, 8,
-    .. up to the usable cores, and the usable cores"""
+    """the numbers of ranks (each on its own core) besides the 1-rank baseline; default: 2, 4, 8, .. and all cores"""
     rounds: int = 1
-    """runs of every (script, mode, ranks), interleaved round by round (a VM's speed can drift between runs minutes
-    apart); a row shows the run with the median SPS (the lower middle one for an even count), and each round's
-    speedup, N ranks over the 1 rank of the same round, follows the table"""
+    """runs of every (script, mode, ranks), interleaved round by round (a VM's speed drifts); a row shows the run with
+    the median SPS (the lower middle one), each round's speedup (over the same round's 1 rank) follows the table"""
     independent: bool = True
-    """also run, per script and N, N independent 1-rank copies at once, one per core: the speedup the machine allows
-    with no sync at all"""
-    local_steps: int = 0
-    """env steps per rank per iteration; 0 = the script's own default batch"""
+    """also run, per script and N, N independent 1-rank copies at once, one per core (INDEPENDENT_MEANS)"""
     env_id: str = ""
     """the env id for every script; empty = each script's default"""
     out: Path = Path("benchmark_results/scaling")
@@ -112,6 +114,17 @@ def script_args(script: str, mode: str, ranks: int, local_steps: int, iterations
     return [*args, *common.budget_args(script, ranks, local_steps, iterations)]
 
 
+def pinned_facts(args: PinnedArgs, cores: list[int]) -> list[str]:
+    """What a results file says about the budget and the pinning of pinned runs."""
+    batch = f"{args.local_steps:,} env steps" if args.local_steps else "each script's default batch"
+    return [
+        f"budget: --total-timesteps = {args.iterations} full world batches ({batch} per rank per iteration)",
+        f"pinning: the usable cores C0, C1, .. are {', '.join(map(str, cores))}; 1 rank runs as `taskset -c C0 python "
+        f"SCRIPT --torch-threads 1`, N ranks as {common.PINNED}, then `--torch-threads 1`; the Atari script also gets "
+        "--env-threads 1",
+    ]
+
+
 def base_mode(mode: str) -> str:
     """The sync mode of a row's mode (`allreduce mpirun` -> `allreduce`): its 1-rank baseline and its meaning."""
     return mode.split()[0]
@@ -129,8 +142,7 @@ def combine_copies(copies: list[common.Measurement]) -> common.Measurement:
 
 
 def scaling_table(measurements: list[common.Measurement]) -> str:
-    """One script's rows, mode by mode: SPS, speedup and efficiency against the mode's 1-rank row, seconds per
-    iteration."""
+    """One script's rows: SPS, speedup and efficiency against the mode's 1-rank row, seconds per iteration."""
     baselines = {m.mode: m for m in measurements if m.ranks == 1}
     rows = []
     for m in measurements:
@@ -208,11 +220,10 @@ def run_job(args: Args, extra: list[str], script: str, job: tuple[str, int, str]
     cores = common.usable_cores()
     independent = mode == INDEPENDENT
     run_mode, run_ranks = (script_modes(script, args.sync_modes)[0], 1) if independent else (base_mode(mode), ranks)
-    local_steps = args.local_steps or common.default_local_steps(script)
     commands = {}
     for i, run_name in enumerate([f"{name}__copy{i}" for i in range(ranks)] if independent else [name]):
         run_args = ["--env-id", args.env_id or common.defaults(script).env_id, "--run-name", run_name]
-        run_args += [*script_args(script, run_mode, run_ranks, local_steps, args.iterations), *extra]
+        run_args += [*script_args(script, run_mode, run_ranks, args.local_steps, args.iterations), *extra]
         commands[run_name] = common.script_command(common.ROOT / script, run_args, run_ranks, launcher, cores[i:])
     print(f"{script} {mode} on {ranks} core(s): {' & '.join(map(shlex.join, commands.values()))}", flush=True)
     run_dirs = common.run_logged(commands, work_dir, at_once=True)
@@ -240,18 +251,10 @@ def main(argv: list[str] | None = None) -> tuple[Path, Path]:
     results: dict[tuple[str, str], list[common.Measurement]] = {}
     for (script, mode, _), measurements in rounds.items():
         results.setdefault((script, mode), []).append(sorted(measurements, key=lambda m: m.sps)[(args.rounds - 1) // 2])
-    _, png_path = common.output_paths(args.out)
-    plot(results, png_path)
+    png_path, image = common.draw(args, lambda path: plot(results, path), "scaling")
 
-    batch = f"{args.local_steps:,}" if args.local_steps else "each script's default"
-    facts = [
-        f"weak scaling: {args.iterations} iterations per run, a fixed batch per rank ({batch} env steps per rank per "
-        "iteration)",
-        f"pinning: the usable cores C0, C1, .. are {', '.join(map(str, cores))}; 1 rank runs as `taskset -c C0 python "
-        f"SCRIPT --torch-threads 1`, N ranks as {common.PINNED}, then `--torch-threads 1`; the Atari script also gets "
-        "--env-threads 1",
-    ]
-    body = f"\n![scaling]({png_path.name})\n"
+    facts = ["weak scaling: each rank keeps its batch, the world's grows with N", *pinned_facts(args, cores)]
+    body = image
     for script in args.scripts:
         measurements = [m for (name, _), rows in results.items() if name == script for m in rows]
         body += f"\n## {script} on {args.env_id or common.defaults(script).env_id}\n\n{scaling_table(measurements)}\n"

@@ -2,10 +2,10 @@
 
     python -m benchmark.scaling_model --from benchmark/results/scaling.md --out benchmark/results/scaling_model
 
-It reads the seconds per iteration that benchmark.scaling measured at 1 and 2 ranks (rank 0's medians: the whole
-iteration from global batch / SPS, the update, the sync within it) for every script and mode in the file, predicts
-the SPS relative to 1 rank and the efficiency at `--ranks` ranks, and finds the first rank count where the
-efficiency drops below 50%. The assumptions are written out in the output (and in `iteration_seconds`).
+From the seconds per iteration benchmark.scaling measured at 1 and 2 ranks (rank 0's: the whole iteration, the
+update, the sync within it), for every script and mode in the file, it predicts the SPS relative to 1 rank and the
+efficiency at `--ranks` ranks, and the first rank count where the efficiency drops below 50%, on the assumptions
+that ASSUMPTIONS states (and the output repeats).
 """
 
 import math
@@ -121,20 +121,15 @@ def read_scaling(text: str) -> dict[tuple[str, str], Seconds]:
 
 
 def sync_growth(ranks: int, law: Variant, bandwidth_share: float) -> float:
-    """g(N): a ring allreduce's time at N ranks in units of its time at 2 (g(2) = 1). The bandwidth term
-    2(N-1)/N x bytes / bandwidth, the latency term x (N-1) steps for gloo's ring, x log2 N for NCCL's tree and
-    Open MPI's small-message allreduce on one node."""
+    """g(N): an allreduce's time at N ranks in units of its time at 2 (g(2) = 1), as ASSUMPTIONS derives it."""
     latency = ranks - 1 if law == "gloo" else math.log2(ranks)
     return (1 - bandwidth_share) * latency + bandwidth_share * 2 * (ranks - 1) / ranks
 
 
 def iteration_seconds(seconds: Seconds, mode: str, ranks: int, variant: Variant, bandwidth_share: float) -> float:
-    """T(N), rank 0's predicted seconds per iteration at `ranks` ranks (weak scaling).
-
-    Everything outside the update (rollout, GAE, logging) stays as at 1 rank. allreduce and DDP: the local update
-    stays too, and the communication the second rank added grows by `sync_growth` (`variant` gloo or NCCL). gather:
-    rank 0's update alone grows with the world batch, each added rank adding the 1-rank learner update (`variant`
-    linear) or what the second rank added to it (fitted); the gather and broadcast add one peer's share per rank."""
+    """T(N), rank 0's predicted seconds per iteration at `ranks` ranks (weak scaling), as ASSUMPTIONS says: in
+    allreduce (and DDP) the communication the second rank added grows by `sync_growth`; in gather rank 0's update
+    grows with the world batch and the gather and broadcast by one peer's share per rank."""
     outside_update = seconds.iteration - seconds.update
     if mode.split()[0] == "gather":
         per_rank = seconds.learner if variant == "linear" else max(seconds.learner2 - seconds.learner, 0.0)

@@ -152,12 +152,10 @@ COLUMNS_MEAN = (
 
 
 @dataclass(kw_only=True)
-class Args(common.RunsArgs):
+class Args(scaling.PinnedArgs):
     cases: tuple[CaseName, ...] = ("rollout-dominated", "halfcheetah", "breakout")
     """the cases to measure, each waiting and with preemption"""
     iterations: int = 10
-    local_steps: int = 0
-    """env steps per rank per iteration; 0 = the script's own default"""
     step_ms: float = DEFAULT_STEP_MS
     """rollout-dominated: milliseconds every env step spins on rank 0 (DDRL_STEP_MS)"""
     slow_factor: float = DEFAULT_SLOW_FACTOR
@@ -191,14 +189,13 @@ def run_case(name: str, args: Args, extra: list[str], cores: list[int], work_dir
     """Launch the case's pinned 2-rank runs, waiting and preempting, one after the other or (--side-by-side) at once,
     under a CPU hog on rank 1's core if the case has one (else the slow env's costs in front); their Results."""
     case = CASES[name]
-    local_steps = args.local_steps or common.default_local_steps(case.script)
     mode = scaling.script_modes(case.script, (args.sync,))[0]
     slow_env = ["env", f"{STEP_MS_VAR}={args.step_ms:g}", f"{SLOW_FACTOR_VAR}={args.slow_factor:g}"]
     commands = {}
     for fraction in (0.0, args.preempt_fraction):
         run_name = f"stragglers__{name}__{mode_label(fraction).split()[0]}"
         run_args = ["--env-id", case.env_id or common.defaults(case.script).env_id, "--run-name", run_name]
-        run_args += scaling.script_args(case.script, mode, 2, local_steps, args.iterations)
+        run_args += scaling.script_args(case.script, mode, 2, args.local_steps, args.iterations)
         run_args += ["--preempt-fraction", f"{fraction:g}", *extra]
         command = common.script_command(common.ROOT / case.script, run_args, 2, "torchrun", cores)
         commands[run_name] = command if case.cpu_hog else [*slow_env, *command]
@@ -265,38 +262,31 @@ def main(argv: list[str] | None = None) -> tuple[Path, Path]:
     cases = list(dict.fromkeys(args.cases))
     with common.work_folder(args.out_dir, "ddrl_stragglers_") as work_dir:
         results = [result for name in cases for result in run_case(name, args, extra, cores, work_dir)]
-    _, png_path = common.output_paths(args.out)
-    plot(results, png_path)
+    png_path, image = common.draw(args, lambda path: plot(results, path), "stragglers")
 
-    batch = f"{args.local_steps:,} env steps" if args.local_steps else "each script's default batch"
     facts = [
-        f"2 ranks on cores {cores[0]} and {cores[1]} as {common.PINNED}, then `--torch-threads 1` (the Atari script "
-        "also --env-threads 1); rank 1 is the straggler",
-        f"budget: --total-timesteps = {args.iterations} full world batches ({batch} per rank per iteration) in both "
-        "modes, so a preempting run, collecting less per iteration, runs more iterations",
+        *scaling.pinned_facts(args, cores),
+        f"2 ranks, on cores {cores[0]} and {cores[1]}; rank 1 is the straggler; the same budget in both modes, so a "
+        "preempting run, collecting less per iteration, runs more iterations",
         f"modes: wait = --preempt-fraction 0; {mode_label(args.preempt_fraction)} = --preempt-fraction "
         f"{args.preempt_fraction:g}, each rollout at least --min-rollout-fraction of --num-steps (0.25 unless set "
         "after --)",
     ]
     if any(not CASES[name].cpu_hog for name in cases):
-        slow = args.step_ms * args.slow_factor
         facts.append(
-            f"rollout-dominated env: every env step takes {args.step_ms:g} ms on rank 0 (HalfCheetah's own step, then "
-            f"a busy-wait), {args.slow_factor:g}x that ({slow:g} ms) on rank 1 ({STEP_MS_VAR}={args.step_ms:g} "
-            f"{SLOW_FACTOR_VAR}={args.slow_factor:g})"
+            f"rollout-dominated env: every env step takes {args.step_ms:g} ms on rank 0, {args.slow_factor:g}x that "
+            f"on rank 1 ({STEP_MS_VAR}={args.step_ms:g} {SLOW_FACTOR_VAR}={args.slow_factor:g})"
         )
     if hogged := [name for name in cases if CASES[name].cpu_hog]:
         facts.append(
-            f"CPU hog: one busy-looping process pinned to core {cores[1]} (rank 1's) during every run of "
-            f"{' and '.join(hogged)}; it raises the load averages"
+            f"CPU hog on core {cores[1]} (rank 1's) during every run of {' and '.join(hogged)}: it raises the load"
         )
     if args.side_by_side:
         facts.append(
-            "side by side: each case's waiting and preempting runs ran at the same time, rank 0 of both on core "
-            f"{cores[0]} and rank 1 of both on core {cores[1]}; their SPS measure two runs sharing the cores, not the "
-            "modes (a learning check)"
+            "side by side: each case's waiting and preempting runs ran at the same time on the same two cores; their "
+            "SPS measure two runs sharing the cores, not the modes (a learning check)"
         )
-    body = f"\n![stragglers]({png_path.name})\n\n{stragglers_table(results)}\n{COLUMNS_MEAN}\n\n"
+    body = f"{image}\n{stragglers_table(results)}\n{COLUMNS_MEAN}\n\n"
     for name in cases:
         env_id = CASES[name].env_id or common.defaults(CASES[name].script).env_id
         body += f"- {name} ({CASES[name].script} on {env_id}): {CASES[name].models}.\n"

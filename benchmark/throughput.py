@@ -126,7 +126,7 @@ def run_script(script: str, root: Path, args: Args, work_dir: Path, name: str, f
     """Run `script` of checkout `root` at one rank, its defaults plus `flags`, for `args.iterations`; its
     Measurement."""
     script_args = [*flags, "--env-id", args.env_id or common.defaults(script).env_id, "--run-name", name]
-    script_args += common.budget_args(script, 1, common.default_local_steps(script), args.iterations)
+    script_args += common.budget_args(script, 1, 0, args.iterations)
     [run_dir] = common.run_logged({name: common.script_command(root / script, script_args)}, work_dir)
     return common.measure(run_dir, script, "default", 1)
 

@@ -1,12 +1,10 @@
-"""Pin each rank of a launch to its own core as its interpreter starts: what benchmark.common.script_command puts on
-the ranks' PYTHONPATH (Python imports `sitecustomize` at start-up), with DDRL_PIN_CORES=C0,C1,..
+"""Pins each rank of a launch to its own core as its interpreter starts (Python imports `sitecustomize` from its path):
 
     taskset -c 0,1 env PYTHONPATH=benchmark/pin_rank DDRL_PIN_CORES=0,1 python SCRIPT --nprocs 2 ARGS
 
-Neither torchrun nor the scripts' `--nprocs` pin a rank to a core (mpirun binds its own way, ignoring taskset). Here
-local rank r (torchrun's LOCAL_RANK, Open MPI's OMPI_COMM_WORLD_LOCAL_RANK) takes core Cr and says so on one line.
-Processes without a local rank (the script that re-launches itself, torchrun's agent) keep the taskset's cores; a
-rank's own children (a library probing its version with `python -c`) inherit its core, and no DDRL_PIN_CORES.
+Neither torchrun nor the scripts pin a rank (mpirun binds its own way, ignoring taskset). Local rank r (LOCAL_RANK,
+or Open MPI's OMPI_COMM_WORLD_LOCAL_RANK) takes core Cr and says so on one line; a process without a local rank (the
+re-launching script, torchrun's agent) keeps the taskset's cores, and a rank's children inherit its core.
 """
 
 import os
