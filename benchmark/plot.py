@@ -115,16 +115,12 @@ def mean_curve(
     """(steps, center over seeds, its 95% bootstrap interval's low and high) of the runs' smoothed curves on a common
     step grid; at each step only the runs that reached it count (all of them where the runs have the same length)."""
     grid = np.linspace(min(run.steps[0] for run in runs), max(run.steps[-1] for run in runs), points)
-    curves = np.stack(
-        [
-            np.where(
-                (grid >= run.steps[0]) & (grid <= run.steps[-1]),
-                np.interp(grid, run.steps, trailing_mean(run.returns, smooth)),
-                np.nan,
-            )
-            for run in runs
-        ]
-    )
+
+    def on_grid(run: Run) -> np.ndarray:  # NaN where the run did not reach
+        smoothed = np.interp(grid, run.steps, trailing_mean(run.returns, smooth))
+        return np.where((grid >= run.steps[0]) & (grid <= run.steps[-1]), smoothed, np.nan)
+
+    curves = np.stack([on_grid(run) for run in runs])
     middle, low, high = (np.empty(points) for _ in range(3))
     for index, column in enumerate(curves.T):
         reached = column[~np.isnan(column)]
@@ -236,8 +232,7 @@ def main(argv: list[str] | None = None) -> tuple[Path, Path]:
         raise SystemExit(f"benchmark.plot: error: no {RETURN_KEY} in any event file under {args.paths}")
     seen: dict[tuple[str, str, str], Path] = {}
     for run in runs:
-        key = (run.label, run.env_id, run.seed)
-        if key in seen:
+        if (key := (run.label, run.env_id, run.seed)) in seen:
             print(f"benchmark.plot: warning: {run.path} and {seen[key]} are both {' '.join(key)}", file=sys.stderr)
         seen[key] = run.path
     png_path, image = common.draw(
