@@ -114,13 +114,15 @@ def defaults(script: str):
     return load_script(script).Args()
 
 
-def env_spaces(env_id: str) -> tuple:
-    """(observation space, action space) of `env_id` as gym.make builds it (Atari ids included)."""
+def env_spaces(script: str) -> tuple:
+    """(observation space, action space) of the script's default env as gym.make builds it (with the script's own
+    silencing of MuJoCo's settotalmass warning, where it has one)."""
     import ale_py
     import gymnasium as gym
 
     gym.register_envs(ale_py)
-    with contextlib.closing(gym.make(env_id)) as env:
+    getattr(load_script(script), "silence_settotalmass_warning", lambda: None)()
+    with contextlib.closing(gym.make(defaults(script).env_id)) as env:
         return env.observation_space, env.action_space
 
 

@@ -85,7 +85,7 @@ def build(name: str, args: Args, rank: int) -> tuple[LossOf, tuple[torch.Tensor,
     the script's size (vpg: its epoch's share; PPO: its minibatch, or --mlp-batch / --cnn-batch), and that size."""
     script = common.load_script(SCRIPT_OF[name])
     defaults = script.Args()
-    obs_space, action_space = common.env_spaces(defaults.env_id)
+    obs_space, action_space = common.env_spaces(SCRIPT_OF[name])
     if name == "vpg":
         batch = defaults.steps_per_epoch // dist.get_world_size()
     else:

@@ -97,7 +97,7 @@ def atari_compute_limit(seconds: float) -> tuple[float, float, float]:
     atari, defaults = common.load_script(common.ATARI), common.defaults(common.ATARI)
     minibatch = defaults.local_num_envs * defaults.num_steps // defaults.num_minibatches
     update_steps = defaults.update_epochs * defaults.num_minibatches
-    actions = common.env_spaces(defaults.env_id)[1].n
+    actions = common.env_spaces(common.ATARI)[1].n
     threads_before = torch.get_num_threads()
     torch.set_num_threads(len(common.usable_cores()))
     try:
