@@ -1,60 +1,175 @@
-"""What the benchmark modules (and the tests) share: launching a script under torchrun, streaming its
-output, reading TensorBoard event files, and the header every results file starts with."""
+"""What the benchmark modules (and the tests) share: their common arguments, the scripts and their defaults, launching
+a script through its own `--nprocs`, reading TensorBoard event files, and writing a results file."""
 
+import contextlib
 import datetime
+import functools
+import importlib.util
 import os
 import platform
 import re
 import shlex
-import socket
+import shutil
+import statistics
 import subprocess
 import sys
-from collections.abc import Callable, Sequence
+import tempfile
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TextIO
+from typing import Literal, TextIO, TypeVar, get_args
 
 import torch
+import tyro
 
 ROOT = Path(__file__).resolve().parent.parent
 """the repository root, where the scripts live"""
-SCRIPTS = ("vpg_mpi.py", "ppo_continuous_mpi.py", "ppo_atari_multigpu.py")
+Script = Literal["vpg_mpi.py", "ppo_continuous_mpi.py", "ppo_atari_multigpu.py"]
+SCRIPTS: tuple[str, ...] = get_args(Script)
 """the training scripts the benchmarks know"""
+ATARI = "ppo_atari_multigpu.py"
 PROGRESS_LINE = re.compile(r"^(?:iteration|epoch) (\d+)/(\d+) step (\d+) SPS (\d+) return (\S+)")
 """the per-iteration line rank 0 of every script prints: (iteration, iterations, global step, SPS, return)"""
+PINNED = (
+    "`taskset -c C0,..,C(N-1) env PYTHONPATH=benchmark/pin_rank DDRL_PIN_CORES=C0,..,C(N-1) python SCRIPT --nprocs N "
+    "--collectives torch` (`mpi` under mpirun), benchmark/pin_rank/sitecustomize.py pinning local rank r to core Cr"
+)
+"""how script_command launches N pinned ranks, as a results file says it"""
 
 
-# --- launching ---------------------------------------------------------------------------------------
+def usable_cores() -> list[int]:
+    """The cores this process may run on, sorted."""
+    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
 
 
-def torchrun_launcher(nprocs: int) -> list[str]:
-    """`python -m torch.distributed.run --standalone --nproc_per_node=N`: what precedes the program to launch."""
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nprocs}"]
+# --- arguments ---------------------------------------------------------------------------------------
 
 
-def mpirun_launcher(nprocs: int) -> list[str]:
-    """Open MPI's `mpirun -np N` (as root too; no binding of its own: the caller pins), with a free MASTER_PORT for the
-    scripts' store: what precedes the program to launch."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    root = ["--allow-run-as-root"] if os.geteuid() == 0 else []
-    return ["mpirun", *root, "--bind-to", "none", "-np", str(nprocs), "-x", f"MASTER_PORT={port}", sys.executable]
+@dataclass(kw_only=True)
+class ResultsArgs:
+    """The arguments of every module that writes a results file (each sets its own default `out`)."""
+
+    out: Path = Path("benchmark_results/results")
+    """output stem: writes OUT.md (and OUT.png where the module plots)"""
+    notes: tuple[str, ...] = ()
+    """paragraphs of prose under the results file's header (what was run, how and why), not in its command line"""
 
 
-def torchrun_command(script: str, nprocs: int, script_args: Sequence[str] = ()) -> list[str]:
-    """The command that runs `script` (a file in the repo root) as `nprocs` ranks on this machine."""
-    if script not in SCRIPTS:
-        raise ValueError(f"unknown script {script!r}; expected one of {', '.join(SCRIPTS)}")
-    return [*torchrun_launcher(nprocs), str(ROOT / script), *script_args]
+@dataclass(kw_only=True)
+class TimingArgs(ResultsArgs):
+    max_load: float = 1.0
+    """above this 1-minute load average at the start, the results file opens with a MEASURED UNDER LOAD warning"""
 
 
-def split_script_args(argv: Sequence[str]) -> tuple[list[str], list[str]]:
-    """Split a command line at the first `--`: (the benchmark's own arguments, arguments passed to the script)."""
-    argv = list(argv)
-    if "--" not in argv:
-        return argv, []
-    cut = argv.index("--")
-    return argv[:cut], argv[cut + 1 :]
+@dataclass(kw_only=True)
+class RunsArgs(TimingArgs):
+    iterations: int = 6
+    """iterations (epochs) per run; at least 2 (the first is left out of SPS and the time split)"""
+    out_dir: Path | None = None
+    """where the runs are launched (runs/ and logs/ land there, and are kept); default: a temporary folder"""
+
+    def __post_init__(self):
+        if self.iterations < 2:
+            raise SystemExit("benchmark: error: need --iterations >= 2 (the first is left out of SPS)")
+
+
+ArgsT = TypeVar("ArgsT")
+
+
+def cli(args_class: type[ArgsT], argv: Sequence[str] | None, script_args: bool = False) -> tuple[ArgsT, list, list]:
+    """Parse a module's command line (default: sys.argv[1:]), its docstring as the help: (its Args, the whole command
+    line, and with `script_args` the arguments after the first `--`, which go to every run of a script)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    cut = argv.index("--") if "--" in argv else len(argv)
+    if cut < len(argv) and not script_args:
+        raise SystemExit("benchmark: error: this module runs no script, so it takes no arguments after --")
+    description = sys.modules[args_class.__module__].__doc__
+    return tyro.cli(args_class, args=argv[:cut], description=description), argv, argv[cut + 1 :]
+
+
+@contextlib.contextmanager
+def work_folder(out_dir: Path | None, prefix: str) -> Iterator[Path]:
+    """Where the runs are launched for the with-block: `out_dir`, or a temporary folder deleted afterwards."""
+    if out_dir is not None:
+        yield out_dir.resolve()
+        return
+    with tempfile.TemporaryDirectory(prefix=prefix, ignore_cleanup_errors=True) as folder:
+        yield Path(folder)
+
+
+# --- the scripts -------------------------------------------------------------------------------------
+
+
+@functools.cache
+def load_script(script: str, root: Path = ROOT):
+    """A training script of checkout `root` imported as a module (importing one does no work)."""
+    spec = importlib.util.spec_from_file_location(f"{Path(script).stem}_{abs(hash(str(root)))}", root / script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def defaults(script: str):
+    """The script's default hyperparameters: its `Args()`."""
+    return load_script(script).Args()
+
+
+def env_spaces(script: str) -> tuple:
+    """(observation space, action space) of the script's default env as gym.make builds it (with the script's own
+    silencing of MuJoCo's settotalmass warning, where it has one)."""
+    import ale_py
+    import gymnasium as gym
+
+    gym.register_envs(ale_py)
+    getattr(load_script(script), "silence_settotalmass_warning", lambda: None)()
+    with contextlib.closing(gym.make(defaults(script).env_id)) as env:
+        return env.observation_space, env.action_space
+
+
+def budget_args(script: str, ranks: int, local_steps: int, iterations: int) -> list[str]:
+    """Arguments giving `script` a batch of `local_steps` env steps per rank per iteration (0: its default batch,
+    VPG's at 1 rank) for `iterations` iterations."""
+    args = defaults(script)
+    if not local_steps:
+        local_steps = args.steps_per_epoch if script == "vpg_mpi.py" else args.local_num_envs * args.num_steps
+    total = ["--total-timesteps", str(iterations * ranks * local_steps)]
+    if script == "vpg_mpi.py":  # SpinningUp's global steps per epoch
+        return ["--steps-per-epoch", str(ranks * local_steps), *total]
+    if local_steps % args.local_num_envs:
+        raise SystemExit(
+            f"benchmark: error: {script} runs {args.local_num_envs} envs per rank: local steps must be a multiple"
+        )
+    return [
+        "--local-num-envs",
+        str(args.local_num_envs),
+        "--num-steps",
+        str(local_steps // args.local_num_envs),
+        *total,
+    ]
+
+
+def script_command(
+    script: Path, args: Sequence[str], ranks: int = 1, launcher: str = "", cores: Sequence[int] = ()
+) -> list[str]:
+    """`python SCRIPT ARGS`, as `ranks` ranks through the script's own `--nprocs`: under `launcher` torchrun
+    (`--collectives torch`) or mpirun (`--collectives mpi`), or as the script chooses. With `cores`, under `taskset`
+    to them, local rank r pinned to cores[r] by benchmark/pin_rank (see PINNED)."""
+    command = [sys.executable, str(script)]
+    if ranks > 1:
+        collectives = {"torchrun": ["--collectives", "torch"], "mpirun": ["--collectives", "mpi"], "": []}[launcher]
+        command += ["--nprocs", str(ranks), *collectives]
+    if not cores:
+        return [*command, *args]
+    if ranks > len(cores):
+        raise ValueError(f"{ranks} ranks but only {len(cores)} usable cores")
+    pinned = ",".join(str(core) for core in cores[:ranks])
+    if ranks > 1:
+        path = os.pathsep.join(filter(None, [str(ROOT / "benchmark" / "pin_rank"), os.environ.get("PYTHONPATH")]))
+        command = ["env", f"PYTHONPATH={path}", f"DDRL_PIN_CORES={pinned}", *command]
+    return ["taskset", "-c", pinned, *command, *args]
+
+
+# --- running commands --------------------------------------------------------------------------------
 
 
 def open_log(command: Sequence[str], cwd: Path, log_path: Path) -> TextIO:
@@ -67,20 +182,16 @@ def open_log(command: Sequence[str], cwd: Path, log_path: Path) -> TextIO:
     return log
 
 
-def run_streaming(
-    command: Sequence[str], cwd: Path, log_path: Path, on_line: Callable[[str], None] | None = None
-) -> int:
+def run_streaming(command: Sequence[str], cwd: Path, log_path: Path, on_line: Callable[[str], None]) -> int:
     """Run `command` in `cwd`, copy its stdout and stderr to `log_path`, call `on_line` on each line; the exit code."""
     with open_log(command, cwd, log_path) as log:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         process = subprocess.Popen(
             command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
         )
-        assert process.stdout is not None
         for line in process.stdout:
             log.write(line)
-            if on_line is not None:
-                on_line(line.rstrip("\n"))
+            on_line(line.rstrip("\n"))
         return process.wait()
 
 
@@ -99,6 +210,24 @@ def last_lines(path: Path, count: int = 15) -> str:
     return "\n".join(path.read_text(errors="replace").splitlines()[-count:])
 
 
+def run_logged(commands: dict[str, list[str]], work_dir: Path, at_once: bool = False) -> list[Path]:
+    """Run each command, named by its run, in `work_dir`, one after the other or all at once, its output to
+    logs/NAME.log; their run folders runs/NAME, or exit naming the first run that failed and its log's last lines."""
+    logs = [work_dir / "logs" / f"{name}.log" for name in commands]
+    for name in commands:
+        shutil.rmtree(work_dir / "runs" / name, ignore_errors=True)
+    if at_once:
+        codes = run_at_once(list(commands.values()), work_dir, logs)
+    else:
+        codes = [
+            run_at_once([command], work_dir, [log])[0] for command, log in zip(commands.values(), logs, strict=True)
+        ]
+    for name, log, code in zip(commands, logs, codes, strict=True):
+        if code:
+            raise SystemExit(f"benchmark: error: run {name} failed (exit {code}); {log}:\n{last_lines(log)}")
+    return [work_dir / "runs" / name for name in commands]
+
+
 # --- reading TensorBoard -----------------------------------------------------------------------------
 
 
@@ -113,10 +242,8 @@ def _accumulator(run_dir: Path):
 def read_scalar_events(run_dir: Path) -> dict[str, list[tuple[float, int, float]]]:
     """Every scalar series in a run folder's event files, as (wall_time, step, value) triples in logged order."""
     accumulator = _accumulator(run_dir)
-    return {
-        tag: [(event.wall_time, event.step, event.value) for event in accumulator.Scalars(tag)]
-        for tag in accumulator.Tags()["scalars"]
-    }
+    tags = accumulator.Tags()["scalars"]
+    return {tag: [(event.wall_time, event.step, event.value) for event in accumulator.Scalars(tag)] for tag in tags}
 
 
 def read_scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
@@ -144,69 +271,84 @@ def find_run_dirs(paths: Sequence[Path]) -> list[Path]:
     return sorted(found)
 
 
+PARTS = ("rollout", "update", "sync")
+"""the parts of an iteration the scripts time (perf/PART_time)"""
+
+
+@dataclass
+class Measurement:
+    """One run of a script reduced to its speed and rank 0's seconds per iteration in each part."""
+
+    script: str
+    mode: str
+    ranks: int
+    global_batch: int
+    iterations: int
+    sps: float
+    script_sps: float
+    rollout: float
+    update: float
+    sync: float
+
+
+def measure(run_dir: Path, script: str, mode: str, ranks: int) -> Measurement:
+    """A run's events as a Measurement: SPS from the end of iteration 1 to the end of the last (leaving out start-up
+    and the first iteration's warm-up) beside the script's own charts/SPS, and the medians over iterations 2.. of
+    perf/rollout_time, perf/update_time and perf/sync_time."""
+    scalars = read_scalar_events(run_dir)
+    sps_events = scalars.get("charts/SPS", [])
+    if len(sps_events) < 2:
+        raise SystemExit(f"benchmark: error: {run_dir} logged {len(sps_events)} iterations; need at least 2")
+    (first_wall, first_step, _), (last_wall, last_step, script_sps) = sps_events[0], sps_events[-1]
+    sps = (last_step - first_step) / max(last_wall - first_wall, 1e-9)
+    batch = (last_step - first_step) // (len(sps_events) - 1)
+    seconds = [statistics.median(event[2] for event in scalars[f"perf/{part}_time"][1:]) for part in PARTS]
+    return Measurement(script, mode, ranks, batch, len(sps_events), sps, script_sps, *seconds)
+
+
 # --- results files -----------------------------------------------------------------------------------
 
 
 def cpu_model() -> str:
     """The CPU's model name from /proc/cpuinfo (the platform's processor string elsewhere)."""
-    try:
+    with contextlib.suppress(OSError):
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
                 return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
     return platform.processor() or "unknown CPU"
 
 
 def load_average() -> str:
     """The 1, 5 and 15 minute load averages, as `uptime` shows them."""
-    try:
-        return ", ".join(f"{value:.2f}" for value in os.getloadavg())
-    except OSError:
-        return "unknown"
-
-
-def load_warning(max_load: float) -> str | None:
-    """A loud warning for a timing results file when the 1-minute load average exceeds `max_load`, else None."""
-    try:
-        one_minute = os.getloadavg()[0]
-    except OSError:
-        return None
-    if one_minute <= max_load:
-        return None
-    return (
-        f"MEASURED UNDER LOAD: the 1-minute load average was {one_minute:.2f} when the measurement started (more "
-        f"than {max_load}): other processes shared the CPU, so these timings are distorted. Re-run on a quiet machine."
-    )
+    return ", ".join(f"{value:.2f}" for value in os.getloadavg()) if hasattr(os, "getloadavg") else "unknown"
 
 
 def check_load(max_load: float) -> tuple[str, str | None]:
-    """Before a timing: the load averages now, and `load_warning(max_load)`, which is also printed to stderr."""
-    load, warning = load_average(), load_warning(max_load)
-    if warning:
-        print(f"benchmark: warning: {warning}", file=sys.stderr)
+    """Before a timing: the load averages now, and a loud warning for the results file when the 1-minute one exceeds
+    `max_load` (also printed to stderr), else None."""
+    load = load_average()
+    if load == "unknown" or float(load.split(",")[0]) <= max_load:
+        return load, None
+    warning = (
+        f"MEASURED UNDER LOAD: the 1-minute load average was {load.split(',')[0]} when the measurement started (more "
+        f"than {max_load}): other processes shared the CPU, so these timings are distorted. Re-run on a quiet machine."
+    )
+    print(f"benchmark: warning: {warning}", file=sys.stderr)
     return load, warning
 
 
-def machine_description() -> str:
-    """One line: CPU model, usable cores, OS, Python and torch versions."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return (
-        f"{cpu_model()}, {cores} usable cores ({os.cpu_count()} online), {platform.system()} {platform.release()}, "
-        f"Python {platform.python_version()}, torch {torch.__version__}"
-    )
-
-
-def code_version() -> str:
-    """The git commit of the checkout the benchmark runs from, and which scripts differ from it, if any."""
+def code_version(root: Path = ROOT, short: bool = False) -> str:
+    """The git commit of a checkout, and which scripts differ from it (`+changes` if `short`), if any."""
     try:
-        git = ["git", "-C", str(ROOT)]
+        git = ["git", "-C", str(root)]
         commit = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True)
         changed = subprocess.run([*git, "status", "--porcelain", "--", *SCRIPTS], capture_output=True, text=True)
     except (OSError, subprocess.CalledProcessError):
         return "unknown (not a git checkout)"
     dirty = [line[3:] for line in changed.stdout.splitlines()]
-    return commit.stdout.strip() + (f" with uncommitted changes to {', '.join(dirty)}" if dirty else "")
+    if not dirty:
+        return commit.stdout.strip()
+    return commit.stdout.strip() + ("+changes" if short else f" with uncommitted changes to {', '.join(dirty)}")
 
 
 def command_line(module: str, argv: Sequence[str]) -> str:
@@ -224,48 +366,71 @@ def command_line(module: str, argv: Sequence[str]) -> str:
     return shlex.join(["python", "-m", module, *shown])
 
 
-def results_header(
-    title: str,
-    module: str,
-    argv: Sequence[str],
-    facts: Sequence[str] = (),
-    notes: Sequence[str] = (),
-    warning: str | None = None,
-) -> str:
+def results_header(title: str, module: str, argv: Sequence[str], facts=(), notes=(), warning: str | None = None) -> str:
     """The markdown header of a results file: title, a bold warning if any, then a list of the command that reproduces
     it (`python -m MODULE ARGV` without `--notes`), date, machine, checkout, load and the `facts` the module measured
     or fixed, then each of `notes` (what was run, by whom and why) as a paragraph of prose."""
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    lines = [
-        f"# {title}",
-        "",
-        *([f"**{warning}**", ""] if warning else []),
-        f"- command: `{command_line(module, argv)}` (from the repository root)",
-        f"- date: {now}",
-        f"- machine: {machine_description()}",
-        f"- checkout: commit {code_version()}",
-        f"- load average (1, 5, 15 min) when written: {load_average()}",
-        *(f"- {fact}" for fact in facts),
-        "",
-    ]
-    for note in notes:
-        lines += [note, ""]
-    return "\n".join(lines)
+    machine = (
+        f"{cpu_model()}, {len(usable_cores())} usable cores ({os.cpu_count()} online), {platform.system()} "
+        f"{platform.release()}, Python {platform.python_version()}, torch {torch.__version__}"
+    )
+    lines = [f"# {title}", "", *([f"**{warning}**", ""] if warning else [])]
+    lines += [f"- command: `{command_line(module, argv)}` (from the repository root)", f"- date: {now}"]
+    lines += [f"- machine: {machine}", f"- checkout: commit {code_version()}"]
+    lines += [f"- load average (1, 5, 15 min) when written: {load_average()}", *(f"- {fact}" for fact in facts), ""]
+    return "\n".join(lines + [line for note in notes for line in (note, "")])
 
 
-def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
-    """A markdown table; columns whose cells all start with a number are right-aligned, the others left-aligned."""
+def write_results(args: ResultsArgs, argv, title: str, facts: list[str], body: str, load="", warning=None) -> Path:
+    """Write OUT.md: the results header (with a timing's `load` before the measurement and `warning`, as check_load
+    gives them) then `body`; its path."""
+    facts = [*facts, *([f"load average (1, 5, 15 min) before the measurement: {load}"] if load else [])]
+    module = sys.modules[type(args).__module__].__spec__.name  # benchmark.X, also when run as __main__
+    path, _ = output_paths(args.out)
+    path.write_text(results_header(title, module, argv, facts, args.notes, warning) + body)
+    print(f"wrote {path}")
+    return path
+
+
+def markdown_table(header_row: str, rows: Sequence[Sequence[object]]) -> str:
+    """A markdown table under `header_row` (`a | b | c`); columns whose cells all start with a number are
+    right-aligned, the others left-aligned."""
 
     def numeric(column: int) -> bool:
         return all(re.match(r"^[-+]?[\d.]", str(row[column])) for row in rows if str(row[column]))
 
-    alignments = ["--:" if rows and numeric(column) else ":--" for column in range(len(headers))]
-    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join(alignments) + "|"]
-    lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
-    return "\n".join(lines) + "\n"
+    alignments = ["--:" if rows and numeric(column) else ":--" for column in range(header_row.count(" | ") + 1)]
+    lines = [f"| {header_row} |", "|" + "|".join(alignments) + "|"]
+    return "\n".join(lines + ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]) + "\n"
+
+
+def draw(args: ResultsArgs, plot: Callable[[Path], None], alt: str) -> tuple[Path, str]:
+    """OUT.png drawn by `plot`: its path, and the markdown line that shows it in OUT.md."""
+    png_path = output_paths(args.out)[1]
+    plot(png_path)
+    return png_path, f"\n![{alt}]({png_path.name})\n"
 
 
 def output_paths(stem: Path) -> tuple[Path, Path]:
     """STEM.md and STEM.png, with the parent folder created."""
     stem.parent.mkdir(parents=True, exist_ok=True)
     return stem.with_name(stem.name + ".md"), stem.with_name(stem.name + ".png")
+
+
+@contextlib.contextmanager
+def figure(path: Path, rows: int = 1, cols: int = 1, size: tuple[float, float] = (8, 5)) -> Iterator[list]:
+    """A matplotlib figure (no display needed) of rows x cols axes for the with-block; laid out and saved to `path`
+    when the block ends."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(rows, cols, figsize=size, squeeze=False)
+    try:
+        yield list(axes.flat)
+        fig.tight_layout()
+        fig.savefig(path, dpi=100)
+    finally:
+        plt.close(fig)

@@ -4,12 +4,12 @@ value) from per-seed final returns, for results whose run folders are no longer 
     python -m benchmark.interval 1801.9 1783.8 3455.1 --seeds 1 2 3
 """
 
-import sys
 from dataclasses import dataclass
 
 import numpy as np
 import tyro
 
+from benchmark import common
 from benchmark.plot import final_returns_cell
 
 
@@ -25,7 +25,7 @@ class Args:
 
 def main(argv: list[str] | None = None) -> str:
     """Print the cell and return it."""
-    args = tyro.cli(Args, args=sys.argv[1:] if argv is None else argv, description=__doc__)
+    args, _, _ = common.cli(Args, argv)
     seeds = args.seeds or tuple(str(seed) for seed in range(1, len(args.values) + 1))
     if len(seeds) != len(args.values) or not args.values:
         raise SystemExit("benchmark.interval: error: give one or more values, and as many --seeds as values")

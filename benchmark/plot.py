@@ -4,43 +4,30 @@
         --reference HalfCheetah-v5="1442.64 +- 46.03" --reference-name "CleanRL, v4 envs, 1M steps"
 
 Every folder under the given paths that holds event files is one run. Its env id, seed and label come from the
-`hyperparameters` table the scripts write (the label is `exp_name` unless `--label-keys` says otherwise), so
-runs of any name can be mixed. One panel per env id, one line per label: the mean over seeds (the IQM from 5 seeds)
-of each seed's `charts/episodic_return` (smoothed over `--smooth` logged points, interpolated onto a common step
-grid), shaded with its 95% bootstrap confidence interval. A run's final return is the mean of its last
-`--last-points` logged values of `charts/episodic_return` (each the mean return of the episodes that ended in one
-iteration); the table gives, over seeds, mean +- std (ddof 0), the 95% bootstrap confidence interval of the mean (of
-the IQM from 5 seeds, which the cell then leads with) and each seed's value.
+`hyperparameters` table the scripts write (the label is `exp_name` unless `--label-keys` says otherwise), so runs of
+any name can be mixed. One panel per env id, one line per label over seeds; the table gives each label's final return
+over seeds with its 95% bootstrap confidence interval and each seed's value (the output's header says how).
 """
 
 import math
 import re
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import tyro
 
-from benchmark.common import (
-    find_run_dirs,
-    markdown_table,
-    output_paths,
-    read_hyperparameters,
-    read_scalars,
-    results_header,
-)
+from benchmark import common
 
 RETURN_KEY = "charts/episodic_return"
 CONFIDENCE, RESAMPLES = 0.95, 10_000  # the bootstrap's interval and draws (seeded: a table is reproducible)
 
 
-@dataclass
-class Args:
+@dataclass(kw_only=True)
+class Args(common.ResultsArgs):
     paths: tyro.conf.Positional[tuple[Path, ...]]
     """run folders, or folders holding run folders (searched recursively for event files)"""
-    out: Path = Path("benchmark_results/learning_curves")
-    """output stem: writes OUT.png and OUT.md"""
     label_keys: tuple[str, ...] = ("exp_name",)
     """hyperparameters whose values name a line (e.g. exp_name world_size)"""
     last_points: int = 10
@@ -56,9 +43,7 @@ class Args:
     """the reference line's (short) name in the plots' legends"""
     title: str = "Learning curves and final returns"
     """the heading of the markdown file"""
-    notes: tuple[str, ...] = field(default_factory=tuple)
-    """paragraphs of prose under the header of the markdown file (e.g. the commands that made the runs, how many seeds
-    and why, what each line is); the command shown there leaves them out"""
+    out: Path = Path("benchmark_results/learning_curves")
 
 
 @dataclass
@@ -75,10 +60,10 @@ class Run:
 
 def load_run(path: Path, label_keys: tuple[str, ...]) -> Run | None:
     """A run folder as a Run (identity from its hyperparameters, else from a CleanRL-style name); None if empty."""
-    series = read_scalars(path).get(RETURN_KEY, [])
+    series = common.read_scalars(path).get(RETURN_KEY, [])
     if not series:
         return None
-    hyper = read_hyperparameters(path)
+    hyper = common.read_hyperparameters(path)
     if not hyper:
         parts = path.name.split("__")  # the scripts' default name: {env_id}__{exp_name}__{seed}__{unix_time}
         if len(parts) < 3:
@@ -130,16 +115,12 @@ def mean_curve(
     """(steps, center over seeds, its 95% bootstrap interval's low and high) of the runs' smoothed curves on a common
     step grid; at each step only the runs that reached it count (all of them where the runs have the same length)."""
     grid = np.linspace(min(run.steps[0] for run in runs), max(run.steps[-1] for run in runs), points)
-    curves = np.stack(
-        [
-            np.where(
-                (grid >= run.steps[0]) & (grid <= run.steps[-1]),
-                np.interp(grid, run.steps, trailing_mean(run.returns, smooth)),
-                np.nan,
-            )
-            for run in runs
-        ]
-    )
+
+    def on_grid(run: Run) -> np.ndarray:  # NaN where the run did not reach
+        smoothed = np.interp(grid, run.steps, trailing_mean(run.returns, smooth))
+        return np.where((grid >= run.steps[0]) & (grid <= run.steps[-1]), smoothed, np.nan)
+
+    curves = np.stack([on_grid(run) for run in runs])
     middle, low, high = (np.empty(points) for _ in range(3))
     for index, column in enumerate(curves.T):
         reached = column[~np.isnan(column)]
@@ -207,8 +188,7 @@ def summarize(runs: list[Run], last_points: int, references: dict[str, str], ref
         if references:
             row.append(references.get(env_id, ""))
         rows.append(row)
-    headers = ["env", *labels, *([reference_name] if references else [])]
-    return markdown_table(headers, rows)
+    return common.markdown_table(" | ".join(["env", *labels, *([reference_name] if references else [])]), rows)
 
 
 def seed_order(run: Run) -> tuple[int, str]:
@@ -219,56 +199,45 @@ def seed_order(run: Run) -> tuple[int, str]:
 def plot(runs: list[Run], smooth: int, references: dict[str, str], reference_label: str, path: Path) -> None:
     """One panel per env id, one line (mean or IQM over seeds, its 95% bootstrap interval shaded) per label,
     references dashed."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     env_ids = sorted({run.env_id for run in runs})
     labels = sorted({run.label for run in runs})
     columns = min(3, len(env_ids))
     rows = math.ceil(len(env_ids) / columns)
-    figure, axes = plt.subplots(rows, columns, figsize=(5 * columns, 3.8 * rows), squeeze=False)
-    for axis, env_id in zip(axes.flat, env_ids, strict=False):
-        for color, label in enumerate(labels):
-            group = [run for run in runs if run.env_id == env_id and run.label == label]
-            if not group:
-                continue
-            steps, middle, low, high = mean_curve(group, smooth)
-            axis.plot(steps, middle, color=f"C{color}", label=f"{label} ({count_seeds(group)})")
-            if len(group) > 1:
-                axis.fill_between(steps, low, high, color=f"C{color}", alpha=0.2)
-        value = first_number(references.get(env_id, ""))
-        if value is not None:
-            axis.axhline(value, color="gray", linestyle="--", label=reference_label)
-        axis.set_title(env_id)
-        axis.set_xlabel("global env steps")
-        axis.set_ylabel("episodic return")
-        axis.grid(alpha=0.3)
-        axis.legend(fontsize="small")
-    for axis in list(axes.flat)[len(env_ids) :]:
-        axis.set_visible(False)
-    figure.tight_layout()
-    figure.savefig(path, dpi=100)
-    plt.close(figure)
+    with common.figure(path, rows, columns, (5 * columns, 3.8 * rows)) as axes:
+        for axis, env_id in zip(axes, env_ids, strict=False):
+            for color, label in enumerate(labels):
+                group = [run for run in runs if run.env_id == env_id and run.label == label]
+                if not group:
+                    continue
+                steps, middle, low, high = mean_curve(group, smooth)
+                axis.plot(steps, middle, color=f"C{color}", label=f"{label} ({count_seeds(group)})")
+                if len(group) > 1:
+                    axis.fill_between(steps, low, high, color=f"C{color}", alpha=0.2)
+            value = first_number(references.get(env_id, ""))
+            if value is not None:
+                axis.axhline(value, color="gray", linestyle="--", label=reference_label)
+            axis.set(title=env_id, xlabel="global env steps", ylabel="episodic return")
+            axis.grid(alpha=0.3)
+            axis.legend(fontsize="small")
+        for axis in axes[len(env_ids) :]:
+            axis.set_visible(False)
 
 
 def main(argv: list[str] | None = None) -> tuple[Path, Path]:
     """Read the runs, write OUT.png and OUT.md; returns their paths."""
-    argv = sys.argv[1:] if argv is None else argv
-    args = tyro.cli(Args, args=argv, description=__doc__)
+    args, argv, _ = common.cli(Args, argv)
     references = parse_references(args.reference)
-    runs = [run for path in find_run_dirs(args.paths) if (run := load_run(path, args.label_keys)) is not None]
+    runs = [run for path in common.find_run_dirs(args.paths) if (run := load_run(path, args.label_keys)) is not None]
     if not runs:
         raise SystemExit(f"benchmark.plot: error: no {RETURN_KEY} in any event file under {args.paths}")
     seen: dict[tuple[str, str, str], Path] = {}
     for run in runs:
-        key = (run.label, run.env_id, run.seed)
-        if key in seen:
+        if (key := (run.label, run.env_id, run.seed)) in seen:
             print(f"benchmark.plot: warning: {run.path} and {seen[key]} are both {' '.join(key)}", file=sys.stderr)
         seen[key] = run.path
-    table_path, png_path = output_paths(args.out)
-    plot(runs, args.smooth, references, args.reference_label, png_path)
+    png_path, image = common.draw(
+        args, lambda path: plot(runs, args.smooth, references, args.reference_label, path), "learning curves"
+    )
     facts = [
         f"final return: mean of the last {args.last_points} logged `{RETURN_KEY}` values of a run (each the mean "
         "return of the episodes that ended in one iteration), then over seeds mean +- std (ddof 0), the 95% "
@@ -276,15 +245,9 @@ def main(argv: list[str] | None = None) -> tuple[Path, Path]:
         "of the interquartile mean, which leads the cell, from 5 seeds) and each seed's value; the curves are the "
         "same statistic of the smoothed returns at each step, shaded with its interval",
     ]
-    runs_list = "\n".join(f"- {run.label} {run.env_id} seed {run.seed}: `{run.path}`" for run in runs)
-    text = results_header(args.title, "benchmark.plot", argv, facts, args.notes)
-    text += (
-        f"\n![learning curves]({png_path.name})\n\n{summarize(runs, args.last_points, references, args.reference_name)}"
-    )
-    text += f"\nRuns read:\n\n{runs_list}\n"
-    table_path.write_text(text)
-    print(f"wrote {png_path} and {table_path}")
-    return table_path, png_path
+    body = image + "\n" + summarize(runs, args.last_points, references, args.reference_name) + "\nRuns read:\n\n"
+    body += "".join(f"- {run.label} {run.env_id} seed {run.seed}: `{run.path}`\n" for run in runs)
+    return common.write_results(args, argv, args.title, facts, body), png_path
 
 
 if __name__ == "__main__":

@@ -2,21 +2,20 @@
 
     python -m benchmark.scaling_model --from benchmark/results/scaling.md --out benchmark/results/scaling_model
 
-It reads the seconds per iteration that benchmark.scaling measured at 1 and 2 ranks (rank 0's medians: the whole
-iteration from global batch / SPS, the update, the sync within it) for every script and mode in the file, predicts
-the SPS relative to 1 rank and the efficiency at `--ranks` ranks, and finds the first rank count where the
-efficiency drops below 50%. The assumptions are written out in the output (and in `iteration_seconds`).
+From the seconds per iteration benchmark.scaling measured at 1 and 2 ranks (rank 0's: the whole iteration, the
+update, the sync within it), for every script and mode in the file, it predicts the SPS relative to 1 rank and the
+efficiency at `--ranks` ranks, and the first rank count where the efficiency drops below 50%, on the assumptions
+that ASSUMPTIONS states (and the output repeats).
 """
 
 import math
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Literal
 
 import tyro
 
-from benchmark.common import markdown_table, output_paths, results_header
+from benchmark import common
 from benchmark.scaling import TABLE_HEADERS
 
 Variant = Literal["gloo", "NCCL", "MPI", "linear", "fitted"]
@@ -34,20 +33,22 @@ STOPS_PAYING = 0.5
 """the efficiency below which a mode no longer pays for its ranks"""
 MAX_RANKS = 2**30
 """where the search for the 50% point gives up"""
+INPUT_COLUMNS = (
+    "script | mode | T(1) | u (update, 1 rank) | s (sync, 1 rank) | sync, 2 ranks | c (added by rank 2) | "
+    "L(2) / L(1) (learner update)"
+)
+PREDICTION_COLUMNS = "script | mode | model: what grows with N | ranks | SPS relative to 1 rank | efficiency | measured"
 
 
-@dataclass
-class Args:
+@dataclass(kw_only=True)
+class Args(common.ResultsArgs):
     source: Annotated[Path, tyro.conf.arg(name="from")] = Path("benchmark/results/scaling.md")
     """a results file of benchmark.scaling with 1- and 2-rank rows"""
-    out: Path = Path("benchmark_results/scaling_model")
-    """output stem: writes OUT.md"""
     ranks: tuple[int, ...] = (8, 64, 512)
     """the rank counts to predict (2, the measured one, is shown beside its measurement)"""
     bandwidth_share: float = 0.0
     """the share of the communication measured at 2 ranks that is bandwidth (grows as 2(N-1)/N); the rest is latency"""
-    notes: tuple[str, ...] = ()
-    """paragraphs of prose under the header of the markdown file"""
+    out: Path = Path("benchmark_results/scaling_model")
 
 
 @dataclass
@@ -85,7 +86,7 @@ class Seconds:
 
 def read_scaling(text: str) -> dict[tuple[str, str], Seconds]:
     """Every (script, mode) of a benchmark.scaling results file with both a 1- and a 2-rank row."""
-    mode, ranks, batch, sps, _, _, efficiency_, _, update, sync = TABLE_HEADERS
+    mode, ranks, batch, sps, _, _, efficiency_, _, update, sync = TABLE_HEADERS.split(" | ")
     rows: dict[tuple[str, str], dict[int, dict[str, str]]] = {}
     script, headers = "", None
     for line in text.splitlines():
@@ -120,20 +121,15 @@ def read_scaling(text: str) -> dict[tuple[str, str], Seconds]:
 
 
 def sync_growth(ranks: int, law: Variant, bandwidth_share: float) -> float:
-    """g(N): a ring allreduce's time at N ranks in units of its time at 2 (g(2) = 1). The bandwidth term
-    2(N-1)/N x bytes / bandwidth, the latency term x (N-1) steps for gloo's ring, x log2 N for NCCL's tree and
-    Open MPI's small-message allreduce on one node."""
+    """g(N): an allreduce's time at N ranks in units of its time at 2 (g(2) = 1), as ASSUMPTIONS derives it."""
     latency = ranks - 1 if law == "gloo" else math.log2(ranks)
     return (1 - bandwidth_share) * latency + bandwidth_share * 2 * (ranks - 1) / ranks
 
 
 def iteration_seconds(seconds: Seconds, mode: str, ranks: int, variant: Variant, bandwidth_share: float) -> float:
-    """T(N), rank 0's predicted seconds per iteration at `ranks` ranks (weak scaling).
-
-    Everything outside the update (rollout, GAE, logging) stays as at 1 rank. allreduce and DDP: the local update
-    stays too, and the communication the second rank added grows by `sync_growth` (`variant` gloo or NCCL). gather:
-    rank 0's update alone grows with the world batch, each added rank adding the 1-rank learner update (`variant`
-    linear) or what the second rank added to it (fitted); the gather and broadcast add one peer's share per rank."""
+    """T(N), rank 0's predicted seconds per iteration at `ranks` ranks (weak scaling), as ASSUMPTIONS says: in
+    allreduce (and DDP) the communication the second rank added grows by `sync_growth`; in gather rank 0's update
+    grows with the world batch and the gather and broadcast by one peer's share per rank."""
     outside_update = seconds.iteration - seconds.update
     if mode.split()[0] == "gather":
         per_rank = seconds.learner if variant == "linear" else max(seconds.learner2 - seconds.learner, 0.0)
@@ -203,8 +199,7 @@ rollouts, contention between ranks for memory bandwidth, and hierarchical or asy
 
 def main(argv: list[str] | None = None) -> Path:
     """Write OUT.md: the inputs, the predictions, and where each mode stops paying; returns its path."""
-    argv = sys.argv[1:] if argv is None else argv
-    args = tyro.cli(Args, args=argv, description=__doc__)
+    args, argv, _ = common.cli(Args, argv)
     if not 0 <= args.bandwidth_share <= 1 or not args.ranks or min(args.ranks) < 1:
         raise SystemExit("benchmark.scaling_model: error: --bandwidth-share must be in [0, 1], --ranks >= 1")
     text = args.source.read_text()
@@ -212,29 +207,18 @@ def main(argv: list[str] | None = None) -> Path:
     if not measured:
         raise SystemExit(f"benchmark.scaling_model: error: {args.source} has no script with both 1- and 2-rank rows")
     source_facts = [line[2:] for line in text.splitlines() if line.startswith(("- date:", "- machine:", "- checkout:"))]
-    facts = [f"input: {args.source}, measured with {'; '.join(source_facts)}"]
-    warning = None
-    if "MEASURED UNDER LOAD" in text:
-        warning = f"THE INPUT WAS MEASURED UNDER LOAD ({args.source} says so): so are these predictions."
+    warning = (
+        "MEASURED UNDER LOAD" in text
+        and f"THE INPUT WAS MEASURED UNDER LOAD ({args.source} says so): so are these predictions."
+    )
 
     inputs, predictions, verdicts = [], [], []
     for (script, mode), seconds in measured.items():
-        learner_ratio = seconds.learner2 / max(seconds.learner, 1e-9)
-        inputs.append(
-            [
-                script,
-                mode,
-                f"{seconds.iteration:.3f}",
-                f"{seconds.update:.3f}",
-                f"{seconds.sync1:.3f}",
-                f"{seconds.sync2:.3f}",
-                f"{seconds.added:.3f}",
-                f"{learner_ratio:.2f}" if mode.split()[0] == "gather" else "",
-            ]
-        )
-        kind = (
-            "gather" if mode.split()[0] == "gather" else "allreduce mpirun" if mode.endswith("mpirun") else "allreduce"
-        )
+        gather = mode.split()[0] == "gather"
+        numbers = (seconds.iteration, seconds.update, seconds.sync1, seconds.sync2, seconds.added)
+        learner_ratio = f"{seconds.learner2 / max(seconds.learner, 1e-9):.2f}" if gather else ""
+        inputs.append([script, mode, *(f"{number:.3f}" for number in numbers), learner_ratio])
+        kind = "gather" if gather else "allreduce mpirun" if mode.endswith("mpirun") else "allreduce"
         for variant, label in VARIANTS[kind].items():
             for ranks in sorted({2, *args.ranks}):
                 eff = efficiency(seconds, mode, ranks, variant, args.bandwidth_share)
@@ -244,45 +228,13 @@ def main(argv: list[str] | None = None) -> Path:
             where = f"below 50% from {limit:,} ranks" if limit else f"not below 50% up to {MAX_RANKS:,} ranks"
             verdicts.append(f"- {script} {mode} ({label}): {where}")
 
-    text = results_header(
-        "Scaling model: efficiency at more ranks, from the 1- and 2-rank measurements",
-        "benchmark.scaling_model",
-        argv,
-        facts,
-        args.notes,
-        warning,
-    )
-    text += "\n" + ASSUMPTIONS.format(beta=args.bandwidth_share)
-    text += "\n## Inputs (seconds per iteration, rank 0)\n\n"
-    text += markdown_table(
-        [
-            "script",
-            "mode",
-            "T(1)",
-            "u (update, 1 rank)",
-            "s (sync, 1 rank)",
-            "sync, 2 ranks",
-            "c (added by rank 2)",
-            "L(2) / L(1) (learner update)",
-        ],
-        inputs,
-    )
-    text += "\n## Predictions\n\n"
-    headers = [
-        "script",
-        "mode",
-        "model: what grows with N",
-        "ranks",
-        "SPS relative to 1 rank",
-        "efficiency",
-        "measured",
-    ]
-    text += markdown_table(headers, predictions)
-    text += "\n## Where each mode stops paying (efficiency below 50%)\n\n" + "\n".join(verdicts) + "\n"
-    path, _ = output_paths(args.out)
-    path.write_text(text)
-    print(f"wrote {path}")
-    return path
+    body = "\n" + ASSUMPTIONS.format(beta=args.bandwidth_share) + "\n## Inputs (seconds per iteration, rank 0)\n\n"
+    body += common.markdown_table(INPUT_COLUMNS, inputs) + "\n## Predictions\n\n"
+    body += common.markdown_table(PREDICTION_COLUMNS, predictions)
+    body += "\n## Where each mode stops paying (efficiency below 50%)\n\n" + "\n".join(verdicts) + "\n"
+    title = "Scaling model: efficiency at more ranks, from the 1- and 2-rank measurements"
+    facts = [f"input: {args.source}, measured with {'; '.join(source_facts)}"]
+    return common.write_results(args, argv, title, facts, body, warning=warning or None)
 
 
 if __name__ == "__main__":

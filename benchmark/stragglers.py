@@ -2,66 +2,34 @@
 
     python -m benchmark.stragglers --out benchmark/results/stragglers
 
-Two ranks pinned one to a core as in benchmark.scaling (`taskset -c C0,C1 python -m torch.distributed.run --standalone
---nproc_per_node 2 benchmark/pin_rank.py SCRIPT --torch-threads 1`, the Atari script also `--env-threads 1`); rank 1
-is the straggler. Each case runs twice on the same `--total-timesteps` (`--iterations` full world batches): waiting
-(`--preempt-fraction 0`, the scripts' default) and `--preempt-fraction F`, with which the other ranks stop their
-rollout once F of the ranks finished theirs (after `--min-rollout-fraction` of it), so a preempted run takes more,
-smaller iterations. Cases (`--cases`):
-
-- rollout-dominated: ppo_continuous_mpi.py at its defaults on `benchmark.stragglers:StragglerHalfCheetah-v0`,
-  HalfCheetah-v5 whose every step takes a fixed time, its own step then busy-waiting for the rest (CPU time, as a
-  simulator spends it; not a sleep), the cost read when the env is built, in the rank's process, from
-      DDRL_STEP_MS      milliseconds per env step (default 1; the benchmark sets it from --step-ms)
-      DDRL_SLOW_FACTOR  rank 1's (torchrun's RANK) steps take this many times as long (default 3; from --slow-factor)
-- halfcheetah: ppo_continuous_mpi.py on plain HalfCheetah-v5, rank 1 sharing its core with a CPU hog (a busy-loop
-  process pinned to that core for the run, killed after it), which leaves rank 1 about half its core;
-- breakout: ppo_atari_multigpu.py on BreakoutNoFrameskip-v4 (8 envs x 128 steps per rank), the same CPU hog.
-
-From rank 0's TensorBoard events, as benchmark.scaling: SPS from the end of iteration 1 to the end of the last;
-speedup = SPS(preempt) / SPS(wait); medians over iterations 2.. of `perf/rollout_time`, `perf/update_time`,
-`perf/sync_time` (rank 0 is the fast rank); the mean share of the full world batch collected per iteration (2..).
-Arguments after `--` go to every run, after the benchmark's own. The defaults take about 10 minutes on 2 cores.
-`--side-by-side` runs a case's two runs at once, for learning checks at equal env steps in about half the time.
+Two ranks under torchrun, pinned one to a core as in benchmark.scaling; rank 1 is the straggler. Each case runs twice
+on the same `--total-timesteps` (`--iterations` full world batches): waiting (`--preempt-fraction 0`, the scripts'
+default) and `--preempt-fraction F`, with which the other ranks stop their rollout once F of the ranks finished
+theirs (after `--min-rollout-fraction` of it), so a preempted run takes more, smaller iterations. Cases (CASES says
+what each stands for): rollout-dominated, ppo_continuous_mpi.py on `benchmark.stragglers:StragglerHalfCheetah-v0`,
+HalfCheetah-v5 whose steps busy-wait (CPU time, as a simulator spends it) to DDRL_STEP_MS milliseconds each (from
+`--step-ms`), DDRL_SLOW_FACTOR times that on rank 1 (torchrun's RANK; from `--slow-factor`), both read in the rank's
+process when the env is built; halfcheetah and breakout, the MLP and Atari scripts at their defaults with a CPU hog
+(a busy loop pinned to rank 1's core for the run) leaving rank 1 about half its core. The table gives SPS and rank
+0's time split as benchmark.scaling does, the speedup SPS(preempt) / SPS(wait) and the share of the full batch
+collected. Arguments after `--` go to every run. The defaults take about 10 minutes on 2 cores; `--side-by-side`
+runs a case's two runs at once, for learning checks at equal env steps in about half the time.
 """
 
 import contextlib
 import os
 import shlex
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import gymnasium as gym
-import tyro
 
-from benchmark.common import (
-    check_load,
-    last_lines,
-    markdown_table,
-    output_paths,
-    read_hyperparameters,
-    results_header,
-    run_at_once,
-    run_streaming,
-    split_script_args,
-)
-from benchmark.scaling import (
-    ATARI,
-    SCRIPT_DEFAULTS,
-    Measurement,
-    launch_command,
-    measure,
-    script_args,
-    script_modes,
-    usable_cores,
-)
+from benchmark import common, scaling
 
 STEP_MS_VAR, SLOW_FACTOR_VAR = "DDRL_STEP_MS", "DDRL_SLOW_FACTOR"
 DEFAULT_STEP_MS, DEFAULT_SLOW_FACTOR = 1.0, 3.0
@@ -133,6 +101,7 @@ def cpu_hog(core: int) -> Iterator[subprocess.Popen]:
 class Case:
     script: str
     env_id: str
+    """empty: the script's default"""
     cpu_hog: bool
     """True: rank 1 shares its core with a CPU hog; False: rank 1's env steps cost DDRL_SLOW_FACTOR times more"""
     models: str
@@ -144,58 +113,49 @@ CASES = {
         CONTINUOUS,
         ENV_ID,
         cpu_hog=False,
-        models=(
-            "a simulator that dominates the iteration and runs slower on one rank (a slower node, harder scenes): "
-            "HalfCheetah whose every step takes a fixed CPU time, DDRL_SLOW_FACTOR times as long on rank 1. Both "
-            "ranks keep a core each, so only rank 1's rollout is slow; its update is as fast as rank 0's"
-        ),
+        models="a simulator that dominates the iteration and runs slower on one rank (a slower node, harder scenes): "
+        "HalfCheetah whose every step takes a fixed CPU time, DDRL_SLOW_FACTOR times as long on rank 1. Both ranks "
+        "keep a core each, so only rank 1's rollout is slow; its update is as fast as rank 0's",
     ),
     "halfcheetah": Case(
         CONTINUOUS,
-        SCRIPT_DEFAULTS[CONTINUOUS][0],
+        "",
         cpu_hog=True,
-        models=(
-            "a node shared with another job at the scripts' own costs: rank 1 gets about half its core, so its "
-            "rollout runs at half speed, and with --sync allreduce its share of the update too (every minibatch's "
-            "gradient allreduce waits for it; preemption shortens only the rollout); with --sync gather rank 0, on "
-            "its own core, learns alone"
-        ),
+        models="a node shared with another job at the scripts' own costs: rank 1 gets about half its core, so its "
+        "rollout runs at half speed, and with --sync allreduce its share of the update too (every minibatch's gradient "
+        "allreduce waits for it; preemption shortens only the rollout); with --sync gather rank 0, on its own core, "
+        "learns alone",
     ),
     "breakout": Case(
-        ATARI,
-        SCRIPT_DEFAULTS[ATARI][0],
+        common.ATARI,
+        "",
         cpu_hog=True,
-        models=(
-            "the same shared node for the Atari script, whose iteration is mostly update (the Nature CNN's "
-            "backward passes, synced by DDP, which waits for rank 1 in every minibatch), so a shorter rollout saves "
-            "a smaller share"
-        ),
+        models="the same shared node for the Atari script, whose iteration is mostly update (the Nature CNN's backward "
+        "passes, synced by DDP, which waits for rank 1 in every minibatch), so a shorter rollout saves a smaller share",
     ),
 }
 CaseName = Literal["rollout-dominated", "halfcheetah", "breakout"]
-
 TABLE_HEADERS = (
-    "case",
-    "mode",
-    "iterations",
-    "SPS (iterations 2..)",
-    "speedup",
-    "s / iteration",
-    "rollout s / it",
-    "update s / it",
-    "of which sync s / it",
-    "collected / full batch",
+    "case | mode | iterations | SPS (iterations 2..) | speedup | s / iteration | rollout s / it | update s / it | "
+    "of which sync s / it | collected / full batch"
+)
+COLUMNS_MEAN = (
+    "SPS: world env steps per second from the end of iteration 1 to the end of the last (TensorBoard event wall "
+    "times); speedup: SPS over the waiting run's of the same case; s / iteration: the wall time per iteration (2..). "
+    "Rollout, update and sync are rank 0's medians over iterations 2.. (`perf/*_time`). Rank 0 is the fast rank, so "
+    "its rollout is whole in both modes; it waits for rank 1's rollout in the first collective after its own, which no "
+    "column covers where that is the preempting runs' all_gather of sample counts or ppo_continuous's normalisation "
+    "statistics, and update and sync cover in the waiting Atari runs (the update's first collective); s / iteration "
+    "always includes it. Collected: the mean share of the full world batch (2 x the per-rank batch) the world "
+    "collected per iteration (2..)."
 )
 
 
-@dataclass
-class Args:
+@dataclass(kw_only=True)
+class Args(scaling.PinnedArgs):
     cases: tuple[CaseName, ...] = ("rollout-dominated", "halfcheetah", "breakout")
     """the cases to measure, each waiting and with preemption"""
     iterations: int = 10
-    """full world batches per run (--total-timesteps, the same in both modes); at least 2 (the first is left out)"""
-    local_steps: int = 0
-    """env steps per rank per iteration; 0 = the script's own default (PPO 2048, Atari 8 envs x 128)"""
     step_ms: float = DEFAULT_STEP_MS
     """rollout-dominated: milliseconds every env step spins on rank 0 (DDRL_STEP_MS)"""
     slow_factor: float = DEFAULT_SLOW_FACTOR
@@ -204,84 +164,53 @@ class Args:
     """the scripts' --preempt-fraction in the preempting runs (the waiting runs pass 0)"""
     sync: Literal["allreduce", "gather"] = "gather"
     """ppo_continuous_mpi.py's --sync (gather: the mode README's quick start runs at 2 ranks); Atari syncs by DDP"""
-    out: Path = Path("benchmark_results/stragglers")
-    """output stem: writes OUT.md and OUT.png"""
-    out_dir: Path | None = None
-    """where the runs are launched (runs/ and logs/ land there, and are kept); default: a temporary folder"""
-    notes: tuple[str, ...] = ()
-    """paragraphs of prose under the header of the markdown file (what was run, how and why); the command shown there
-    leaves them out"""
-    max_load: float = 1.0
-    """above this 1-minute load average at the start, the results file opens with a MEASURED UNDER LOAD warning"""
     side_by_side: bool = False
     """run a case's waiting and preempting runs at the same time, rank 0 of each on C0 and rank 1 of each on C1: for
-    learning checks (returns at equal env steps) in about half the wall time; their SPS then measure two runs sharing
-    the cores, not the modes"""
+    learning checks (returns at equal env steps) in about half the wall time; their SPS then measure two runs
+    sharing the cores, not the modes"""
+    out: Path = Path("benchmark_results/stragglers")
 
 
-@dataclass
-class Result:
-    """One run: its case, mode and measurement, and the full world batch per iteration it could have collected."""
+class Result(NamedTuple):
+    """One run: its case, mode and measurement, and the mean share of the full world batch it collected per
+    iteration (2..)."""
 
     case: str
     mode: str
-    measurement: Measurement
-    full_batch: int
-
-    @property
-    def collected(self) -> float:
-        """The mean share of the full world batch collected per iteration (iterations 2..)."""
-        return self.measurement.global_batch / self.full_batch
+    measurement: common.Measurement
+    collected: float
 
 
 def mode_label(preempt_fraction: float) -> str:
     return f"preempt {preempt_fraction:g}" if preempt_fraction else "wait"
 
 
-def straggler_command(
-    case: Case, preempt_fraction: float, args: Args, extra: list[str], cores: list[int], name: str
-) -> list[str]:
-    """The pinned 2-rank command of one run: the script's own flags, then `extra`; the slow env's costs in front."""
-    local_steps = args.local_steps or SCRIPT_DEFAULTS[case.script][1]
-    run_args = [
-        *("--env-id", case.env_id, "--run-name", name),
-        *script_args(case.script, script_modes(case.script, (args.sync,))[0], 2, local_steps, args.iterations),
-        *("--preempt-fraction", f"{preempt_fraction:g}"),
-        *extra,
-    ]
-    command = launch_command(case.script, 2, cores, run_args)
-    if case.cpu_hog:
-        return command
-    return ["env", f"{STEP_MS_VAR}={args.step_ms:g}", f"{SLOW_FACTOR_VAR}={args.slow_factor:g}", *command]
-
-
-def run_case(
-    case_name: str, fractions: tuple[float, ...], args: Args, extra: list[str], cores: list[int], work_dir: Path
-) -> list[Result]:
-    """Launch the case's runs, one per preempt fraction, one after the other or (--side-by-side) at once, under a CPU
-    hog on rank 1's core if the case has one; reduce each run's events to a Result."""
-    case, modes = CASES[case_name], [mode_label(fraction) for fraction in fractions]
-    names = [f"stragglers__{case_name}__{mode.split()[0]}" for mode in modes]
-    commands = []
-    for fraction, mode, name in zip(fractions, modes, names, strict=True):
-        shutil.rmtree(work_dir / "runs" / name, ignore_errors=True)
-        commands.append(straggler_command(case, fraction, args, extra, cores, name))
+def run_case(name: str, args: Args, extra: list[str], cores: list[int], work_dir: Path) -> list[Result]:
+    """Launch the case's pinned 2-rank runs, waiting and preempting, one after the other or (--side-by-side) at once,
+    under a CPU hog on rank 1's core if the case has one (else the slow env's costs in front); their Results."""
+    case = CASES[name]
+    mode = scaling.script_modes(case.script, (args.sync,))[0]
+    slow_env = ["env", f"{STEP_MS_VAR}={args.step_ms:g}", f"{SLOW_FACTOR_VAR}={args.slow_factor:g}"]
+    commands = {}
+    for fraction in (0.0, args.preempt_fraction):
+        run_name = f"stragglers__{name}__{mode_label(fraction).split()[0]}"
+        run_args = ["--env-id", case.env_id or common.defaults(case.script).env_id, "--run-name", run_name]
+        run_args += scaling.script_args(case.script, mode, 2, args.local_steps, args.iterations)
+        run_args += ["--preempt-fraction", f"{fraction:g}", *extra]
+        command = common.script_command(common.ROOT / case.script, run_args, 2, "torchrun", cores)
+        commands[run_name] = command if case.cpu_hog else [*slow_env, *command]
         hog = f" (CPU hog on core {cores[1]})" if case.cpu_hog else ""
-        print(f"{case_name}, {mode}{hog}: {shlex.join(commands[-1])}", flush=True)
-    log_paths = [work_dir / "logs" / f"{name}.log" for name in names]
+        print(f"{name}, {mode_label(fraction)}{hog}: {shlex.join(commands[run_name])}", flush=True)
     with cpu_hog(cores[1]) if case.cpu_hog else contextlib.nullcontext():
-        if args.side_by_side:
-            codes = run_at_once(commands, work_dir, log_paths)
-        else:
-            codes = [run_streaming(command, work_dir, log) for command, log in zip(commands, log_paths, strict=True)]
+        run_dirs = common.run_logged(commands, work_dir, at_once=args.side_by_side)
     results = []
-    for mode, name, log_path, code in zip(modes, names, log_paths, codes, strict=True):
-        if code:
-            raise SystemExit(f"benchmark.stragglers: error: {name} failed; {log_path}:\n{last_lines(log_path)}")
-        run_dir = work_dir / "runs" / name
-        full_batch = int(read_hyperparameters(run_dir)["batch_size"])
-        results.append(Result(case_name, mode, measure(run_dir, case.script, mode, 2), full_batch))
-        print(f"  {mode}: SPS {results[-1].measurement.sps:,.0f}, collected {results[-1].collected:.2f}", flush=True)
+    for fraction, run_dir in zip((0.0, args.preempt_fraction), run_dirs, strict=True):
+        measurement = common.measure(run_dir, case.script, mode_label(fraction), 2)
+        full_batch = int(common.read_hyperparameters(run_dir)["batch_size"])
+        results.append(Result(name, mode_label(fraction), measurement, measurement.global_batch / full_batch))
+        print(
+            f"  {mode_label(fraction)}: SPS {measurement.sps:,.0f}, collected {results[-1].collected:.2f}", flush=True
+        )
     return results
 
 
@@ -289,132 +218,80 @@ def stragglers_table(results: list[Result]) -> str:
     """A row per run; speedup against the waiting run of the same case."""
     waiting = {r.case: r.measurement.sps for r in results if r.mode == "wait"}
     rows = []
-    for r in results:
-        m = r.measurement
-        rows.append(
-            [
-                r.case,
-                r.mode,
-                m.iterations,
-                f"{m.sps:,.0f}",
-                f"{m.sps / waiting[r.case]:.2f}",
-                f"{m.global_batch / m.sps:.3f}",
-                f"{m.rollout:.3f}",
-                f"{m.update:.3f}",
-                f"{m.sync:.3f}",
-                f"{r.collected:.2f}",
-            ]
-        )
-    return markdown_table(TABLE_HEADERS, rows)
+    for case, mode, m, collected in results:
+        speed = [f"{m.sps:,.0f}", f"{m.sps / waiting[case]:.2f}", f"{m.global_batch / m.sps:.3f}"]
+        rows.append([case, mode, m.iterations, *speed, *(f"{s:.3f}" for s in (m.rollout, m.update, m.sync))])
+        rows[-1].append(f"{collected:.2f}")
+    return common.markdown_table(TABLE_HEADERS, rows)
 
 
 def plot(results: list[Result], path: Path) -> None:
     """SPS per case, a bar per mode, the speedup written over each preempting bar."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     cases = list(dict.fromkeys(r.case for r in results))
     modes = list(dict.fromkeys(r.mode for r in results))
+    waiting = {r.case: r.measurement.sps for r in results if r.mode == "wait"}
     width = 0.8 / len(modes)
-    figure, axes = plt.subplots(figsize=(8, 5))
-    for index, mode in enumerate(modes):
-        rows = {r.case: r for r in results if r.mode == mode}
-        positions = [cases.index(case) + (index - (len(modes) - 1) / 2) * width for case in rows]
-        bars = axes.bar(positions, [r.measurement.sps for r in rows.values()], width, label=mode, color=f"C{index}")
-        if mode != "wait":
-            waiting = {r.case: r.measurement.sps for r in results if r.mode == "wait"}
-            labels = [f"{r.measurement.sps / waiting[case]:.2f}x" for case, r in rows.items()]
-            axes.bar_label(bars, labels, fontsize="small")
-    axes.set_xticks(range(len(cases)), cases)
-    axes.set_ylabel("env steps per second (iterations 2..)")
-    axes.set_title("2 ranks on 2 cores, rank 1 a straggler: waiting for it or preempting it")
-    axes.legend(fontsize="small")
-    axes.grid(axis="y", alpha=0.3)
-    figure.tight_layout()
-    figure.savefig(path, dpi=100)
-    plt.close(figure)
+    with common.figure(path) as [axes]:
+        for index, mode in enumerate(modes):
+            rows = {r.case: r.measurement.sps for r in results if r.mode == mode}
+            positions = [cases.index(case) + (index - (len(modes) - 1) / 2) * width for case in rows]
+            bars = axes.bar(positions, list(rows.values()), width, label=mode, color=f"C{index}")
+            if mode != "wait":
+                axes.bar_label(bars, [f"{sps / waiting[case]:.2f}x" for case, sps in rows.items()], fontsize="small")
+        axes.set_xticks(range(len(cases)), cases)
+        axes.set(ylabel="env steps per second (iterations 2..)")
+        axes.set_title("2 ranks on 2 cores, rank 1 a straggler: waiting for it or preempting it")
+        axes.legend(fontsize="small")
+        axes.grid(axis="y", alpha=0.3)
 
 
 def main(argv: list[str] | None = None) -> tuple[Path, Path]:
     """Run every case waiting and preempting, write OUT.md and OUT.png; returns their paths."""
-    argv = sys.argv[1:] if argv is None else argv
-    own, extra = split_script_args(argv)
-    args = tyro.cli(Args, args=own, description=__doc__)
+    args, argv, extra = common.cli(Args, argv, script_args=True)
     if args.iterations < 2 or not 0 < args.preempt_fraction <= 1 or args.step_ms < 0 or args.slow_factor <= 0:
         raise SystemExit(
             "benchmark.stragglers: error: --iterations must be >= 2, --preempt-fraction in (0, 1], --step-ms >= 0 and "
             "--slow-factor > 0"
         )
-    cores = usable_cores()
+    cores = common.usable_cores()
     if len(cores) < 2:
         raise SystemExit(
             f"benchmark.stragglers: error: 2 ranks on 2 cores need 2 usable cores; this process has {cores}"
         )
-    work_dir = args.out_dir.resolve() if args.out_dir else Path(tempfile.mkdtemp(prefix="ddrl_stragglers_"))
-    load_before, warning = check_load(args.max_load)
-    results = []
-    try:
-        for case_name in dict.fromkeys(args.cases):
-            results += run_case(case_name, (0.0, args.preempt_fraction), args, extra, cores, work_dir)
-    finally:
-        if args.out_dir is None:
-            shutil.rmtree(work_dir, ignore_errors=True)
+    load = common.check_load(args.max_load)
+    cases = list(dict.fromkeys(args.cases))
+    with common.work_folder(args.out_dir, "ddrl_stragglers_") as work_dir:
+        results = [result for name in cases for result in run_case(name, args, extra, cores, work_dir)]
+    png_path, image = common.draw(args, lambda path: plot(results, path), "stragglers")
 
-    table_path, png_path = output_paths(args.out)
-    plot(results, png_path)
-    batch = f"{args.local_steps:,} env steps" if args.local_steps else "each script's default batch"
     facts = [
-        f"2 ranks on cores {cores[0]} and {cores[1]}: `taskset -c {cores[0]},{cores[1]} python -m "
-        "torch.distributed.run --standalone --nproc_per_node 2 benchmark/pin_rank.py SCRIPT --torch-threads 1` "
-        "(pin_rank.py pins local rank r to the r-th core; the Atari script also gets --env-threads 1); rank 1 is the "
-        "straggler",
-        f"budget: --total-timesteps = {args.iterations} full world batches ({batch} per rank per iteration) in both "
-        "modes, so a preempting run, collecting less per iteration, runs more iterations",
+        *scaling.pinned_facts(args, cores),
+        f"2 ranks, on cores {cores[0]} and {cores[1]}; rank 1 is the straggler; the same budget in both modes, so a "
+        "preempting run, collecting less per iteration, runs more iterations",
         f"modes: wait = --preempt-fraction 0; {mode_label(args.preempt_fraction)} = --preempt-fraction "
         f"{args.preempt_fraction:g}, each rollout at least --min-rollout-fraction of --num-steps (0.25 unless set "
         "after --)",
     ]
-    cases = list(dict.fromkeys(args.cases))
     if any(not CASES[name].cpu_hog for name in cases):
         facts.append(
-            f"rollout-dominated env: every env step takes {args.step_ms:g} ms on rank 0 (HalfCheetah's own step, then "
-            f"a busy-wait), {args.slow_factor:g}x "
-            f"that ({args.step_ms * args.slow_factor:g} ms) on rank 1 ({STEP_MS_VAR}={args.step_ms:g} "
-            f"{SLOW_FACTOR_VAR}={args.slow_factor:g})"
+            f"rollout-dominated env: every env step takes {args.step_ms:g} ms on rank 0, {args.slow_factor:g}x that "
+            f"on rank 1 ({STEP_MS_VAR}={args.step_ms:g} {SLOW_FACTOR_VAR}={args.slow_factor:g})"
         )
     if hogged := [name for name in cases if CASES[name].cpu_hog]:
         facts.append(
-            f"CPU hog: one busy-looping process pinned to core {cores[1]} (rank 1's) during every run of "
-            f"{' and '.join(hogged)}; it raises the load averages"
+            f"CPU hog on core {cores[1]} (rank 1's) during every run of {' and '.join(hogged)}: it raises the load"
         )
     if args.side_by_side:
         facts.append(
-            "side by side: each case's waiting and preempting runs ran at the same time, rank 0 of both on core "
-            f"{cores[0]} and rank 1 of both on core {cores[1]}; their SPS measure two runs sharing the cores, not the "
-            "modes (a learning check)"
+            "side by side: each case's waiting and preempting runs ran at the same time on the same two cores; their "
+            "SPS measure two runs sharing the cores, not the modes (a learning check)"
         )
-    facts.append(f"load average (1, 5, 15 min) before the runs: {load_before}")
+    body = f"{image}\n{stragglers_table(results)}\n{COLUMNS_MEAN}\n\n"
+    for name in cases:
+        env_id = CASES[name].env_id or common.defaults(CASES[name].script).env_id
+        body += f"- {name} ({CASES[name].script} on {env_id}): {CASES[name].models}.\n"
     title = "Stragglers: waiting for the slowest rank or preempting it (2 ranks on 2 cores)"
-    text = results_header(title, "benchmark.stragglers", argv, facts, args.notes, warning)
-    text += f"\n![stragglers]({png_path.name})\n\n{stragglers_table(results)}\n"
-    text += (
-        "SPS: world env steps per second from the end of iteration 1 to the end of the last (TensorBoard event wall "
-        "times); speedup: SPS over the waiting run's of the same case; s / iteration: the wall time per iteration "
-        "(2..). Rollout, update and sync are rank 0's medians over iterations 2.. (`perf/*_time`). Rank 0 is the "
-        "fast rank, so its rollout is whole in both modes; it waits for rank 1's rollout in the first collective "
-        "after its own, which no column covers where that is the preempting runs' all_gather of sample counts or "
-        "ppo_continuous's normalisation statistics, and update and sync cover in the waiting Atari runs (the update's "
-        "first collective); s / iteration always includes it. Collected: the mean share of the full world batch "
-        "(2 x the per-rank batch) the world collected per iteration (2..).\n\n"
-    )
-    for case_name in dict.fromkeys(r.case for r in results):
-        case = CASES[case_name]
-        text += f"- {case_name} ({case.script} on {case.env_id}): {case.models}.\n"
-    table_path.write_text(text)
-    print(f"wrote {table_path} and {png_path}")
-    return table_path, png_path
+    return common.write_results(args, argv, title, facts, body, *load), png_path
 
 
 if __name__ == "__main__":

@@ -59,7 +59,7 @@ def test_results_header_names_command_machine_and_torch_and_sets_the_notes_apart
         assert common.cpu_model() in Path("/proc/cpuinfo").read_text()
 
 
-def test_dry_run_prints_the_exact_torchrun_commands(tmp_path, capsys):
+def test_dry_run_prints_the_exact_commands_each_launching_through_the_scripts_nprocs(tmp_path, capsys):
     out_dir = tmp_path / "bench"
     argv = ["--script", "vpg_mpi.py", "--env-ids", "CartPole-v1", "Pendulum-v1", "--out-dir", str(out_dir)]
     assert run.main([*argv, "--dry-run", "--", "--total-timesteps", "400"]) == 0
@@ -68,8 +68,7 @@ def test_dry_run_prints_the_exact_torchrun_commands(tmp_path, capsys):
         f"(cd {out_dir} && "
         + shlex.join(
             [
-                sys.executable,
-                *("-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(ROOT / "vpg_mpi.py")),
+                *(sys.executable, str(ROOT / "vpg_mpi.py"), "--nprocs", "2"),
                 *("--env-id", env_id, "--seed", str(seed), "--run-name", f"vpg_mpi__{env_id}__{seed}"),
                 *("--total-timesteps", "400"),
             ]
@@ -168,28 +167,36 @@ def test_scaling_builds_pinned_one_thread_commands_for_every_script_and_mode():
 
     cores = [3, 5, 7]
     args = scaling.script_args("ppo_continuous_mpi.py", "gather", 1, 2048, 4)
-    assert args == ["--torch-threads", "1", "--sync", "gather", "--num-steps", "2048", "--total-timesteps", "8192"]
-    assert scaling.launch_command("ppo_continuous_mpi.py", 1, cores, args) == [
-        *("taskset", "-c", "3", sys.executable, str(ROOT / "ppo_continuous_mpi.py"), *args)
+    assert args == [
+        *("--torch-threads", "1", "--sync", "gather", "--local-num-envs", "1", "--num-steps", "2048"),
+        *("--total-timesteps", "8192"),
+    ]
+    script = ROOT / "ppo_continuous_mpi.py"
+    assert common.script_command(script, args, 1, "torchrun", cores) == [
+        *("taskset", "-c", "3", sys.executable, str(script), *args)
     ]
     args = scaling.script_args("ppo_atari_multigpu.py", "DDP", 2, 1024, 3)
     assert args == [
         *("--torch-threads", "1", "--env-threads", "1", "--local-num-envs", "8", "--num-steps", "128"),
         *("--total-timesteps", "6144"),
     ]
-    assert scaling.launch_command("ppo_atari_multigpu.py", 2, cores, args) == [
-        *("taskset", "-c", "3,5", *common.torchrun_launcher(2), str(ROOT / "benchmark" / "pin_rank.py")),
-        *(str(ROOT / "ppo_atari_multigpu.py"), *args),
-    ]
+    # N ranks: the script's own --nprocs launch, each rank pinned as it starts by benchmark/pin_rank/sitecustomize.py
+    pin_path = os.pathsep.join(filter(None, [str(ROOT / "benchmark" / "pin_rank"), os.environ.get("PYTHONPATH")]))
+    pin = [f"PYTHONPATH={pin_path}"]
+    for launcher, collectives in (("torchrun", "torch"), ("mpirun", "mpi")):
+        assert common.script_command(ROOT / "ppo_atari_multigpu.py", args, 2, launcher, cores) == [
+            *("taskset", "-c", "3,5", "env", *pin, "DDRL_PIN_CORES=3,5", sys.executable),
+            *(str(ROOT / "ppo_atari_multigpu.py"), "--nprocs", "2", "--collectives", collectives, *args),
+        ]
     args = scaling.script_args("vpg_mpi.py", "allreduce", 3, 100, 2)
     assert args[-4:] == ["--steps-per-epoch", "300", "--total-timesteps", "600"]  # SpinningUp's global batch
     with pytest.raises(ValueError, match="4 ranks but only 3 usable cores"):
-        scaling.launch_command("vpg_mpi.py", 4, cores, args)
+        common.script_command(ROOT / "vpg_mpi.py", args, 4, "torchrun", cores)
 
 
 def test_scaling_rounds_give_each_rounds_speedup_against_the_same_rounds_baseline():
-    def measurement(ranks: int, sps: float) -> scaling.Measurement:
-        return scaling.Measurement("vpg_mpi.py", "allreduce", ranks, 100 * ranks, 3, sps, sps, 1.0, 1.0, 0.1)
+    def measurement(ranks: int, sps: float) -> common.Measurement:
+        return common.Measurement("vpg_mpi.py", "allreduce", ranks, 100 * ranks, 3, sps, sps, 1.0, 1.0, 0.1)
 
     rounds = {
         ("vpg_mpi.py", "allreduce", 1): [measurement(1, 100.0), measurement(1, 120.0), measurement(1, 80.0)],
@@ -210,18 +217,21 @@ def test_run_at_once_runs_its_commands_side_by_side_and_logs_each(tmp_path):
         assert log.read_text() == f"$ (cd {tmp_path} && {shlex.join(command)})\nsaw {other} True\n"
 
 
-def test_pin_rank_pins_the_local_rank_to_its_core_and_becomes_the_program(tmp_path):
+def test_pin_rank_pins_each_local_rank_to_its_core_as_python_starts_and_leaves_other_processes_alone(tmp_path):
     cores = sorted(os.sched_getaffinity(0))
-    program = ["-c", "import os, sys; print(sorted(os.sched_getaffinity(0)), sys.argv[1:])", "a", "b"]
-    result = run_command(
-        [sys.executable, str(ROOT / "benchmark" / "pin_rank.py"), *program], tmp_path, LOCAL_RANK=str(len(cores) - 1)
-    )
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.splitlines() == [
-        f"pin_rank: local rank {len(cores) - 1} on core {cores[-1]}",
-        f"[{cores[-1]}] ['a', 'b']",
-    ]
-    result = run_command([sys.executable, str(ROOT / "benchmark" / "pin_rank.py"), *program], tmp_path, LOCAL_RANK="99")
+    program = ["env", f"PYTHONPATH={ROOT / 'benchmark' / 'pin_rank'}", sys.executable, "-c"]
+    program += ["import os, sys; print(sorted(os.sched_getaffinity(0)), sys.argv[1:])", "a", "b"]
+    pin = {"DDRL_PIN_CORES": ",".join(map(str, cores))}
+    for rank_variable in ("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK"):  # torchrun's, mpirun's
+        result = run_command(program, tmp_path, **pin, **{rank_variable: str(len(cores) - 1)})
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.splitlines() == [
+            f"pin_rank: local rank {len(cores) - 1} on core {cores[-1]}",
+            f"[{cores[-1]}] ['a', 'b']",
+        ]
+    result = run_command(program, tmp_path, **pin)  # no local rank: the re-launching script, torchrun's agent
+    assert result.returncode == 0 and result.stdout.splitlines() == [f"{cores} ['a', 'b']"], result.stderr
+    result = run_command(program, tmp_path, **pin, LOCAL_RANK="99")
     assert result.returncode == 1 and "local rank 99 but only cores" in result.stderr
 
 
@@ -233,7 +243,7 @@ def test_scaling_two_ranks_on_two_cores_in_both_sync_modes_then_the_model(tmp_pa
     table_path, png_path = scaling.main([*argv, "--max-load", "1000"])
     assert_png(png_path)
     text = table_path.read_text()
-    assert "MEASURED UNDER LOAD" not in text and "benchmark/pin_rank.py SCRIPT --torch-threads 1`" in text
+    assert "MEASURED UNDER LOAD" not in text and f"N ranks as {common.PINNED}, then `--torch-threads 1`" in text
     assert "## vpg_mpi.py on CartPole-v1" in text and "546 -> 1040" in text
     assert "sync with allreduce means the flat" in text and "sync with gather means the gather" in text
     rows = table_rows(text, "mode")
@@ -243,7 +253,7 @@ def test_scaling_two_ranks_on_two_cores_in_both_sync_modes_then_the_model(tmp_pa
     sps = {}
     # the ceiling: two 1-rank allreduce runs at the same time, copy i alone on core i, SPS summed
     copies = [work / "runs" / f"scaling__vpg_mpi__independent__2ranks__copy{i}" for i in range(2)]
-    copy_sps = [scaling.measure(copy, "vpg_mpi.py", "independent", 1).sps for copy in copies]
+    copy_sps = [common.measure(copy, "vpg_mpi.py", "independent", 1).sps for copy in copies]
     for i, copy in enumerate(copies):
         assert common.read_hyperparameters(copy)["sync"] == "allreduce"
         log = (work / "logs" / f"{copy.name}.log").read_text()
@@ -268,7 +278,8 @@ def test_scaling_two_ranks_on_two_cores_in_both_sync_modes_then_the_model(tmp_pa
             assert log.startswith(f"$ (cd {work} && taskset -c {cores[0]} {sys.executable} {ROOT / 'vpg_mpi.py'} ")
             assert "pin_rank" not in log
         else:
-            assert f"taskset -c {cores[0]},{cores[1]} {sys.executable} -m torch.distributed.run" in log
+            assert f"taskset -c {cores[0]},{cores[1]} env PYTHONPATH=" in log
+            assert f"{sys.executable} {ROOT / 'vpg_mpi.py'} --nprocs 2 --collectives torch " in log
             assert f"pin_rank: local rank 0 on core {cores[0]}\n" in log
             assert f"pin_rank: local rank 1 on core {cores[1]}\n" in log
         speedup = sps[mode, ranks] / sps[mode, 1]  # against the 1-rank row of the same mode
@@ -355,8 +366,8 @@ def test_scaling_model_arithmetic_on_known_seconds():
 
 
 def test_scaling_model_reads_back_the_scaling_table(tmp_path):
-    def row(mode: str, ranks: int, sps: float, update: float, sync: float) -> scaling.Measurement:
-        return scaling.Measurement("vpg_mpi.py", mode, ranks, 4000 * ranks, 3, sps, sps, 0.5, update, sync)
+    def row(mode: str, ranks: int, sps: float, update: float, sync: float) -> common.Measurement:
+        return common.Measurement("vpg_mpi.py", mode, ranks, 4000 * ranks, 3, sps, sps, 0.5, update, sync)
 
     measurements = [
         row("allreduce", 1, 4000.0, 0.25, 0.05),  # T(1) = 1.0 s

@@ -79,7 +79,7 @@ def test_numpy_rollout_policy_acts_as_the_torch_modules_and_follows_updates_and_
     update computes, after an optimizer step and a load_state_dict made with the policy already built."""
     import gymnasium as gym
 
-    module = throughput.load_script(script)
+    module = common.load_script(script)
     env = gym.make(env_id)
     obs_dim = env.observation_space.shape[0]
     torch.manual_seed(0)
