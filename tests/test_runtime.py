@@ -1,9 +1,10 @@
-"""The runtime block every script shares, where a run needs more than CPU to exercise it, and the project's
-promises about its own files (requirement bounds, test markers)."""
+"""The runtime block every script shares, where a run needs more than CPU to exercise it or shares a busy machine,
+and the project's promises about its own files (requirement bounds, test markers)."""
 
 import importlib
 import os
 import re
+import subprocess
 import sys
 import types
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.helpers import ROOT, assert_no_settotalmass_warning, refuse
+from tests.helpers import ROOT, assert_no_settotalmass_warning, refuse, run_command
 
 SCRIPTS = ("ppo_continuous_mpi.py", "ppo_atari_multigpu.py", "vpg_mpi.py")
 
@@ -116,3 +117,32 @@ def test_mujoco_warns_of_everything_but_settotalmass(script, tmp_path, monkeypat
     output = capfd.readouterr()
     assert_no_settotalmass_warning(output.out + output.err, tmp_path)
     assert "WARNING: Nan, Inf or huge value in QVEL at DOF 0" in output.err
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two usable cores")
+def test_a_run_with_more_threads_than_idle_cores_says_so_once_and_the_default_does_not(tmp_path):
+    """Issue 37: with another process busy on one usable core, a thread on every core leaves the others waiting at
+    every op; such a run says so in one line naming the fix, once however many epochs it trains. The default counts
+    only the idle cores, so a default run beside the same busy process has nothing to say."""
+    cores = os.sched_getaffinity(0)
+    busy = subprocess.Popen(
+        [sys.executable, "-c", f"import os\nos.sched_setaffinity(0, {{{max(cores)}}})\nwhile 1: pass"]
+    )
+    vpg = [sys.executable, str(ROOT / "vpg_mpi.py"), "--env-id", "CartPole-v1", "--steps-per-epoch", "200"]
+    vpg += ["--total-timesteps", "600", "--train-v-iters", "2"]
+    for folder in ("too_many", "default"):
+        (tmp_path / folder).mkdir()
+    try:
+        too_many = run_command([*vpg, "--torch-threads", str(len(cores))], tmp_path / "too_many")
+        default = run_command(vpg, tmp_path / "default")
+    finally:
+        busy.kill()
+        busy.wait()
+    for result in (too_many, default):
+        assert result.returncode == 0 and "epoch 3/3 step 600" in result.stdout, result.stderr
+    warnings = [line for line in too_many.stderr.splitlines() if "oversubscribe" in line]
+    assert len(warnings) == 1, too_many.stderr
+    threads = len(cores)
+    assert warnings[0].startswith(f"vpg_mpi.py: warning: {threads} torch threads per rank oversubscribe the {threads} ")
+    assert warnings[0].endswith("every op waits for threads not running; pass --torch-threads 1")
+    assert "oversubscribe" not in default.stderr
