@@ -773,7 +773,7 @@ def update_one_learner(
     Returns those losses and the seconds of the gather and the broadcast."""
     start = time.perf_counter()
     union = gather_to_learner(batch, orders, sizes, args)
-    outcome = torch.zeros(len(LOSS_KEYS) + 1, dtype=torch.float64, device=orders.device)  # losses, non-finite flag
+    outcome = torch.zeros(len(LOSS_KEYS) + 1, dtype=torch.float64, device=batch["returns"].device)  # + non-finite flag
     learner_start = time.perf_counter()
     if union is not None:
         union_batch, union_orders = union

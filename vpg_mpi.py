@@ -608,7 +608,7 @@ def update_one_learner(
     Returns those losses and the seconds of the gather and the broadcast."""
     start = time.perf_counter()
     union = gather_to_learner(batch)
-    outcome = torch.zeros(len(LOSS_KEYS) + 1, dtype=torch.float64, device=batch["returns"].device)  # + non-finite
+    outcome = torch.zeros(len(LOSS_KEYS) + 1, dtype=torch.float64, device=batch["returns"].device)  # + non-finite flag
     learner_start = time.perf_counter()
     if union is not None:
         try:  # the learner's batch is the world's
@@ -624,8 +624,7 @@ def update_one_learner(
 
 
 def gather_to_learner(batch: Batch) -> Batch | None:
-    """--sync gather: every rank's batch on rank 0 (one gather), as their union in rank order; None on the other
-    ranks."""
+    """--sync gather: every rank's batch on rank 0 (one gather), as their union in rank order; None on other ranks."""
     gathered = gather(torch.cat([value.reshape(-1).double() for value in batch.values()]))  # [ranks, packed] on rank 0
     if gathered is None:
         return None
