@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from benchmark import common, grad_sync, interval, plot, run, scaling, scaling_model, stragglers, under_load
+from benchmark import common, grad_sync, interval, plot, run, scaling, scaling_model, stragglers
 from tests.helpers import ROOT, read_scalars, run_command
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -32,7 +32,7 @@ def assert_png(path: Path) -> None:
     assert path.read_bytes()[:8] == PNG_MAGIC and path.stat().st_size > 5_000, path
 
 
-@pytest.mark.parametrize("module", [run, plot, interval, scaling, scaling_model, grad_sync, stragglers, under_load])
+@pytest.mark.parametrize("module", [run, plot, interval, scaling, scaling_model, grad_sync, stragglers])
 def test_every_entry_point_has_help(module, capsys):
     with pytest.raises(SystemExit) as exit_info:
         module.main(["--help"])
@@ -334,28 +334,6 @@ def test_stragglers_runs_a_slow_env_rank_waiting_and_preempting_and_its_cpu_hog_
     assert [row[4] for row in rows] == ["1.00", f"{sps[1] / sps[0]:.2f}"]
     assert rows[0][9] == "1.00"  # waiting: every iteration collects the full world batch
     assert 0.62 <= float(rows[1][9]) <= 1.0  # preempting: one whole rollout and at least a quarter of the other
-
-
-@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="a busy core beside the run needs 2 usable cores")
-def test_under_load_runs_a_script_quiet_and_beside_a_busy_core_at_three_thread_counts(tmp_path):
-    work = tmp_path / "work"
-    argv = ["--scripts", "vpg_mpi.py", "--env-id", "CartPole-v1", "--steps", "200", "--iterations", "2"]
-    argv += ["--out", str(tmp_path / "under_load"), "--out-dir", str(work), "--max-load", "1000"]
-    text = under_load.main([*argv, "--", "--train-v-iters", "2"]).read_text()
-    assert "- command: `python -m benchmark.under_load --scripts vpg_mpi.py" in text and "-- --train-v-iters 2`" in text
-    assert f"- CPU: {common.cpu_model()}; vector flags: " in text
-    cores = len(os.sched_getaffinity(0))
-    rows = table_rows(text, "script")
-    assert [row[:3] for row in rows] == [["vpg_mpi.py", "CartPole-v1", load] for load in ("quiet", "busy core")]
-    for row, load in zip(rows, ("quiet", "busy_core"), strict=True):
-        for cell, threads in zip(row[3:6], ("default", "1", str(cores)), strict=True):
-            run_dir = work / "runs" / f"vpg_mpi__{load}__{threads}__0"
-            (wall_1, step_1, _), (wall_2, step_2, _) = common.read_scalar_events(run_dir)["charts/SPS"]  # 2 epochs
-            assert step_2 - step_1 == 200 and cell == f"{(step_2 - step_1) / (wall_2 - wall_1):,.0f}"
-            assert common.read_hyperparameters(run_dir)["torch_threads"] == ("0" if threads == "default" else threads)
-        default, one = (float(cell.replace(",", "")) for cell in row[3:5])  # the ratio: of the unrounded SPS
-        assert float(row[6]) == pytest.approx(default / one, abs=0.01 + default / one * (0.5 / default + 0.5 / one))
-    assert text.count("CleanRL beside a busy core (issue 37, 2-core Intel Xeon) |") == 1  # the column's header
 
 
 def model_seconds(**changes: float) -> scaling_model.Seconds:
