@@ -122,7 +122,7 @@ class Args:
     run_name: str = ""
     """the run folder under runs/; default `{env_id}__{exp_name}__{seed}__{unix_time}`"""
     torch_threads: int = 0
-    """torch threads per rank; 0 = usable cores divided by the ranks on this node"""
+    """torch threads per rank; 0 = the cores idle at start divided by the ranks on this node"""
     nprocs: int = 1
     """if > 1 and not already launched, re-launch this script as that many ranks: under mpirun when --collectives
     allows MPI and mpirun and mpi4py are installed, else under `torch.distributed.run --standalone`"""
