@@ -47,7 +47,9 @@ def clean_env(**extra: str) -> dict[str, str]:
         "TORCHELASTIC",
     )
     env = {key: value for key, value in os.environ.items() if not key.startswith(launcher_prefixes)}
-    env.update(PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", **extra)
+    # the repository first, the caller's PYTHONPATH kept (packages installed with `pip --target` live there)
+    python_path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    env.update(PYTHONPATH=python_path, PYTHONUNBUFFERED="1", **extra)
     return env
 
 
