@@ -121,8 +121,7 @@ class Args:
     target_kl: float | None = None
     """if set, stop the update epochs once the world-averaged approximate KL exceeds it"""
     preempt_fraction: float = 0.0
-    """DD-PPO's preemption: once this fraction of the ranks has finished its rollout, the others cut theirs short
-    (0 = off); the update weighs every sample alike, so it stays the one-process update on what was collected"""
+    """DD-PPO: once this fraction of the ranks has finished its rollout, the others cut theirs short (0 = off)"""
     min_rollout_fraction: float = 0.25
     """with --preempt-fraction, the share of --num-steps every rollout collects before it may be cut short"""
 
@@ -330,7 +329,7 @@ def compute_gae(
     return advantages, advantages + values
 
 
-# --- gradient sync (DDP averages the gradients; these carry the rest) ---------------------------------
+# --- gradient sync (DDP averages the gradients; these carry the rest) and the update ------------------
 
 
 def group_size(group: Group = None) -> int:
@@ -346,9 +345,7 @@ def allreduce_mean(tensor: torch.Tensor, group: Group = None) -> torch.Tensor:
     return tensor
 
 
-def global_moments(
-    x: torch.Tensor | list[torch.Tensor], group: Group = None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def global_moments(x: torch.Tensor | list[torch.Tensor], group: Group = None) -> tuple[torch.Tensor, ...]:
     """Count, mean and M2 along the last dim of `x` (or of each 1-d piece in a list of unequal ones) over all ranks'
     elements, as if concatenated (one all_gather)."""
     if isinstance(x, list):
@@ -372,8 +369,6 @@ def global_mean_std(x: torch.Tensor | list[torch.Tensor], group: Group = None) -
     return mean, torch.sqrt(m2 / (count - 1))
 
 
-# --- update -------------------------------------------------------------------------------------------
-
 LOSS_KEYS = ("policy_loss", "value_loss", "entropy", "old_approx_kl", "approx_kl", "clipfrac")
 APPROX_KL, CLIPFRAC = LOSS_KEYS.index("approx_kl"), LOSS_KEYS.index("clipfrac")
 
@@ -389,15 +384,11 @@ def minibatch_loss(
     new_log_prob, entropy, new_value = model(mb["obs"], mb["actions"])
     logratio = new_log_prob - mb["log_probs"]
     ratio = logratio.exp()
-    with torch.no_grad():
-        # calculate approx_kl http://joschu.net/blog/kl-approx.html
+    with torch.no_grad():  # calculate approx_kl http://joschu.net/blog/kl-approx.html
         old_approx_kl = (-logratio).mean()
         approx_kl = ((ratio - 1) - logratio).mean()
         clipfrac = ((ratio - 1.0).abs() > args.clip_coef).to(ratio.dtype).mean()
-
-    mb_advantages = mb["advantages"]
-    if adv_mean is not None:
-        mb_advantages = (mb_advantages - adv_mean) / (adv_std + 1e-8)
+    mb_advantages = mb["advantages"] if adv_mean is None else (mb["advantages"] - adv_mean) / (adv_std + 1e-8)
 
     # Policy loss
     pg_loss1 = -mb_advantages * ratio
@@ -687,7 +678,7 @@ def check_rollout_policy(agent: Agent, batch: Batch, when: str, count: int = ROL
     )
 
 
-# --- input checks and the batch table -----------------------------------------------------------------
+# --- input checks, the batch table, evaluation (after training, --eval-checkpoint) --------------------
 
 
 def atari_settings(env_id: str) -> dict:
@@ -757,9 +748,6 @@ def has_native_bf16(device: torch.device) -> bool:
     if device.type == "cuda":
         return torch.cuda.is_bf16_supported(including_emulation=False)
     return torch.ops.mkldnn._is_mkldnn_bf16_supported()
-
-
-# --- evaluation (after training, and --eval-checkpoint) -----------------------------------------------
 
 
 def render_one_frame(env_id: str) -> None:
@@ -1241,9 +1229,8 @@ class ProcessGroup:
 
 
 class Run:
-    """One training run, which main drives in this order: `Run(args)` checks the flags and reads the launch; `start`
-    finds the run folder and checkpoint, joins the process group, opens TensorBoard; `restore` loads a resumed state;
-    in `guard()`, each of `iterations()` ends with `sum_over_ranks`, `log`, `end_iteration`; `finish` leaves."""
+    """One training run, driven by main in this order: `Run(args)` reads the launch; `start` (run folder, process group,
+    TensorBoard); `restore`; in `guard()`, each of `iterations()` ends with `sum_over_ranks`, `log`, `end_iteration`."""
 
     def __init__(self, args, unit: str = "iteration"):
         if args.nprocs < 1:
@@ -1351,15 +1338,15 @@ class Run:
         return dict(zip(values, sums, strict=True))
 
     def log(self, global_step: int, world: dict[str, float], scalars: dict[str, float]) -> None:
-        """Rank 0: the episodes `world` counts (sum_over_ranks), SPS and `scalars` to TensorBoard, the progress line,
-        and once a warning when its torch threads outnumber the idle cores at start or, with other work, the cores."""
+        """Rank 0: `world`'s episodes (sum_over_ranks), SPS and `scalars` to TensorBoard, the progress line, and once a
+        warning when its threads outnumber the idle cores at start or, after iteration 1, those left by other work."""
         if self.rank != 0:
             return
         sample, cores, threads = load_sample(), len(os.sched_getaffinity(0)), torch.get_num_threads()
         (busy, total, cpu, seconds), self.load_since = sample - self.load_since, sample
         others = cores * busy / max(total, 1) - cpu / seconds  # busy cores, less this process's own
-        too_many = self.args.torch_threads > self.group.cores or threads + others > cores + 0.25
-        if threads > 1 and too_many and not self.oversubscribed:
+        too_many = self.args.torch_threads > self.group.cores or threads + others > cores + 0.5
+        if threads > 1 and too_many and not self.oversubscribed and self.iteration > self.resumed_iteration + 1:
             self.oversubscribed = True
             print(
                 f"{SCRIPT}: warning: {threads} torch threads per rank oversubscribe the {cores} usable cores "

@@ -7,13 +7,10 @@ running return std (each clipped to +-10); that return restarts with every episo
 
     torchrun --standalone --nproc_per_node=2 ppo_continuous_mpi.py     # README: every launcher, GPUs, evaluation
 
-Distributed story: `--local-num-envs` and `--num-steps` are per rank, so N ranks collect N times the batch of one;
-each rank steps its own envs and computes GAE on its share. The world's minibatch k is the union of every rank's
-minibatch k: its advantages are normalised with the union's mean and std, and one allreduce of one flat buffer
-averages the gradients (the KL for `--target-kl` and the logged losses ride along) before clipping. Observation and
-return statistics are frozen during a rollout and merged world-wide once per iteration. So every rank takes the step
-one process would take on the concatenated batch. `--sync gather` has rank 0 run that update alone on every rank's
-batch and broadcast the weights; `--preempt-fraction` (DD-PPO) cuts stragglers' rollouts short.
+Distributed story: `--local-num-envs` and `--num-steps` are per rank. The world's minibatch k is the union of every
+rank's minibatch k, its advantages normalised with the union's mean and std and its gradients averaged in one flat
+allreduce; normalisation statistics are merged once per iteration. So every rank takes the step one process would
+take on the concatenated batch. `--sync gather`: rank 0 runs that update alone; `--preempt-fraction`: DD-PPO.
 """
 
 import contextlib
@@ -113,8 +110,7 @@ class Args:
     sync: Literal["allreduce", "gather"] = "allreduce"
     """allreduce: each rank updates on its share, gradients averaged; gather: rank 0 runs the update on the union"""
     preempt_fraction: float = 0.0
-    """DD-PPO's preemption: once this fraction of the ranks has finished its rollout, the others cut theirs short
-    (0 = off); the update weighs every sample alike, so it stays the one-process update on what was collected"""
+    """DD-PPO: once this fraction of the ranks has finished its rollout, the others cut theirs short (0 = off)"""
     min_rollout_fraction: float = 0.25
     """with --preempt-fraction, the share of --num-steps every rollout collects before it may be cut short"""
 
@@ -194,8 +190,7 @@ NORM_EPS = 1e-8
 
 
 def make_env(env_id: str, video_folder: str | None = None) -> Callable[[], gym.Env]:
-    """A thunk building one env with its time limit. Normalisation lives in main: gymnasium's normalising wrappers
-    keep per-env statistics and refuse same-step autoreset vector envs."""
+    """A thunk building one env; normalisation lives in main (gymnasium's wrappers keep per-env statistics)."""
 
     def thunk() -> gym.Env:
         silence_settotalmass_warning()
@@ -214,18 +209,15 @@ def layer_init(layer: nn.Linear, std: float = math.sqrt(2), bias_const: float = 
 
 
 class DispatchFreeSequential(nn.Sequential):
-    """nn.Sequential that runs Linear and Tanh layers' arithmetic itself: at minibatches of 64 module dispatch and
-    attribute lookups cost ~5% of a step. Any other layer runs as its module, so every edit to the layers counts."""
+    """nn.Sequential doing Linear and Tanh layers' arithmetic itself (dispatch: ~5% of a step); others as modules."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for layer in self:
             parameters = layer._parameters  # not layer.weight: nn.Module.__getattr__ costs ~1.5 us a lookup
             if type(layer) is nn.Linear and parameters["bias"] is not None and x.dim() == 2:
                 x = torch.addmm(parameters["bias"], x, parameters["weight"].t())
-            elif type(layer) is nn.Tanh:
-                x = torch.tanh(x)
             else:
-                x = layer(x)
+                x = torch.tanh(x) if type(layer) is nn.Tanh else layer(x)
         return x
 
 
@@ -274,9 +266,8 @@ class Agent(nn.Module):
 
 
 class RolloutPolicy:
-    """The Agent acting one env step at a time: its networks as numpy functions built layer by layer from its modules
-    (numpy_module; at one observation per env torch's per-call overhead costs more than the arithmetic), sampling the
-    Gaussian that Agent.log_prob_entropy_value scores. Noise from numpy's seeded global generator."""
+    """The Agent acting one env step at a time on numpy copies of its networks (numpy_module: per step, torch's call
+    overhead costs more than the arithmetic), sampling the Gaussian Agent.log_prob_entropy_value scores."""
 
     def __init__(self, agent: Agent, numpy_networks: bool = True):
         modules = (agent.actor_mean, agent.actor_logstd, agent.critic)
@@ -303,9 +294,8 @@ def compute_gae(
     gamma: float,
     gae_lambda: float,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """GAE-lambda advantages and value targets (advantages + values) for [T, envs]. `next_values[t]` is V of the state
-    after step t in its own episode (V(final observation) where it was truncated: truncation is not termination),
-    zeroed where `terminations[t]`; `episode_ends[t]` keeps the next episode's advantage out of step t."""
+    """GAE-lambda advantages and value targets for [T, envs]. `next_values[t]`: V after step t in its own episode (of
+    the final observation where truncated), zeroed where `terminations[t]`; `episode_ends[t]` stops the recursion."""
     advantages = np.zeros_like(rewards)
     next_advantage = np.zeros_like(rewards[0])
     for t in reversed(range(len(rewards))):
@@ -315,7 +305,7 @@ def compute_gae(
     return advantages, advantages + values
 
 
-# --- gradient sync ------------------------------------------------------------------------------------
+# --- gradient sync and the update ---------------------------------------------------------------------
 
 
 def group_size(group: Group = None) -> int:
@@ -363,9 +353,7 @@ def broadcast_parameters(module: nn.Module, extras: torch.Tensor | None = None) 
                 tensor.copy_(part.view_as(tensor))
 
 
-def global_moments(
-    x: torch.Tensor | list[torch.Tensor], group: Group = None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def global_moments(x: torch.Tensor | list[torch.Tensor], group: Group = None) -> tuple[torch.Tensor, ...]:
     """Count, mean and M2 along the last dim of `x` (or of each 1-d piece in a list of unequal ones) over all ranks'
     elements, as if concatenated (one all_gather)."""
     if isinstance(x, list):
@@ -389,8 +377,6 @@ def global_mean_std(x: torch.Tensor | list[torch.Tensor], group: Group = None) -
     return mean, torch.sqrt(m2 / (count - 1))
 
 
-# --- update -------------------------------------------------------------------------------------------
-
 LOSS_KEYS = ("policy_loss", "value_loss", "entropy", "old_approx_kl", "approx_kl", "clipfrac")
 APPROX_KL, CLIPFRAC = LOSS_KEYS.index("approx_kl"), LOSS_KEYS.index("clipfrac")
 
@@ -402,15 +388,11 @@ def minibatch_loss(
     new_log_prob, entropy, new_value = agent.log_prob_entropy_value(mb["obs"], mb["actions"])
     logratio = new_log_prob - mb["log_probs"]
     ratio = logratio.exp()
-    with torch.no_grad():
-        # calculate approx_kl http://joschu.net/blog/kl-approx.html
+    with torch.no_grad():  # calculate approx_kl http://joschu.net/blog/kl-approx.html
         old_approx_kl = (-logratio).mean()
         approx_kl = ((ratio - 1) - logratio).mean()
         clipfrac = ((ratio - 1.0).abs() > args.clip_coef).to(ratio.dtype).mean()
-
-    mb_advantages = mb["advantages"]
-    if adv_mean is not None:
-        mb_advantages = (mb_advantages - adv_mean) / (adv_std + 1e-8)
+    mb_advantages = mb["advantages"] if adv_mean is None else (mb["advantages"] - adv_mean) / (adv_std + 1e-8)
 
     # Policy loss
     pg_loss1 = -mb_advantages * ratio
@@ -461,9 +443,8 @@ def update(
     loss_fn: Callable = minibatch_loss,
     group: Group = None,
 ) -> tuple[torch.Tensor, float]:
-    """PPO's update epochs: minibatch k of epoch e is the k-th slice of `orders[e]` (this rank's batch permuted),
-    `sizes[rank, k]` samples long (minibatch_sizes; None: equal), and the world's is the union of every rank's. Returns
-    the world-averaged LOSS_KEYS (the last minibatch's; clipfrac over all) and the seconds spent in collectives."""
+    """PPO's epochs: minibatch k of epoch e is slice k, `sizes[rank, k]` long (None: equal), of `orders[e]`; the world's
+    is the union of the ranks'. Returns the world-averaged LOSS_KEYS (clipfrac over all) and the collectives' time."""
     flat = flat_gradient_buffer(list(agent.parameters()), num_extras=len(LOSS_KEYS))  # gradients, then the losses
     gradients, losses = flat[: -len(LOSS_KEYS)], flat[-len(LOSS_KEYS) :]
     if sizes is None:
@@ -497,7 +478,6 @@ def update(
             sync_time += average_gradients(flat, group)
             gradients.mul_(torch.clamp(args.max_grad_norm / (gradients.norm() + 1e-6), max=1.0))  # clip_grad_norm_
             optimizer.step()
-
         # the KL is the world average carried by the last gradient allreduce: every rank stops together
         if args.target_kl is not None and losses[APPROX_KL] > args.target_kl:
             break
@@ -547,7 +527,6 @@ def main(args: Args) -> Agent | None:
     # a resumed run starts fresh episodes, on envs seeded after all the earlier attempts' envs
     index_offset = run.restarts * args.world_size * args.local_num_envs
     next_obs, _ = envs.reset(seed=env_seeds(args.seed, rank, args.local_num_envs, index_offset))
-    envs.action_space.seed(rank_seed(args.seed, rank) + index_offset)
     episode_return, episode_length, discounted_return = np.zeros((3, args.local_num_envs))
 
     with run.guard(nonfinite_fix="lower --learning-rate or check the env's observations and rewards"):
@@ -606,15 +585,15 @@ def main(args: Args) -> Agent | None:
                 args.gae_lambda,
             )  # fmt: skip
             final_values[:] = 0.0
-            batch = {
-                "obs": obs[rows].reshape(-1, obs_dim),
-                "actions": actions[rows].reshape(-1, action_dim),
-                "log_probs": logprobs[rows].reshape(-1),
-                "values": values[rows].reshape(-1),
-                "advantages": advantages.reshape(-1),
-                "returns": returns.reshape(-1),
+            rollout = {"obs": obs, "actions": actions, "log_probs": logprobs, "values": values}
+            batch = {key: value[rows] for key, value in rollout.items()} | {
+                "advantages": advantages,
+                "returns": returns,
             }
-            batch = {key: torch.as_tensor(value, dtype=torch.float32, device=device) for key, value in batch.items()}
+            batch = {  # [steps, envs, ...] -> [samples, ...]
+                key: torch.as_tensor(value.reshape(-1, *value.shape[2:]), dtype=torch.float32, device=device)
+                for key, value in batch.items()
+            }
             check_rollout_policy(agent, batch, f"at iteration {run.iteration}")  # PPO's first ratios must be 1
 
             # --- update ---
@@ -661,7 +640,7 @@ def env_seeds(seed: int, rank: int, local_num_envs: int, index_offset: int = 0) 
     return [seed + 10_000 * (index_offset + rank * local_num_envs + j) for j in range(local_num_envs)]
 
 
-# --- running statistics: observation normalisation and reward scaling ---------------------------------
+# --- running statistics; the rollout's numpy copy of the Agent's networks, checked against the Agent --
 
 
 class RunningMeanStd(nn.Module):
@@ -676,11 +655,9 @@ class RunningMeanStd(nn.Module):
     @torch.no_grad()
     def update(self, count: torch.Tensor, mean: torch.Tensor, m2: torch.Tensor) -> None:
         """Merge a batch's moments (parallel variance update): the result is the statistics of all data seen."""
-        total = self.count + count
-        delta = mean - self.mean
-        m2_total = self.var * self.count + m2 + delta**2 * self.count * count / total
+        total, delta = self.count + count, mean - self.mean
+        self.var.copy_((self.var * self.count + m2 + delta**2 * self.count * count / total) / total)
         self.mean += delta * count / total
-        self.var.copy_(m2_total / total)
         self.count.copy_(total)
 
     def frozen(self) -> tuple[np.ndarray, np.ndarray]:
@@ -693,15 +670,12 @@ def normalize_obs(x: np.ndarray, mean: np.ndarray, std: np.ndarray) -> np.ndarra
     return np.clip((x - mean) / std, -NORM_CLIP, NORM_CLIP).astype(np.float32)
 
 
-# --- the rollout's numpy copy of the Agent's networks, and the check that it agrees with the Agent ----
-
 ROLLOUT_CHECK_SAMPLES = 256
 
 
 def numpy_module(module: nn.Module | nn.Parameter, numpy_layers: bool = True) -> Callable[[np.ndarray], np.ndarray]:
-    """`module` as a numpy function of a batch of rows, layer by layer, on numpy views of its parameters; a parameter
-    stands for a head that is the same for every row (a state-independent log-std; broadcast). A layer it does not
-    know stops the run: add its numpy version here, or pass --no-numpy-rollout (`numpy_layers` False: torch layers)."""
+    """`module` (or a parameter: a head the same for every row) as a numpy function of rows, layer by layer, on views of
+    its parameters. An unknown layer stops the run (add it here, or --no-numpy-rollout: `numpy_layers` False)."""
     if isinstance(module, nn.Parameter):
         value = module.detach().cpu().numpy()
         return lambda x: value
@@ -737,14 +711,12 @@ def numpy_module(module: nn.Module | nn.Parameter, numpy_layers: bool = True) ->
 def rollout_probe(policy: RolloutPolicy, obs_dim: int, device: torch.device) -> Batch:
     """`policy`'s actions, log-probabilities and values at standard-normal observations (as normalised ones look)."""
     obs = np.random.standard_normal((ROLLOUT_CHECK_SAMPLES, obs_dim)).astype(np.float32)
-    actions, log_probs, values = policy.act(obs)
-    probe = {"obs": obs, "actions": actions, "log_probs": log_probs, "values": values}
+    probe = dict(zip(("obs", "actions", "log_probs", "values"), (obs, *policy.act(obs)), strict=True))
     return {key: torch.as_tensor(value, dtype=torch.float32, device=device) for key, value in probe.items()}
 
 
 def check_rollout_policy(agent: Agent, batch: Batch, when: str) -> None:
-    """Stop unless Agent.log_prob_entropy_value gives the log-probabilities and values that the rollout recorded in
-    `batch` (its first ROLLOUT_CHECK_SAMPLES rows)."""
+    """Stop unless Agent.log_prob_entropy_value gives the rollout's log-probabilities and values (in `batch`)."""
     rows = {key: batch[key][:ROLLOUT_CHECK_SAMPLES] for key in ("obs", "actions", "log_probs", "values")}
     with torch.no_grad():
         log_probs, _, values = agent.log_prob_entropy_value(rows["obs"], rows["actions"])
@@ -755,7 +727,7 @@ def check_rollout_policy(agent: Agent, batch: Batch, when: str) -> None:
     )
 
 
-# --- --sync gather: rank 0 learns alone on the union of the ranks' batches ----------------------------
+# --- --sync gather (rank 0 learns alone), MuJoCo's console, input checks, batch table, evaluation -----
 
 
 def update_one_learner(
@@ -768,11 +740,10 @@ def update_one_learner(
     loss_fn: Callable,
     learner_group: Group,
 ) -> tuple[torch.Tensor, float]:
-    """--sync gather: rank 0 runs `update` on the union of the ranks' batches in `learner_group` (a group of one),
-    then one broadcast gives every rank its weights, the logged losses and whether it met a non-finite loss.
-    Returns those losses and the seconds of the gather and the broadcast."""
+    """--sync gather: rank 0 runs `update` on the union of the ranks' batches in `learner_group` (a group of one); one
+    broadcast gives every rank the weights, losses and a non-finite flag. Returns the losses and the sync's seconds."""
     start = time.perf_counter()
-    union = gather_to_learner(batch, orders, sizes, args)
+    union = gather_to_learner(batch, orders, sizes)
     outcome = torch.zeros(len(LOSS_KEYS) + 1, dtype=torch.float64, device=batch["returns"].device)  # + non-finite flag
     learner_start = time.perf_counter()
     if union is not None:
@@ -791,14 +762,11 @@ def update_one_learner(
     return outcome[:-1], time.perf_counter() - start - learner_time
 
 
-def gather_to_learner(
-    batch: Batch, orders: torch.Tensor, sizes: torch.Tensor, args: Args
-) -> tuple[Batch, torch.Tensor] | None:
+def gather_to_learner(batch: Batch, orders: torch.Tensor, sizes: torch.Tensor) -> tuple[Batch, torch.Tensor] | None:
     """--sync gather: every rank's batch and orders on rank 0 (one gather, padded where preemption cut them short), as
     the union batch and the orders that make its minibatch k the world's, as with allreduce; None on other ranks."""
-    padding = args.local_batch_size - orders.shape[1]
-    full = [torch.cat([value, value.new_zeros((padding, *value.shape[1:]))]) for value in batch.values()]
-    full += [torch.cat([orders, orders.new_zeros((len(orders), padding))], 1)]
+    padding = int(sizes.sum(1).max()) - orders.shape[1]  # rows; the orders go as [samples, epochs]
+    full = [torch.cat([value, value.new_zeros((padding, *value.shape[1:]))]) for value in [*batch.values(), orders.T]]
     gathered = gather(torch.cat([value.reshape(-1).double() for value in full]))  # [ranks, packed] on rank 0
     if gathered is None:
         return None
@@ -810,17 +778,12 @@ def gather_to_learner(
         key: torch.cat([rank[i][:n] for rank, n in zip(ranks, counts, strict=True)]).to(value.dtype)
         for i, (key, value) in enumerate(batch.items())
     }
-    union_orders = []
-    for epoch in range(len(orders)):
-        minibatches = [  # each rank's minibatches of this epoch, as indices into the union
-            (rank[-1][epoch, :n].long() + offset).split(rank_sizes.tolist())
-            for rank, n, offset, rank_sizes in zip(ranks, counts, offsets, sizes, strict=True)
-        ]
-        union_orders.append(torch.cat([rank[k] for k in range(args.num_minibatches) for rank in minibatches]))
-    return union, torch.stack(union_orders).to(orders.device)
-
-
-# --- MuJoCo's console: one deprecation warning less ---------------------------------------------------
+    minibatches = [  # each rank's minibatches of every epoch, as [epochs, size] indices into the union
+        (rank[-1][:n].T.long() + offset).split(rank_sizes.tolist(), 1)
+        for rank, n, offset, rank_sizes in zip(ranks, counts, offsets, sizes, strict=True)
+    ]
+    union_orders = torch.cat([rank[k] for k in range(sizes.shape[1]) for rank in minibatches], 1)
+    return union, union_orders.to(orders.device)
 
 
 def silence_settotalmass_warning() -> None:
@@ -836,9 +799,6 @@ def silence_settotalmass_warning() -> None:
             print(f"WARNING: {message}\n", file=sys.stderr, flush=True)
 
     mujoco.set_mju_user_warning(warn)
-
-
-# --- input checks and the batch table -----------------------------------------------------------------
 
 
 def check_args(args: Args) -> None:
@@ -859,12 +819,10 @@ def check_args(args: Args) -> None:
         gl = os.environ.get("MUJOCO_GL")
         renderer = f"; or MUJOCO_GL={gl} names a renderer this machine lacks (unset it, or install it)" if gl else ""
         fail(f"unknown or unusable --env-id {args.env_id!r} ({type(error).__name__}: {error}){renderer}")
-    action_space, observation_space = probe.action_space, probe.observation_space
     probe.close()
-    if not isinstance(action_space, gym.spaces.Box):
-        fail(f"{args.env_id} has {type(action_space).__name__} actions; {SCRIPT} needs Box (continuous) actions")
-    if not isinstance(observation_space, gym.spaces.Box):
-        fail(f"{args.env_id} has {type(observation_space).__name__} observations; {SCRIPT} needs Box observations")
+    for kind, space in (("actions", probe.action_space), ("observations", probe.observation_space)):
+        if not isinstance(space, gym.spaces.Box):
+            fail(f"{args.env_id} has {type(space).__name__} {kind}; {SCRIPT} needs Box {kind}")
     check_video_support(args, lambda: render_one_frame(args.env_id))
     compiler = os.environ.get("CXX", "g++")  # torch.compile builds C++ kernels on CPU
     if args.compile and not (args.cuda and torch.cuda.is_available()) and shutil.which(compiler) is None:
@@ -883,9 +841,6 @@ def batch_table(args: Args) -> list[tuple[str, object, object]]:
     ]
 
 
-# --- evaluation (after training, and --eval-checkpoint) -----------------------------------------------
-
-
 def render_one_frame(env_id: str) -> None:
     env = gym.make(env_id, render_mode="rgb_array")
     env.reset(seed=0)
@@ -898,9 +853,8 @@ def evaluate(agent: Agent, env_id: str, args: Args, video_folder: str | None = N
     env = make_env(env_id, video_folder)()
     obs_mean, obs_std = agent.obs_rms.frozen()
     policy = agent.rollout_policy(args.numpy_rollout)
-    returns = []
+    returns, episode_return = [], 0.0
     obs, _ = env.reset(seed=args.seed)
-    episode_return = 0.0
     while len(returns) < args.eval_episodes:
         action, _, _ = policy.act(normalize_obs(obs.reshape(1, -1), obs_mean, obs_std), args.eval_deterministic)
         action = np.clip(action[0], env.action_space.low, env.action_space.high)
@@ -1296,9 +1250,8 @@ class ProcessGroup:
 
 
 class Run:
-    """One training run, which main drives in this order: `Run(args)` checks the flags and reads the launch; `start`
-    finds the run folder and checkpoint, joins the process group, opens TensorBoard; `restore` loads a resumed state;
-    in `guard()`, each of `iterations()` ends with `sum_over_ranks`, `log`, `end_iteration`; `finish` leaves."""
+    """One training run, driven by main in this order: `Run(args)` reads the launch; `start` (run folder, process group,
+    TensorBoard); `restore`; in `guard()`, each of `iterations()` ends with `sum_over_ranks`, `log`, `end_iteration`."""
 
     def __init__(self, args, unit: str = "iteration"):
         if args.nprocs < 1:
@@ -1406,15 +1359,15 @@ class Run:
         return dict(zip(values, sums, strict=True))
 
     def log(self, global_step: int, world: dict[str, float], scalars: dict[str, float]) -> None:
-        """Rank 0: the episodes `world` counts (sum_over_ranks), SPS and `scalars` to TensorBoard, the progress line,
-        and once a warning when its torch threads outnumber the idle cores at start or, with other work, the cores."""
+        """Rank 0: `world`'s episodes (sum_over_ranks), SPS and `scalars` to TensorBoard, the progress line, and once a
+        warning when its threads outnumber the idle cores at start or, after iteration 1, those left by other work."""
         if self.rank != 0:
             return
         sample, cores, threads = load_sample(), len(os.sched_getaffinity(0)), torch.get_num_threads()
         (busy, total, cpu, seconds), self.load_since = sample - self.load_since, sample
         others = cores * busy / max(total, 1) - cpu / seconds  # busy cores, less this process's own
-        too_many = self.args.torch_threads > self.group.cores or threads + others > cores + 0.25
-        if threads > 1 and too_many and not self.oversubscribed:
+        too_many = self.args.torch_threads > self.group.cores or threads + others > cores + 0.5
+        if threads > 1 and too_many and not self.oversubscribed and self.iteration > self.resumed_iteration + 1:
             self.oversubscribed = True
             print(
                 f"{SCRIPT}: warning: {threads} torch threads per rank oversubscribe the {cores} usable cores "

@@ -286,7 +286,7 @@ def compute_gae(
     return advantages, rewards_to_go
 
 
-# --- gradient sync ------------------------------------------------------------------------------------
+# --- gradient sync and the update ---------------------------------------------------------------------
 
 
 def group_size(group: Group = None) -> int:
@@ -347,8 +347,6 @@ def global_mean_std(x: torch.Tensor, group: Group = None) -> tuple[torch.Tensor,
         m2 = (m2_i + count_i * (mean_i - mean) ** 2).sum(0)
     return mean, torch.sqrt(m2 / (count - 1))
 
-
-# --- update -------------------------------------------------------------------------------------------
 
 LOSS_KEYS = ("policy_loss", "value_loss", "entropy", "approx_kl")
 
@@ -439,7 +437,6 @@ def main(args: Args) -> Agent | None:
     # a resumed run starts fresh episodes, on envs seeded after all the earlier attempts' envs
     index_offset = run.restarts * args.world_size * args.local_num_envs
     next_obs, _ = envs.reset(seed=env_seeds(args.seed, rank, args.local_num_envs, index_offset))
-    envs.action_space.seed(rank_seed(args.seed, rank) + index_offset)
     episode_return, episode_length = np.zeros(args.local_num_envs), np.zeros(args.local_num_envs, dtype=np.int64)
 
     with run.guard(nonfinite_fix="lower --pi-lr/--vf-lr or check the env's observations and rewards"):
@@ -574,14 +571,12 @@ def numpy_module(module: nn.Module | nn.Parameter, numpy_layers: bool = True) ->
 def rollout_probe(policy: RolloutPolicy, obs_dim: int, device: torch.device) -> Batch:
     """`policy`'s actions, log-probabilities and values at standard-normal observations."""
     obs = np.random.standard_normal((ROLLOUT_CHECK_SAMPLES, obs_dim)).astype(np.float32)
-    actions, log_probs, values = policy.act(obs)
-    probe = {"obs": obs, "actions": actions, "log_probs": log_probs, "values": values}
+    probe = dict(zip(("obs", "actions", "log_probs", "values"), (obs, *policy.act(obs)), strict=True))
     return {key: torch.as_tensor(value, device=device) for key, value in probe.items()}
 
 
 def check_rollout_policy(agent: Agent, batch: Batch, when: str) -> None:
-    """Stop unless Agent.log_prob_entropy and Agent.value give the log-probabilities and values that the rollout
-    recorded in `batch` (its first ROLLOUT_CHECK_SAMPLES rows)."""
+    """Stop unless Agent.log_prob_entropy and Agent.value give the rollout's log-probabilities and values."""
     rows = {key: batch[key][:ROLLOUT_CHECK_SAMPLES] for key in ("obs", "actions", "log_probs", "values")}
     with torch.no_grad():
         log_probs, values = agent.log_prob_entropy(rows["obs"], rows["actions"])[0], agent.value(rows["obs"])
@@ -592,7 +587,7 @@ def check_rollout_policy(agent: Agent, batch: Batch, when: str) -> None:
     )
 
 
-# --- --sync gather: rank 0 learns alone on the union of the ranks' batches ----------------------------
+# --- --sync gather (rank 0 learns alone), MuJoCo's console, input checks, batch table, evaluation -----
 
 
 def update_one_learner(
@@ -632,9 +627,6 @@ def gather_to_learner(batch: Batch) -> Batch | None:
     return {key: union[i].reshape(-1, *value.shape[1:]).to(value.dtype) for i, (key, value) in enumerate(batch.items())}
 
 
-# --- MuJoCo's console: one deprecation warning less ---------------------------------------------------
-
-
 def silence_settotalmass_warning() -> None:
     """Drop the one warning MuJoCo 4 prints (and logs to MUJOCO_LOG.TXT) for every HalfCheetah env on every rank:
     gymnasium's model file still uses the deprecated `settotalmass`. Any other MuJoCo warning prints as before."""
@@ -648,9 +640,6 @@ def silence_settotalmass_warning() -> None:
             print(f"WARNING: {message}\n", file=sys.stderr, flush=True)
 
     mujoco.set_mju_user_warning(warn)
-
-
-# --- input checks and the batch table -----------------------------------------------------------------
 
 
 def check_args(args: Args) -> None:
@@ -683,9 +672,6 @@ def batch_table(args: Args) -> list[tuple[str, object, object]]:
         ("epochs", "", args.num_epochs),
         ("total env steps", "", args.num_epochs * args.steps_per_epoch),
     ]
-
-
-# --- evaluation (after training, and --eval-checkpoint) -----------------------------------------------
 
 
 def render_one_frame(env_id: str) -> None:
@@ -1102,9 +1088,8 @@ class ProcessGroup:
 
 
 class Run:
-    """One training run, which main drives in this order: `Run(args)` checks the flags and reads the launch; `start`
-    finds the run folder and checkpoint, joins the process group, opens TensorBoard; `restore` loads a resumed state;
-    in `guard()`, each of `iterations()` ends with `sum_over_ranks`, `log`, `end_iteration`; `finish` leaves."""
+    """One training run, driven by main in this order: `Run(args)` reads the launch; `start` (run folder, process group,
+    TensorBoard); `restore`; in `guard()`, each of `iterations()` ends with `sum_over_ranks`, `log`, `end_iteration`."""
 
     def __init__(self, args, unit: str = "iteration"):
         if args.nprocs < 1:
@@ -1212,15 +1197,15 @@ class Run:
         return dict(zip(values, sums, strict=True))
 
     def log(self, global_step: int, world: dict[str, float], scalars: dict[str, float]) -> None:
-        """Rank 0: the episodes `world` counts (sum_over_ranks), SPS and `scalars` to TensorBoard, the progress line,
-        and once a warning when its torch threads outnumber the idle cores at start or, with other work, the cores."""
+        """Rank 0: `world`'s episodes (sum_over_ranks), SPS and `scalars` to TensorBoard, the progress line, and once a
+        warning when its threads outnumber the idle cores at start or, after iteration 1, those left by other work."""
         if self.rank != 0:
             return
         sample, cores, threads = load_sample(), len(os.sched_getaffinity(0)), torch.get_num_threads()
         (busy, total, cpu, seconds), self.load_since = sample - self.load_since, sample
         others = cores * busy / max(total, 1) - cpu / seconds  # busy cores, less this process's own
-        too_many = self.args.torch_threads > self.group.cores or threads + others > cores + 0.25
-        if threads > 1 and too_many and not self.oversubscribed:
+        too_many = self.args.torch_threads > self.group.cores or threads + others > cores + 0.5
+        if threads > 1 and too_many and not self.oversubscribed and self.iteration > self.resumed_iteration + 1:
             self.oversubscribed = True
             print(
                 f"{SCRIPT}: warning: {threads} torch threads per rank oversubscribe the {cores} usable cores "
