@@ -11,18 +11,22 @@ script's Agent in plain PyTorch on random frames: one `act` per env step plus th
 default sizes), which only a cheaper update (bf16, compile) can beat. `--compare-with DIR` also runs another
 checkout's scripts (e.g. `git worktree add ../before HEAD~1`), alternating with this one's in every round, so load
 affects both alike; each cell is the median over `--repeats` rounds. The output records the load on the machine.
+`--loads quiet "busy core"` measures it all again beside a process spinning on the last usable core (issue 37: a
+shared machine), e.g. with `--variants "vpg_mpi.py --torch-threads 1"` for the one-thread rows.
 """
 
+import contextlib
 import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 import torch
 
-from benchmark import common
+from benchmark import common, stragglers
 
 TARGETS = {"vpg_mpi.py": 0.5, "ppo_continuous_mpi.py": 0.3, common.ATARI: 1.2}
 """issue 7: the least ratio of a script's SPS to the env-only rate (MLP scripts) or to the compute limit (Atari)"""
@@ -48,6 +52,8 @@ class Args(common.RunsArgs):
     )
     """extra rows of this checkout, each `SCRIPT FLAG...`: the script at its defaults plus documented flags (run
     when SCRIPT is among --scripts)"""
+    loads: tuple[Literal["quiet", "busy core"], ...] = ("quiet",)
+    """measure on the machine as it is, and/or beside a process busy on the last usable core (stragglers.cpu_hog)"""
     max_load: float = 1.2
     out: Path = Path("benchmark_results/throughput")
 
@@ -159,29 +165,33 @@ def main(argv: list[str] | None = None) -> Path:
         checkouts = {"other": other, "this": common.ROOT}
     labels = {key: common.code_version(root, short=True) for key, root in checkouts.items()}
     labels["this"] += " (this checkout)"
-    load = common.check_load(args.max_load)
+    load_before = common.check_load(args.max_load)
 
-    bounds: dict[str, list[float]] = {}  # script -> env-only rate or compute limit, per round
+    bounds: dict[tuple[str, str], list[float]] = {}  # (script, load) -> env-only rate or compute limit, per round
     atari_parts: list[list[float]] = []
-    runs: dict[tuple[str, str], list] = {}  # (row label, script) -> Measurement per round
+    runs: dict[tuple[str, str, str], list] = {}  # (row label, script, load) -> Measurement per round
     with common.work_folder(args.out_dir, "ddrl_throughput_") as work_dir:
-        for round_index in range(args.repeats):
-            for script in args.scripts:
-                limit, parts = bound(script, args)
-                bounds.setdefault(script, []).append(limit)
-                atari_parts += [parts] if parts else []
-                flag_runs = [(labels[key], root, (), key) for key, root in checkouts.items()]
-                for flags in (variant[1:] for variant in variants if variant[0] == script):
-                    tag = "_".join(flag.strip("-") for flag in flags)
-                    flag_runs.append((f"{labels['this']} {' '.join(flags)}", common.ROOT, flags, tag))
-                for label, root, flags, tag in flag_runs:
-                    name = f"throughput__{Path(script).stem}__{tag}__{round_index}"
-                    runs.setdefault((label, script), []).append(run_script(script, root, args, work_dir, name, flags))
-                    print(f"  {label}: SPS {runs[label, script][-1].sps:,.0f}", flush=True)
+        for round_index, load in ((index, load) for index in range(args.repeats) for load in args.loads):
+            busy = stragglers.cpu_hog(common.usable_cores()[-1]) if load == "busy core" else contextlib.nullcontext()
+            with busy:
+                for script in args.scripts:
+                    limit, parts = bound(script, args)
+                    bounds.setdefault((script, load), []).append(limit)
+                    atari_parts += [parts] if parts and load == "quiet" else []
+                    flag_runs = [(labels[key], root, (), key) for key, root in checkouts.items()]
+                    for flags in (variant[1:] for variant in variants if variant[0] == script):
+                        tag = "_".join(flag.strip("-") for flag in flags)
+                        flag_runs.append((f"{labels['this']} {' '.join(flags)}", common.ROOT, flags, tag))
+                    for label, root, flags, tag in flag_runs:
+                        name = f"throughput__{Path(script).stem}__{tag}{'__busy' * (load != 'quiet')}__{round_index}"
+                        measured = run_script(script, root, args, work_dir, name, flags)
+                        runs.setdefault((label, script, load), []).append(measured)
+                        print(f"  {label}, {load}: SPS {measured.sps:,.0f}", flush=True)
 
     rows = []
-    for (label, script), measurements in sorted(runs.items(), key=lambda item: args.scripts.index(item[0][1])):
-        limit, atari, target = statistics.median(bounds[script]), script == common.ATARI, TARGETS[script]
+    for (label, script, load), measurements in sorted(runs.items(), key=lambda item: args.scripts.index(item[0][1])):
+        limit, atari, target = statistics.median(bounds[script, load]), script == common.ATARI, TARGETS[script]
+        label += "" if load == "quiet" else ", beside a busy core"
         sps = statistics.median(m.sps for m in measurements)
         row = [
             script,
@@ -217,7 +227,7 @@ def main(argv: list[str] | None = None) -> Path:
         "each cell the median over rounds"
     ]
     title = "Throughput against the env-only rate and the compute limit"
-    return common.write_results(args, argv, title, facts, body, *load)
+    return common.write_results(args, argv, title, facts, body, *load_before)
 
 
 if __name__ == "__main__":

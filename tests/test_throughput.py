@@ -61,6 +61,21 @@ def test_compare_with_another_checkout_alternates_the_two(tmp_path):
     assert runs == ["throughput__vpg_mpi__other__0", "throughput__vpg_mpi__this__0"]
 
 
+def test_busy_core_rows_follow_the_quiet_ones_for_the_defaults_and_one_thread(tmp_path):
+    """Issue 37's table: every row again beside a process spinning on the last usable core; one-thread variants."""
+    work = tmp_path / "work"
+    argv = ["--scripts", "vpg_mpi.py", "--env-id", "CartPole-v1", "--iterations", "2", "--env-seconds", "0.1"]
+    argv += ["--loads", "quiet", "busy core", "--variants", "vpg_mpi.py --torch-threads 1", "--max-load", "1000"]
+    text = throughput.main([*argv, "--out", str(tmp_path / "busy"), "--out-dir", str(work)]).read_text()
+    suffixes = [row[1].split(" (this checkout)", 1)[1] for row in table_rows(text, "script")]
+    busy = ", beside a busy core"
+    assert suffixes == ["", " --torch-threads 1", busy, f" --torch-threads 1{busy}"], suffixes
+    runs = sorted(path.name for path in (work / "runs").iterdir())
+    assert runs == [
+        f"throughput__vpg_mpi__{tag}__0" for tag in ("this", "this__busy", "torch-threads_1", "torch-threads_1__busy")
+    ]
+
+
 def test_bad_arguments_are_refused(tmp_path):
     with pytest.raises(SystemExit, match="iterations >= 2"):
         throughput.main(["--iterations", "1", "--out", str(tmp_path / "x")])
