@@ -47,33 +47,23 @@ def test_throughput_table_sets_every_script_beside_its_bound(tmp_path, capsys):
     assert "Atari compute limit parts: batch-8 act" in text
 
 
-def test_compare_with_another_checkout_alternates_the_two(tmp_path):
+def test_compare_with_another_checkout_alternates_the_two_quiet_and_beside_a_busy_core(tmp_path):
+    """Both checkouts, alternately, on the machine as it is and again beside a process spinning on the last usable core
+    (issue 37's table)."""
     work = tmp_path / "work"
     argv = ["--scripts", "vpg_mpi.py", "--env-id", "CartPole-v1", "--iterations", "2", "--env-seconds", "0.1"]
-    argv += ["--compare-with", str(ROOT), "--out", str(tmp_path / "ab"), "--out-dir", str(work), "--max-load", "-1"]
+    argv += ["--compare-with", str(ROOT), "--loads", "quiet", "busy core"]
+    argv += ["--out", str(tmp_path / "ab"), "--out-dir", str(work), "--max-load", "-1"]
     text = throughput.main(argv).read_text()
     assert text.splitlines()[2].startswith("**MEASURED UNDER LOAD")  # above the load limit: said at the top
     rows = table_rows(text, "script")
-    assert [row[:3:2] for row in rows] == [["vpg_mpi.py", "CartPole-v1"]] * 2
-    assert not rows[0][1].endswith("(this checkout)") and rows[1][1].endswith("(this checkout)")
-    assert rows[0][3] == rows[1][3]  # one bound for both checkouts
-    runs = sorted(path.name for path in (work / "runs").iterdir())
-    assert runs == ["throughput__vpg_mpi__other__0", "throughput__vpg_mpi__this__0"]
-
-
-def test_busy_core_rows_follow_the_quiet_ones_for_the_defaults_and_one_thread(tmp_path):
-    """Issue 37's table: every row again beside a process spinning on the last usable core; one-thread variants."""
-    work = tmp_path / "work"
-    argv = ["--scripts", "vpg_mpi.py", "--env-id", "CartPole-v1", "--iterations", "2", "--env-seconds", "0.1"]
-    argv += ["--loads", "quiet", "busy core", "--variants", "vpg_mpi.py --torch-threads 1", "--max-load", "1000"]
-    text = throughput.main([*argv, "--out", str(tmp_path / "busy"), "--out-dir", str(work)]).read_text()
-    suffixes = [row[1].split(" (this checkout)", 1)[1] for row in table_rows(text, "script")]
+    assert [row[:3:2] for row in rows] == [["vpg_mpi.py", "CartPole-v1"]] * 4
     busy = ", beside a busy core"
-    assert suffixes == ["", " --torch-threads 1", busy, f" --torch-threads 1{busy}"], suffixes
+    assert not rows[0][1].endswith("(this checkout)") and rows[1][1].endswith("(this checkout)")
+    assert rows[2][1] == rows[0][1] + busy and rows[3][1] == rows[1][1] + busy
+    assert rows[0][3] == rows[1][3] and rows[2][3] == rows[3][3]  # one bound for both checkouts, per load
     runs = sorted(path.name for path in (work / "runs").iterdir())
-    assert runs == [
-        f"throughput__vpg_mpi__{tag}__0" for tag in ("this", "this__busy", "torch-threads_1", "torch-threads_1__busy")
-    ]
+    assert runs == [f"throughput__vpg_mpi__{tag}__0" for tag in ("other", "other__busy", "this", "this__busy")]
 
 
 def test_bad_arguments_are_refused(tmp_path):
@@ -134,8 +124,9 @@ def test_numpy_rollout_policy_acts_as_the_torch_modules_and_follows_updates_and_
         expected_mode = expected_out.argmax(-1) if env_id == "CartPole-v1" else expected_out
         np.testing.assert_allclose(mode, expected_mode.numpy(), rtol=1e-5, atol=1e-5, err_msg=change)
     if env_id == "CartPole-v1":  # sampled actions follow the softmax (made far from uniform first)
-        with torch.no_grad():
-            actor[-1].weight.mul_(400.0)
+        with torch.no_grad():  # logits 0 and log 3 at every observation: probabilities 1/4 and 3/4, whatever the init
+            actor[-1].weight.zero_()
+            actor[-1].bias.copy_(torch.tensor([0.0, np.log(3.0)]))
         probabilities = torch.softmax(actor(obs[:1]), -1)[0].detach().numpy()
         assert 0.1 < probabilities[0] < 0.4 or 0.6 < probabilities[0] < 0.9, probabilities
         np.random.seed(2)
