@@ -69,14 +69,40 @@ def checkpoints(cwd) -> list:
 
 # --- checkpoints, elastic restart, SIGTERM -------------------------------------------------------------
 
+ITERATIONS = 8  # of the interrupted runs and of the uninterrupted one they are compared with
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """(script, mode) -> the final checkpoint of an uninterrupted ITERATIONS-iteration run, made once per case for the
+    tests whose interrupted runs must end with its random streams."""
+    finals = {}
+
+    def final_checkpoint(script: str, mode: tuple) -> dict:
+        if (script, mode) not in finals:
+            cwd = tmp_path_factory.mktemp("uninterrupted")
+            run_flags = flags(script, ITERATIONS, "--checkpoint-every", str(ITERATIONS), *mode)
+            assert_ok(run_command(torchrun_with(["--standalone"], script, run_flags), cwd))
+            finals[script, mode] = load(checkpoints(cwd)[-1])
+        return finals[script, mode]
+
+    return final_checkpoint
+
+
+def assert_random_streams_went_on(final: dict, uninterrupted: dict, restarts: int) -> None:
+    """Every rank's random streams went on from the checkpoint as if never interrupted: they match the uninterrupted
+    run's at the end (the weights differ: the envs restarted from fresh episodes)."""
+    assert final["iteration"] == uninterrupted["iteration"] == ITERATIONS and final["restarts"] == restarts
+    assert final["global_step"] == uninterrupted["global_step"]
+    for rank in range(2):
+        assert torch.equal(final["rng"][rank]["torch"], uninterrupted["rng"][rank]["torch"]), rank
+    assert not torch.equal(final["rng"][0]["torch"], final["rng"][1]["torch"])
+
 
 @pytest.mark.parametrize(("script", "mode"), CASES, ids=CASE_IDS)
-def test_a_killed_worker_restarts_the_group_which_resumes_from_its_checkpoint(script, mode, tmp_path):
+def test_a_killed_worker_restarts_the_group_which_resumes_from_its_checkpoint(script, mode, uninterrupted, tmp_path):
     """torchrun --max-restarts 1 (no --run-name: the rendezvous id names the run), SIGKILL rank 1 after checkpoint 2."""
-    iterations, batch = 8, SCRIPTS[script][1]
-    killed, reference = tmp_path / "killed", tmp_path / "reference"
-    killed.mkdir()
-    reference.mkdir()
+    iterations, batch, killed = ITERATIONS, SCRIPTS[script][1], tmp_path
     run_flags = flags(script, iterations, "--checkpoint-every", "1", "--save-model", *mode)
     launcher = start(torchrun_with(["--standalone", "--max-restarts", "1"], script, run_flags), killed)
     signal_rank_when(
@@ -98,21 +124,13 @@ def test_a_killed_worker_restarts_the_group_which_resumes_from_its_checkpoint(sc
     assert logged_steps(run_dir) == [batch * i for i in range(1, iterations + 1)]
     assert (run_dir / "model.pt").exists()
 
-    # every rank's random streams went on from the checkpoint as if never interrupted: they match an
-    # uninterrupted run's at the end (the weights differ: the envs restarted from fresh episodes)
-    run_flags = flags(script, iterations, "--checkpoint-every", str(iterations), *mode)
-    assert_ok(run_command(torchrun_with(["--standalone"], script, run_flags), reference))
-    final, uninterrupted = load(checkpoints(killed)[-1]), load(checkpoints(reference)[-1])
-    assert final["iteration"] == uninterrupted["iteration"] == iterations and final["restarts"] == 1
-    assert final["global_step"] == uninterrupted["global_step"] == iterations * batch
-    for rank in range(2):
-        assert torch.equal(final["rng"][rank]["torch"], uninterrupted["rng"][rank]["torch"]), rank
-    assert not torch.equal(final["rng"][0]["torch"], final["rng"][1]["torch"])
+    assert load(checkpoints(killed)[-1])["global_step"] == iterations * batch
+    assert_random_streams_went_on(load(checkpoints(killed)[-1]), uninterrupted(script, mode), restarts=1)
 
 
 @pytest.mark.parametrize(("script", "mode"), CASES, ids=CASE_IDS)
-def test_sigterm_checkpoints_and_stops_every_rank_and_resume_finishes_the_run(script, mode, tmp_path):
-    iterations, batch = 6, SCRIPTS[script][1]
+def test_sigterm_checkpoints_and_stops_every_rank_and_resume_finishes_the_run(script, mode, uninterrupted, tmp_path):
+    iterations, batch = ITERATIONS, SCRIPTS[script][1]
     run_flags = flags(script, iterations, "--run-name", "preempted", *mode)
     launcher = start(torchrun_with(["--standalone"], script, run_flags), tmp_path)
     # a preemption notice to one rank only: both must agree to stop at the same iteration
@@ -130,7 +148,8 @@ def test_sigterm_checkpoints_and_stops_every_rank_and_resume_finishes_the_run(sc
     assert result.stdout.splitlines()[-1].startswith(summary), result.stdout[-500:]
     assert "; TensorBoard run runs/preempted; continue with --resume --run-name preempted" in result.stdout
 
-    result = run_command(torchrun_with(["--standalone"], script, [*run_flags, "--resume", "--save-model"]), tmp_path)
+    resume_flags = [*run_flags, "--resume", "--save-model", "--checkpoint-every", str(iterations)]
+    result = run_command(torchrun_with(["--standalone"], script, resume_flags), tmp_path)
     assert_ok(result)
     assert progress_lines(result.stdout) == list(range(stopped_at + 1, iterations + 1))
     assert logged_steps(run_dir) == [batch * i for i in range(1, iterations + 1)]
@@ -143,6 +162,7 @@ def test_sigterm_checkpoints_and_stops_every_rank_and_resume_finishes_the_run(sc
     returns = re.findall(r"^(?:epoch|iteration) \d+/\d+ step \d+ SPS \d+ return (\S+) ", result.stdout, re.MULTILINE)
     assert summary[2] == ([value for value in returns if value != "n/a"] or ["n/a"])[-1]  # the last one logged
     assert (tmp_path / summary[3]) == run_dir and (tmp_path / summary[4]) == run_dir / "model.pt"
+    assert_random_streams_went_on(load(checkpoints(tmp_path)[-1]), uninterrupted(script, mode), restarts=1)
 
 
 # --- a dead or silent peer never hangs the others ------------------------------------------------------
