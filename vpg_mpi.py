@@ -12,9 +12,9 @@ averages the gradients in one flat allreduce per optimizer step, so every rank t
 on the concatenated batch; `--sync gather` (one learner) gathers the rollouts to rank 0, which updates alone and
 broadcasts the weights. An epoch is one iteration of the runtime at the bottom (checkpoints `iter_{epoch:06d}.pt`).
 
-SpinningUp's defaults throughout: PyTorch's initialisation, advantages normalised by the population std (+ 1e-8, so a
-constant batch cannot divide by zero), a log-std starting at -0.5; only the hidden layers, (64, 64), are its default
-rather than its benchmark's (64, 32).
+SpinningUp's defaults: PyTorch's initialisation, advantages normalised by the population std (+ 1e-8: a constant
+batch cannot divide by zero), a log-std starting at -0.5, (64, 64) (its benchmark's net is (64, 32)). Unlike it, a
+sampled Box action is clipped to the space before the env sees it, which raises MuJoCo returns (docs/differences.md).
 """
 
 import contextlib
