@@ -585,15 +585,15 @@ def main(args: Args) -> Agent | None:
                 args.gae_lambda,
             )  # fmt: skip
             final_values[:] = 0.0
-            rollout = {"obs": obs, "actions": actions, "log_probs": logprobs, "values": values}
-            batch = {key: value[rows] for key, value in rollout.items()} | {
-                "advantages": advantages,
-                "returns": returns,
+            batch = {
+                "obs": obs[rows].reshape(-1, obs_dim),
+                "actions": actions[rows].reshape(-1, action_dim),
+                "log_probs": logprobs[rows].reshape(-1),
+                "values": values[rows].reshape(-1),
+                "advantages": advantages.reshape(-1),
+                "returns": returns.reshape(-1),
             }
-            batch = {  # [steps, envs, ...] -> [samples, ...]
-                key: torch.as_tensor(value.reshape(-1, *value.shape[2:]), dtype=torch.float32, device=device)
-                for key, value in batch.items()
-            }
+            batch = {key: torch.as_tensor(value, dtype=torch.float32, device=device) for key, value in batch.items()}
             check_rollout_policy(agent, batch, f"at iteration {run.iteration}")  # PPO's first ratios must be 1
 
             # --- update ---
@@ -711,7 +711,8 @@ def numpy_module(module: nn.Module | nn.Parameter, numpy_layers: bool = True) ->
 def rollout_probe(policy: RolloutPolicy, obs_dim: int, device: torch.device) -> Batch:
     """`policy`'s actions, log-probabilities and values at standard-normal observations (as normalised ones look)."""
     obs = np.random.standard_normal((ROLLOUT_CHECK_SAMPLES, obs_dim)).astype(np.float32)
-    probe = dict(zip(("obs", "actions", "log_probs", "values"), (obs, *policy.act(obs)), strict=True))
+    actions, log_probs, values = policy.act(obs)
+    probe = {"obs": obs, "actions": actions, "log_probs": log_probs, "values": values}
     return {key: torch.as_tensor(value, dtype=torch.float32, device=device) for key, value in probe.items()}
 
 

@@ -570,7 +570,8 @@ def numpy_module(module: nn.Module | nn.Parameter, numpy_layers: bool = True) ->
 def rollout_probe(policy: RolloutPolicy, obs_dim: int, device: torch.device) -> Batch:
     """`policy`'s actions, log-probabilities and values at standard-normal observations."""
     obs = np.random.standard_normal((ROLLOUT_CHECK_SAMPLES, obs_dim)).astype(np.float32)
-    probe = dict(zip(("obs", "actions", "log_probs", "values"), (obs, *policy.act(obs)), strict=True))
+    actions, log_probs, values = policy.act(obs)
+    probe = {"obs": obs, "actions": actions, "log_probs": log_probs, "values": values}
     return {key: torch.as_tensor(value, device=device) for key, value in probe.items()}
 
 

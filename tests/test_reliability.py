@@ -124,8 +124,9 @@ def test_a_killed_worker_restarts_the_group_which_resumes_from_its_checkpoint(sc
     assert logged_steps(run_dir) == [batch * i for i in range(1, iterations + 1)]
     assert (run_dir / "model.pt").exists()
 
-    assert load(checkpoints(killed)[-1])["global_step"] == iterations * batch
-    assert_random_streams_went_on(load(checkpoints(killed)[-1]), uninterrupted(script, mode), restarts=1)
+    final = load(checkpoints(killed)[-1])
+    assert final["global_step"] == iterations * batch
+    assert_random_streams_went_on(final, uninterrupted(script, mode), restarts=1)
 
 
 @pytest.mark.parametrize(("script", "mode"), CASES, ids=CASE_IDS)
