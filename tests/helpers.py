@@ -1,11 +1,14 @@
 """What every test module shares: launching a script's ranks for real and reading back what they wrote."""
 
 import gc
+import importlib
 import os
+import runpy
 import socket
 import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import pytest
@@ -58,6 +61,48 @@ def run_command(command: list[str], cwd: Path, timeout: float = 240, **env: str)
     return subprocess.run(command, cwd=cwd, env=clean_env(**env), capture_output=True, text=True, timeout=timeout)
 
 
+def _python_main(script: str, args: list[str], cwd: str, parent_env: dict[str, str]) -> None:
+    """`python script args` in a process forked from run_ranks' server: its stdout and stderr to cwd/python.out and
+    cwd/python.err, its exit code as python's (2 for the scripts' refusals, 1 for an uncaught exception)."""
+    os.environ.clear()
+    os.environ.update(parent_env)
+    os.chdir(cwd)
+    for fd, name in ((1, "python.out"), (2, "python.err")):
+        os.dup2(os.open(name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
+    code = 0
+    try:
+        sys.argv = [script, *args]
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as stop:  # as the interpreter handles it: a message goes to stderr, with exit code 1
+        code = stop.code or 0 if stop.code is None or isinstance(stop.code, int) else 1
+        if code and not isinstance(stop.code, int):
+            print(stop.code, file=sys.stderr)
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    gc.collect()
+    os._exit(code)
+
+
+def run_python(script: Path, args: list[str], cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess:
+    """What run_command([python, script, *args], cwd) returns, in a fraction of the time: the script runs in a process
+    forked from run_ranks' server, which imported torch once. For a script's own code (its checks, its training); a
+    test of how a process starts or exits launches a real one."""
+    process = mp.get_context("forkserver").Process(
+        target=_python_main, args=(str(script), list(args), str(cwd), clean_env())
+    )
+    process.start()
+    process.join(timeout)
+    if process.exitcode is None:
+        process.kill()
+        process.join()
+        raise AssertionError(f"{script} {args} still ran after {timeout} s")
+    output = [(cwd / name).read_text() for name in ("python.out", "python.err")]
+    return subprocess.CompletedProcess([sys.executable, str(script), *args], process.exitcode, *output)
+
+
 def torchrun(
     script: str,
     args: list[str],
@@ -92,8 +137,7 @@ def assert_ok(result: subprocess.CompletedProcess) -> None:
 
 def evaluate_one_episode(script: str, model_path: Path, cwd: Path) -> subprocess.CompletedProcess:
     """`python script --eval-checkpoint model_path --eval-episodes 1` in `cwd`, checked to end with its `eval:` line."""
-    command = [sys.executable, str(ROOT / script), "--eval-checkpoint", str(model_path), "--eval-episodes", "1"]
-    result = run_command(command, cwd)
+    result = run_python(ROOT / script, ["--eval-checkpoint", str(model_path), "--eval-episodes", "1"], cwd)
     assert_ok(result)
     last_line = result.stdout.strip().splitlines()[-1]
     assert last_line.startswith("eval: episodes=1 return_mean="), last_line
@@ -125,10 +169,20 @@ def assert_same_parameters(states: list[dict[str, torch.Tensor]], atol: float = 
             assert torch.allclose(state[key], states[0][key], rtol=0, atol=atol), f"rank {rank} differs in {key}"
 
 
+# run_ranks forks its ranks from a server that imported these once: a rank then starts in a fraction of a second,
+# where a spawned one spends seconds importing torch
+RANK_PRELOAD = ["torch", "torch.distributed", "gymnasium", "ale_py", "mujoco", "tyro", "torch.utils.tensorboard"]
+mp.set_forkserver_preload([*RANK_PRELOAD, "vpg_mpi", "ppo_continuous_mpi", "ppo_atari_multigpu", "tests.helpers"])
+
+
 def _rank_main(
-    rank: int, worker, world_size: int, port: int, out_dir: str, worker_args: tuple, join_group: bool = True
+    rank: int, worker, world_size: int, port: int, out_dir: str, worker_args: tuple, join_group: bool, parent: tuple
 ) -> None:
-    """One spawned rank: join a gloo group as the scripts would under torchrun, run `worker`, save its result."""
+    """One rank: join a gloo group as the scripts would under torchrun, run `worker`, save its result."""
+    environment, cwd = parent  # what a spawned child inherits, the fork server's child does not
+    os.environ.clear()
+    os.environ.update(environment)
+    os.chdir(cwd)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     os.environ.update(LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -141,6 +195,14 @@ def _rank_main(
     gc.collect()  # as the scripts do: gloo threads left to interpreter shutdown can abort the process (SIGABRT)
 
 
+def train_rank(rank: int, world_size: int, script: str, cwd: str, flags: list[str]) -> dict[str, torch.Tensor]:
+    """One rank of a launch by run_ranks(..., join_group=False): the script's whole `main` on `flags` in `cwd`, as
+    torchrun would run it; returns the trained agent's state dict."""
+    os.chdir(cwd)
+    module = importlib.import_module(Path(script).stem)
+    return module.main(tyro.cli(module.Args, args=flags)).state_dict()
+
+
 def run_ranks(
     worker,
     world_size: int,
@@ -150,9 +212,9 @@ def run_ranks(
     join_group: bool = True,
     mpi_script: str | None = None,
 ) -> list:
-    """Run `worker(rank, world_size, *worker_args)` on `world_size` spawned ranks joined in a gloo group.
+    """Run `worker(rank, world_size, *worker_args)` on `world_size` new processes joined in a gloo group.
 
-    `worker` must be a module-level function (spawn pickles it by name); each rank's return value is
+    `worker` must be a module-level function (it is pickled by name); each rank's return value is
     saved with torch.save and the list of them, in rank order, is returned. A hang fails after `timeout`.
     With `join_group=False` the ranks only get the launcher variables (RANK, MASTER_PORT...) that torchrun
     would set, so the worker can run a script's whole `main`, which forms its own group.
@@ -167,10 +229,10 @@ def run_ranks(
         return [torch.load(out_dir / f"result{rank}.pt", weights_only=False) for rank in range(world_size)]
     context = mp.start_processes(
         _rank_main,
-        args=(worker, world_size, free_port(), str(out_dir), worker_args, join_group),
+        args=(worker, world_size, free_port(), str(out_dir), worker_args, join_group, (dict(os.environ), os.getcwd())),
         nprocs=world_size,
         join=False,
-        start_method="spawn",
+        start_method="forkserver",
     )
     deadline = time.monotonic() + timeout
     while not context.join(timeout=1):

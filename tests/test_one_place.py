@@ -2,16 +2,17 @@
 stop the run at start with a message: never a run that acts with one network and learns with another."""
 
 import re
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import ROOT, assert_ok, read_scalars, run_command, run_dirs
+from tests.helpers import ROOT, assert_ok, read_scalars, run_dirs, run_python
 
 FLAGS = {
-    "ppo_continuous_mpi.py": ["--env-id", "InvertedPendulum-v5", "--num-steps", "256", "--total-timesteps", "512"],
-    "vpg_mpi.py": ["--env-id", "CartPole-v1", "--steps-per-epoch", "500", "--total-timesteps", "1000"],
+    "ppo_continuous_mpi.py": ["--env-id", "InvertedPendulum-v5", "--num-steps", "256", "--total-timesteps", "512"]
+    + ["--num-minibatches", "4", "--update-epochs", "2"],
+    "vpg_mpi.py": ["--env-id", "CartPole-v1", "--steps-per-epoch", "500", "--total-timesteps", "1000"]
+    + ["--train-v-iters", "5"],
     "ppo_atari_multigpu.py": ["--env-id", "BreakoutNoFrameskip-v4", "--num-steps", "32", "--total-timesteps", "512"],
 }
 PPO_TANH_MLP = "        nn.Tanh(),\n        layer_init(nn.Linear(64, 64)),\n        nn.Tanh(),\n"
@@ -84,7 +85,7 @@ def edited_copy(directory: Path, script: str, edits: list[tuple[str, str]]) -> P
 
 def train(copy: Path, *extra: str):
     """Two iterations of the copy at seed 1 with one rank, in its own folder."""
-    return run_command([sys.executable, str(copy), *FLAGS[copy.name], "--seed", "1", *extra], copy.parent)
+    return run_python(copy, [*FLAGS[copy.name], "--seed", "1", *extra], copy.parent)
 
 
 def losses(directory: Path) -> dict[str, list[tuple[int, float]]]:

@@ -27,6 +27,7 @@ from tests.helpers import (
     signal_rank_when,
     start,
     torchrun_with,
+    train_rank,
     wait_for,
 )
 
@@ -82,7 +83,7 @@ def uninterrupted(tmp_path_factory):
         if (script, mode) not in finals:
             cwd = tmp_path_factory.mktemp("uninterrupted")
             run_flags = flags(script, ITERATIONS, "--checkpoint-every", str(ITERATIONS), *mode)
-            assert_ok(run_command(torchrun_with(["--standalone"], script, run_flags), cwd))
+            run_ranks(train_rank, 2, cwd, script, str(cwd), run_flags, join_group=False)
             finals[script, mode] = load(checkpoints(cwd)[-1])
         return finals[script, mode]
 

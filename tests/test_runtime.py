@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.helpers import ROOT, assert_no_settotalmass_warning, refuse, run_command
+from tests.helpers import ROOT, assert_no_settotalmass_warning, refuse, run_python
 
 SCRIPTS = ("ppo_continuous_mpi.py", "ppo_atari_multigpu.py", "vpg_mpi.py")
 
@@ -128,13 +128,12 @@ def test_a_run_with_more_threads_than_idle_cores_says_so_once_and_the_default_do
     busy = subprocess.Popen(
         [sys.executable, "-c", f"import os\nos.sched_setaffinity(0, {{{max(cores)}}})\nwhile 1: pass"]
     )
-    vpg = [sys.executable, str(ROOT / "vpg_mpi.py"), "--env-id", "CartPole-v1", "--steps-per-epoch", "200"]
-    vpg += ["--total-timesteps", "600", "--train-v-iters", "2"]
+    vpg = ["--env-id", "CartPole-v1", "--steps-per-epoch", "200", "--total-timesteps", "600", "--train-v-iters", "2"]
     for folder in ("too_many", "default"):
         (tmp_path / folder).mkdir()
     try:
-        too_many = run_command([*vpg, "--torch-threads", str(len(cores))], tmp_path / "too_many")
-        default = run_command(vpg, tmp_path / "default")
+        too_many = run_python(ROOT / "vpg_mpi.py", [*vpg, "--torch-threads", str(len(cores))], tmp_path / "too_many")
+        default = run_python(ROOT / "vpg_mpi.py", vpg, tmp_path / "default")
     finally:
         busy.kill()
         busy.wait()

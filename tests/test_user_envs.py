@@ -2,7 +2,7 @@
 
 import pytest
 
-from tests.helpers import ROOT, assert_ok, progress_lines, refuse, run_command
+from tests.helpers import ROOT, assert_ok, progress_lines, refuse, run_python
 
 USER_ENV = "tests.user_envs:Point-v0"
 # tiny runs of two iterations on one rank
@@ -15,7 +15,7 @@ RUNS = {
 
 @pytest.mark.parametrize("script", RUNS)
 def test_a_user_env_module_trains(script, tmp_path):
-    result = run_command(["python", str(ROOT / script), "--env-id", USER_ENV, *RUNS[script]], tmp_path, timeout=120)
+    result = run_python(ROOT / script, ["--env-id", USER_ENV, *RUNS[script]], tmp_path, timeout=120)
     assert_ok(result)
     assert progress_lines(result.stdout) == [1, 2]
 

@@ -25,6 +25,7 @@ from tests.helpers import (
     refuse,
     run_command,
     run_dirs,
+    run_python,
     run_ranks,
     start,
     torchrun,
@@ -303,16 +304,27 @@ def epochs_logged(run_dir) -> int:
     return len(read_scalars(run_dir)["losses/policy_loss"])
 
 
-def test_cartpole_two_ranks_train_identically_and_reproducibly(tmp_path):
-    first, second = tmp_path / "first", tmp_path / "second"
-    first.mkdir()
-    second.mkdir()
-    assert_ok(torchrun("vpg_mpi.py", [*CARTPOLE, "--save-model"], first, save_ranks=True))
-    assert_same_parameters(rank_parameters(first, 2))
-    [run_dir] = run_dirs(first)
+@pytest.fixture(scope="module")
+def cartpole(tmp_path_factory) -> dict:
+    """The scalars of one CARTPOLE run of two ranks under torchrun (rank_entry.py saving each rank's weights): the
+    curve that every other launch of two ranks, with the same seed, must reproduce."""
+    cwd = tmp_path_factory.mktemp("cartpole")
+    assert_ok(torchrun("vpg_mpi.py", [*CARTPOLE, "--save-model"], cwd, save_ranks=True))
+    assert_same_parameters(rank_parameters(cwd, 2))
+    [run_dir] = run_dirs(cwd)
     assert (run_dir / "model.pt").is_file()
-    scalars = read_scalars(run_dir)
-    assert [step for step, _ in scalars["losses/policy_loss"]] == [1000, 2000, 3000]
+    return read_scalars(run_dir)
+
+
+def assert_same_curve(run_dir, cartpole: dict) -> None:
+    """Same seed and world size: the same curve, whichever launcher started the ranks."""
+    again = read_scalars(run_dir)
+    for key in ("charts/episodic_return", "losses/policy_loss", "losses/value_loss"):
+        assert again[key] == cartpole[key], key
+
+
+def test_cartpole_two_ranks_train_identically_and_log(cartpole):
+    assert [step for step, _ in cartpole["losses/policy_loss"]] == [1000, 2000, 3000]
     for key in (
         "charts/episodic_return",
         "charts/episodic_length",
@@ -324,14 +336,8 @@ def test_cartpole_two_ranks_train_identically_and_reproducibly(tmp_path):
         "perf/update_time",
         "perf/sync_time",
     ):
-        assert key in scalars, key
-    assert all(length >= 8 for _, length in scalars["charts/episodic_length"])  # CartPole lasts >= 8 steps
-
-    # same seed and world size: the same curve
-    assert_ok(torchrun("vpg_mpi.py", CARTPOLE, second))
-    again = read_scalars(run_dirs(second)[0])
-    for key in ("charts/episodic_return", "losses/policy_loss", "losses/value_loss"):
-        assert again[key] == scalars[key], key
+        assert key in cartpole, key
+    assert all(length >= 8 for _, length in cartpole["charts/episodic_length"])  # CartPole lasts >= 8 steps
 
 
 def evaluate_model(path, capsys) -> float:
@@ -346,9 +352,7 @@ def test_evaluating_a_trained_cartpole_model_earns_its_training_return(tmp_path,
     """A short CartPole run learns (pi-lr 0.01: from ~20 to over 100 in 8 epochs); evaluating its model.pt earns at
     least what training last logged, and the same checkpoint holding a fresh agent's weights does far worse."""
     flags = ["--env-id", "CartPole-v1", "--pi-lr", "0.01", "--steps-per-epoch", "2000", "--total-timesteps", "16000"]
-    result = run_command(
-        [sys.executable, str(ROOT / "vpg_mpi.py"), *flags, "--train-v-iters", "20", "--save-model"], tmp_path
-    )
+    result = run_python(ROOT / "vpg_mpi.py", [*flags, "--train-v-iters", "20", "--save-model"], tmp_path)
     assert_ok(result)
     [run_dir] = run_dirs(tmp_path)
     returns = read_scalars(run_dir)["charts/episodic_return"]
@@ -382,18 +386,18 @@ def test_halfcheetah_two_ranks_gather_mode_trains_and_evaluates_quietly(tmp_path
     assert_no_settotalmass_warning(evaluation.stdout + evaluation.stderr, tmp_path)
 
 
-def assert_one_world_of_two_ranks(cwd, stdout: str) -> None:
-    """Two launched processes trained as one world: rank 0's batch table says two ranks, one run folder logged every
-    epoch, and ranks 0 and 1 (rank_entry.py's rank0.pt and rank1.pt) end with the same weights. Two worlds of one
-    would each print one rank and both write rank0.pt."""
+def assert_one_world_of_two_ranks(cwd, stdout: str, cartpole: dict) -> None:
+    """Two launched processes trained as one world: rank 0's batch table says two ranks, one run folder logged the
+    curve of two ranks under torchrun, and ranks 0 and 1 (rank_entry.py's rank0.pt and rank1.pt) end with the same
+    weights. Two worlds of one would each print one rank and both write rank0.pt."""
     assert TWO_RANKS in stdout, stdout
     [run_dir] = run_dirs(cwd)
-    assert epochs_logged(run_dir) == 3
+    assert_same_curve(run_dir, cartpole)
     assert sorted(path.name for path in cwd.glob("rank*.pt")) == ["rank0.pt", "rank1.pt"]
     assert_same_parameters(rank_parameters(cwd, 2))
 
 
-def test_mpirun_launch(tmp_path):
+def test_mpirun_launch(tmp_path, cartpole):
     command = [
         "mpirun",
         "--allow-run-as-root",
@@ -411,10 +415,10 @@ def test_mpirun_launch(tmp_path):
     ]
     result = run_command(command, tmp_path)
     assert_ok(result)
-    assert_one_world_of_two_ranks(tmp_path, result.stdout)
+    assert_one_world_of_two_ranks(tmp_path, result.stdout, cartpole)
 
 
-def test_slurm_variables_two_tasks_train_together(tmp_path):
+def test_slurm_variables_two_tasks_train_together(tmp_path, cartpole):
     port = str(free_port())
     command = [sys.executable, str(RANK_ENTRY), "vpg_mpi.py", *CARTPOLE]
     tasks = [
@@ -426,10 +430,10 @@ def test_slurm_variables_two_tasks_train_together(tmp_path):
     results = [finish(task, 180) for task in tasks]
     for result in results:
         assert_ok(result)
-    assert_one_world_of_two_ranks(tmp_path, results[0].stdout)
+    assert_one_world_of_two_ranks(tmp_path, results[0].stdout, cartpole)
 
 
-def test_two_torchrun_nodes_train_as_one_world(tmp_path):
+def test_two_torchrun_nodes_train_as_one_world(tmp_path, cartpole):
     port = str(free_port())
     nodes = []
     for node_rank in range(2):
@@ -443,13 +447,13 @@ def test_two_torchrun_nodes_train_as_one_world(tmp_path):
     # global rank 0 alone logs; node 1's local rank 0 is global rank 1 and writes nothing
     [run_dir] = run_dirs(tmp_path / "node0")
     assert not (tmp_path / "node1" / "runs").exists()
-    assert epochs_logged(run_dir) == 3
+    assert_same_curve(run_dir, cartpole)
     states = [torch.load(tmp_path / f"node{node}" / f"rank{node}.pt") for node in range(2)]
     assert_same_parameters(states)
 
 
-def test_nprocs_relaunches_under_torchrun(tmp_path):
-    result = run_command([sys.executable, str(ROOT / "vpg_mpi.py"), "--nprocs", "2", *CARTPOLE], tmp_path)
+def test_nprocs_relaunches_under_torchrun(tmp_path, cartpole):
+    result = run_python(ROOT / "vpg_mpi.py", ["--nprocs", "2", *CARTPOLE], tmp_path)
     assert_ok(result)
     assert "ranks                        2" in result.stdout
-    assert epochs_logged(run_dirs(tmp_path)[0]) == 3
+    assert_same_curve(run_dirs(tmp_path)[0], cartpole)
