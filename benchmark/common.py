@@ -1,10 +1,11 @@
-"""What the benchmark modules (and the tests) share: their common arguments, the scripts and their defaults, launching
-a script through its own `--nprocs`, reading TensorBoard event files, and writing a results file."""
+"""What the benchmark modules share: arguments, the scripts and their defaults, launching them, reading their
+TensorBoard event files, and writing a results file."""
 
 import contextlib
 import datetime
 import functools
 import importlib.util
+import itertools
 import os
 import platform
 import re
@@ -28,8 +29,7 @@ Script = Literal["vpg_mpi.py", "ppo_continuous_mpi.py", "ppo_atari_multigpu.py"]
 SCRIPTS: tuple[str, ...] = get_args(Script)
 """the training scripts the benchmarks know"""
 ATARI = "ppo_atari_multigpu.py"
-PROGRESS_LINE = re.compile(r"^(?:iteration|epoch) (\d+)/(\d+) step (\d+) SPS (\d+) return (\S+)")
-"""the per-iteration line rank 0 of every script prints: (iteration, iterations, global step, SPS, return)"""
+ArgsT = TypeVar("ArgsT")
 PINNED = (
     "`taskset -c C0,..,C(N-1) env PYTHONPATH=benchmark/pin_rank DDRL_PIN_CORES=C0,..,C(N-1) python SCRIPT --nprocs N "
     "--collectives torch` (`mpi` under mpirun), benchmark/pin_rank/sitecustomize.py pinning local rank r to core Cr"
@@ -40,9 +40,6 @@ PINNED = (
 def usable_cores() -> list[int]:
     """The cores this process may run on, sorted."""
     return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
-
-
-# --- arguments ---------------------------------------------------------------------------------------
 
 
 @dataclass(kw_only=True)
@@ -65,6 +62,8 @@ class TimingArgs(ResultsArgs):
 class RunsArgs(TimingArgs):
     iterations: int = 6
     """iterations (epochs) per run; at least 2 (the first is left out of SPS and the time split)"""
+    local_steps: int = 0
+    """env steps per rank per iteration; 0 = the script's own default batch"""
     out_dir: Path | None = None
     """where the runs are launched (runs/ and logs/ land there, and are kept); default: a temporary folder"""
 
@@ -73,12 +72,8 @@ class RunsArgs(TimingArgs):
             raise SystemExit("benchmark: error: need --iterations >= 2 (the first is left out of SPS)")
 
 
-ArgsT = TypeVar("ArgsT")
-
-
 def cli(args_class: type[ArgsT], argv: Sequence[str] | None, script_args: bool = False) -> tuple[ArgsT, list, list]:
-    """Parse a module's command line (default: sys.argv[1:]), its docstring as the help: (its Args, the whole command
-    line, and with `script_args` the arguments after the first `--`, which go to every run of a script)."""
+    """A module's Args (its docstring the help), the command line, and the arguments after `--` (for the script)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     cut = argv.index("--") if "--" in argv else len(argv)
     if cut < len(argv) and not script_args:
@@ -97,9 +92,6 @@ def work_folder(out_dir: Path | None, prefix: str) -> Iterator[Path]:
         yield Path(folder)
 
 
-# --- the scripts -------------------------------------------------------------------------------------
-
-
 @functools.cache
 def load_script(script: str, root: Path = ROOT):
     """A training script of checkout `root` imported as a module (importing one does no work)."""
@@ -114,9 +106,13 @@ def defaults(script: str):
     return load_script(script).Args()
 
 
+def env_id(script: str, chosen: str = "") -> str:
+    """`chosen`, or else the script's default env id."""
+    return chosen or defaults(script).env_id
+
+
 def env_spaces(script: str) -> tuple:
-    """(observation space, action space) of the script's default env as gym.make builds it (with the script's own
-    silencing of MuJoCo's settotalmass warning, where it has one)."""
+    """(observation space, action space) of the script's default env, with the script's warning filters."""
     import ale_py
     import gymnasium as gym
 
@@ -127,8 +123,7 @@ def env_spaces(script: str) -> tuple:
 
 
 def budget_args(script: str, ranks: int, local_steps: int, iterations: int) -> list[str]:
-    """Arguments giving `script` a batch of `local_steps` env steps per rank per iteration (0: its default batch,
-    VPG's at 1 rank) for `iterations` iterations."""
+    """`script`'s arguments for `local_steps` env steps per rank (0: its default batch) for `iterations` iterations."""
     args = defaults(script)
     if not local_steps:
         local_steps = args.steps_per_epoch if script == "vpg_mpi.py" else args.local_num_envs * args.num_steps
@@ -136,24 +131,15 @@ def budget_args(script: str, ranks: int, local_steps: int, iterations: int) -> l
     if script == "vpg_mpi.py":  # SpinningUp's global steps per epoch
         return ["--steps-per-epoch", str(ranks * local_steps), *total]
     if local_steps % args.local_num_envs:
-        raise SystemExit(
-            f"benchmark: error: {script} runs {args.local_num_envs} envs per rank: local steps must be a multiple"
-        )
-    return [
-        "--local-num-envs",
-        str(args.local_num_envs),
-        "--num-steps",
-        str(local_steps // args.local_num_envs),
-        *total,
-    ]
+        raise SystemExit(f"benchmark: error: --local-steps must be a multiple of {script}'s {args.local_num_envs} envs")
+    steps = ["--num-steps", str(local_steps // args.local_num_envs)]
+    return ["--local-num-envs", str(args.local_num_envs), *steps, *total]
 
 
 def script_command(
     script: Path, args: Sequence[str], ranks: int = 1, launcher: str = "", cores: Sequence[int] = ()
 ) -> list[str]:
-    """`python SCRIPT ARGS`, as `ranks` ranks through the script's own `--nprocs`: under `launcher` torchrun
-    (`--collectives torch`) or mpirun (`--collectives mpi`), or as the script chooses. With `cores`, under `taskset`
-    to them, local rank r pinned to cores[r] by benchmark/pin_rank (see PINNED)."""
+    """`python SCRIPT ARGS` as `ranks` ranks by the script's own `--nprocs`, with `cores` pinned as PINNED says."""
     command = [sys.executable, str(script)]
     if ranks > 1:
         collectives = {"torchrun": ["--collectives", "torch"], "mpirun": ["--collectives", "mpi"], "": []}[launcher]
@@ -169,40 +155,24 @@ def script_command(
     return ["taskset", "-c", pinned, *command, *args]
 
 
-# --- running commands --------------------------------------------------------------------------------
-
-
-def open_log(command: Sequence[str], cwd: Path, log_path: Path) -> TextIO:
-    """`log_path` opened for writing, its first line the command as a shell would run it in `cwd`."""
+def start(command: Sequence[str], cwd: Path, log_path: Path, pipe: bool = False) -> tuple[subprocess.Popen, TextIO]:
+    """Start `command` in `cwd`, its output to `log_path` (headed by the command) or with `pipe` to the caller."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     cwd.mkdir(parents=True, exist_ok=True)
     log = open(log_path, "w")  # noqa: SIM115 (the caller closes it)
     log.write(f"$ (cd {shlex.quote(str(cwd))} && {shlex.join(command)})\n")
     log.flush()
-    return log
+    env, output = {**os.environ, "PYTHONUNBUFFERED": "1"}, subprocess.PIPE if pipe else log
+    process = subprocess.Popen(command, cwd=cwd, env=env, stdout=output, stderr=subprocess.STDOUT, text=True, bufsize=1)
+    return process, log
 
 
-def run_streaming(command: Sequence[str], cwd: Path, log_path: Path, on_line: Callable[[str], None]) -> int:
-    """Run `command` in `cwd`, copy its stdout and stderr to `log_path`, call `on_line` on each line; the exit code."""
-    with open_log(command, cwd, log_path) as log:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        process = subprocess.Popen(
-            command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
-        )
-        for line in process.stdout:
-            log.write(line)
-            on_line(line.rstrip("\n"))
-        return process.wait()
-
-
-def run_at_once(commands: Sequence[Sequence[str]], cwd: Path, log_paths: Sequence[Path]) -> list[int]:
-    """Start every command in `cwd` at once, each one's stdout and stderr to its log; wait for all, their exit codes."""
-    processes = []
-    for command, log_path in zip(commands, log_paths, strict=True):
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        with open_log(command, cwd, log_path) as log:  # the child keeps its own copy of the file
-            processes.append(subprocess.Popen(command, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT))
-    return [process.wait() for process in processes]
+def run_at_once(commands: Sequence[Sequence[str]], log_paths: Sequence[Path], cwd: Path) -> list[int]:
+    """Start every command in `cwd` at once, each one's output to its log; wait for all, their exit codes."""
+    started = [start(command, cwd, log_path) for command, log_path in zip(commands, log_paths, strict=True)]
+    for _, log in started:
+        log.close()  # each child keeps its own copy of the file
+    return [process.wait() for process, _ in started]
 
 
 def last_lines(path: Path, count: int = 15) -> str:
@@ -211,24 +181,17 @@ def last_lines(path: Path, count: int = 15) -> str:
 
 
 def run_logged(commands: dict[str, list[str]], work_dir: Path, at_once: bool = False) -> list[Path]:
-    """Run each command, named by its run, in `work_dir`, one after the other or all at once, its output to
-    logs/NAME.log; their run folders runs/NAME, or exit naming the first run that failed and its log's last lines."""
+    """Run each command NAME in `work_dir` (output to logs/NAME.log), in turn or at once; their folders runs/NAME."""
     logs = [work_dir / "logs" / f"{name}.log" for name in commands]
     for name in commands:
         shutil.rmtree(work_dir / "runs" / name, ignore_errors=True)
-    if at_once:
-        codes = run_at_once(list(commands.values()), work_dir, logs)
-    else:
-        codes = [
-            run_at_once([command], work_dir, [log])[0] for command, log in zip(commands.values(), logs, strict=True)
-        ]
+    pairs = list(zip(commands.values(), logs, strict=True))
+    batches = [pairs] if at_once else [[pair] for pair in pairs]  # all at once, or one after the other
+    codes = [code for batch in batches for code in run_at_once(*zip(*batch, strict=True), cwd=work_dir)]
     for name, log, code in zip(commands, logs, codes, strict=True):
         if code:
             raise SystemExit(f"benchmark: error: run {name} failed (exit {code}); {log}:\n{last_lines(log)}")
     return [work_dir / "runs" / name for name in commands]
-
-
-# --- reading TensorBoard -----------------------------------------------------------------------------
 
 
 def _accumulator(run_dir: Path):
@@ -247,7 +210,7 @@ def read_scalar_events(run_dir: Path) -> dict[str, list[tuple[float, int, float]
 
 
 def read_scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
-    """Every scalar series in a run folder's TensorBoard event files, as (step, value) pairs."""
+    """Every scalar series in a run folder's event files, as (step, value) pairs."""
     return {tag: [(step, value) for _, step, value in events] for tag, events in read_scalar_events(run_dir).items()}
 
 
@@ -259,20 +222,6 @@ def read_hyperparameters(run_dir: Path) -> dict[str, str]:
     text = accumulator.Tensors("hyperparameters/text_summary")[0].tensor_proto.string_val[0].decode()
     rows = [line.strip().strip("|").split("|", 1) for line in text.splitlines()[2:]]
     return {row[0]: row[1] for row in rows if len(row) == 2}
-
-
-def find_run_dirs(paths: Sequence[Path]) -> list[Path]:
-    """Every folder under (or equal to) `paths` that holds TensorBoard event files, sorted."""
-    found = set()
-    for path in paths:
-        if not path.exists():
-            raise FileNotFoundError(f"{path} does not exist")
-        found.update(event.parent for event in path.rglob("events.out.tfevents.*"))
-    return sorted(found)
-
-
-PARTS = ("rollout", "update", "sync")
-"""the parts of an iteration the scripts time (perf/PART_time)"""
 
 
 @dataclass
@@ -292,9 +241,7 @@ class Measurement:
 
 
 def measure(run_dir: Path, script: str, mode: str, ranks: int) -> Measurement:
-    """A run's events as a Measurement: SPS from the end of iteration 1 to the end of the last (leaving out start-up
-    and the first iteration's warm-up) beside the script's own charts/SPS, and the medians over iterations 2.. of
-    perf/rollout_time, perf/update_time and perf/sync_time."""
+    """A run as a Measurement: SPS and perf/PART_time medians over iterations 2.. (no start-up), and charts/SPS."""
     scalars = read_scalar_events(run_dir)
     sps_events = scalars.get("charts/SPS", [])
     if len(sps_events) < 2:
@@ -302,11 +249,9 @@ def measure(run_dir: Path, script: str, mode: str, ranks: int) -> Measurement:
     (first_wall, first_step, _), (last_wall, last_step, script_sps) = sps_events[0], sps_events[-1]
     sps = (last_step - first_step) / max(last_wall - first_wall, 1e-9)
     batch = (last_step - first_step) // (len(sps_events) - 1)
-    seconds = [statistics.median(event[2] for event in scalars[f"perf/{part}_time"][1:]) for part in PARTS]
+    parts = ("rollout", "update", "sync")  # as the scripts time them
+    seconds = [statistics.median(event[2] for event in scalars[f"perf/{part}_time"][1:]) for part in parts]
     return Measurement(script, mode, ranks, batch, len(sps_events), sps, script_sps, *seconds)
-
-
-# --- results files -----------------------------------------------------------------------------------
 
 
 def cpu_model() -> str:
@@ -324,8 +269,7 @@ def load_average() -> str:
 
 
 def check_load(max_load: float) -> tuple[str, str | None]:
-    """Before a timing: the load averages now, and a loud warning for the results file when the 1-minute one exceeds
-    `max_load` (also printed to stderr), else None."""
+    """Before a timing: the load averages now, and a warning (printed too) if the 1-minute one exceeds `max_load`."""
     load = load_average()
     if load == "unknown" or float(load.split(",")[0]) <= max_load:
         return load, None
@@ -338,7 +282,7 @@ def check_load(max_load: float) -> tuple[str, str | None]:
 
 
 def code_version(root: Path = ROOT, short: bool = False) -> str:
-    """The git commit of a checkout, and which scripts differ from it (`+changes` if `short`), if any."""
+    """The git commit of a checkout, and which scripts differ from it (`+changes` if `short`)."""
     try:
         git = ["git", "-C", str(root)]
         commit = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True)
@@ -352,8 +296,7 @@ def code_version(root: Path = ROOT, short: bool = False) -> str:
 
 
 def command_line(module: str, argv: Sequence[str]) -> str:
-    """The shell command that reproduces a `python -m benchmark.X` invocation, less the values of `--notes` (a results
-    file shows those as prose under its header, not as one long line)."""
+    """The shell command of a `python -m benchmark.X` invocation without `--notes` (a results file's prose)."""
     shown, in_notes = [], False
     for index, arg in enumerate(argv):
         if arg == "--":  # the rest goes to the script
@@ -367,9 +310,7 @@ def command_line(module: str, argv: Sequence[str]) -> str:
 
 
 def results_header(title: str, module: str, argv: Sequence[str], facts=(), notes=(), warning: str | None = None) -> str:
-    """The markdown header of a results file: title, a bold warning if any, then a list of the command that reproduces
-    it (`python -m MODULE ARGV` without `--notes`), date, machine, checkout, load and the `facts` the module measured
-    or fixed, then each of `notes` (what was run, by whom and why) as a paragraph of prose."""
+    """A results file's header: title, warning, the command, date, machine, checkout, load, `facts`, then `notes`."""
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     machine = (
         f"{cpu_model()}, {len(usable_cores())} usable cores ({os.cpu_count()} online), {platform.system()} "
@@ -383,19 +324,18 @@ def results_header(title: str, module: str, argv: Sequence[str], facts=(), notes
 
 
 def write_results(args: ResultsArgs, argv, title: str, facts: list[str], body: str, load="", warning=None) -> Path:
-    """Write OUT.md: the results header (with a timing's `load` before the measurement and `warning`, as check_load
-    gives them) then `body`; its path."""
+    """Write OUT.md, the results header then `body` (`load` and `warning` as check_load gives them); its path."""
     facts = [*facts, *([f"load average (1, 5, 15 min) before the measurement: {load}"] if load else [])]
     module = sys.modules[type(args).__module__].__spec__.name  # benchmark.X, also when run as __main__
-    path, _ = output_paths(args.out)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    path = args.out.with_name(args.out.name + ".md")
     path.write_text(results_header(title, module, argv, facts, args.notes, warning) + body)
     print(f"wrote {path}")
     return path
 
 
 def markdown_table(header_row: str, rows: Sequence[Sequence[object]]) -> str:
-    """A markdown table under `header_row` (`a | b | c`); columns whose cells all start with a number are
-    right-aligned, the others left-aligned."""
+    """A markdown table under `header_row` (`a | b | c`), columns of numbers right-aligned."""
 
     def numeric(column: int) -> bool:
         return all(re.match(r"^[-+]?[\d.]", str(row[column])) for row in rows if str(row[column]))
@@ -405,23 +345,25 @@ def markdown_table(header_row: str, rows: Sequence[Sequence[object]]) -> str:
     return "\n".join(lines + ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]) + "\n"
 
 
+def table_rows(markdown: str, first_header: str) -> list[list[str]]:
+    """The cells of each body row of the first markdown table whose first header is `first_header` (none: [])."""
+    lines = markdown.splitlines()
+    start = next((i for i, line in enumerate(lines) if line.startswith(f"| {first_header} |")), len(lines))
+    body = itertools.takewhile(lambda line: line.startswith("|"), lines[start + 2 :])
+    return [[cell.strip() for cell in line.strip().strip("|").split("|")] for line in body]
+
+
 def draw(args: ResultsArgs, plot: Callable[[Path], None], alt: str) -> tuple[Path, str]:
     """OUT.png drawn by `plot`: its path, and the markdown line that shows it in OUT.md."""
-    png_path = output_paths(args.out)[1]
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    png_path = args.out.with_name(args.out.name + ".png")
     plot(png_path)
     return png_path, f"\n![{alt}]({png_path.name})\n"
 
 
-def output_paths(stem: Path) -> tuple[Path, Path]:
-    """STEM.md and STEM.png, with the parent folder created."""
-    stem.parent.mkdir(parents=True, exist_ok=True)
-    return stem.with_name(stem.name + ".md"), stem.with_name(stem.name + ".png")
-
-
 @contextlib.contextmanager
 def figure(path: Path, rows: int = 1, cols: int = 1, size: tuple[float, float] = (8, 5)) -> Iterator[list]:
-    """A matplotlib figure (no display needed) of rows x cols axes for the with-block; laid out and saved to `path`
-    when the block ends."""
+    """A matplotlib figure of rows x cols axes (no display needed) for the with-block, then saved to `path`."""
     import matplotlib
 
     matplotlib.use("Agg")

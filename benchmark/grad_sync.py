@@ -2,19 +2,12 @@
 
     python -m benchmark.grad_sync --nprocs 2 --repeats 50 --out benchmark/results/grad_sync
 
-Each script's Agent for its default env, with a local batch of the script's default size. Methods: per-parameter (one
-all_reduce per gradient tensor, SpinningUp's mpi_avg_grads); flat (the script's own `average_gradients` of its
-`flat_gradient_buffer`, the sync of vpg_mpi.py and ppo_continuous_mpi.py; ppo_continuous_mpi.py's functions for a
-script without them); DDP (forward+backward through DistributedDataParallel minus the same without it, the sync of
-ppo_atari_multigpu.py that backward does not hide); gather+broadcast (vpg_mpi.py's --sync gather, its own functions).
-With `--mpi` (ranks started by mpirun) the scripts' methods run again with their collectives routed through MPI.
-
-Each repetition starts after a barrier and counts at the slowest rank; the table gives the median, the 10th-90th
-percentiles and the mean, and the mean times the syncs per iteration at the scripts' defaults (time adds up, so a
-minority of slow syncs counts in full). Every method's result is first checked against an all_gather reference.
+Each script's Agent for its default env, with a local batch of the script's default size. Methods: per-parameter
+(SpinningUp's mpi_avg_grads), flat (the MLP scripts' `average_gradients`), DDP (the Atari script's, as forward+backward
+through DDP minus the same without), gather+broadcast (vpg_mpi.py's --sync gather); with `--mpi` the scripts' methods
+again through MPI. Every method's result is checked against an all_gather reference first.
 """
 
-import contextlib
 import gc
 import json
 import os
@@ -38,6 +31,12 @@ from benchmark import common
 
 SCRIPT_OF = {"vpg": "vpg_mpi.py", "ppo_continuous": "ppo_continuous_mpi.py", "atari": common.ATARI}
 """the models: each script's Agent"""
+LOG_PROB_VALUE = {
+    "vpg": lambda agent, obs, actions: (agent.log_prob_entropy(obs, actions)[0], agent.value(obs)),
+    "ppo_continuous": lambda agent, obs, actions: agent.log_prob_entropy_value(obs, actions)[::2],
+    "atari": lambda agent, obs, actions: agent(obs, actions)[::2],
+}
+"""each model's log-probabilities of the actions and values, as its script's update computes them"""
 MPI = None  # mpi4py's MPI module in a rank that mpirun started (--mpi)
 
 
@@ -70,19 +69,13 @@ class LossOf(nn.Module):
         self.name, self.agent = name, agent
 
     def forward(self, obs: torch.Tensor, actions: torch.Tensor, advantages: torch.Tensor, returns: torch.Tensor):
-        if self.name == "vpg":
-            log_prob, _ = self.agent.log_prob_entropy(obs, actions)
-            value = self.agent.value(obs)
-        elif self.name == "ppo_continuous":
-            log_prob, _, value = self.agent.log_prob_entropy_value(obs, actions)
-        else:
-            log_prob, _, value = self.agent(obs, actions)
+        log_prob, value = LOG_PROB_VALUE[self.name](self.agent, obs, actions)
         return -(log_prob * advantages).mean() + 0.5 * ((value - returns) ** 2).mean()
 
 
 def build(name: str, args: Args, rank: int) -> tuple[LossOf, tuple[torch.Tensor, ...], int]:
-    """The script's Agent for its default env (same initial weights on every rank) in a LossOf, a random local batch of
-    the script's size (vpg: its epoch's share; PPO: its minibatch, or --mlp-batch / --cnn-batch), and that size."""
+    """The script's Agent (same weights on every rank) in a LossOf, a random local batch of the script's size (vpg:
+    its epoch's share; PPO: its minibatch, or --mlp-batch / --cnn-batch), and that size."""
     script = common.load_script(SCRIPT_OF[name])
     defaults = script.Args()
     obs_space, action_space = common.env_spaces(SCRIPT_OF[name])
@@ -106,35 +99,8 @@ def build(name: str, args: Args, rank: int) -> tuple[LossOf, tuple[torch.Tensor,
     return LossOf(name, agent), (obs, actions, advantages, returns), batch
 
 
-def syncs_per_iteration(name: str) -> int:
-    """Gradient syncs per iteration at the script's defaults: vpg's policy step and value steps, PPO's minibatches."""
-    defaults = common.defaults(SCRIPT_OF[name])
-    return 1 + defaults.train_v_iters if name == "vpg" else defaults.num_minibatches * defaults.update_epochs
-
-
-def allreduce_per_parameter(parameters: list[nn.Parameter]) -> None:
-    """Average the gradients with one all_reduce per tensor."""
-    for parameter in parameters:
-        dist.all_reduce(parameter.grad)
-        parameter.grad /= dist.get_world_size()
-
-
-@contextlib.contextmanager
-def through_mpi(script):
-    """`script`'s CPU collectives routed through MPI for the with-block, as `--collectives mpi` routes them (nothing
-    for None)."""
-    if script is not None:
-        script.MPIWorld.mpi, script.MPIWorld.comm = MPI, MPI.COMM_WORLD
-    try:
-        yield
-    finally:
-        if script is not None:
-            script.MPIWorld.mpi = script.MPIWorld.comm = None
-
-
 def backward(module: nn.Module, inputs: tuple[torch.Tensor, ...]) -> None:
-    """Zero the gradients (in place: they stay views of the flat buffer), then forward and backward through `module`
-    (a LossOf, plain or DDP-wrapped)."""
+    """Zero the gradients in place (they stay views of the flat buffer), then forward and backward through `module`."""
     module.zero_grad(set_to_none=False)
     module(*inputs).backward()
 
@@ -156,8 +122,7 @@ def timed(function: Callable[[], object], mpi_barrier: bool = False) -> float:
 
 
 def summary(times: list[float]) -> dict[str, float]:
-    """Median, 10th/90th percentiles and mean in milliseconds of each repetition's time on the slowest rank (the mean
-    is what a run of many syncs pays: a few slow ones among fast ones move it and not the median)."""
+    """Median, 10th/90th percentiles and mean (what many syncs cost) in ms of each repetition on the slowest rank."""
     slowest = torch.tensor(times, dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     p10, p90 = np.percentile(slowest.numpy(), [10, 90])
@@ -166,28 +131,27 @@ def summary(times: list[float]) -> dict[str, float]:
 
 
 def gather_method(rank: int, agent: nn.Module, inputs: tuple[torch.Tensor, ...]) -> tuple:
-    """vpg's --sync gather as a method, and whether it works (with and without MPI): a rollout batch of its layout
-    (as wide as `inputs`, steps per epoch / N samples) gathered to rank 0, rank 0's weights broadcast (the other
-    ranks' first made to differ)."""
+    """vpg's --sync gather (what it times, the sync, its check): a rollout batch of its layout gathered to rank 0,
+    rank 0's weights broadcast (the check first makes the other ranks' weights differ)."""
     vpg_mpi = common.load_script("vpg_mpi.py")
     n = vpg_mpi.Args().steps_per_epoch // dist.get_world_size()
     generator = torch.Generator().manual_seed(100 + rank)
     widths = dict(obs=inputs[0].shape[1], actions=inputs[1].shape[1], log_probs=1, values=1, advantages=1, returns=1)
     batch = {key: torch.randn(n, width, generator=generator) for key, width in widths.items()}
     expected = {key: torch.cat(world_gather(value)) for key, value in batch.items()}
-    works = []
-    for mpi in (False, True) if MPI else (False,):
+
+    def check() -> bool:
         with torch.no_grad():
             for parameter in agent.parameters():
                 parameter.add_(float(rank))
-        with through_mpi(vpg_mpi if mpi else None):
-            union = vpg_mpi.gather_to_learner(batch)
-            vpg_mpi.broadcast_parameters(agent)
+        union = vpg_mpi.gather_to_learner(batch)
+        vpg_mpi.broadcast_parameters(agent)
         weights = torch.cat([parameter.detach().reshape(-1) for parameter in agent.parameters()])
         broadcast = all(torch.equal(piece, weights) for piece in world_gather(weights))
-        works.append(broadcast and (union is None or all(torch.equal(union[k], v) for k, v in expected.items())))
+        return broadcast and (union is None or all(torch.equal(union[k], v) for k, v in expected.items()))
+
     what = f"gather_to_learner of {n}x{sum(widths.values())} floats per rank + broadcast_parameters"
-    return what, lambda: (vpg_mpi.gather_to_learner(batch), vpg_mpi.broadcast_parameters(agent)), vpg_mpi, works
+    return what, lambda: (vpg_mpi.gather_to_learner(batch), vpg_mpi.broadcast_parameters(agent)), check
 
 
 def measure_model(name: str, args: Args, rank: int) -> list[dict]:
@@ -204,33 +168,42 @@ def measure_model(name: str, args: Args, rank: int) -> list[dict]:
     backward(module, inputs)
     local = flat.clone()
     reference = torch.stack(world_gather(local)).double().mean(0).float()
-    checks = {}
-    backward(ddp, inputs)
-    checks["DDP"] = torch.allclose(flat, reference, rtol=1e-4, atol=1e-6)
+
+    def averages(function: Callable[[], object]) -> bool:
+        """Whether `function` turns every rank's gradients into their average (the reference)."""
+        flat.copy_(local)
+        function()
+        return torch.allclose(flat, reference, rtol=1e-4, atol=1e-6)
+
+    def per_parameter() -> None:  # SpinningUp's mpi_avg_grads: one all_reduce per tensor
+        for parameter in parameters:
+            dist.all_reduce(parameter.grad)
+            parameter.grad /= dist.get_world_size()
+
     average = f"{Path(script.__file__).stem}.average_gradients of its flat_gradient_buffer: one allreduce"
-    methods = {
-        "per-parameter": (f"{len(parameters)} all_reduce calls", lambda: allreduce_per_parameter(parameters), None),
+    methods = {  # method: (what is timed, the sync, the script whose collectives its MPI row routes through MPI)
+        "per-parameter": (f"{len(parameters)} all_reduce calls", per_parameter, None),
         "flat": (average, lambda: script.average_gradients(flat), script),
     }
     if name == "vpg":
-        what, function, vpg_mpi, works = gather_method(rank, module.agent, inputs)
-        methods["gather+broadcast"] = (what, function, vpg_mpi)
-        checks.update({"gather+broadcast" + ", MPI" * mpi: ok for mpi, ok in enumerate(works)})
+        what, function, gather_works = gather_method(rank, module.agent, inputs)
+        methods["gather+broadcast"] = (what, function, common.load_script("vpg_mpi.py"))
+    backward(ddp, inputs)
+    checks = {"DDP": torch.allclose(flat, reference, rtol=1e-4, atol=1e-6)}
     rows = []
     for method, (what, function, routed) in methods.items():
         for mpi in (False, True) if MPI and routed else (False,):
             label, times = method + ", MPI" * mpi, []
-            with through_mpi(routed if mpi else None):
-                if label not in checks:
-                    flat.copy_(local)
-                    function()
-                    checks[label] = torch.allclose(flat, reference, rtol=1e-4, atol=1e-6)
-                for _ in range(args.warmup + args.repeats):
-                    flat.copy_(local)  # keep the buffer's values bounded and realistic between repetitions
-                    times.append(timed(function, mpi))
+            if routed:  # the MPI row: the script's CPU collectives through MPI, as --collectives mpi routes them
+                routed.MPIWorld.mpi, routed.MPIWorld.comm = (MPI, MPI.COMM_WORLD) if mpi else (None, None)
+            checks[label] = gather_works() if method == "gather+broadcast" else averages(function)
+            for _ in range(args.warmup + args.repeats):
+                flat.copy_(local)  # keep the buffer's values bounded and realistic between repetitions
+                times.append(timed(function, mpi))
             what = "the same through MPI (mpi4py, in place on numpy views), as --collectives mpi" if mpi else what
             rows.append({"method": label, "what": what, **summary(times[args.warmup :])})
-
+        if routed:
+            routed.MPIWorld.mpi = routed.MPIWorld.comm = None
     # DDP: forward+backward with and without it, interleaved so that both see the same machine
     plain, wrapped = [], []
     for _ in range(args.warmup + args.repeats):
@@ -243,15 +216,15 @@ def measure_model(name: str, args: Args, rank: int) -> list[dict]:
     ok = torch.tensor([all(checks.values())], dtype=torch.int32)
     dist.all_reduce(ok, op=dist.ReduceOp.MIN)
     facts = {"model": name, "parameters": sum(p.numel() for p in parameters), "tensors": len(parameters)}
+    defaults = common.defaults(SCRIPT_OF[name])  # syncs per iteration: vpg's policy and value steps, PPO's minibatches
+    syncs = 1 + defaults.train_v_iters if name == "vpg" else defaults.num_minibatches * defaults.update_epochs
     for row in rows:
-        syncs = 1 if row["method"].startswith("gather") else syncs_per_iteration(name)
-        row.update(facts, checked=bool(ok.item()), syncs=syncs)
+        row.update(facts, checked=bool(ok.item()), syncs=1 if row["method"].startswith("gather") else syncs)
     return rows
 
 
 def worker(rank: int, world_size: int, init_file: str, args_dict: dict, result_path: str) -> None:
-    """One rank: join the gloo group, measure every model, rank 0 writes the rows as JSON. Under mpirun (--mpi) MPI
-    is initialised too, for the MPI rows."""
+    """One rank: join the gloo group (and with --mpi, MPI), measure every model, rank 0 writes the rows as JSON."""
     global MPI
     args = Args(**args_dict)
     if args.mpi:
@@ -311,10 +284,9 @@ def main(argv: list[str] | None = None) -> Path:
         f"{args.nprocs} ranks ({'by mpirun' if args.mpi else 'spawned'}; gloo, and MPI where a method says so), "
         f"{args.threads} torch thread(s) each; {args.repeats} timed repetitions after {args.warmup} warm-up ones, "
         "each after a barrier, each counted on the slowest rank",
-        "syncs per iteration at the scripts' defaults: vpg_mpi.py's 1 policy + train_v_iters value steps per epoch "
-        "(--sync allreduce) or one gather+broadcast (--sync gather), the PPO scripts' minibatches x epochs (each sync "
-        "here covers the whole model; vpg_mpi.py's policy step syncs only the policy's gradient and its value steps "
-        "only the critic's, about half the floats, so its per-iteration figures are an upper bound)",
+        "syncs per iteration at the scripts' defaults: vpg_mpi.py's 1 policy + train_v_iters value steps, or one "
+        "gather+broadcast, the PPO scripts' minibatches x epochs (a sync here covers the whole model, vpg_mpi.py's "
+        "about half of it, so its per-iteration figures are an upper bound)",
         "DDP rows for the MLPs show what DDP would cost there; only ppo_atari_multigpu.py uses DDP",
     ]
     return common.write_results(args, argv, "Gradient sync: time per sync", facts, "\n" + format_table(rows), *load)

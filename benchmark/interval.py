@@ -1,8 +1,5 @@
-"""A final-return cell as benchmark.plot writes it (mean +- std, the 95% bootstrap confidence interval, each seed's
-value) from per-seed final returns, for results whose run folders are no longer at hand:
-
-    python -m benchmark.interval 1801.9 1783.8 3455.1 --seeds 1 2 3
-"""
+"""A final-return cell as benchmark.plot writes it, from per-seed final returns (for results whose run folders are
+gone): `python -m benchmark.interval 1801.9 1783.8 3455.1 --seeds 1 2 3`."""
 
 from dataclasses import dataclass
 

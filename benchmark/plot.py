@@ -3,10 +3,9 @@
     python -m benchmark.plot bench/runs --out benchmark/results/ppo_continuous \\
         --reference HalfCheetah-v5="1442.64 +- 46.03" --reference-name "CleanRL, v4 envs, 1M steps"
 
-Every folder under the given paths that holds event files is one run. Its env id, seed and label come from the
-`hyperparameters` table the scripts write (the label is `exp_name` unless `--label-keys` says otherwise), so runs of
-any name can be mixed. One panel per env id, one line per label over seeds; the table gives each label's final return
-over seeds with its 95% bootstrap confidence interval and each seed's value (the output's header says how).
+Every folder under the given paths that holds event files is one run, its env id, seed and label read from the
+`hyperparameters` table the scripts write (runs of any name mix). One panel and one row per env id, one line and one
+column per label.
 """
 
 import math
@@ -35,8 +34,7 @@ class Args(common.ResultsArgs):
     smooth: int = 10
     """plotted curves are a trailing mean over this many logged points"""
     reference: tuple[str, ...] = ()
-    """reference returns per env id as ENV_ID=TEXT, e.g. HalfCheetah-v5="1442.64 +- 46.03": a table column with the
-    text, and a dashed line where the text starts with a number"""
+    """reference returns as ENV_ID=TEXT: a table column, and a dashed line where TEXT starts with a number"""
     reference_name: str = "reference"
     """the heading of the reference column (say where the numbers come from)"""
     reference_label: str = "reference"
@@ -69,11 +67,9 @@ def load_run(path: Path, label_keys: tuple[str, ...]) -> Run | None:
         if len(parts) < 3:
             raise SystemExit(f"benchmark.plot: error: {path} has no hyperparameters table and no env__exp__seed name")
         hyper = {"env_id": parts[0], "exp_name": parts[1], "seed": parts[2]}
-    label = " ".join(
-        f"{hyper.get(key, '?')}" if len(label_keys) == 1 else f"{key}={hyper.get(key)}" for key in label_keys
-    )
+    label = [f"{hyper.get(key, '?')}" if len(label_keys) == 1 else f"{key}={hyper.get(key)}" for key in label_keys]
     steps, returns = (np.array(values, dtype=np.float64) for values in zip(*series, strict=True))
-    return Run(path, hyper.get("env_id", "?"), hyper.get("seed", "?"), label, steps, returns)
+    return Run(path, hyper.get("env_id", "?"), hyper.get("seed", "?"), " ".join(label), steps, returns)
 
 
 def final_return(run: Run, last_points: int) -> float:
@@ -99,8 +95,7 @@ def center(values: np.ndarray) -> np.ndarray:
 
 
 def bootstrap_interval(values: np.ndarray, resamples: int = RESAMPLES) -> tuple[float, float]:
-    """The percentile bootstrap's 95% confidence interval of `center(values)`: the seeds drawn with replacement
-    `resamples` times (from a fixed seed); (nan, nan) for one value."""
+    """The percentile bootstrap's 95% confidence interval of `center(values)` (seeded); (nan, nan) for one value."""
     values = np.asarray(values, dtype=np.float64)
     if len(values) < 2:
         return math.nan, math.nan
@@ -113,7 +108,7 @@ def mean_curve(
     runs: list[Run], smooth: int, points: int = 200
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """(steps, center over seeds, its 95% bootstrap interval's low and high) of the runs' smoothed curves on a common
-    step grid; at each step only the runs that reached it count (all of them where the runs have the same length)."""
+    step grid; at each step only the runs that reached it count."""
     grid = np.linspace(min(run.steps[0] for run in runs), max(run.steps[-1] for run in runs), points)
 
     def on_grid(run: Run) -> np.ndarray:  # NaN where the run did not reach
@@ -129,33 +124,8 @@ def mean_curve(
     return grid, middle, low, high
 
 
-def parse_references(items: tuple[str, ...]) -> dict[str, str]:
-    """ENV_ID=TEXT items as a dict."""
-    references = {}
-    for item in items:
-        env_id, sep, text = item.partition("=")
-        if not sep or not env_id or not text:
-            raise SystemExit(f"benchmark.plot: error: --reference {item!r} is not ENV_ID=TEXT")
-        references[env_id] = text
-    return references
-
-
-def first_number(text: str) -> float | None:
-    """The number TEXT starts with (drawn as a dashed line), or None (e.g. "~630 at 3M steps": not comparable)."""
-    match = re.match(r"\s*-?\d+(?:\.\d+)?", text)
-    return float(match.group()) if match else None
-
-
-def count_seeds(group: list[Run]) -> str:
-    """`3 seeds`, or `4 runs of 3 seeds` where a seed appears more than once."""
-    distinct = len({run.seed for run in group})
-    seeds = f"{distinct} seed{'s' * (distinct > 1)}"
-    return seeds if distinct == len(group) else f"{len(group)} runs of {seeds}"
-
-
 def final_returns_cell(finals: dict[str, float], steps: str) -> str:
-    """One table cell: mean +- std over seeds with the 95% bootstrap interval (from 5 seeds, the IQM and its interval
-    first), then each seed's final return."""
+    """One table cell: mean +- std over seeds, the 95% bootstrap interval (from 5 seeds the IQM first), each seed's."""
     values = np.array(list(finals.values()))
     per_seed = ", ".join(f"{value:.2f} (seed {seed})" for seed, value in finals.items())
     if len(values) == 1:
@@ -197,8 +167,7 @@ def seed_order(run: Run) -> tuple[int, str]:
 
 
 def plot(runs: list[Run], smooth: int, references: dict[str, str], reference_label: str, path: Path) -> None:
-    """One panel per env id, one line (mean or IQM over seeds, its 95% bootstrap interval shaded) per label,
-    references dashed."""
+    """One panel per env id, one line per label (mean_curve, its interval shaded), references dashed."""
     env_ids = sorted({run.env_id for run in runs})
     labels = sorted({run.label for run in runs})
     columns = min(3, len(env_ids))
@@ -210,12 +179,15 @@ def plot(runs: list[Run], smooth: int, references: dict[str, str], reference_lab
                 if not group:
                     continue
                 steps, middle, low, high = mean_curve(group, smooth)
-                axis.plot(steps, middle, color=f"C{color}", label=f"{label} ({count_seeds(group)})")
+                distinct = len({run.seed for run in group})  # `3 seeds`, or `4 runs of 3 seeds` where one repeats
+                seeds = f"{distinct} seed{'s' * (distinct > 1)}"
+                seeds = seeds if distinct == len(group) else f"{len(group)} runs of {seeds}"
+                axis.plot(steps, middle, color=f"C{color}", label=f"{label} ({seeds})")
                 if len(group) > 1:
                     axis.fill_between(steps, low, high, color=f"C{color}", alpha=0.2)
-            value = first_number(references.get(env_id, ""))
-            if value is not None:
-                axis.axhline(value, color="gray", linestyle="--", label=reference_label)
+            # a reference that starts with a number is drawn ("~630 at 3M steps" is not comparable)
+            if number := re.match(r"\s*-?\d+(?:\.\d+)?", references.get(env_id, "")):
+                axis.axhline(float(number.group()), color="gray", linestyle="--", label=reference_label)
             axis.set(title=env_id, xlabel="global env steps", ylabel="episodic return")
             axis.grid(alpha=0.3)
             axis.legend(fontsize="small")
@@ -226,8 +198,13 @@ def plot(runs: list[Run], smooth: int, references: dict[str, str], reference_lab
 def main(argv: list[str] | None = None) -> tuple[Path, Path]:
     """Read the runs, write OUT.png and OUT.md; returns their paths."""
     args, argv, _ = common.cli(Args, argv)
-    references = parse_references(args.reference)
-    runs = [run for path in common.find_run_dirs(args.paths) if (run := load_run(path, args.label_keys)) is not None]
+    references = dict(item.partition("=")[::2] for item in args.reference)
+    if bad := [f"{env_id}={text}" for env_id, text in references.items() if not env_id or not text]:
+        raise SystemExit(f"benchmark.plot: error: --reference {bad[0]!r} is not ENV_ID=TEXT")
+    if missing := [str(path) for path in args.paths if not path.exists()]:
+        raise SystemExit(f"benchmark.plot: error: {', '.join(missing)} does not exist")
+    run_dirs = sorted({event.parent for path in args.paths for event in path.rglob("events.out.tfevents.*")})
+    runs = [run for path in run_dirs if (run := load_run(path, args.label_keys)) is not None]
     if not runs:
         raise SystemExit(f"benchmark.plot: error: no {RETURN_KEY} in any event file under {args.paths}")
     seen: dict[tuple[str, str, str], Path] = {}

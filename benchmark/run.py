@@ -4,12 +4,11 @@
         --nprocs 2 --out-dir runs/bench -- --num-steps 1024 --total-timesteps 1000000
     python -m benchmark.plot runs/bench/runs --out benchmark/results/ppo_continuous
 
-A run is `python SCRIPT --nprocs N ...` (mpirun where mpi4py and mpirun are installed, else torchrun; `--
---collectives torch` keeps it to torchrun), arguments after `--` going to every run, in OUT_DIR: TensorBoard under
-OUT_DIR/runs/{script}__{env}__{seed}, its output in OUT_DIR/logs/, a progress line per run here. `--parallel P` runs P
-at a time, each rank with `usable cores // (nprocs * P)` torch threads. `--dry-run` prints the commands.
+A run is `python SCRIPT --nprocs N ...` plus the arguments after `--` (mpirun where mpi4py and mpirun are installed,
+else torchrun; `-- --collectives torch` keeps it to torchrun), logging to OUT_DIR/runs/NAME and OUT_DIR/logs/NAME.log.
 """
 
+import re
 import shlex
 import shutil
 import sys
@@ -20,6 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from benchmark import common
+
+PROGRESS_LINE = re.compile(r"^(?:iteration|epoch) (\d+)/(\d+) step (\d+) SPS (\d+) return (\S+)")
+"""the per-iteration line rank 0 of every script prints: (iteration, iterations, global step, SPS, return)"""
 
 
 @dataclass
@@ -33,7 +35,7 @@ class Args:
     nprocs: int = 2
     """ranks per run (the scripts' --nprocs)"""
     parallel: int = 1
-    """runs at a time"""
+    """runs at a time, each rank with `usable cores // (nprocs * parallel)` torch threads unless told after --"""
     out_dir: Path = Path("benchmark_runs")
     """runs/ (TensorBoard) and logs/ are written under this folder"""
     overwrite: bool = False
@@ -45,8 +47,7 @@ class Args:
 
 
 def plan(args: Args, script_args: list[str]) -> dict[str, list[str]]:
-    """{run name `{script stem}__{env id, / as -}__{seed}`: command} for every env id and seed, in that order;
-    `script_args` go to every run."""
+    """{run name `{script stem}__{env id, / as -}__{seed}`: command} for every env id and seed, in that order."""
     if args.nprocs < 1 or args.parallel < 1:
         raise SystemExit("benchmark.run: error: --nprocs and --parallel must be at least 1")
     extra = list(script_args)
@@ -61,13 +62,11 @@ def plan(args: Args, script_args: list[str]) -> dict[str, list[str]]:
     return runs
 
 
-class Progress:
-    """Prints one line per run now and then: `[k/n] run_name: iteration i/I step s SPS x return r`."""
+class Launcher:
+    """Runs commands in `out_dir`, printing a run's progress now and then: `[k/n] run_name: iteration i/I ...`."""
 
-    def __init__(self, total: int, every: float):
-        self.total, self.every = total, every
-        self.lock = threading.Lock()
-        self.last_print: dict[str, float] = {}
+    def __init__(self, out_dir: Path, total: int, every: float):
+        self.out_dir, self.total, self.every, self.lock, self.last_print = out_dir, total, every, threading.Lock(), {}
 
     def show(self, index: int, name: str, message: str) -> None:
         with self.lock:
@@ -75,24 +74,27 @@ class Progress:
             self.last_print[name] = time.monotonic()
 
     def line(self, index: int, name: str, text: str) -> None:
-        match = common.PROGRESS_LINE.match(text)
+        match = PROGRESS_LINE.match(text)
         if not match:
             return
         done, iterations = int(match.group(1)), int(match.group(2))
         if done == iterations or time.monotonic() - self.last_print.get(name, 0.0) >= self.every:
             self.show(index, name, f"{100 * done // iterations:3d}% {text}")
 
-
-def launch_one(index: int, name: str, command: list[str], out_dir: Path, progress: Progress) -> int:
-    """Run one command to completion, reporting progress; its exit code."""
-    start = time.monotonic()
-    progress.show(index, name, "started")
-    log = out_dir / "logs" / f"{name}.log"
-    code = common.run_streaming(command, out_dir, log, lambda text: progress.line(index, name, text))
-    seconds = time.monotonic() - start
-    failed = f"FAILED (exit {code}) after {seconds:.0f} s; {log}:\n{common.last_lines(log)}"
-    progress.show(index, name, failed if code else f"done in {seconds:.0f} s")
-    return code
+    def launch(self, index: int, name: str, command: list[str]) -> int:
+        """Run one command to completion, reporting progress; its exit code."""
+        start = time.monotonic()
+        self.show(index, name, "started")
+        log = self.out_dir / "logs" / f"{name}.log"
+        process, log_file = common.start(command, self.out_dir, log, pipe=True)
+        with log_file:
+            for text in process.stdout:
+                log_file.write(text)
+                self.line(index, name, text.rstrip("\n"))
+        code, seconds = process.wait(), time.monotonic() - start
+        failed = f"FAILED (exit {code}) after {seconds:.0f} s; {log}:\n{common.last_lines(log)}"
+        self.show(index, name, failed if code else f"done in {seconds:.0f} s")
+        return code
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -110,10 +112,9 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"benchmark.run: error: run folders exist in {out_dir / 'runs'} ({names}); pass --overwrite")
     for path in existing:
         shutil.rmtree(path)
-    progress = Progress(len(runs), args.progress_every)
+    launcher = Launcher(out_dir, len(runs), args.progress_every)
     with ThreadPoolExecutor(max_workers=args.parallel) as pool:
-        launches = [(i, name, command, out_dir, progress) for i, (name, command) in enumerate(runs.items(), start=1)]
-        codes = dict(zip(runs, pool.map(launch_one, *zip(*launches, strict=True)), strict=True))
+        codes = dict(zip(runs, pool.map(launcher.launch, range(1, len(runs) + 1), runs, runs.values()), strict=True))
     failed = [name for name, code in codes.items() if code]
     print(f"{len(runs) - len(failed)}/{len(runs)} runs finished; TensorBoard: tensorboard --logdir {out_dir / 'runs'}")
     if failed:

@@ -2,17 +2,10 @@
 
     python -m benchmark.scaling --out benchmark/results/scaling
 
-The baseline is one rank pinned to one core with one torch thread, `taskset -c C0 python SCRIPT --torch-threads 1`; N
-ranks run on N cores through the script's own launch, `python SCRIPT --nprocs N --collectives torch` (torchrun;
-`mpirun` in `--launchers`: `--collectives mpi`), local rank r pinned to core Cr by benchmark/pin_rank, where C0, C1,
-.. are the usable cores, sorted; the Atari script also gets `--env-threads 1`. Each rank keeps the same batch
-(`--local-steps` env steps per iteration; the global batch grows with N) for `--iterations` iterations. Scripts with
-`--sync` run once per mode in `--sync-modes`; the Atari script syncs by DDP only. A row gives SPS and rank 0's seconds
-per iteration as benchmark.common.measure reads them from the run's events, the speedup = SPS(N) / SPS(1 rank, same
-script and mode) and the parallel efficiency = speedup / N; `--independent` adds the machine's ceiling (see its
-help). Arguments after `--` go to every run, after the benchmark's own (so `-- --torch-threads 2` overrides the one
-thread). Timing on a loaded machine is distorted: the output records the load average before the runs.
-`python -m benchmark.scaling_model` extrapolates the result to more ranks.
+Every rank keeps its batch, runs one torch thread and has a core of its own (pinned_facts), N ranks launched by the
+script's own `--nprocs`. A row gives SPS and rank 0's time split (common.measure), the speedup over 1 rank of the same
+mode and the efficiency = speedup / N. Arguments after `--` go to every run, after the benchmark's own (so `--
+--torch-threads 2` overrides the one thread). benchmark.scaling_model extrapolates the result to more ranks.
 """
 
 import shlex
@@ -38,10 +31,7 @@ GATHER_SYNC = (
 )
 VPG_SYNC = "the flat gradient allreduces of the update (1 policy step + {train_v_iters} value steps per epoch)"
 PPO_SYNC = "the flat gradient allreduce after every minibatch plus one advantage-statistics collective per epoch"
-DDP_SYNC = (
-    "the backward passes (DDP overlaps its allreduce with backward, so they cannot be timed apart) plus the explicit "
-    "collectives; compare with the 1-rank row for the communication share"
-)
+DDP_SYNC = "backward, which DDP's allreduce overlaps, plus the explicit collectives (at 1 rank: no communication)"
 SYNC_MEANS = {
     ("vpg_mpi.py", "allreduce"): VPG_SYNC,
     ("vpg_mpi.py", "gather"): GATHER_SYNC,
@@ -50,11 +40,8 @@ SYNC_MEANS = {
     (common.ATARI, DDP): DDP_SYNC,
 }
 """per (script, mode): what perf/sync_time covers; a script's modes are its keys here"""
-
-# mpi_util's published throughput (Walker2d, 6-core Xeon X5680 + GTX 1070, rollouts gathered to rank 0), as quoted
-# in the project's reference list: steps/s by number of processes
 MPI_UTIL_SPS = {1: 546, 2: 1040, 3: 1712, 4: 2014, 6: 2100, 8: 2400, 9: 2484, 12: 2169}
-
+"""mpi_util's published throughput in steps/s by number of processes (reference_table says where from)"""
 TABLE_HEADERS = (
     "mode | ranks (= cores) | global batch / iteration | SPS (iterations 2..) | charts/SPS (whole run) | speedup | "
     "efficiency | rollout s / it | update s / it | of which sync s / it"
@@ -63,27 +50,17 @@ TABLE_HEADERS = (
 
 
 @dataclass(kw_only=True)
-class PinnedArgs(common.RunsArgs):
-    """The arguments of pinned runs, one rank to a core with one torch thread (this module's and stragglers')."""
-
-    local_steps: int = 0
-    """env steps per rank per iteration; 0 = the script's own default batch"""
-
-
-@dataclass(kw_only=True)
-class Args(PinnedArgs):
+class Args(common.RunsArgs):
     scripts: tuple[common.Script, ...] = common.SCRIPTS
     """the scripts to measure"""
     sync_modes: tuple[Literal["allreduce", "gather"], ...] = ("allreduce", "gather")
     """the `--sync` modes to run, for the scripts that have the flag (the Atari script always runs its DDP)"""
     launchers: tuple[Literal["torchrun", "mpirun"], ...] = ("torchrun",)
-    """what starts N ranks (`--nprocs` with `--collectives torch` or `mpi`; mpirun: the MLP scripts only); rows of a
-    launcher after the first read `MODE mpirun`, beside the same 1-rank baseline"""
+    """what starts N ranks (mpirun: the MLP scripts only); a later launcher's rows read `MODE mpirun`"""
     ranks: tuple[int, ...] = ()
     """the numbers of ranks (each on its own core) besides the 1-rank baseline; default: 2, 4, 8, .. and all cores"""
     rounds: int = 1
-    """runs of every (script, mode, ranks), interleaved round by round (a VM's speed drifts); a row shows the run with
-    the median SPS (the lower middle one), each round's speedup (over the same round's 1 rank) follows the table"""
+    """rounds of all runs, interleaved (a VM's speed drifts); rows show the median run, each round's speedup follows"""
     independent: bool = True
     """also run, per script and N, N independent 1-rank copies at once, one per core (INDEPENDENT_MEANS)"""
     env_id: str = ""
@@ -114,7 +91,7 @@ def script_args(script: str, mode: str, ranks: int, local_steps: int, iterations
     return [*args, *common.budget_args(script, ranks, local_steps, iterations)]
 
 
-def pinned_facts(args: PinnedArgs, cores: list[int]) -> list[str]:
+def pinned_facts(args: common.RunsArgs, cores: list[int]) -> list[str]:
     """What a results file says about the budget and the pinning of pinned runs."""
     batch = f"{args.local_steps:,} env steps" if args.local_steps else "each script's default batch"
     return [
@@ -128,17 +105,6 @@ def pinned_facts(args: PinnedArgs, cores: list[int]) -> list[str]:
 def base_mode(mode: str) -> str:
     """The sync mode of a row's mode (`allreduce mpirun` -> `allreduce`): its 1-rank baseline and its meaning."""
     return mode.split()[0]
-
-
-def sync_means(script: str, mode: str) -> str:
-    """What perf/sync_time covers for `script` in `mode`, with the script's defaults filled in."""
-    return SYNC_MEANS[script, base_mode(mode)].format(**vars(common.defaults(script)))
-
-
-def combine_copies(copies: list[common.Measurement]) -> common.Measurement:
-    """N independent copies as one row: batches and SPS summed, seconds per iteration those of copy 0 (core C0)."""
-    total = {key: sum(getattr(m, key) for m in copies) for key in ("global_batch", "sps", "script_sps")}
-    return replace(copies[0], mode=INDEPENDENT, ranks=len(copies), **total)
 
 
 def scaling_table(measurements: list[common.Measurement]) -> str:
@@ -167,10 +133,14 @@ def round_speedups(rounds: dict[tuple[str, str, int], list[common.Measurement]])
 
 
 def reference_table() -> str:
-    """mpi_util's published SPS with its speedup and efficiency."""
+    """mpi_util's published SPS with its speedup and efficiency, under a line saying where they come from."""
     base = MPI_UTIL_SPS[1]
     rows = [[n, f"{sps:,}", f"{sps / base:.2f}", f"{sps / base / n:.0%}"] for n, sps in MPI_UTIL_SPS.items()]
-    return common.markdown_table("processes | steps/s | speedup | efficiency", rows)
+    source = (
+        "mpi_util's published throughput (Walker2d, 6-core Xeon X5680 + GTX 1070, rollouts gathered to rank 0), as "
+        f"listed in the project's references; 1 -> 2 processes: {base} -> {MPI_UTIL_SPS[2]} steps/s.\n\n"
+    )
+    return source + common.markdown_table("processes | steps/s | speedup | efficiency", rows)
 
 
 def plot(results: dict[tuple[str, str], list[common.Measurement]], path: Path) -> None:
@@ -202,9 +172,7 @@ def plot(results: dict[tuple[str, str], list[common.Measurement]], path: Path) -
 
 
 def jobs(args: Args, script: str, ranks_to_run: list[int]) -> list[tuple[str, int, str]]:
-    """(row mode, ranks, launcher) of every run of `script` in a round: each mode at every rank count under the first
-    launcher, the other launchers' N ranks beside the same 1-rank baseline (mpirun: the MLP scripts only), and the
-    independent copies."""
+    """(row mode, ranks, launcher) of every run of `script` in a round (mpirun: the MLP scripts only)."""
     modes = script_modes(script, args.sync_modes)
     found = [(mode, ranks, args.launchers[0]) for mode in modes for ranks in ranks_to_run]
     for launcher in args.launchers[1:] if script != common.ATARI else ():
@@ -214,21 +182,22 @@ def jobs(args: Args, script: str, ranks_to_run: list[int]) -> list[tuple[str, in
 
 
 def run_job(args: Args, extra: list[str], script: str, job: tuple[str, int, str], name: str, work_dir: Path):
-    """Launch one job, pinned (the independent copies: `ranks` 1-rank runs of the first mode at once, copy i alone on
-    core Ci), and reduce it to one Measurement."""
+    """Launch one job pinned (independent: `ranks` 1-rank runs of the first mode at once) as one Measurement."""
     mode, ranks, launcher = job
     cores = common.usable_cores()
     independent = mode == INDEPENDENT
     run_mode, run_ranks = (script_modes(script, args.sync_modes)[0], 1) if independent else (base_mode(mode), ranks)
     commands = {}
     for i, run_name in enumerate([f"{name}__copy{i}" for i in range(ranks)] if independent else [name]):
-        run_args = ["--env-id", args.env_id or common.defaults(script).env_id, "--run-name", run_name]
+        run_args = ["--env-id", common.env_id(script, args.env_id), "--run-name", run_name]
         run_args += [*script_args(script, run_mode, run_ranks, args.local_steps, args.iterations), *extra]
         commands[run_name] = common.script_command(common.ROOT / script, run_args, run_ranks, launcher, cores[i:])
     print(f"{script} {mode} on {ranks} core(s): {' & '.join(map(shlex.join, commands.values()))}", flush=True)
     run_dirs = common.run_logged(commands, work_dir, at_once=True)
     copies = [common.measure(run_dir, script, mode, 1) for run_dir in run_dirs]
-    measurement = combine_copies(copies) if independent else replace(copies[0], ranks=ranks)
+    # the independent copies as one row: batches and SPS summed, seconds per iteration those of copy 0 (core C0)
+    total = {key: sum(getattr(m, key) for m in copies) for key in ("global_batch", "sps", "script_sps")}
+    measurement = replace(copies[0], ranks=ranks, **(total if independent else {}))
     print(f"  SPS {measurement.sps:,.0f} (charts/SPS {measurement.script_sps:,.0f})", flush=True)
     return measurement
 
@@ -252,25 +221,20 @@ def main(argv: list[str] | None = None) -> tuple[Path, Path]:
     for (script, mode, _), measurements in rounds.items():
         results.setdefault((script, mode), []).append(sorted(measurements, key=lambda m: m.sps)[(args.rounds - 1) // 2])
     png_path, image = common.draw(args, lambda path: plot(results, path), "scaling")
-
     facts = ["weak scaling: each rank keeps its batch, the world's grows with N", *pinned_facts(args, cores)]
     body = image
     for script in args.scripts:
         measurements = [m for (name, _), rows in results.items() if name == script for m in rows]
-        body += f"\n## {script} on {args.env_id or common.defaults(script).env_id}\n\n{scaling_table(measurements)}\n"
+        body += f"\n## {script} on {common.env_id(script, args.env_id)}\n\n{scaling_table(measurements)}\n"
         if args.rounds > 1:
             body += round_speedups({key: value for key, value in rounds.items() if key[0] == script}) + "\n"
         for mode in dict.fromkeys(m.mode for m in measurements if m.mode != INDEPENDENT):
-            body += f"sync with {mode} means {sync_means(script, mode)}.\n\n"
+            sync_means = SYNC_MEANS[script, base_mode(mode)].format(**vars(common.defaults(script)))
+            body += f"sync with {mode} means {sync_means}.\n\n"
         if args.independent and len(ranks_to_run) > 1:
             body += f"{INDEPENDENT} means {INDEPENDENT_MEANS}.\n\n"
-    body += (
-        "## Reference: mpi_util\n\nmpi_util's published throughput (Walker2d, 6-core Xeon X5680 + GTX 1070, rollouts "
-        "gathered to rank 0), as listed in the project's references; 1 -> 2 processes: 546 -> 1040 steps/s.\n\n"
-    )
-    return common.write_results(
-        args, argv, "Scaling: N ranks on N cores", facts, body + reference_table(), *load
-    ), png_path
+    body += "## Reference: mpi_util\n\n" + reference_table()
+    return common.write_results(args, argv, "Scaling: N ranks on N cores", facts, body, *load), png_path
 
 
 if __name__ == "__main__":

@@ -2,13 +2,12 @@
 
     python -m benchmark.scaling_model --from benchmark/results/scaling.md --out benchmark/results/scaling_model
 
-From the seconds per iteration benchmark.scaling measured at 1 and 2 ranks (rank 0's: the whole iteration, the
-update, the sync within it), for every script and mode in the file, it predicts the SPS relative to 1 rank and the
-efficiency at `--ranks` ranks, and the first rank count where the efficiency drops below 50%, on the assumptions
-that ASSUMPTIONS states (and the output repeats).
+From rank 0's seconds per iteration at 1 and 2 ranks, for every script and mode: the efficiency at `--ranks` ranks
+and the first rank count where it drops below 50%, on the assumptions that ASSUMPTIONS states (and the output repeats).
 """
 
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Literal
@@ -27,8 +26,7 @@ VARIANTS: dict[str, dict[Variant, str]] = {
         "fitted": "update fitted at 1, 2 ranks; gather, broadcast x (N-1)",
     },
 }
-"""per mode (DDP is modelled as allreduce, `gather mpirun` as gather): the variants of the model, and how each says
-that time grows"""
+"""per mode (DDP as allreduce, `gather mpirun` as gather): the model's variants, each saying how time grows"""
 STOPS_PAYING = 0.5
 """the efficiency below which a mode no longer pays for its ranks"""
 MAX_RANKS = 2**30
@@ -53,20 +51,15 @@ class Args(common.ResultsArgs):
 
 @dataclass
 class Seconds:
-    """A mode's measured seconds per iteration (rank 0) at 1 and 2 ranks."""
+    """A mode's measured seconds per iteration (rank 0): the 1-rank iteration (global batch / SPS), update and sync
+    (within the update; with DDP, the backward passes too), the 2-rank sync and update, and the 2-rank efficiency."""
 
     iteration: float
-    """the 1-rank iteration: global batch / SPS"""
     update: float
-    """the 1-rank update, its sync included"""
     sync1: float
-    """the 1-rank sync (collectives on a world of one; with DDP, the backward passes too)"""
     sync2: float
-    """the 2-rank sync"""
     update2: float
-    """the 2-rank update, its sync included"""
     efficiency2: float
-    """the measured 2-rank efficiency"""
 
     @property
     def learner(self) -> float:
@@ -86,20 +79,12 @@ class Seconds:
 
 def read_scaling(text: str) -> dict[tuple[str, str], Seconds]:
     """Every (script, mode) of a benchmark.scaling results file with both a 1- and a 2-rank row."""
-    mode, ranks, batch, sps, _, _, efficiency_, _, update, sync = TABLE_HEADERS.split(" | ")
+    headers = TABLE_HEADERS.split(" | ")
+    mode, ranks, batch, sps, _, _, efficiency_, _, update, sync = headers
     rows: dict[tuple[str, str], dict[int, dict[str, str]]] = {}
-    script, headers = "", None
-    for line in text.splitlines():
-        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
-        if line.startswith("## "):
-            script = line[3:].split(" on ")[0]
-        elif not line.startswith("|"):
-            headers = None  # a table ends at the first line that is not a row
-        elif cells[0] == mode:
-            headers = cells
-        elif headers and not set(line) <= set("|:- "):  # a body row, not the alignment line
-            row = dict(zip(headers, cells, strict=True))
-            rows.setdefault((script, row[mode]), {})[int(row[ranks])] = row
+    for section in re.split("^## ", text, flags=re.MULTILINE)[1:]:  # `## SCRIPT on ENV`, then its table
+        for row in (dict(zip(headers, cells, strict=True)) for cells in common.table_rows(section, mode)):
+            rows.setdefault((section.split(" on ")[0], row[mode]), {})[int(row[ranks])] = row
 
     def number(row: dict[str, str], column: str) -> float:
         return float(row[column].replace(",", "").rstrip("%"))
@@ -120,27 +105,16 @@ def read_scaling(text: str) -> dict[tuple[str, str], Seconds]:
     return found
 
 
-def sync_growth(ranks: int, law: Variant, bandwidth_share: float) -> float:
-    """g(N): an allreduce's time at N ranks in units of its time at 2 (g(2) = 1), as ASSUMPTIONS derives it."""
-    latency = ranks - 1 if law == "gloo" else math.log2(ranks)
-    return (1 - bandwidth_share) * latency + bandwidth_share * 2 * (ranks - 1) / ranks
-
-
-def iteration_seconds(seconds: Seconds, mode: str, ranks: int, variant: Variant, bandwidth_share: float) -> float:
-    """T(N), rank 0's predicted seconds per iteration at `ranks` ranks (weak scaling), as ASSUMPTIONS says: in
-    allreduce (and DDP) the communication the second rank added grows by `sync_growth`; in gather rank 0's update
-    grows with the world batch and the gather and broadcast by one peer's share per rank."""
+def efficiency(seconds: Seconds, mode: str, ranks: int, variant: Variant, bandwidth_share: float) -> float:
+    """T(1) / T(N), the predicted speedup over 1 rank divided by N, with T(N) as ASSUMPTIONS says."""
     outside_update = seconds.iteration - seconds.update
     if mode.split()[0] == "gather":
         per_rank = seconds.learner if variant == "linear" else max(seconds.learner2 - seconds.learner, 0.0)
         learner = seconds.learner + per_rank * (ranks - 1)
-        return outside_update + learner + seconds.sync1 + seconds.added * (ranks - 1)
-    return outside_update + seconds.update + seconds.added * sync_growth(ranks, variant, bandwidth_share)
-
-
-def efficiency(seconds: Seconds, mode: str, ranks: int, variant: Variant, bandwidth_share: float) -> float:
-    """T(1) / T(N): the predicted speedup over 1 rank divided by N."""
-    return seconds.iteration / iteration_seconds(seconds, mode, ranks, variant, bandwidth_share)
+        return seconds.iteration / (outside_update + learner + seconds.sync1 + seconds.added * (ranks - 1))
+    latency = ranks - 1 if variant == "gloo" else math.log2(ranks)  # g(N), an allreduce's time in units of N = 2's
+    growth = (1 - bandwidth_share) * latency + bandwidth_share * 2 * (ranks - 1) / ranks
+    return seconds.iteration / (outside_update + seconds.update + seconds.added * growth)
 
 
 def stops_paying(seconds: Seconds, mode: str, variant: Variant, bandwidth_share: float) -> int | None:
@@ -165,33 +139,24 @@ ASSUMPTIONS = """\
 
 Weak scaling (each rank keeps its batch), rank 0's seconds per iteration. T(1) is the measured 1-rank iteration
 (global batch / SPS, iterations 2..); u and s are its update and the sync within it; c = sync(2 ranks) - sync(1 rank)
-is the communication the second rank added (at 1 rank the sync is collectives on a world of one; for DDP it also
-holds the backward passes, which the difference removes). The prediction at N ranks is T(N); the efficiency
-T(1) / T(N) and the SPS relative to 1 rank N x T(1) / T(N), as in the measured table.
+is the communication the second rank added (for DDP the sync also holds the backward passes, which the difference
+removes). The efficiency at N ranks is T(1) / T(N), the SPS relative to 1 rank N x T(1) / T(N).
 
-- **allreduce** (and DDP): T(N) = T(1) + c x g(N). Rollout, GAE, logging and the local update stay as at 1 rank. A
-  ring allreduce of B bytes takes 2(N-1) steps of B/N bytes each: 2(N-1)/N x B / bandwidth + latency x 2(N-1).
-  Gloo runs rings on CPU, so its latency term grows with N-1; NCCL switches small messages to (double binary)
-  trees, whose latency grows with log2 N. So g(N) = (1 - beta) x h(N) + beta x 2(N-1)/N with h(N) = N-1 (gloo) or
-  log2 N (NCCL), and beta = {beta} the share of c that is bandwidth. Every term is 1 at N = 2, so the model
-  reproduces the measured 2-rank sync. The MLPs' flat gradients are tens of kB, latency-bound, hence beta = 0 by
-  default; whatever the share, the bandwidth term at most doubles (2(N-1)/N < 2), while gloo's latency term grows
-  without bound. Under mpirun (`allreduce mpirun`) the flat gradient allreduce is Open MPI's on one node: its tuned
-  component takes recursive doubling for messages this small, log2 N rounds of the whole buffer through shared
-  memory, so h(N) = log2 N as for NCCL; were it to pick a ring, it would grow as gloo's (N-1), from a c several
-  times smaller.
-- **gather** (either launcher): T(N) = T(1) - u + L(N) + s + c x (N-1). Rollout, GAE and logging stay as at 1 rank;
-  rank 0 learns alone on the N ranks' rollouts, in L(N) seconds. Two variants. *update x N*: the learner's update
-  grows linearly with the world batch, L(N) = N x (u - s), the 1-rank learner update per rank. That is the
-  pessimistic case: an update of a fixed number of minibatches (PPO) or full-batch steps (VPG) costs partly per
-  step, whatever the batch, until the batches grow large. *fitted*: L(N) = (u - s) + (L(2) - (u - s)) x (N-1), the
-  fixed and the per-rank part fitted to the learner update measured at 1 and 2 ranks (the inputs give L(2) / L(1)):
-  the optimistic case, as the per-sample cost only grows in share with the batch. Rank 0 receives N-1 rollouts and
-  the weights' broadcast is taken to cost one send per peer (gloo), so the gather and broadcast grow with N-1; a
-  tree broadcast would grow with log2 N, which changes little where the learner's update dominates.
+- **allreduce** (and DDP): T(N) = T(1) + c x g(N); rollout, GAE, logging and the local update stay as at 1 rank. A
+  ring allreduce of B bytes takes 2(N-1) steps of B/N bytes: 2(N-1)/N x B / bandwidth + latency x 2(N-1). Gloo runs
+  rings on CPU, so its latency term grows with N-1; NCCL switches small messages to trees, whose latency grows with
+  log2 N. So g(N) = (1 - beta) x h(N) + beta x 2(N-1)/N with h(N) = N-1 (gloo) or log2 N (NCCL), and beta = {beta}
+  the share of c that is bandwidth; every term is 1 at N = 2. The MLPs' flat gradients are tens of kB,
+  latency-bound, hence beta = 0 by default; the bandwidth term at most doubles, gloo's latency term grows without
+  bound. Under mpirun (`allreduce mpirun`) Open MPI's tuned allreduce takes recursive doubling for messages this
+  small (log2 N rounds through shared memory), so h(N) = log2 N as for NCCL.
+- **gather** (either launcher): T(N) = T(1) - u + L(N) + s + c x (N-1): rank 0 learns alone on the N ranks' rollouts
+  in L(N) seconds, and receives N-1 rollouts and sends the weights to N-1 peers. *update x N*: L(N) = N x (u - s),
+  linear in the world batch; pessimistic, as an update of a fixed number of minibatches (PPO) or steps (VPG) costs
+  partly per step, whatever the batch. *fitted*: L(N) = (u - s) + (L(2) - (u - s)) x (N-1), its fixed and per-rank
+  parts fitted at 1 and 2 ranks (the inputs give L(2) / L(1)); optimistic, as the per-sample share grows with N.
 
-Not modelled: the network between nodes (c was measured between ranks on one machine; across nodes gloo over TCP
-has more latency and less bandwidth, NCCL over InfiniBand less latency), stragglers (the slowest of N rollouts sets
+Not modelled: the network between nodes (c was measured on one machine), stragglers (the slowest of N rollouts sets
 every iteration's pace; at 2 ranks the gather's wait for the slower rank is inside c), rank 0's memory for N
 rollouts, contention between ranks for memory bandwidth, and hierarchical or asynchronous variants of either mode.
 """
@@ -207,11 +172,8 @@ def main(argv: list[str] | None = None) -> Path:
     if not measured:
         raise SystemExit(f"benchmark.scaling_model: error: {args.source} has no script with both 1- and 2-rank rows")
     source_facts = [line[2:] for line in text.splitlines() if line.startswith(("- date:", "- machine:", "- checkout:"))]
-    warning = (
-        "MEASURED UNDER LOAD" in text
-        and f"THE INPUT WAS MEASURED UNDER LOAD ({args.source} says so): so are these predictions."
-    )
-
+    warning = f"THE INPUT WAS MEASURED UNDER LOAD ({args.source} says so): so are these predictions."
+    warning = warning if "MEASURED UNDER LOAD" in text else None
     inputs, predictions, verdicts = [], [], []
     for (script, mode), seconds in measured.items():
         gather = mode.split()[0] == "gather"
@@ -227,14 +189,13 @@ def main(argv: list[str] | None = None) -> Path:
             limit = stops_paying(seconds, mode, variant, args.bandwidth_share)
             where = f"below 50% from {limit:,} ranks" if limit else f"not below 50% up to {MAX_RANKS:,} ranks"
             verdicts.append(f"- {script} {mode} ({label}): {where}")
-
     body = "\n" + ASSUMPTIONS.format(beta=args.bandwidth_share) + "\n## Inputs (seconds per iteration, rank 0)\n\n"
     body += common.markdown_table(INPUT_COLUMNS, inputs) + "\n## Predictions\n\n"
     body += common.markdown_table(PREDICTION_COLUMNS, predictions)
     body += "\n## Where each mode stops paying (efficiency below 50%)\n\n" + "\n".join(verdicts) + "\n"
     title = "Scaling model: efficiency at more ranks, from the 1- and 2-rank measurements"
     facts = [f"input: {args.source}, measured with {'; '.join(source_facts)}"]
-    return common.write_results(args, argv, title, facts, body, warning=warning or None)
+    return common.write_results(args, argv, title, facts, body, warning=warning)
 
 
 if __name__ == "__main__":

@@ -3,16 +3,10 @@
     python -m benchmark.throughput --out benchmark/results/throughput
     python -m benchmark.throughput --compare-with ../before --repeats 3     # A/B against another checkout
 
-Each script runs one rank at its defaults (`python SCRIPT`: torch threads on every usable core), its SPS and time split
-those of iterations 2.. (benchmark.common.measure), beside its bound (TARGETS: issue 7's least ratios to it):
-vpg_mpi.py and ppo_continuous_mpi.py the env-only step rate (the env from the script's own `make_env`, in the same
-vector env, stepped with random actions drawn beforehand); ppo_atari_multigpu.py its fp32 eager compute limit (the
-script's Agent in plain PyTorch on random frames: one `act` per env step plus the update's minibatch steps, at its
-default sizes), which only a cheaper update (bf16, compile) can beat. `--compare-with DIR` also runs another
-checkout's scripts (e.g. `git worktree add ../before HEAD~1`), alternating with this one's in every round, so load
-affects both alike; each cell is the median over `--repeats` rounds. The output records the load on the machine.
-`--loads quiet "busy core"` measures it all again beside a process spinning on the last usable core (issue 37: a
-shared machine), e.g. with `--variants "vpg_mpi.py --torch-threads 1"` for the one-thread rows.
+Each script runs one rank at its defaults, its SPS and time split those of iterations 2.. (common.measure), beside its
+bound (TARGETS: issue 7's least ratios to it): the MLP scripts' env-only step rate, the Atari script's fp32 eager
+compute limit (which only bf16 or compile can beat). Checkouts and loads alternate in every round, so that drift
+affects all alike; each cell is the median over the rounds.
 """
 
 import contextlib
@@ -23,7 +17,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-import numpy as np
 import torch
 
 from benchmark import common, stragglers
@@ -41,7 +34,7 @@ class Args(common.RunsArgs):
     repeats: int = 1
     """rounds of every measurement; each table cell is the median over the rounds"""
     compare_with: Path | None = None
-    """another checkout of this repository whose scripts run alternately with this checkout's (A/B)"""
+    """another checkout (e.g. `git worktree add ../before HEAD~1`) whose scripts run beside this checkout's (A/B)"""
     env_id: str = ""
     """the env id of the MLP scripts; empty = each script's default"""
     variants: tuple[str, ...] = (
@@ -50,12 +43,18 @@ class Args(common.RunsArgs):
         "ppo_atari_multigpu.py --compile",
         "ppo_atari_multigpu.py --bf16 --compile",
     )
-    """extra rows of this checkout, each `SCRIPT FLAG...`: the script at its defaults plus documented flags (run
-    when SCRIPT is among --scripts)"""
+    """extra rows of this checkout, each `SCRIPT FLAG...` (run when SCRIPT is among --scripts)"""
     loads: tuple[Literal["quiet", "busy core"], ...] = ("quiet",)
-    """measure on the machine as it is, and/or beside a process busy on the last usable core (stragglers.cpu_hog)"""
+    """measure on the machine as it is, and/or beside a process busy on the last usable core (issue 37)"""
     max_load: float = 1.2
     out: Path = Path("benchmark_results/throughput")
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.repeats < 1 or any(variant.split()[0] not in TARGETS for variant in self.variants):
+            raise SystemExit(
+                f"benchmark.throughput: error: need --repeats >= 1; each variant's first word in {tuple(TARGETS)}"
+            )
 
 
 def rate(call: Callable[[], object], seconds: float, warmup: int = 3) -> float:
@@ -71,30 +70,24 @@ def rate(call: Callable[[], object], seconds: float, warmup: int = 3) -> float:
 
 
 def env_only_rate(script: str, env_id: str, seconds: float) -> float:
-    """Env steps per second of `env_id` as `script` builds and vectorises it (one env), with random actions."""
+    """Env steps per second of `env_id` as `script` builds it, in a SyncVectorEnv of one, with random actions."""
     import gymnasium as gym
 
     module = common.load_script(script)
-    extra = [module.Args().max_ep_len] if script == "vpg_mpi.py" else []
-    envs = gym.vector.SyncVectorEnv(
-        [module.make_env(env_id, *extra)], autoreset_mode=gym.vector.AutoresetMode.SAME_STEP
-    )
-    envs.reset(seed=1)
-    space, rng = envs.single_action_space, np.random.default_rng(1)
-    if isinstance(space, gym.spaces.Box):
-        actions = rng.uniform(space.low, space.high, size=(4096, 1, *space.shape)).astype(space.dtype)
-    else:
-        actions = rng.integers(0, space.n, size=(4096, 1))
-    for step in range(200):  # warm-up
-        envs.step(actions[step])
-    steps, start = 0, time.perf_counter()
-    while time.perf_counter() - start < seconds:
-        for step in range(1000):
-            envs.step(actions[step + (steps % 3000)])
-        steps += 1000
-    elapsed = time.perf_counter() - start
-    envs.close()
-    return steps / elapsed
+    make_env = module.make_env(env_id, *([module.Args().max_ep_len] if script == "vpg_mpi.py" else []))
+    autoreset = gym.vector.AutoresetMode.SAME_STEP
+    with contextlib.closing(gym.vector.SyncVectorEnv([make_env], autoreset_mode=autoreset)) as envs:
+        envs.reset(seed=1)
+        envs.action_space.seed(1)
+        actions = [envs.action_space.sample() for _ in range(1000)]
+        for action in actions[:200]:  # warm-up
+            envs.step(action)
+        steps, start = 0, time.perf_counter()
+        while time.perf_counter() - start < seconds:
+            for action in actions:
+                envs.step(action)
+            steps += len(actions)
+        return steps / (time.perf_counter() - start)
 
 
 def atari_compute_limit(seconds: float) -> tuple[float, float, float]:
@@ -102,7 +95,6 @@ def atari_compute_limit(seconds: float) -> tuple[float, float, float]:
     minibatch forward+backward+Adam step), with the torch threads the script takes at one rank."""
     atari, defaults = common.load_script(common.ATARI), common.defaults(common.ATARI)
     minibatch = defaults.local_num_envs * defaults.num_steps // defaults.num_minibatches
-    update_steps = defaults.update_epochs * defaults.num_minibatches
     actions = common.env_spaces(common.ATARI)[1].n
     threads_before = torch.get_num_threads()
     torch.set_num_threads(len(common.usable_cores()))
@@ -122,31 +114,20 @@ def atari_compute_limit(seconds: float) -> tuple[float, float, float]:
             optimizer.step()
 
         policy = agent.rollout_policy()
-        act = rate(lambda: policy.act(frames), seconds)
-        step = rate(train_step, seconds)
+        act, step = rate(lambda: policy.act(frames), seconds), rate(train_step, seconds)
     finally:
         torch.set_num_threads(threads_before)
-    batch = defaults.local_num_envs * defaults.num_steps
-    return batch / (defaults.num_steps * act + update_steps * step), act * 1e3, step * 1e3
+    update_steps = defaults.update_epochs * defaults.num_minibatches
+    return defaults.local_num_envs / (act + update_steps * step / defaults.num_steps), act * 1e3, step * 1e3
 
 
-def run_script(script: str, root: Path, args: Args, work_dir: Path, name: str, flags: tuple[str, ...] = ()):
-    """Run `script` of checkout `root` at one rank, its defaults plus `flags`, for `args.iterations`; its
-    Measurement."""
-    script_args = [*flags, "--env-id", args.env_id or common.defaults(script).env_id, "--run-name", name]
-    script_args += common.budget_args(script, 1, 0, args.iterations)
-    [run_dir] = common.run_logged({name: common.script_command(root / script, script_args)}, work_dir)
-    return common.measure(run_dir, script, "default", 1)
-
-
-def bound(script: str, args: Args) -> tuple[float, list[float]]:
+def bound(script: str, env_id: str, seconds: float) -> tuple[float, list[float]]:
     """What bounds `script`'s SPS, measured now: the env-only rate, or for Atari the compute limit (and its parts)."""
     if script == common.ATARI:
-        limit, *parts = atari_compute_limit(args.env_seconds)
+        limit, *parts = atari_compute_limit(seconds)
         print(f"{script}: compute limit {limit:,.0f} samples/s", flush=True)
         return limit, parts
-    env_id = args.env_id or common.defaults(script).env_id
-    steps = env_only_rate(script, env_id, args.env_seconds)
+    steps = env_only_rate(script, env_id, seconds)
     print(f"{script}: {env_id} env-only {steps:,.0f} steps/s", flush=True)
     return steps, []
 
@@ -154,9 +135,6 @@ def bound(script: str, args: Args) -> tuple[float, list[float]]:
 def main(argv: list[str] | None = None) -> Path:
     """Measure every script beside its bound, write OUT.md; returns its path."""
     args, argv, _ = common.cli(Args, argv)
-    variants = [tuple(variant.split()) for variant in args.variants]
-    if args.repeats < 1 or any(variant[0] not in TARGETS for variant in variants):
-        raise SystemExit(f"benchmark.throughput: error: each variant's first word must be in {tuple(TARGETS)}")
     checkouts = {"this": common.ROOT}
     if args.compare_with is not None:
         other = args.compare_with.resolve()
@@ -165,45 +143,39 @@ def main(argv: list[str] | None = None) -> Path:
         checkouts = {"other": other, "this": common.ROOT}
     labels = {key: common.code_version(root, short=True) for key, root in checkouts.items()}
     labels["this"] += " (this checkout)"
+    env_ids = {script: common.env_id(script, "" if script == common.ATARI else args.env_id) for script in args.scripts}
     load_before = common.check_load(args.max_load)
-
     bounds: dict[tuple[str, str], list[float]] = {}  # (script, load) -> env-only rate or compute limit, per round
     atari_parts: list[list[float]] = []
     runs: dict[tuple[str, str, str], list] = {}  # (row label, script, load) -> Measurement per round
     with common.work_folder(args.out_dir, "ddrl_throughput_") as work_dir:
         for round_index, load in ((index, load) for index in range(args.repeats) for load in args.loads):
-            busy = stragglers.cpu_hog(common.usable_cores()[-1]) if load == "busy core" else contextlib.nullcontext()
-            with busy:
+            with stragglers.cpu_hog(common.usable_cores()[-1]) if load == "busy core" else contextlib.nullcontext():
                 for script in args.scripts:
-                    limit, parts = bound(script, args)
+                    limit, parts = bound(script, env_ids[script], args.env_seconds)
                     bounds.setdefault((script, load), []).append(limit)
                     atari_parts += [parts] if parts and load == "quiet" else []
-                    flag_runs = [(labels[key], root, (), key) for key, root in checkouts.items()]
-                    for flags in (variant[1:] for variant in variants if variant[0] == script):
+                    flag_runs = [(labels[key], root, [], key) for key, root in checkouts.items()]
+                    for flags in (variant.split()[1:] for variant in args.variants if variant.split()[0] == script):
                         tag = "_".join(flag.strip("-") for flag in flags)
                         flag_runs.append((f"{labels['this']} {' '.join(flags)}", common.ROOT, flags, tag))
                     for label, root, flags, tag in flag_runs:
                         name = f"throughput__{Path(script).stem}__{tag}{'__busy' * (load != 'quiet')}__{round_index}"
-                        measured = run_script(script, root, args, work_dir, name, flags)
-                        runs.setdefault((label, script, load), []).append(measured)
-                        print(f"  {label}, {load}: SPS {measured.sps:,.0f}", flush=True)
-
+                        run_args = [*flags, "--env-id", env_ids[script], "--run-name", name]
+                        run_args += common.budget_args(script, 1, args.local_steps, args.iterations)
+                        [run_dir] = common.run_logged({name: common.script_command(root / script, run_args)}, work_dir)
+                        runs.setdefault((label, script, load), []).append(common.measure(run_dir, script, "default", 1))
+                        print(f"  {label}, {load}: SPS {runs[label, script, load][-1].sps:,.0f}", flush=True)
     rows = []
     for (label, script, load), measurements in sorted(runs.items(), key=lambda item: args.scripts.index(item[0][1])):
         limit, atari, target = statistics.median(bounds[script, load]), script == common.ATARI, TARGETS[script]
-        label += "" if load == "quiet" else ", beside a busy core"
         sps = statistics.median(m.sps for m in measurements)
-        row = [
-            script,
-            label,
-            common.defaults(script).env_id if atari else args.env_id or common.defaults(script).env_id,
-        ]
-        row += [f"{limit:,.0f} ({'compute limit' if atari else 'env only'})", f"{sps:,.0f}"]
-        row += [f"{sps / limit:.2f}", f"{target:.1f}x"] if atari else [f"{sps / limit:.0%}", f"{target:.0%}"]
-        row += ["yes" if sps / limit >= target else "no"]
-        rows.append(
-            row + [f"{statistics.median(getattr(m, part) for m in measurements):.3f}" for part in common.PARTS[:2]]
-        )
+        ratio = [f"{sps / limit:.2f}", f"{target:.1f}x"] if atari else [f"{sps / limit:.0%}", f"{target:.0%}"]
+        seconds = [f"{statistics.median(getattr(m, part) for m in measurements):.3f}" for part in ("rollout", "update")]
+        label += "" if load == "quiet" else ", beside a busy core"
+        kind = "compute limit" if atari else "env only"
+        rows.append([script, label, env_ids[script], f"{limit:,.0f} ({kind})", f"{sps:,.0f}", *ratio])
+        rows[-1] += ["yes" if sps / limit >= target else "no", *seconds]
     headers = (
         "script | checkout | env | bound (steps/s) | script SPS (iterations 2..) | ratio | target | met | "
         "rollout s / it | update s / it"
@@ -220,12 +192,10 @@ def main(argv: list[str] | None = None) -> Path:
     )
     if atari_parts:
         act_ms, step_ms = (statistics.median(part) for part in zip(*atari_parts, strict=True))
-        body += f"\nAtari compute limit parts: batch-{envs} act {act_ms:.2f} ms, minibatch-{minibatch} step "
-        body += f"{step_ms:.1f} ms.\n"
-    facts = [
-        f"1 rank, default hyperparameters, {args.iterations} iterations per script run, {args.repeats} round(s); "
-        "each cell the median over rounds"
-    ]
+        body += f"\nAtari compute limit parts: batch-{envs} act {act_ms:.2f} ms, minibatch-{minibatch} step"
+        body += f" {step_ms:.1f} ms.\n"
+    batch = f"{args.local_steps:,} env steps per iteration" if args.local_steps else "default hyperparameters"
+    facts = [f"1 rank, {batch}, {args.iterations} iterations per run, {args.repeats} round(s): cells are medians"]
     title = "Throughput against the env-only rate and the compute limit"
     return common.write_results(args, argv, title, facts, body, *load_before)
 

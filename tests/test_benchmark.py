@@ -16,18 +16,6 @@ from tests.helpers import ROOT, read_scalars, run_command
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-def table_rows(markdown: str, first_header: str) -> list[list[str]]:
-    """The body rows of the markdown table whose first header is `first_header`."""
-    lines = markdown.splitlines()
-    start = next(i for i, line in enumerate(lines) if line.startswith(f"| {first_header} |"))
-    rows = []
-    for line in lines[start + 2 :]:
-        if not line.startswith("|"):
-            break
-        rows.append([cell.strip() for cell in line.strip("|").split("|")])
-    return rows
-
-
 def assert_png(path: Path) -> None:
     assert path.read_bytes()[:8] == PNG_MAGIC and path.stat().st_size > 5_000, path
 
@@ -83,7 +71,9 @@ def test_dry_run_prints_the_exact_commands_each_launching_through_the_scripts_np
 
 def test_run_two_seeds_in_parallel_then_plot_them(tmp_path, capsys):
     out_dir = tmp_path / "bench"
+    # one rank each (the launch through --nprocs: the dry run above, and benchmark.scaling's runs below)
     argv = ["--script", "vpg_mpi.py", "--env-ids", "CartPole-v1", "--seeds", "1", "2", "--parallel", "2"]
+    argv += ["--nprocs", "1"]
     failed = run.main([*argv, "--out-dir", str(out_dir), "--", "--steps-per-epoch", "200", "--total-timesteps", "400"])
     output = capsys.readouterr().out
     assert failed == 0, output
@@ -108,7 +98,7 @@ def test_run_two_seeds_in_parallel_then_plot_them(tmp_path, capsys):
     text = table_path.read_text()
     assert f"- command: `{shlex.join(['python', '-m', 'benchmark.plot', *argv])}`" in text
     assert "\n\ntwo seeds, to test\n\n![learning curves](curves.png)" in text
-    [[env_id, cell, reference]] = table_rows(text, "env")
+    [[env_id, cell, reference]] = common.table_rows(text, "env")
     assert (env_id, reference) == ("CartPole-v1", "500 (ref)")
     low, high = sorted(finals)  # two seeds: the bootstrap's means run from one seed's value to the other's
     per_seed = ", ".join(f"{value:.2f} (seed {seed})" for seed, value in enumerate(finals, 1))
@@ -128,7 +118,7 @@ def test_plot_curves_and_final_returns_on_synthetic_runs():
     assert grid.tolist() == steps.tolist()
     assert middle.tolist() == pytest.approx((np.arange(10.0) + 1).tolist())
     assert low.tolist() == np.arange(10.0).tolist() and high.tolist() == (np.arange(10.0) + 2).tolist()
-    [[_, cell]] = table_rows(plot.summarize(runs, 3, {}, "ref"), "env")
+    [[_, cell]] = common.table_rows(plot.summarize(runs, 3, {}, "ref"), "env")
     assert cell == "9.00 +- 1.00, 95% CI [8.00, 10.00] (2 seeds, 1,000 steps: 8.00 (seed 1), 10.00 (seed 2))"
 
 
@@ -190,6 +180,9 @@ def test_scaling_builds_pinned_one_thread_commands_for_every_script_and_mode():
         ]
     args = scaling.script_args("vpg_mpi.py", "allreduce", 3, 100, 2)
     assert args[-4:] == ["--steps-per-epoch", "300", "--total-timesteps", "600"]  # SpinningUp's global batch
+    # no local steps: each script's own default batch (VPG's at 1 rank), as benchmark.throughput runs them by default
+    totals = {script: common.budget_args(script, 1, 0, 2)[-1] for script in common.SCRIPTS}
+    assert totals == {"vpg_mpi.py": "8000", "ppo_continuous_mpi.py": "4096", "ppo_atari_multigpu.py": "2048"}
     with pytest.raises(ValueError, match="4 ranks but only 3 usable cores"):
         common.script_command(ROOT / "vpg_mpi.py", args, 4, "torchrun", cores)
 
@@ -212,7 +205,7 @@ def test_run_at_once_runs_its_commands_side_by_side_and_logs_each(tmp_path):
     wait += "print('saw', sys.argv[2], pathlib.Path(sys.argv[2]).exists()); sys.exit(int(sys.argv[3]))"
     commands = [[sys.executable, "-c", wait, "a", "b", "0"], [sys.executable, "-c", wait, "b", "a", "3"]]
     logs = [tmp_path / "logs" / "a.log", tmp_path / "logs" / "b.log"]
-    assert common.run_at_once(commands, tmp_path, logs) == [0, 3]
+    assert common.run_at_once(commands, logs, tmp_path) == [0, 3]
     for log, other, command in zip(logs, "ba", commands, strict=True):
         assert log.read_text() == f"$ (cd {tmp_path} && {shlex.join(command)})\nsaw {other} True\n"
 
@@ -246,7 +239,7 @@ def test_scaling_two_ranks_on_two_cores_in_both_sync_modes_then_the_model(tmp_pa
     assert "MEASURED UNDER LOAD" not in text and f"N ranks as {common.PINNED}, then `--torch-threads 1`" in text
     assert "## vpg_mpi.py on CartPole-v1" in text and "546 -> 1040" in text
     assert "sync with allreduce means the flat" in text and "sync with gather means the gather" in text
-    rows = table_rows(text, "mode")
+    rows = common.table_rows(text, "mode")
     expected = [[mode, n, str(100 * int(n))] for mode in ("allreduce", "gather") for n in "12"]
     assert [row[:3] for row in rows] == [*expected, ["independent", "2", "200"]]
     cores = sorted(os.sched_getaffinity(0))
@@ -287,7 +280,7 @@ def test_scaling_two_ranks_on_two_cores_in_both_sync_modes_then_the_model(tmp_pa
     assert ceiling[5] == f"{sum(copy_sps) / sps['allreduce', 1]:.2f}"  # against the first mode's 1-rank row
 
     model_path = scaling_model.main(["--from", str(table_path), "--out", str(tmp_path / "model")])
-    predictions = table_rows(model_path.read_text(), "script | mode | model: what grows with N")
+    predictions = common.table_rows(model_path.read_text(), "script | mode | model: what grows with N")
     assert [(row[1], row[3]) for row in predictions] == [
         (mode, n) for mode in ("allreduce", "gather") for _ in range(2) for n in ("2", "8", "64", "512")
     ]
@@ -318,7 +311,7 @@ def test_stragglers_runs_a_slow_env_rank_waiting_and_preempting_and_its_cpu_hog_
     assert ("- side by side: each case's waiting and preempting runs ran at the same time" in text) == side_by_side
     assert "- command: `python -m benchmark.stragglers --cases rollout-dominated" in text
     assert "![stragglers](stragglers.png)" in text and "- rollout-dominated (ppo_continuous_mpi.py on " in text
-    rows = table_rows(text, "case")
+    rows = common.table_rows(text, "case")
     assert [row[:2] for row in rows] == [["rollout-dominated", "wait"], ["rollout-dominated", "preempt 0.5"]]
     sps = []
     for row, mode in zip(rows, ("wait", "preempt"), strict=True):
@@ -387,7 +380,7 @@ def test_scaling_model_reads_back_the_scaling_table(tmp_path):
     source.write_text(text)
     model_text = scaling_model.main(["--from", str(source), "--out", str(tmp_path / "model")]).read_text()
     assert "MEASURED UNDER LOAD" not in model_text
-    predictions = table_rows(model_text, "script | mode | model: what grows with N")
+    predictions = common.table_rows(model_text, "script | mode | model: what grows with N")
     gloo_8 = next(row for row in predictions if row[1] == "allreduce" and row[3] == "8" and "gloo" in row[2])
     assert gloo_8[4:6] == [f"{8 / (1 + 0.125 * 7):.2f}", f"{1 / (1 + 0.125 * 7):.0%}"]
     assert "- vpg_mpi.py allreduce (gloo ring: latency x (N-1)): below 50% from 10 ranks" in model_text
@@ -398,7 +391,7 @@ def test_grad_sync_table_with_few_repetitions(tmp_path):
     table_path = grad_sync.main([*argv, "--out", str(tmp_path / "grad_sync"), "--max-load", "-1"])
     text = table_path.read_text()
     assert text.splitlines()[2].startswith("**MEASURED UNDER LOAD")  # above the load limit: said at the top
-    rows = table_rows(text, "model")
+    rows = common.table_rows(text, "model")
     methods = {(row[0].split(".")[0], row[2]) for row in rows}
     expected = {("vpg_mpi", "gather+broadcast"), ("vpg_mpi", "gather+broadcast, MPI")}  # ranks started by mpirun
     expected |= {

@@ -2,10 +2,8 @@
 
     taskset -c 0,1 env PYTHONPATH=benchmark/pin_rank DDRL_PIN_CORES=0,1 python SCRIPT --nprocs 2 ARGS
 
-Neither torchrun nor the scripts pin a rank (mpirun binds its own way, ignoring taskset). Local rank r (LOCAL_RANK,
-or Open MPI's OMPI_COMM_WORLD_LOCAL_RANK) takes core Cr and says so on one line; a process without a local rank (the
-re-launching script, torchrun's agent) keeps the taskset's cores, and a rank's children inherit its core.
-"""
+Neither torchrun nor the scripts pin a rank. Local rank r (LOCAL_RANK or OMPI_COMM_WORLD_LOCAL_RANK) takes core Cr and
+says so; a process without one (the re-launching script, torchrun's agent) keeps the taskset's cores."""
 
 import os
 
