@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from tests.helpers import ROOT, assert_ok, clean_env, mpirun, run_command
+from tests.helpers import ROOT, assert_ok, clean_env, mpirun, run_command, run_python
 
 PENDULUM = ["--env-id", "InvertedPendulum-v5", "--num-steps", "128", "--seed", "1"]
 
@@ -19,11 +19,10 @@ def test_nprocs_runs_mpirun_with_mpi_collectives_and_trains_torchruns_weights(tm
     """--nprocs 2 re-launches under mpirun (mpi4py and mpirun are installed), whose ranks sum through MPI; with
     --collectives torch it re-launches under torchrun and gloo. Two iterations give the same model bit for bit
     (a sum of two numbers is the same in any order)."""
-    script = [sys.executable, str(ROOT / "ppo_continuous_mpi.py"), *PENDULUM, "--total-timesteps", "512"]
     models = {}
     for collectives in ("auto", "torch"):
         flags = ["--nprocs", "2", "--collectives", collectives, "--save-model", "--run-name", collectives]
-        result = run_command([*script, *flags], tmp_path)
+        result = run_python(ROOT / "ppo_continuous_mpi.py", [*PENDULUM, "--total-timesteps", "512", *flags], tmp_path)
         assert_ok(result)
         [row] = [line for line in result.stdout.splitlines() if line.startswith("collectives")]
         assert ("MPI (Open MPI" in row) == (collectives == "auto"), row
@@ -34,22 +33,24 @@ def test_nprocs_runs_mpirun_with_mpi_collectives_and_trains_torchruns_weights(tm
 
 
 def test_collectives_mpi_without_an_mpi_launch_is_refused(tmp_path):
-    result = run_command([sys.executable, str(ROOT / "vpg_mpi.py"), "--collectives", "mpi"], tmp_path)
+    result = run_python(ROOT / "vpg_mpi.py", ["--collectives", "mpi"], tmp_path)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "--collectives mpi needs ranks started by MPI (mpirun -np N python SCRIPT" in result.stderr
     assert "no MPI launch" in result.stderr
 
 
-def mpi_rank_pid(rank: int) -> int | None:
-    """The pid of the Python process that mpirun started as `rank` (its environment names it)."""
+def mpi_rank_pid(rank: int, cwd: Path) -> int | None:
+    """The pid of the Python process that this test's mpirun started in `cwd` as `rank` (its environment names it);
+    never a rank of another MPI job on the machine, such as a user's training run."""
     for entry in Path("/proc").iterdir():
         try:
             environ = (entry / "environ").read_bytes().split(b"\0")
-            command = (entry / "cmdline").read_bytes()
+            command, folder = (entry / "cmdline").read_bytes(), os.readlink(entry / "cwd")
         except (OSError, ValueError):
             continue
         if f"OMPI_COMM_WORLD_RANK={rank}".encode() in environ and b"ppo_continuous_mpi.py" in command:
-            return int(entry.name)
+            if folder == str(cwd):
+                return int(entry.name)
     return None
 
 
@@ -64,7 +65,7 @@ def test_a_killed_rank_ends_the_mpirun_job_and_resume_continues_from_its_checkpo
     while "iteration 3/" not in (tmp_path / "first.out").read_text():
         assert job.poll() is None and time.monotonic() < deadline, (tmp_path / "first.out").read_text()[-3000:]
         time.sleep(0.1)
-    os.kill(mpi_rank_pid(1), signal.SIGKILL)
+    os.kill(mpi_rank_pid(1, tmp_path), signal.SIGKILL)
     killed = time.monotonic()
     try:
         job.wait(timeout=60)
