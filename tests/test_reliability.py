@@ -190,7 +190,7 @@ def start_ranks(script: str, args: list[str], cwd, scripts: tuple | None = None,
     + [pytest.param("vpg_mpi.py", signal.SIGSTOP, (), id="vpg_mpi.py-SIGSTOP")],
 )
 def test_a_dead_or_silent_peer_stops_the_survivor_within_the_timeout(script, sig, mode, tmp_path):
-    timeout = 10
+    timeout = 6  # seconds; a healthy collective of these tiny runs takes milliseconds
     ranks = start_ranks(script, flags(script, 50, "--dist-timeout", str(timeout), *mode), tmp_path)
     try:
         wait_for(lambda: progress_lines(output(ranks[0])[0]), 120, "the first iteration", tuple(ranks))
