@@ -39,9 +39,9 @@ SCRIPTS = {
         512,
     ),
     "ppo_atari_multigpu.py": (
-        ["--env-id", "BreakoutNoFrameskip-v4", "--local-num-envs", "2", "--num-steps", "64"]
+        ["--env-id", "BreakoutNoFrameskip-v4", "--local-num-envs", "2", "--num-steps", "32"]
         + ["--num-minibatches", "2", "--update-epochs", "1"],
-        256,
+        128,
     ),
 }
 
