@@ -290,9 +290,8 @@ def code_version(root: Path = ROOT, short: bool = False) -> str:
     except (OSError, subprocess.CalledProcessError):
         return "unknown (not a git checkout)"
     dirty = [line[3:] for line in changed.stdout.splitlines()]
-    if not dirty:
-        return commit.stdout.strip()
-    return commit.stdout.strip() + ("+changes" if short else f" with uncommitted changes to {', '.join(dirty)}")
+    changes = ("+changes" if short else f" with uncommitted changes to {', '.join(dirty)}") if dirty else ""
+    return commit.stdout.strip() + changes
 
 
 def command_line(module: str, argv: Sequence[str]) -> str:
@@ -337,10 +336,8 @@ def write_results(args: ResultsArgs, argv, title: str, facts: list[str], body: s
 def markdown_table(header_row: str, rows: Sequence[Sequence[object]]) -> str:
     """A markdown table under `header_row` (`a | b | c`), columns of numbers right-aligned."""
 
-    def numeric(column: int) -> bool:
-        return all(re.match(r"^[-+]?[\d.]", str(row[column])) for row in rows if str(row[column]))
-
-    alignments = ["--:" if rows and numeric(column) else ":--" for column in range(header_row.count(" | ") + 1)]
+    filled = [[str(row[column]) for row in rows if str(row[column])] for column in range(header_row.count(" | ") + 1)]
+    alignments = ["--:" if rows and all(re.match(r"[-+]?[\d.]", cell) for cell in cells) else ":--" for cells in filled]
     lines = [f"| {header_row} |", "|" + "|".join(alignments) + "|"]
     return "\n".join(lines + ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]) + "\n"
 

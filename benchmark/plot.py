@@ -54,11 +54,13 @@ class Run:
     label: str
     steps: np.ndarray
     returns: np.ndarray
+    seconds: np.ndarray  # training wall time at each of `steps` (charts/SPS counts from the start of training)
 
 
 def load_run(path: Path, label_keys: tuple[str, ...]) -> Run | None:
     """A run folder as a Run (identity from its hyperparameters, else from a CleanRL-style name); None if empty."""
-    series = common.read_scalars(path).get(RETURN_KEY, [])
+    scalars = common.read_scalars(path)
+    series, sps = scalars.get(RETURN_KEY, []), np.array(scalars.get("charts/SPS", [(0, 1)]), dtype=np.float64)
     if not series:
         return None
     hyper = common.read_hyperparameters(path)
@@ -69,7 +71,24 @@ def load_run(path: Path, label_keys: tuple[str, ...]) -> Run | None:
         hyper = {"env_id": parts[0], "exp_name": parts[1], "seed": parts[2]}
     label = [f"{hyper.get(key, '?')}" if len(label_keys) == 1 else f"{key}={hyper.get(key)}" for key in label_keys]
     steps, returns = (np.array(values, dtype=np.float64) for values in zip(*series, strict=True))
-    return Run(path, hyper.get("env_id", "?"), hyper.get("seed", "?"), " ".join(label), steps, returns)
+    seconds = np.interp(steps, sps[:, 0], sps[:, 0] / np.maximum(sps[:, 1], 1))
+    return Run(path, hyper.get("env_id", "?"), hyper.get("seed", "?"), " ".join(label), steps, returns, seconds)
+
+
+def reference_value(text: str) -> float | None:
+    """The number a reference starts with ("~630 at 3M steps" has none: it is not comparable)."""
+    number = re.match(r"\s*-?\d+(?:\.\d+)?", text)
+    return float(number.group()) if number else None
+
+
+def time_to_reference(runs: list[Run], smooth: int, reference: float) -> str:
+    """Where the runs' mean curve (as plotted) first reaches `reference`: env steps, the seeds' mean training time."""
+    grid, middle, _, _ = mean_curve(runs, smooth)
+    if not (middle >= reference).any():
+        return "not reached"
+    step = grid[np.argmax(middle >= reference)]
+    seconds = np.mean([np.interp(step, run.steps, run.seconds) for run in runs])
+    return f"{step:,.0f} steps, {int(seconds // 60)}:{int(seconds % 60):02d}"
 
 
 def final_return(run: Run, last_points: int) -> float:
@@ -104,9 +123,7 @@ def bootstrap_interval(values: np.ndarray, resamples: int = RESAMPLES) -> tuple[
     return float(low), float(high)
 
 
-def mean_curve(
-    runs: list[Run], smooth: int, points: int = 200
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def mean_curve(runs: list[Run], smooth: int, points: int = 200) -> tuple[np.ndarray, ...]:
     """(steps, center over seeds, its 95% bootstrap interval's low and high) of the runs' smoothed curves on a common
     step grid; at each step only the runs that reached it count."""
     grid = np.linspace(min(run.steps[0] for run in runs), max(run.steps[-1] for run in runs), points)
@@ -136,8 +153,9 @@ def final_returns_cell(finals: dict[str, float], steps: str) -> str:
     return f"{stated} ({len(values)} seeds, {steps} steps: {per_seed})"
 
 
-def summarize(runs: list[Run], last_points: int, references: dict[str, str], reference_name: str) -> str:
-    """The final-return table: one row per env id, one column per label (final_returns_cell), references."""
+def summarize(runs: list[Run], args: Args, references: dict[str, str]) -> str:
+    """The final-return table: one row per env id, one column per label (final_returns_cell), the references, and
+    where each label's mean curve first reaches a reference."""
     env_ids = sorted({run.env_id for run in runs} | set(references))
     labels = sorted({run.label for run in runs})
     rows = []
@@ -151,14 +169,20 @@ def summarize(runs: list[Run], last_points: int, references: dict[str, str], ref
             low, high = min(int(run.steps[-1]) for run in group), max(int(run.steps[-1]) for run in group)
             steps = f"{low:,}" if low == high else f"{low:,}-{high:,}"
             if len({run.seed for run in group}) < len(group):  # a seed run twice: one value per run, not per seed
-                finals = {f"{run.seed}, {run.path.name}": final_return(run, last_points) for run in group}
+                finals = {f"{run.seed}, {run.path.name}": final_return(run, args.last_points) for run in group}
             else:
-                finals = {run.seed: final_return(run, last_points) for run in sorted(group, key=seed_order)}
+                finals = {run.seed: final_return(run, args.last_points) for run in sorted(group, key=seed_order)}
             row.append(final_returns_cell(finals, steps))
         if references:
-            row.append(references.get(env_id, ""))
+            reference, reached = references.get(env_id, ""), []
+            for label in labels:
+                group = [run for run in runs if run.env_id == env_id and run.label == label]
+                if group and (value := reference_value(reference)) is not None:
+                    reached.append(f"{label}: " * (len(labels) > 1) + time_to_reference(group, args.smooth, value))
+            row += [reference, "; ".join(reached)]
         rows.append(row)
-    return common.markdown_table(" | ".join(["env", *labels, *([reference_name] if references else [])]), rows)
+    reference_columns = [args.reference_name, "mean curve first reaches the reference (training time)"]
+    return common.markdown_table(" | ".join(["env", *labels, *(reference_columns if references else [])]), rows)
 
 
 def seed_order(run: Run) -> tuple[int, str]:
@@ -166,7 +190,7 @@ def seed_order(run: Run) -> tuple[int, str]:
     return (int(run.seed), "") if run.seed.isdigit() else (math.inf, run.seed)
 
 
-def plot(runs: list[Run], smooth: int, references: dict[str, str], reference_label: str, path: Path) -> None:
+def plot(runs: list[Run], args: Args, references: dict[str, str], path: Path) -> None:
     """One panel per env id, one line per label (mean_curve, its interval shaded), references dashed."""
     env_ids = sorted({run.env_id for run in runs})
     labels = sorted({run.label for run in runs})
@@ -178,16 +202,15 @@ def plot(runs: list[Run], smooth: int, references: dict[str, str], reference_lab
                 group = [run for run in runs if run.env_id == env_id and run.label == label]
                 if not group:
                     continue
-                steps, middle, low, high = mean_curve(group, smooth)
+                steps, middle, low, high = mean_curve(group, args.smooth)
                 distinct = len({run.seed for run in group})  # `3 seeds`, or `4 runs of 3 seeds` where one repeats
                 seeds = f"{distinct} seed{'s' * (distinct > 1)}"
                 seeds = seeds if distinct == len(group) else f"{len(group)} runs of {seeds}"
                 axis.plot(steps, middle, color=f"C{color}", label=f"{label} ({seeds})")
                 if len(group) > 1:
                     axis.fill_between(steps, low, high, color=f"C{color}", alpha=0.2)
-            # a reference that starts with a number is drawn ("~630 at 3M steps" is not comparable)
-            if number := re.match(r"\s*-?\d+(?:\.\d+)?", references.get(env_id, "")):
-                axis.axhline(float(number.group()), color="gray", linestyle="--", label=reference_label)
+            if (value := reference_value(references.get(env_id, ""))) is not None:
+                axis.axhline(value, color="gray", linestyle="--", label=args.reference_label)
             axis.set(title=env_id, xlabel="global env steps", ylabel="episodic return")
             axis.grid(alpha=0.3)
             axis.legend(fontsize="small")
@@ -212,17 +235,17 @@ def main(argv: list[str] | None = None) -> tuple[Path, Path]:
         if (key := (run.label, run.env_id, run.seed)) in seen:
             print(f"benchmark.plot: warning: {run.path} and {seen[key]} are both {' '.join(key)}", file=sys.stderr)
         seen[key] = run.path
-    png_path, image = common.draw(
-        args, lambda path: plot(runs, args.smooth, references, args.reference_label, path), "learning curves"
-    )
+    png_path, image = common.draw(args, lambda path: plot(runs, args, references, path), "learning curves")
     facts = [
         f"final return: mean of the last {args.last_points} logged `{RETURN_KEY}` values of a run (each the mean "
         "return of the episodes that ended in one iteration), then over seeds mean +- std (ddof 0), the 95% "
         f"percentile-bootstrap confidence interval of the mean ({RESAMPLES:,} draws of the seeds with replacement; "
         "of the interquartile mean, which leads the cell, from 5 seeds) and each seed's value; the curves are the "
         "same statistic of the smoothed returns at each step, shaded with its interval",
+        "last column (with --reference): the first step of the plotted mean curve at or above the reference's number "
+        "and the seeds' mean training wall time to it (charts/SPS counts from the start of training: no start-up)",
     ]
-    body = image + "\n" + summarize(runs, args.last_points, references, args.reference_name) + "\nRuns read:\n\n"
+    body = image + "\n" + summarize(runs, args, references) + "\nRuns read:\n\n"
     body += "".join(f"- {run.label} {run.env_id} seed {run.seed}: `{run.path}`\n" for run in runs)
     return common.write_results(args, argv, args.title, facts, body), png_path
 

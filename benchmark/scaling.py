@@ -96,9 +96,8 @@ def pinned_facts(args: common.RunsArgs, cores: list[int]) -> list[str]:
     batch = f"{args.local_steps:,} env steps" if args.local_steps else "each script's default batch"
     return [
         f"budget: --total-timesteps = {args.iterations} full world batches ({batch} per rank per iteration)",
-        f"pinning: the usable cores C0, C1, .. are {', '.join(map(str, cores))}; 1 rank runs as `taskset -c C0 python "
-        f"SCRIPT --torch-threads 1`, N ranks as {common.PINNED}, then `--torch-threads 1`; the Atari script also gets "
-        "--env-threads 1",
+        f"pinning: usable cores C0, C1, .. = {', '.join(map(str, cores))}; 1 rank runs as `taskset -c C0 python SCRIPT "
+        f"--torch-threads 1`, N ranks as {common.PINNED}, then `--torch-threads 1`; Atari also `--env-threads 1`",
     ]
 
 
@@ -195,7 +194,6 @@ def run_job(args: Args, extra: list[str], script: str, job: tuple[str, int, str]
     print(f"{script} {mode} on {ranks} core(s): {' & '.join(map(shlex.join, commands.values()))}", flush=True)
     run_dirs = common.run_logged(commands, work_dir, at_once=True)
     copies = [common.measure(run_dir, script, mode, 1) for run_dir in run_dirs]
-    # the independent copies as one row: batches and SPS summed, seconds per iteration those of copy 0 (core C0)
     total = {key: sum(getattr(m, key) for m in copies) for key in ("global_batch", "sps", "script_sps")}
     measurement = replace(copies[0], ranks=ranks, **(total if independent else {}))
     print(f"  SPS {measurement.sps:,.0f} (charts/SPS {measurement.script_sps:,.0f})", flush=True)

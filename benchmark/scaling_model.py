@@ -6,6 +6,7 @@ From rank 0's seconds per iteration at 1 and 2 ranks, for every script and mode:
 and the first rank count where it drops below 50%, on the assumptions that ASSUMPTIONS states (and the output repeats).
 """
 
+import bisect
 import math
 import re
 from dataclasses import dataclass
@@ -120,18 +121,11 @@ def efficiency(seconds: Seconds, mode: str, ranks: int, variant: Variant, bandwi
 def stops_paying(seconds: Seconds, mode: str, variant: Variant, bandwidth_share: float) -> int | None:
     """The fewest ranks whose efficiency is below 50% (efficiency falls with N in every mode), None up to 2^30."""
 
-    def pays(ranks: int) -> bool:
-        return efficiency(seconds, mode, ranks, variant, bandwidth_share) >= STOPS_PAYING
+    def stops(ranks: int) -> bool:
+        return efficiency(seconds, mode, ranks, variant, bandwidth_share) < STOPS_PAYING
 
-    if pays(MAX_RANKS):
-        return None
-    low, high = 1, 2
-    while pays(high):
-        low, high = high, high * 2
-    while high - low > 1:  # pays(low), not pays(high)
-        middle = (low + high) // 2
-        low, high = (middle, high) if pays(middle) else (low, middle)
-    return high
+    first = bisect.bisect_left(range(MAX_RANKS + 1), True, lo=1, key=stops)  # a binary search: stops(N) rises with N
+    return first if first <= MAX_RANKS else None
 
 
 ASSUMPTIONS = """\

@@ -2,10 +2,9 @@
 
     python -m benchmark.stragglers --out benchmark/results/stragglers
 
-Two ranks under torchrun, pinned one to a core as in benchmark.scaling; rank 1 is the straggler. Each case (CASES)
-runs waiting (`--preempt-fraction 0`) and preempting on the same budget; the table gives SPS and rank 0's time split,
-the speedup over waiting and the share of the full batch collected. Arguments after `--` go to every run. The
-defaults take about 10 minutes on 2 cores.
+Two ranks under torchrun, pinned one to a core as in benchmark.scaling, rank 1 the straggler. Each case (CASES) runs
+waiting (`--preempt-fraction 0`) and preempting on the same budget (table: SPS, rank 0's time split, speedup over
+waiting, share of the full batch collected). Arguments after `--` go to every run. Defaults: ~10 minutes on 2 cores.
 """
 
 import contextlib
@@ -57,9 +56,7 @@ gym.register(ENV_ID.split(":")[1], entry_point=BusyStep)
 
 
 # spins until killed, or until its parent (this benchmark) is gone, so that not even a killed benchmark leaves it
-HOG_PROGRAM = (
-    "import os\nparent = os.getppid()\nwhile os.getppid() == parent:\n    for _ in range(100_000):\n        pass"
-)
+HOG_PROGRAM = "import os\nparent = os.getppid()\nwhile os.getppid() == parent:\n    for _ in range(100_000): pass"
 
 
 @contextlib.contextmanager

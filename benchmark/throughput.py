@@ -3,10 +3,9 @@
     python -m benchmark.throughput --out benchmark/results/throughput
     python -m benchmark.throughput --compare-with ../before --repeats 3     # A/B against another checkout
 
-Each script runs one rank at its defaults, its SPS and time split those of iterations 2.. (common.measure), beside its
-bound (TARGETS: issue 7's least ratios to it): the MLP scripts' env-only step rate, the Atari script's fp32 eager
-compute limit (which only bf16 or compile can beat). Checkouts and loads alternate in every round, so that drift
-affects all alike; each cell is the median over the rounds.
+Each script runs one rank at its defaults, SPS and time split from iterations 2.. (common.measure), beside its bound
+(TARGETS: issue 7's least ratios to it): the MLP scripts' env-only step rate, the Atari script's fp32 eager compute
+limit (only bf16 or compile beat it). Checkouts and loads alternate every round, so drift affects all; cells: medians.
 """
 
 import contextlib

@@ -98,8 +98,8 @@ def test_run_two_seeds_in_parallel_then_plot_them(tmp_path, capsys):
     text = table_path.read_text()
     assert f"- command: `{shlex.join(['python', '-m', 'benchmark.plot', *argv])}`" in text
     assert "\n\ntwo seeds, to test\n\n![learning curves](curves.png)" in text
-    [[env_id, cell, reference]] = common.table_rows(text, "env")
-    assert (env_id, reference) == ("CartPole-v1", "500 (ref)")
+    [[env_id, cell, reference, reached]] = common.table_rows(text, "env")
+    assert (env_id, reference, reached) == ("CartPole-v1", "500 (ref)", "not reached")
     low, high = sorted(finals)  # two seeds: the bootstrap's means run from one seed's value to the other's
     per_seed = ", ".join(f"{value:.2f} (seed {seed})" for seed, value in enumerate(finals, 1))
     spread = f"{np.mean(finals):.2f} +- {np.std(finals):.2f}, 95% CI [{low:.2f}, {high:.2f}]"
@@ -109,8 +109,8 @@ def test_run_two_seeds_in_parallel_then_plot_them(tmp_path, capsys):
 def test_plot_curves_and_final_returns_on_synthetic_runs():
     steps = np.arange(1, 11) * 100.0
     runs = [
-        plot.Run(Path("a"), "E", "1", "x", steps, np.arange(10.0)),
-        plot.Run(Path("b"), "E", "2", "x", steps, np.arange(10.0) + 2),
+        plot.Run(Path("a"), "E", "1", "x", steps, np.arange(10.0), steps / 10),  # 10 steps per second
+        plot.Run(Path("b"), "E", "2", "x", steps, np.arange(10.0) + 2, steps / 5),
     ]
     assert plot.final_return(runs[0], 3) == pytest.approx(8.0)
     assert plot.trailing_mean(np.array([1.0, 3.0, 5.0, 7.0]), 2).tolist() == [1.0, 2.0, 4.0, 6.0]
@@ -118,8 +118,14 @@ def test_plot_curves_and_final_returns_on_synthetic_runs():
     assert grid.tolist() == steps.tolist()
     assert middle.tolist() == pytest.approx((np.arange(10.0) + 1).tolist())
     assert low.tolist() == np.arange(10.0).tolist() and high.tolist() == (np.arange(10.0) + 2).tolist()
-    [[_, cell]] = common.table_rows(plot.summarize(runs, 3, {}, "ref"), "env")
+    args = plot.Args(paths=(), last_points=3, smooth=1)
+    [[_, cell]] = common.table_rows(plot.summarize(runs, args, {}), "env")
     assert cell == "9.00 +- 1.00, 95% CI [8.00, 10.00] (2 seeds, 1,000 steps: 8.00 (seed 1), 10.00 (seed 2))"
+    # the mean curve 1, 2, ..., 10 reaches 6 at step 600 (602 on the plotted grid of 200 points from 100 to 1,000),
+    # 60 s into one seed's run and 120 s into the other's
+    for reference, reached in (("6 (ref)", "602 steps, 1:30"), ("20", "not reached"), ("~6 at 1k steps", "")):
+        [[_, _, shown, time]] = common.table_rows(plot.summarize(runs, args, {"E": reference}), "env")
+        assert (shown, time) == (reference, reached)
 
 
 def test_bootstrap_interval_of_the_mean_and_from_five_seeds_of_the_iqm():
