@@ -179,10 +179,12 @@ def _rank_main(
     rank: int, worker, world_size: int, port: int, out_dir: str, worker_args: tuple, join_group: bool, parent: tuple
 ) -> None:
     """One rank: join a gloo group as the scripts would under torchrun, run `worker`, save its result."""
-    environment, cwd = parent  # what a spawned child inherits, the fork server's child does not
+    environment, cwd, output = parent  # what a spawned child inherits, the fork server's child does not
     os.environ.clear()
     os.environ.update(environment)
     os.chdir(cwd)
+    for fd, suffix in ((1, "out"), (2, "err")) if output else ():
+        os.dup2(os.open(os.path.join(out_dir, f"rank{rank}.{suffix}"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     os.environ.update(LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -193,6 +195,8 @@ def _rank_main(
         dist.barrier()
         dist.destroy_process_group()
     gc.collect()  # as the scripts do: gloo threads left to interpreter shutdown can abort the process (SIGABRT)
+    sys.stdout.flush()
+    sys.stderr.flush()
 
 
 def train_rank(rank: int, world_size: int, script: str, cwd: str, flags: list[str]) -> dict[str, torch.Tensor]:
@@ -211,6 +215,7 @@ def run_ranks(
     timeout: float = 120,
     join_group: bool = True,
     mpi_script: str | None = None,
+    output: bool = False,
 ) -> list:
     """Run `worker(rank, world_size, *worker_args)` on `world_size` new processes joined in a gloo group.
 
@@ -218,6 +223,7 @@ def run_ranks(
     saved with torch.save and the list of them, in rank order, is returned. A hang fails after `timeout`.
     With `join_group=False` the ranks only get the launcher variables (RANK, MASTER_PORT...) that torchrun
     would set, so the worker can run a script's whole `main`, which forms its own group.
+    With `output`, each rank's stdout and stderr go to out_dir/rank{RANK}.out and .err.
     With `mpi_script` (a script's module name), mpirun starts the ranks instead and that script's CPU collectives go
     through MPI as `--collectives mpi` sets them up (mpi_rank.py); any that reaches torch.distributed fails the test.
     """
@@ -227,9 +233,10 @@ def run_ranks(
         command = [*mpirun(world_size), sys.executable, str(MPI_RANK_ENTRY), str(job), str(out_dir)]
         assert_ok(run_command(command, out_dir, timeout))
         return [torch.load(out_dir / f"result{rank}.pt", weights_only=False) for rank in range(world_size)]
+    parent = (dict(os.environ), os.getcwd(), output)
     context = mp.start_processes(
         _rank_main,
-        args=(worker, world_size, free_port(), str(out_dir), worker_args, join_group, (dict(os.environ), os.getcwd())),
+        args=(worker, world_size, free_port(), str(out_dir), worker_args, join_group, parent),
         nprocs=world_size,
         join=False,
         start_method="forkserver",

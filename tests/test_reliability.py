@@ -21,7 +21,6 @@ from tests.helpers import (
     progress_lines,
     read_scalars,
     refuse,
-    run_command,
     run_dirs,
     run_ranks,
     signal_rank_when,
@@ -151,17 +150,17 @@ def test_sigterm_checkpoints_and_stops_every_rank_and_resume_finishes_the_run(sc
     assert "; TensorBoard run runs/preempted; continue with --resume --run-name preempted" in result.stdout
 
     resume_flags = [*run_flags, "--resume", "--save-model", "--checkpoint-every", str(iterations)]
-    result = run_command(torchrun_with(["--standalone"], script, resume_flags), tmp_path)
-    assert_ok(result)
-    assert progress_lines(result.stdout) == list(range(stopped_at + 1, iterations + 1))
+    run_ranks(train_rank, 2, tmp_path, script, str(tmp_path), resume_flags, join_group=False, output=True)
+    stdout = (tmp_path / "rank0.out").read_text()  # a resume needs no torchrun: the ranks run main as it would
+    assert progress_lines(stdout) == list(range(stopped_at + 1, iterations + 1))
     assert logged_steps(run_dir) == [batch * i for i in range(1, iterations + 1)]
     assert load(run_dir / "model.pt")["script"] == script
     summary = re.fullmatch(
         r"done: (\d+) env steps in \d+:\d\d, last return (\S+); TensorBoard run (\S+), model (\S+)",
-        result.stdout.splitlines()[-1],
+        stdout.splitlines()[-1],
     )
-    assert summary and int(summary[1]) == batch * iterations, result.stdout[-500:]
-    returns = re.findall(r"^(?:epoch|iteration) \d+/\d+ step \d+ SPS \d+ return (\S+) ", result.stdout, re.MULTILINE)
+    assert summary and int(summary[1]) == batch * iterations, stdout[-500:]
+    returns = re.findall(r"^(?:epoch|iteration) \d+/\d+ step \d+ SPS \d+ return (\S+) ", stdout, re.MULTILINE)
     assert summary[2] == ([value for value in returns if value != "n/a"] or ["n/a"])[-1]  # the last one logged
     assert (tmp_path / summary[3]) == run_dir and (tmp_path / summary[4]) == run_dir / "model.pt"
     assert_random_streams_went_on(load(checkpoints(tmp_path)[-1]), uninterrupted(script, mode), restarts=1)
