@@ -207,6 +207,17 @@ def train_rank(rank: int, world_size: int, script: str, cwd: str, flags: list[st
     return module.main(tyro.cli(module.Args, args=flags)).state_dict()
 
 
+def train_ranks(script: str, flags: list[str], cwd: Path, nprocs: int = 2, **env: str):
+    """`script`'s main on `nprocs` ranks forked by run_ranks, with `env` added to the environment: every rank's
+    trained state dict, and the run's output (rank 0's stdout; every rank's stderr)."""
+    with pytest.MonkeyPatch.context() as patch:
+        for key, value in env.items():
+            patch.setenv(key, value)
+        states = run_ranks(train_rank, nprocs, cwd, script, str(cwd), flags, join_group=False, output=True)
+    stderr = "".join((cwd / f"rank{rank}.err").read_text() for rank in range(nprocs))
+    return states, subprocess.CompletedProcess(flags, 0, (cwd / "rank0.out").read_text(), stderr)
+
+
 def run_ranks(
     worker,
     world_size: int,

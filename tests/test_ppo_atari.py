@@ -12,16 +12,14 @@ import torch
 import ppo_atari_multigpu as ppo
 from tests.helpers import (
     LOG_KEYS,
-    assert_ok,
     assert_same_parameters,
     cleanrl_ppo_loss,
     compiled_something,
     evaluate_one_episode,
-    rank_parameters,
     read_scalars,
     run_dirs,
     run_ranks,
-    torchrun,
+    train_ranks,
     union_orders,
 )
 
@@ -482,11 +480,10 @@ def test_breakout_two_ranks_compiled_train_identically_log_and_evaluate(tmp_path
     # 2 ranks x 2 envs x 128 steps: 2 iterations; --compile here (test_reliability.py runs the eager default)
     args = [*TINY, "--total-timesteps", "1024", "--save-model", "--compile"]
     cache = tmp_path / "inductor"
-    result = torchrun("ppo_atari_multigpu.py", args, tmp_path, save_ranks=True, TORCHINDUCTOR_CACHE_DIR=str(cache))
-    assert_ok(result)
+    states, result = train_ranks("ppo_atari_multigpu.py", args, tmp_path, TORCHINDUCTOR_CACHE_DIR=str(cache))
     assert compiled_something(cache)
     assert "ranks                        2" in result.stdout and "iteration 2/2 step 1024" in result.stdout
-    assert_same_parameters(rank_parameters(tmp_path, 2))
+    assert_same_parameters(states)
     [run_dir] = run_dirs(tmp_path)
     scalars = read_scalars(run_dir)
     assert [step for step, _ in scalars["charts/SPS"]] == [512, 1024]

@@ -18,17 +18,15 @@ import ppo_continuous_mpi as ppo
 from tests.helpers import (
     LOG_KEYS,
     assert_no_settotalmass_warning,
-    assert_ok,
     assert_same_parameters,
     cleanrl_ppo_loss,
     compiled_something,
     evaluate_one_episode,
-    rank_parameters,
     read_scalars,
     run_dirs,
     run_ranks,
-    torchrun,
     train_rank,
+    train_ranks,
     union_orders,
 )
 
@@ -323,11 +321,9 @@ def test_halfcheetah_two_ranks_compiled_train_identically_stop_on_their_world_kl
     cache = tmp_path / "inductor"
     flags = ["--env-id", "HalfCheetah-v5", "--num-steps", "512", "--total-timesteps", "2048", "--save-model", *TINY]
     flags += ["--compile", "--target-kl", "0.002"]
-    result = torchrun("ppo_continuous_mpi.py", flags, tmp_path, save_ranks=True, TORCHINDUCTOR_CACHE_DIR=str(cache))
-    assert_ok(result)
+    states, result = train_ranks("ppo_continuous_mpi.py", flags, tmp_path, TORCHINDUCTOR_CACHE_DIR=str(cache))
     assert compiled_something(cache)
     assert_no_settotalmass_warning(result.stdout + result.stderr, tmp_path)
-    states = rank_parameters(tmp_path, 2)
     assert_same_parameters(states)
     [run_dir] = run_dirs(tmp_path)
     scalars = read_scalars(run_dir)

@@ -30,6 +30,7 @@ from tests.helpers import (
     start,
     torchrun,
     torchrun_with,
+    train_ranks,
 )
 
 CARTPOLE = ["--env-id", "CartPole-v1", "--steps-per-epoch", "1000", "--total-timesteps", "3000", "--train-v-iters", "5"]
@@ -372,10 +373,9 @@ def test_evaluating_a_trained_cartpole_model_earns_its_training_return(tmp_path,
 def test_halfcheetah_two_ranks_gather_mode_trains_and_evaluates_quietly(tmp_path):
     args = ["--env-id", "HalfCheetah-v5", "--steps-per-epoch", "2000", "--total-timesteps", "4000"]
     args += ["--train-v-iters", "5", "--sync", "gather", "--save-model"]
-    result = torchrun("vpg_mpi.py", args, tmp_path, save_ranks=True)
-    assert_ok(result)
+    states, result = train_ranks("vpg_mpi.py", args, tmp_path)
     assert_no_settotalmass_warning(result.stdout + result.stderr, tmp_path)
-    assert_same_parameters(rank_parameters(tmp_path, 2))
+    assert_same_parameters(states)
     [run_dir] = run_dirs(tmp_path)
     scalars = read_scalars(run_dir)
     assert epochs_logged(run_dir) == 2
