@@ -73,10 +73,12 @@ def _python_main(script: str, args: list[str], cwd: str, parent_env: dict[str, s
     try:
         sys.argv = [script, *args]
         runpy.run_path(script, run_name="__main__")
-    except SystemExit as stop:  # as the interpreter handles it: a message goes to stderr, with exit code 1
-        code = stop.code or 0 if stop.code is None or isinstance(stop.code, int) else 1
-        if code and not isinstance(stop.code, int):
+    except SystemExit as stop:  # as the interpreter handles it: a code that is no integer is a message, exit 1
+        if stop.code is None or isinstance(stop.code, int):
+            code = stop.code or 0
+        else:
             print(stop.code, file=sys.stderr)
+            code = 1
     except BaseException:
         traceback.print_exc()
         code = 1
@@ -207,13 +209,15 @@ def train_rank(rank: int, world_size: int, script: str, cwd: str, flags: list[st
     return module.main(tyro.cli(module.Args, args=flags)).state_dict()
 
 
-def train_ranks(script: str, flags: list[str], cwd: Path, nprocs: int = 2, **env: str):
+def train_ranks(script: str, flags: list[str], cwd: Path, nprocs: int = 2, timeout: float = 240, **env: str):
     """`script`'s main on `nprocs` ranks forked by run_ranks, with `env` added to the environment: every rank's
     trained state dict, and the run's output (rank 0's stdout; every rank's stderr)."""
     with pytest.MonkeyPatch.context() as patch:
         for key, value in env.items():
             patch.setenv(key, value)
-        states = run_ranks(train_rank, nprocs, cwd, script, str(cwd), flags, join_group=False, output=True)
+        states = run_ranks(
+            train_rank, nprocs, cwd, script, str(cwd), flags, timeout=timeout, join_group=False, output=True
+        )
     stderr = "".join((cwd / f"rank{rank}.err").read_text() for rank in range(nprocs))
     return states, subprocess.CompletedProcess(flags, 0, (cwd / "rank0.out").read_text(), stderr)
 

@@ -82,7 +82,7 @@ def uninterrupted(tmp_path_factory):
         if (script, mode) not in finals:
             cwd = tmp_path_factory.mktemp("uninterrupted")
             run_flags = flags(script, ITERATIONS, "--checkpoint-every", str(ITERATIONS), *mode)
-            run_ranks(train_rank, 2, cwd, script, str(cwd), run_flags, join_group=False)
+            run_ranks(train_rank, 2, cwd, script, str(cwd), run_flags, join_group=False, timeout=240)
             finals[script, mode] = load(checkpoints(cwd)[-1])
         return finals[script, mode]
 
