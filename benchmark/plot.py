@@ -161,11 +161,14 @@ def summarize(runs: list[Run], args: Args, references: dict[str, str]) -> str:
     rows = []
     for env_id in env_ids:
         row: list[object] = [env_id]
+        reference, reached = references.get(env_id, ""), []
         for label in labels:
             group = [run for run in runs if run.env_id == env_id and run.label == label]
             if not group:
                 row.append("")
                 continue
+            if (value := reference_value(reference)) is not None:
+                reached.append(f"{label}: " * (len(labels) > 1) + time_to_reference(group, args.smooth, value))
             low, high = min(int(run.steps[-1]) for run in group), max(int(run.steps[-1]) for run in group)
             steps = f"{low:,}" if low == high else f"{low:,}-{high:,}"
             if len({run.seed for run in group}) < len(group):  # a seed run twice: one value per run, not per seed
@@ -174,11 +177,6 @@ def summarize(runs: list[Run], args: Args, references: dict[str, str]) -> str:
                 finals = {run.seed: final_return(run, args.last_points) for run in sorted(group, key=seed_order)}
             row.append(final_returns_cell(finals, steps))
         if references:
-            reference, reached = references.get(env_id, ""), []
-            for label in labels:
-                group = [run for run in runs if run.env_id == env_id and run.label == label]
-                if group and (value := reference_value(reference)) is not None:
-                    reached.append(f"{label}: " * (len(labels) > 1) + time_to_reference(group, args.smooth, value))
             row += [reference, "; ".join(reached)]
         rows.append(row)
     reference_columns = [args.reference_name, "mean curve first reaches the reference (training time)"]
