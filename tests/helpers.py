@@ -61,14 +61,20 @@ def run_command(command: list[str], cwd: Path, timeout: float = 240, **env: str)
     return subprocess.run(command, cwd=cwd, env=clean_env(**env), capture_output=True, text=True, timeout=timeout)
 
 
+def _inherit(environment: dict[str, str], cwd: str, output_stem: str | None) -> None:
+    """What a process forked from the fork server takes from the test that started it (a spawned child would inherit
+    these): its environment and folder, and with `output_stem` stdout and stderr to OUTPUT_STEM.out and .err."""
+    os.environ.clear()
+    os.environ.update(environment)
+    os.chdir(cwd)
+    for fd, suffix in ((1, "out"), (2, "err")) if output_stem else ():
+        os.dup2(os.open(f"{output_stem}.{suffix}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
+
+
 def _python_main(script: str, args: list[str], cwd: str, parent_env: dict[str, str]) -> None:
     """`python script args` in a process forked from run_ranks' server: its stdout and stderr to cwd/python.out and
     cwd/python.err, its exit code as python's (2 for the scripts' refusals, 1 for an uncaught exception)."""
-    os.environ.clear()
-    os.environ.update(parent_env)
-    os.chdir(cwd)
-    for fd, name in ((1, "python.out"), (2, "python.err")):
-        os.dup2(os.open(name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
+    _inherit(parent_env, cwd, os.path.join(cwd, "python"))
     code = 0
     try:
         sys.argv = [script, *args]
@@ -181,12 +187,8 @@ def _rank_main(
     rank: int, worker, world_size: int, port: int, out_dir: str, worker_args: tuple, join_group: bool, parent: tuple
 ) -> None:
     """One rank: join a gloo group as the scripts would under torchrun, run `worker`, save its result."""
-    environment, cwd, output = parent  # what a spawned child inherits, the fork server's child does not
-    os.environ.clear()
-    os.environ.update(environment)
-    os.chdir(cwd)
-    for fd, suffix in ((1, "out"), (2, "err")) if output else ():
-        os.dup2(os.open(os.path.join(out_dir, f"rank{rank}.{suffix}"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
+    environment, cwd, output = parent
+    _inherit(environment, cwd, os.path.join(out_dir, f"rank{rank}") if output else None)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     os.environ.update(LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -212,12 +214,9 @@ def train_rank(rank: int, world_size: int, script: str, cwd: str, flags: list[st
 def train_ranks(script: str, flags: list[str], cwd: Path, nprocs: int = 2, timeout: float = 240, **env: str):
     """`script`'s main on `nprocs` ranks forked by run_ranks, with `env` added to the environment: every rank's
     trained state dict, and the run's output (rank 0's stdout; every rank's stderr)."""
-    with pytest.MonkeyPatch.context() as patch:
-        for key, value in env.items():
-            patch.setenv(key, value)
-        states = run_ranks(
-            train_rank, nprocs, cwd, script, str(cwd), flags, timeout=timeout, join_group=False, output=True
-        )
+    states = run_ranks(
+        train_rank, nprocs, cwd, script, str(cwd), flags, timeout=timeout, join_group=False, output=True, env=env
+    )
     stderr = "".join((cwd / f"rank{rank}.err").read_text() for rank in range(nprocs))
     return states, subprocess.CompletedProcess(flags, 0, (cwd / "rank0.out").read_text(), stderr)
 
@@ -231,6 +230,7 @@ def run_ranks(
     join_group: bool = True,
     mpi_script: str | None = None,
     output: bool = False,
+    env: dict[str, str] | None = None,
 ) -> list:
     """Run `worker(rank, world_size, *worker_args)` on `world_size` new processes joined in a gloo group.
 
@@ -238,7 +238,8 @@ def run_ranks(
     saved with torch.save and the list of them, in rank order, is returned. A hang fails after `timeout`.
     With `join_group=False` the ranks only get the launcher variables (RANK, MASTER_PORT...) that torchrun
     would set, so the worker can run a script's whole `main`, which forms its own group.
-    With `output`, each rank's stdout and stderr go to out_dir/rank{RANK}.out and .err.
+    With `output`, each rank's stdout and stderr go to out_dir/rank{RANK}.out and .err; `env` is added to the ranks'
+    environment.
     With `mpi_script` (a script's module name), mpirun starts the ranks instead and that script's CPU collectives go
     through MPI as `--collectives mpi` sets them up (mpi_rank.py); any that reaches torch.distributed fails the test.
     """
@@ -248,7 +249,7 @@ def run_ranks(
         command = [*mpirun(world_size), sys.executable, str(MPI_RANK_ENTRY), str(job), str(out_dir)]
         assert_ok(run_command(command, out_dir, timeout))
         return [torch.load(out_dir / f"result{rank}.pt", weights_only=False) for rank in range(world_size)]
-    parent = (dict(os.environ), os.getcwd(), output)
+    parent = ({**os.environ, **(env or {})}, os.getcwd(), output)
     context = mp.start_processes(
         _rank_main,
         args=(worker, world_size, free_port(), str(out_dir), worker_args, join_group, parent),

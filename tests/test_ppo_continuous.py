@@ -25,7 +25,6 @@ from tests.helpers import (
     read_scalars,
     run_dirs,
     run_ranks,
-    train_rank,
     train_ranks,
     union_orders,
 )
@@ -358,7 +357,7 @@ def test_a_trained_model_evaluates_to_its_return_and_needs_its_statistics(tmp_pa
     """InvertedPendulum learns to balance in 16 iterations; the saved model plays as well only with its observation
     statistics (a checkpoint loaded without them, or without its weights, would do far worse)."""
     flags = ["--env-id", "InvertedPendulum-v5", "--num-steps", "512", "--total-timesteps", "16384", "--save-model"]
-    run_ranks(train_rank, 2, tmp_path, "ppo_continuous_mpi.py", str(tmp_path), flags, join_group=False, timeout=240)
+    train_ranks("ppo_continuous_mpi.py", flags, tmp_path)
     [run_dir] = run_dirs(tmp_path)
     training = read_scalars(run_dir)["charts/episodic_return"]
     assert len(read_scalars(run_dir)["charts/SPS"]) == 16 and training[-1][1] > 200  # it learned

@@ -26,7 +26,7 @@ from tests.helpers import (
     signal_rank_when,
     start,
     torchrun_with,
-    train_rank,
+    train_ranks,
     wait_for,
 )
 
@@ -82,7 +82,7 @@ def uninterrupted(tmp_path_factory):
         if (script, mode) not in finals:
             cwd = tmp_path_factory.mktemp("uninterrupted")
             run_flags = flags(script, ITERATIONS, "--checkpoint-every", str(ITERATIONS), *mode)
-            run_ranks(train_rank, 2, cwd, script, str(cwd), run_flags, join_group=False, timeout=240)
+            train_ranks(script, run_flags, cwd)
             finals[script, mode] = load(checkpoints(cwd)[-1])
         return finals[script, mode]
 
@@ -150,17 +150,16 @@ def test_sigterm_checkpoints_and_stops_every_rank_and_resume_finishes_the_run(sc
     assert "; TensorBoard run runs/preempted; continue with --resume --run-name preempted" in result.stdout
 
     resume_flags = [*run_flags, "--resume", "--save-model", "--checkpoint-every", str(iterations)]
-    run_ranks(train_rank, 2, tmp_path, script, str(tmp_path), resume_flags, join_group=False, output=True)
-    stdout = (tmp_path / "rank0.out").read_text()  # a resume needs no torchrun: the ranks run main as it would
-    assert progress_lines(stdout) == list(range(stopped_at + 1, iterations + 1))
+    _, result = train_ranks(script, resume_flags, tmp_path)  # a resume needs no torchrun: the ranks run main alike
+    assert progress_lines(result.stdout) == list(range(stopped_at + 1, iterations + 1))
     assert logged_steps(run_dir) == [batch * i for i in range(1, iterations + 1)]
     assert load(run_dir / "model.pt")["script"] == script
     summary = re.fullmatch(
         r"done: (\d+) env steps in \d+:\d\d, last return (\S+); TensorBoard run (\S+), model (\S+)",
-        stdout.splitlines()[-1],
+        result.stdout.splitlines()[-1],
     )
-    assert summary and int(summary[1]) == batch * iterations, stdout[-500:]
-    returns = re.findall(r"^(?:epoch|iteration) \d+/\d+ step \d+ SPS \d+ return (\S+) ", stdout, re.MULTILINE)
+    assert summary and int(summary[1]) == batch * iterations, result.stdout[-500:]
+    returns = re.findall(r"^(?:epoch|iteration) \d+/\d+ step \d+ SPS \d+ return (\S+) ", result.stdout, re.MULTILINE)
     assert summary[2] == ([value for value in returns if value != "n/a"] or ["n/a"])[-1]  # the last one logged
     assert (tmp_path / summary[3]) == run_dir and (tmp_path / summary[4]) == run_dir / "model.pt"
     assert_random_streams_went_on(load(checkpoints(tmp_path)[-1]), uninterrupted(script, mode), restarts=1)
