@@ -4,7 +4,8 @@
 # into $OUT/results.tar.gz after every step (the device tool returns at most 8 files); $OUT/summary.txt has one line
 # per step. Here, first: bash benchmark/device/wheels.sh. Then, through the device tool, from the repository root:
 #   bash benchmark/device/check.sh            (carry: .whl; timeout_s 600)
-# DDRL_DEVICE_SKIP=REGEX skips the steps whose names match, to split the checks over two calls.
+# DDRL_DEVICE_SKIP=REGEX skips the steps whose names match, to split the checks over two calls. What ran on the
+# H100 (benchmark/results/gpu_h100.md) need not run again: DDRL_DEVICE_SKIP='^(cuda_tests|atari_bf16|atari_compile|continuous_cuda)$'.
 set -u
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/ddrl_device_out}
@@ -52,11 +53,17 @@ step cuda_tests 150 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py
 step atari_default 70 python3 ppo_atari_multigpu.py --total-timesteps 81920 --run-name atari_default
 step atari_bf16 70 python3 ppo_atari_multigpu.py --bf16 --total-timesteps 81920 --run-name atari_bf16
 step atari_compile 90 python3 ppo_atari_multigpu.py --compile --total-timesteps 81920 --run-name atari_compile
+# where the rollout's time goes (80% of an iteration on the H100): 4x the envs per step, and no torch threads
+# competing with the env threads
+step atari_envs32 70 python3 ppo_atari_multigpu.py --local-num-envs 32 --total-timesteps 163840 --run-name atari_envs32
+step atari_threads1 70 python3 ppo_atari_multigpu.py --torch-threads 1 --total-timesteps 81920 --run-name atari_threads1
 step continuous_cuda 40 python3 ppo_continuous_mpi.py --cuda --total-timesteps 16384 --run-name continuous_cuda
 
 # 3. benchmark.scaling under mpirun at 1 to 16 ranks, one rank per core
-step scaling_mpirun 150 python3 -m benchmark.scaling --scripts vpg_mpi.py ppo_continuous_mpi.py \
-    --launchers mpirun --ranks 2 4 8 16 --iterations 3 --no-independent --out "$WORK/scaling_mpirun"
+for script in vpg_mpi ppo_continuous_mpi; do  # about 100 s each at these ranks on the H100's 16 cores
+    step "scaling_$script" 130 python3 -m benchmark.scaling --scripts "$script.py" --launchers mpirun --ranks 4 16 \
+        --iterations 3 --no-independent --out "$WORK/scaling_$script"
+done
 
 # 4. Breakout --bf16 for 1M steps, seed 1, with whatever time is left (its TensorBoard curve is packed either way)
 step breakout_bf16_1m 600 python3 ppo_atari_multigpu.py --env-id BreakoutNoFrameskip-v4 --bf16 --seed 1 \
