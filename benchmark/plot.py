@@ -162,12 +162,13 @@ def summarize(runs: list[Run], args: Args, references: dict[str, str]) -> str:
     for env_id in env_ids:
         row: list[object] = [env_id]
         reference, reached = references.get(env_id, ""), []
+        value = reference_value(reference)
         for label in labels:
             group = [run for run in runs if run.env_id == env_id and run.label == label]
             if not group:
                 row.append("")
                 continue
-            if (value := reference_value(reference)) is not None:
+            if value is not None:
                 reached.append(f"{label}: " * (len(labels) > 1) + time_to_reference(group, args.smooth, value))
             low, high = min(int(run.steps[-1]) for run in group), max(int(run.steps[-1]) for run in group)
             steps = f"{low:,}" if low == high else f"{low:,}-{high:,}"

@@ -5,7 +5,8 @@
 # per step. Here, first: bash benchmark/device/wheels.sh. Then, through the device tool, from the repository root:
 #   bash benchmark/device/check.sh            (carry: .whl; timeout_s 600)
 # DDRL_DEVICE_SKIP=REGEX skips the steps whose names match, to split the checks over two calls. What ran on the
-# H100 (benchmark/results/gpu_h100.md) need not run again: DDRL_DEVICE_SKIP='^(cuda_tests|atari_bf16|atari_compile|continuous_cuda)$'.
+# H100 (benchmark/results/gpu_h100.md) need not run again:
+#   DDRL_DEVICE_SKIP='^(cuda_tests|atari_bf16|atari_compile|continuous_cuda)$' bash benchmark/device/check.sh
 set -u
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/ddrl_device_out}
