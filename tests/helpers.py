@@ -131,10 +131,10 @@ def torchrun(
     return run_command(torchrun_with(["--standalone"], script, args, nprocs), cwd, timeout, **env)
 
 
-def compiled_something(cache_dir: Path) -> bool:
-    """Whether torch.compile wrote kernels to `cache_dir` (a run's TORCHINDUCTOR_CACHE_DIR): proof that a
-    `--compile` run compiled, where the flag doing nothing would pass every other check."""
-    return cache_dir.is_dir() and any(path.is_file() for path in cache_dir.rglob("*"))
+def compiled_files() -> set[Path]:
+    """The files in the suite's torch.compile cache (conftest.py): a `--compile` run that adds none compiled nothing,
+    where the flag doing nothing would pass every other check."""
+    return {path for path in Path(os.environ["TORCHINDUCTOR_CACHE_DIR"]).rglob("*") if path.is_file()}
 
 
 def assert_ok(result: subprocess.CompletedProcess) -> None:
@@ -178,8 +178,10 @@ def assert_same_parameters(states: list[dict[str, torch.Tensor]], atol: float = 
 
 
 # run_ranks forks its ranks from a server that imported these once: a rank then starts in a fraction of a second,
-# where a spawned one spends seconds importing torch
-RANK_PRELOAD = ["torch", "torch.distributed", "gymnasium", "ale_py", "mujoco", "tyro", "torch.utils.tensorboard"]
+# where a spawned one spends seconds importing torch; torch._dynamo (a second, which torch.optim imports on first use)
+# and gymnasium's env modules are imported lazily by every run, so the server imports them too
+RANK_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "ale_py", "mujoco", "tyro", "torch.utils.tensorboard"]
+RANK_PRELOAD += ["gymnasium", "gymnasium.envs.classic_control", "gymnasium.envs.mujoco.mujoco_env"]
 mp.set_forkserver_preload([*RANK_PRELOAD, "vpg_mpi", "ppo_continuous_mpi", "ppo_atari_multigpu", "tests.helpers"])
 
 
@@ -211,12 +213,21 @@ def train_rank(rank: int, world_size: int, script: str, cwd: str, flags: list[st
     return module.main(tyro.cli(module.Args, args=flags)).state_dict()
 
 
-def train_ranks(script: str, flags: list[str], cwd: Path, nprocs: int = 2, timeout: float = 240, **env: str):
+def train_ranks(
+    script: str, flags: list[str], cwd: Path, nprocs: int = 2, timeout: float = 240, signal_rank=None, **env: str
+):
     """`script`'s main on `nprocs` ranks forked by run_ranks, with `env` added to the environment: every rank's
-    trained state dict, and the run's output (rank 0's stdout; every rank's stderr)."""
-    states = run_ranks(
-        train_rank, nprocs, cwd, script, str(cwd), flags, timeout=timeout, join_group=False, output=True, env=env
-    )
+    trained state dict, and the run's output (rank 0's stdout; every rank's stderr). With `signal_rank` = (rank,
+    signal, condition), that rank gets that signal once `condition()` holds."""
+    ranks = fork_ranks(train_rank, nprocs, cwd, script, str(cwd), flags, join_group=False, output=True, env=env)
+    if signal_rank is not None:
+        rank, sig, condition = signal_rank
+        deadline = time.monotonic() + timeout
+        while not condition():
+            assert all(p.is_alive() for p in ranks.processes) and time.monotonic() < deadline, "never signalled"
+            time.sleep(0.05)
+        os.kill(ranks.processes[rank].pid, sig)
+    states = join_ranks(ranks, cwd, timeout, script)
     stderr = "".join((cwd / f"rank{rank}.err").read_text() for rank in range(nprocs))
     return states, subprocess.CompletedProcess(flags, 0, (cwd / "rank0.out").read_text(), stderr)
 
@@ -249,21 +260,31 @@ def run_ranks(
         command = [*mpirun(world_size), sys.executable, str(MPI_RANK_ENTRY), str(job), str(out_dir)]
         assert_ok(run_command(command, out_dir, timeout))
         return [torch.load(out_dir / f"result{rank}.pt", weights_only=False) for rank in range(world_size)]
+    ranks = fork_ranks(worker, world_size, out_dir, *worker_args, join_group=join_group, output=output, env=env)
+    return join_ranks(ranks, out_dir, timeout, worker.__name__)
+
+
+def fork_ranks(worker, world_size: int, out_dir: Path, *worker_args, join_group: bool, output: bool, env: dict | None):
+    """run_ranks' ranks, started: torch's ProcessContext, its `processes` in rank order."""
     parent = ({**os.environ, **(env or {})}, os.getcwd(), output)
-    context = mp.start_processes(
+    return mp.start_processes(
         _rank_main,
         args=(worker, world_size, free_port(), str(out_dir), worker_args, join_group, parent),
         nprocs=world_size,
         join=False,
         start_method="forkserver",
     )
+
+
+def join_ranks(ranks, out_dir: Path, timeout: float, what: str) -> list:
+    """The results of fork_ranks' ranks, in rank order, once all have finished; a hang fails after `timeout` s."""
     deadline = time.monotonic() + timeout
-    while not context.join(timeout=1):
+    while not ranks.join(timeout=1):
         if time.monotonic() > deadline:
-            for process in context.processes:
+            for process in ranks.processes:
                 process.kill()
-            raise TimeoutError(f"{world_size} ranks of {worker.__name__} did not finish within {timeout} s")
-    return [torch.load(out_dir / f"result{rank}.pt", weights_only=False) for rank in range(world_size)]
+            raise TimeoutError(f"{len(ranks.processes)} ranks of {what} did not finish within {timeout} s")
+    return [torch.load(out_dir / f"result{rank}.pt", weights_only=False) for rank in range(len(ranks.processes))]
 
 
 # --- processes killed or signalled mid-run (reliability tests) --------------------------------------

@@ -20,7 +20,7 @@ from tests.helpers import (
     assert_no_settotalmass_warning,
     assert_same_parameters,
     cleanrl_ppo_loss,
-    compiled_something,
+    compiled_files,
     evaluate_one_episode,
     read_scalars,
     run_dirs,
@@ -317,11 +317,11 @@ TINY = ["--num-minibatches", "4", "--update-epochs", "2"]
 def test_halfcheetah_two_ranks_compiled_train_identically_stop_on_their_world_kl_save_and_evaluate_quietly(tmp_path):
     # 2 iterations of 512 steps per rank: each rank's env is truncated once, at step 1000; --compile (the eager default
     # runs in test_reliability.py) and a --target-kl that real data crosses: the ranks' KLs differ, yet both finish
-    cache = tmp_path / "inductor"
+    compiled_before = compiled_files()
     flags = ["--env-id", "HalfCheetah-v5", "--num-steps", "512", "--total-timesteps", "2048", "--save-model", *TINY]
     flags += ["--compile", "--target-kl", "0.002"]
-    states, result = train_ranks("ppo_continuous_mpi.py", flags, tmp_path, TORCHINDUCTOR_CACHE_DIR=str(cache))
-    assert compiled_something(cache)
+    states, result = train_ranks("ppo_continuous_mpi.py", flags, tmp_path)
+    assert compiled_files() - compiled_before  # it compiled new kernels
     assert_no_settotalmass_warning(result.stdout + result.stderr, tmp_path)
     assert_same_parameters(states)
     [run_dir] = run_dirs(tmp_path)
@@ -357,6 +357,7 @@ def test_a_trained_model_evaluates_to_its_return_and_needs_its_statistics(tmp_pa
     """InvertedPendulum learns to balance in 16 iterations; the saved model plays as well only with its observation
     statistics (a checkpoint loaded without them, or without its weights, would do far worse)."""
     flags = ["--env-id", "InvertedPendulum-v5", "--num-steps", "512", "--total-timesteps", "16384", "--save-model"]
+    flags += ["--num-minibatches", "8", "--learning-rate", "1e-3"]  # a quarter of the default's steps, each larger
     train_ranks("ppo_continuous_mpi.py", flags, tmp_path)
     [run_dir] = run_dirs(tmp_path)
     training = read_scalars(run_dir)["charts/episodic_return"]

@@ -16,14 +16,14 @@ SCRIPTS = {
         ["--env-id", "Hopper-v5", "--num-steps", "64", "--num-minibatches", "4", "--update-epochs", "2"],
         64,
         1,
-        0.02,
+        0.01,
     ),
     "ppo_atari_multigpu": (
         ["--env-id", "BreakoutNoFrameskip-v4", "--local-num-envs", "2", "--num-steps", "32"]
         + ["--num-minibatches", "2", "--update-epochs", "1"],
         32,
         2,
-        0.05,
+        0.025,
     ),
 }
 CASES = [("ppo_continuous_mpi", ()), ("ppo_continuous_mpi", ("--sync", "gather")), ("ppo_atari_multigpu", ())]

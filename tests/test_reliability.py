@@ -133,11 +133,10 @@ def test_a_killed_worker_restarts_the_group_which_resumes_from_its_checkpoint(sc
 def test_sigterm_checkpoints_and_stops_every_rank_and_resume_finishes_the_run(script, mode, uninterrupted, tmp_path):
     iterations, batch = ITERATIONS, SCRIPTS[script][1]
     run_flags = flags(script, iterations, "--run-name", "preempted", *mode)
-    launcher = start(torchrun_with(["--standalone"], script, run_flags), tmp_path)
-    # a preemption notice to one rank only: both must agree to stop at the same iteration
-    signal_rank_when(launcher, 1, signal.SIGTERM, lambda: progress_lines(output(launcher)[0]))
-    result = finish(launcher, 180)
-    assert_ok(result)
+    # a preemption notice to one rank only, after rank 0's first iteration: both must agree to stop at the same one
+    rank0_output = tmp_path / "rank0.out"
+    first_iteration = (1, signal.SIGTERM, lambda: rank0_output.exists() and progress_lines(rank0_output.read_text()))
+    _, result = train_ranks(script, run_flags, tmp_path, timeout=180, signal_rank=first_iteration)
     stopped = re.findall(r"^stopped by SIGTERM at (?:epoch|iteration) (\d+);", result.stdout, re.MULTILINE)
     assert len(stopped) == 1, result.stdout
     stopped_at = int(stopped[0])

@@ -453,7 +453,9 @@ def test_two_torchrun_nodes_train_as_one_world(tmp_path, cartpole):
 
 
 def test_nprocs_relaunches_under_torchrun(tmp_path, cartpole):
-    result = run_python(ROOT / "vpg_mpi.py", ["--nprocs", "2", *CARTPOLE], tmp_path)
+    """--collectives torch: where mpirun and mpi4py exist, --nprocs alone re-launches under mpirun (test_mpi.py)."""
+    result = run_python(ROOT / "vpg_mpi.py", ["--nprocs", "2", "--collectives", "torch", *CARTPOLE], tmp_path)
     assert_ok(result)
     assert "ranks                        2" in result.stdout
+    assert "Setting OMP_NUM_THREADS" in result.stderr  # torchrun's banner
     assert_same_curve(run_dirs(tmp_path)[0], cartpole)
