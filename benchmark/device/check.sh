@@ -47,7 +47,7 @@ note "torch sees: $(python3 -c 'import torch; print(torch.__version__, torch.cud
     torch.cuda.device_count(), torch.cuda.get_device_name(0) if torch.cuda.is_available() else "")' 2>&1)"
 
 # 1. the CUDA tests (tests/test_cuda.py holds every test with a CUDA variant)
-step cuda_tests 150 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py
+step cuda_tests 150 python3 -m pytest -q -p no:cacheprovider -o addopts= tests/test_cuda.py  # one at a time, no xdist
 
 # 2. throughput at 1 rank on the GPU: Atari at its defaults, --bf16, --compile, then MuJoCo PPO with --cuda; the
 # progress lines give SPS per iteration (the first iterations include start-up and compilation)
