@@ -425,6 +425,19 @@ def cleanrl_ppo_loss(
     return loss, [pg_loss, v_loss, entropy.mean(), old_approx_kl, approx_kl, clipfrac]
 
 
+def assert_same_loss_and_gradients(
+    agent: torch.nn.Module, loss: torch.Tensor, stats: torch.Tensor, expected_loss: torch.Tensor, expected_stats: list
+) -> None:
+    """A script's minibatch loss, its six logged statistics and its gradients on `agent` equal those of the
+    written-out reference (cleanrl_ppo_loss), float64 to rounding."""
+    torch.testing.assert_close(loss, expected_loss, rtol=0, atol=1e-10)
+    torch.testing.assert_close(stats, torch.stack(expected_stats).detach(), rtol=0, atol=1e-10)
+    gradients = torch.autograd.grad(loss, list(agent.parameters()))
+    expected_gradients = torch.autograd.grad(expected_loss, list(agent.parameters()))
+    for gradient, expected_gradient in zip(gradients, expected_gradients, strict=True):
+        torch.testing.assert_close(gradient, expected_gradient, rtol=0, atol=1e-10)
+
+
 # --- the one-rank reference of a distributed update -----------------------------------------------------
 
 

@@ -12,6 +12,7 @@ import torch
 import ppo_atari_multigpu as ppo
 from tests.helpers import (
     LOG_KEYS,
+    assert_same_loss_and_gradients,
     assert_same_parameters,
     cleanrl_ppo_loss,
     compiled_files,
@@ -330,12 +331,7 @@ def test_minibatch_loss_equals_cleanrl_loss_written_out_independently(clip_vloss
     with torch.no_grad():  # and some value errors beyond the clip range, some within
         value_change = (agent(batch["obs"], batch["actions"])[2] - batch["values"]).abs()
     assert (value_change > args.clip_coef).any() and (value_change < args.clip_coef).any()
-    torch.testing.assert_close(loss, expected_loss, rtol=0, atol=1e-10)
-    torch.testing.assert_close(stats, torch.stack(expected_stats).detach(), rtol=0, atol=1e-10)
-    gradients = torch.autograd.grad(loss, list(agent.parameters()))
-    expected_gradients = torch.autograd.grad(expected_loss, list(agent.parameters()))
-    for gradient, expected in zip(gradients, expected_gradients, strict=True):
-        torch.testing.assert_close(gradient, expected, rtol=0, atol=1e-10)
+    assert_same_loss_and_gradients(agent, loss, stats, expected_loss, expected_stats)
 
 
 def ddp_rank(rank: int, world_size: int, batch: dict, orders: list[torch.Tensor], initial: dict, sizes: list) -> list:

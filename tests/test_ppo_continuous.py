@@ -15,14 +15,15 @@ import torch.distributed as dist
 import tyro
 
 import ppo_continuous_mpi as ppo
+from benchmark.common import read_scalars
 from tests.helpers import (
     LOG_KEYS,
     assert_no_settotalmass_warning,
+    assert_same_loss_and_gradients,
     assert_same_parameters,
     cleanrl_ppo_loss,
     compiled_files,
     evaluate_one_episode,
-    read_scalars,
     run_dirs,
     run_ranks,
     train_ranks,
@@ -160,12 +161,7 @@ def test_minibatch_loss_equals_cleanrl_loss_written_out_independently(clip_vloss
     loss, stats = ppo.minibatch_loss(agent, batch, adv_mean, adv_std, args)
     expected_loss, expected_stats = cleanrl_loss(agent, batch, args)
     assert 0 < stats[5] < 1 or not clip_vloss  # some ratios clipped, some not
-    torch.testing.assert_close(loss, expected_loss, rtol=0, atol=1e-10)
-    torch.testing.assert_close(stats, torch.stack(expected_stats).detach(), rtol=0, atol=1e-10)
-    gradients = torch.autograd.grad(loss, list(agent.parameters()))
-    expected_gradients = torch.autograd.grad(expected_loss, list(agent.parameters()))
-    for gradient, expected in zip(gradients, expected_gradients, strict=True):
-        torch.testing.assert_close(gradient, expected, rtol=0, atol=1e-10)
+    assert_same_loss_and_gradients(agent, loss, stats, expected_loss, expected_stats)
 
 
 @pytest.mark.parametrize("collectives", ["torch", "mpi"])
