@@ -3,6 +3,7 @@ time (pyproject's `-n 2`), but a test marked `alone` by itself."""
 
 import fcntl
 import os
+import shutil
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
@@ -24,12 +25,11 @@ def inductor_cache(tmp_path_factory):
 def machine_share(alone: bool):
     """Under pytest-xdist: a test marked `alone` (what it checks depends on idle cores) waits for the other worker's
     test to end and holds the machine; the others share it. A turnstile lets no new test start while one waits."""
-    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
-    if run is None:  # one test at a time
+    folder = os.environ.get("DDRL_TEST_LOCKS")
+    if "PYTEST_XDIST_WORKER" not in os.environ or folder is None:  # one test at a time
         yield
         return
-    folder = Path(tempfile.gettempdir())
-    with open(folder / f"ddrl-{run}.turnstile", "w") as turnstile, open(folder / f"ddrl-{run}.machine", "w") as machine:
+    with open(Path(folder, "turnstile"), "w") as turnstile, open(Path(folder, "machine"), "w") as machine:
         fcntl.flock(turnstile, fcntl.LOCK_EX)
         fcntl.flock(machine, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
         fcntl.flock(turnstile, fcntl.LOCK_UN)
@@ -37,11 +37,20 @@ def machine_share(alone: bool):
 
 
 def pytest_configure(config):
-    """Two workers on two cores: each computes in-process with one torch thread, as the ranks it forks do."""
+    """The controller makes a folder for machine_share's locks (its workers inherit the environment that names it);
+    each of two workers on two cores computes in-process with one torch thread, as the ranks it forks do."""
     if "PYTEST_XDIST_WORKER" in os.environ:
         import torch
 
         torch.set_num_threads(1)
+    else:
+        config.machine_locks = tempfile.mkdtemp(prefix="ddrl-test-locks-")
+        os.environ["DDRL_TEST_LOCKS"] = config.machine_locks
+
+
+def pytest_unconfigure(config):
+    if hasattr(config, "machine_locks"):
+        shutil.rmtree(config.machine_locks, ignore_errors=True)
 
 
 @pytest.hookimpl(hookwrapper=True)
