@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -214,7 +215,13 @@ def train_rank(rank: int, world_size: int, script: str, cwd: str, flags: list[st
 
 
 def train_ranks(
-    script: str, flags: list[str], cwd: Path, nprocs: int = 2, timeout: float = 240, signal_rank=None, **env: str
+    script: str,
+    flags: list[str],
+    cwd: Path,
+    nprocs: int = 2,
+    timeout: float = 240,
+    signal_rank: tuple[int, int, Callable[[], object]] | None = None,
+    **env: str,
 ):
     """`script`'s main on `nprocs` ranks forked by run_ranks, with `env` added to the environment: every rank's
     trained state dict, and the run's output (rank 0's stdout; every rank's stderr). With `signal_rank` = (rank,

@@ -340,10 +340,10 @@ def ddp_rank(rank: int, world_size: int, batch: dict, orders: list[torch.Tensor]
     start = sum(sizes[:rank])
     local = {key: value[start : start + sizes[rank]] for key, value in batch.items()}
     minibatch_sizes = ppo.minibatch_sizes(sizes, MINIBATCHES)
-    results = []
+    results, preempted = [], sizes[0] != sizes[1]
     # early stopping off; on after the first epoch; and once preempted, off with --compile's agent as main compiles it
     # with preemption (dynamic shapes): compiling is the slow part, and main's static --compile runs end to end below
-    runs = [(None, False), (1e-12, False)] + [(None, True)] * (sizes[0] != sizes[1])
+    runs = [(None, False), (1e-12, False), *([(None, True)] if preempted else [])]
     for target_kl, compile in runs:
         agent = new_agent(initial)
         if compile:

@@ -15,7 +15,6 @@ import torch.distributed as dist
 import tyro
 
 import ppo_continuous_mpi as ppo
-from benchmark.common import read_scalars
 from tests.helpers import (
     LOG_KEYS,
     assert_no_settotalmass_warning,
@@ -24,6 +23,7 @@ from tests.helpers import (
     cleanrl_ppo_loss,
     compiled_files,
     evaluate_one_episode,
+    read_scalars,
     run_dirs,
     run_ranks,
     train_ranks,
