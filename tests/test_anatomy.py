@@ -5,7 +5,11 @@ import ast
 import subprocess
 import sys
 
+import gymnasium.vector
+import gymnasium.wrappers
 import pytest
+import torch.distributed
+import torch.nn
 
 from tests.helpers import ROOT
 
@@ -30,7 +34,7 @@ def runtime_block(script: str) -> str:
 def test_the_runtime_block_is_the_same_text_in_every_script():
     blocks = {script: runtime_block(script) for script in SCRIPTS}
     reference = blocks[SCRIPTS[0]]
-    assert "class Run:" in reference and "def fail(" in reference
+    assert "class Run(" in reference and "def fail(" in reference
     for script, block in blocks.items():
         assert block == reference, f"{script}'s runtime block differs from {SCRIPTS[0]}'s: copy it over"
 
@@ -59,3 +63,22 @@ def test_importing_a_script_does_no_work(script, tmp_path):
     result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and result.stdout == "", result.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_no_top_level_name_is_one_of_torch_or_gymnasium(script):
+    """A reader who knows torch.distributed, torch.nn and gymnasium's wrappers and vector envs never meets their names
+    for something else (a `broadcast` with another signature, a wrapper that is not gymnasium's)."""
+    taken = {
+        name: module.__name__
+        for module in (torch.distributed, torch.nn, gymnasium.wrappers, gymnasium.vector)
+        for name in getattr(module, "__all__", None) or [name for name in dir(module) if not name.startswith("_")]
+    }
+    names = set()
+    for node in ast.parse((ROOT / script).read_text()).body:
+        if isinstance(node, ast.FunctionDef | ast.ClassDef):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign | ast.AnnAssign):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names.update(target.id for target in targets if isinstance(target, ast.Name))
+    assert not {name: taken[name] for name in names if name in taken}

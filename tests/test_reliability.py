@@ -60,7 +60,7 @@ def logged_steps(run_dir) -> list[int]:
 
 
 def load(path) -> dict:
-    return torch.load(path, weights_only=False)
+    return torch.load(path, weights_only=True)  # all a checkpoint holds loads without pickle
 
 
 def checkpoints(cwd) -> list:
@@ -305,7 +305,7 @@ def test_weights_out_of_sync_or_a_non_finite_loss_on_one_rank_stop_every_rank(sc
 
 
 def foreign_checkpoint(tmp_path, script: str, changes: dict) -> None:
-    """A checkpoint in runs/old/checkpoints as `script` would write it, with `changes`."""
+    """A file in runs/old/checkpoints named as `script` names its checkpoints (what it holds: test_checkpoints.py)."""
     folder = tmp_path / "runs" / "old" / "checkpoints"
     folder.mkdir(parents=True)
     payload = {"script": script, "env_id": SCRIPTS[script][0][1], "iteration": 1, "world_size": 1, **changes}
@@ -324,9 +324,6 @@ BAD_INPUT = [
     ),
     (["--resume", "--run-name", "new"], {}, None, "--resume found no checkpoint in runs/new/checkpoints"),
     (["--run-name", "old"], {}, {}, "runs/old already holds checkpoints: pass --resume"),
-    (["--resume", "--run-name", "old"], {}, {"script": "other.py"}, "is not a training checkpoint of"),
-    (["--resume", "--run-name", "old"], {}, {"env_id": "Hopper-v5"}, "trains Hopper-v5, not --env-id"),
-    (["--resume", "--run-name", "old"], {}, {"world_size": 4}, "was written by 4 ranks, not 1"),
     (["--dist-timeout", "0"], {}, None, "--dist-timeout"),
 ]
 
