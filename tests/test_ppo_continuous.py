@@ -155,12 +155,16 @@ def test_minibatch_loss_equals_cleanrl_loss_written_out_independently(clip_vloss
     batch = fixed_batch()
     batch["values"] = batch["returns"] + 0.5 * torch.randn(BATCH, dtype=torch.float64)  # some inside the clip range
     args = dataclasses.replace(UPDATE_ARGS, ent_coef=0.01, clip_vloss=clip_vloss)
-    if not clip_vloss:  # CleanRL's unclipped value loss, for the reference
-        args = dataclasses.replace(args, clip_coef=float("inf"))
     adv_mean, adv_std = batch["advantages"].mean(), batch["advantages"].std()
     loss, stats = ppo.minibatch_loss(agent, batch, adv_mean, adv_std, args)
     expected_loss, expected_stats = cleanrl_loss(agent, batch, args)
-    assert 0 < stats[5] < 1 or not clip_vloss  # some ratios clipped, some not
+    assert 0 < stats[5] < 1  # some ratios clipped, some not
+    with torch.no_grad():  # and some value errors beyond the clip range, some within
+        value_change = (agent.critic(batch["obs"]).view(-1) - batch["values"]).abs()
+    assert (value_change > args.clip_coef).any() and (value_change < args.clip_coef).any()
+    # so the other --clip-vloss setting gives another value loss: a script that ignores the flag fails here
+    other_value_loss = cleanrl_loss(agent, batch, dataclasses.replace(args, clip_vloss=not clip_vloss))[1][1]
+    assert (other_value_loss - expected_stats[1]).abs() > 1e-3
     assert_same_loss_and_gradients(agent, loss, stats, expected_loss, expected_stats)
 
 
