@@ -221,12 +221,14 @@ def train_ranks(
     nprocs: int = 2,
     timeout: float = 240,
     signal_rank: tuple[int, int, Callable[[], object]] | None = None,
+    worker: Callable = train_rank,
     **env: str,
 ):
     """`script`'s main on `nprocs` ranks forked by run_ranks, with `env` added to the environment: every rank's
     trained state dict, and the run's output (rank 0's stdout; every rank's stderr). With `signal_rank` = (rank,
-    signal, condition), that rank gets that signal once `condition()` holds."""
-    ranks = fork_ranks(train_rank, nprocs, cwd, script, str(cwd), flags, join_group=False, output=True, env=env)
+    signal, condition), that rank gets that signal once `condition()` holds. A `worker` with train_rank's
+    signature may run main its own way and return more than the state dict."""
+    ranks = fork_ranks(worker, nprocs, cwd, script, str(cwd), flags, join_group=False, output=True, env=env)
     if signal_rank is not None:
         rank, sig, condition = signal_rank
         deadline = time.monotonic() + timeout

@@ -26,6 +26,7 @@ from tests.helpers import (
     read_scalars,
     run_dirs,
     run_ranks,
+    train_rank,
     train_ranks,
     union_orders,
 )
@@ -155,12 +156,16 @@ def test_minibatch_loss_equals_cleanrl_loss_written_out_independently(clip_vloss
     batch = fixed_batch()
     batch["values"] = batch["returns"] + 0.5 * torch.randn(BATCH, dtype=torch.float64)  # some inside the clip range
     args = dataclasses.replace(UPDATE_ARGS, ent_coef=0.01, clip_vloss=clip_vloss)
-    if not clip_vloss:  # CleanRL's unclipped value loss, for the reference
-        args = dataclasses.replace(args, clip_coef=float("inf"))
     adv_mean, adv_std = batch["advantages"].mean(), batch["advantages"].std()
     loss, stats = ppo.minibatch_loss(agent, batch, adv_mean, adv_std, args)
     expected_loss, expected_stats = cleanrl_loss(agent, batch, args)
-    assert 0 < stats[5] < 1 or not clip_vloss  # some ratios clipped, some not
+    assert 0 < stats[5] < 1  # some ratios clipped, some not
+    with torch.no_grad():  # and some value errors beyond the clip range, some within
+        value_change = (agent.critic(batch["obs"]).view(-1) - batch["values"]).abs()
+    assert (value_change > args.clip_coef).any() and (value_change < args.clip_coef).any()
+    # so the other --clip-vloss setting gives another value loss: a script that ignores the flag fails here
+    other_value_loss = cleanrl_loss(agent, batch, dataclasses.replace(args, clip_vloss=not clip_vloss))[1][1]
+    assert (other_value_loss - expected_stats[1]).abs() > 1e-3
     assert_same_loss_and_gradients(agent, loss, stats, expected_loss, expected_stats)
 
 
@@ -310,19 +315,46 @@ def test_normalisation_statistics_equal_those_of_the_union_of_all_ranks_observat
 TINY = ["--num-minibatches", "4", "--update-epochs", "2"]
 
 
+def epoch_counting_rank(rank: int, world_size: int, script: str, cwd: str, flags: list[str]) -> dict:
+    """train_rank, also recording for each of the rank's updates the epochs its optimizer stepped through and the
+    KL the update returned (the world's, which its --target-kl check reads)."""
+    update, updates = ppo.update, []
+
+    def counting_update(agent, optimizer, batch, args, *rest, **options):
+        def steps() -> int:  # Adam counts the steps it took, the same in every parameter's state
+            return max((int(state["step"]) for state in optimizer.state.values()), default=0)
+
+        steps_before = steps()
+        losses, sync_time = update(agent, optimizer, batch, args, *rest, **options)
+        updates.append(((steps() - steps_before) // args.num_minibatches, float(losses[ppo.APPROX_KL])))
+        return losses, sync_time
+
+    ppo.update = counting_update  # main calls it by its module-level name
+    return {"state": train_rank(rank, world_size, script, cwd, flags), "updates": updates}
+
+
 def test_halfcheetah_two_ranks_compiled_train_identically_stop_on_their_world_kl_save_and_evaluate_quietly(tmp_path):
     # 2 iterations of 512 steps per rank: each rank's env is truncated once, at step 1000; --compile (the eager default
-    # runs in test_reliability.py) and a --target-kl that real data crosses: the ranks' KLs differ, yet both finish
+    # runs in test_reliability.py) and a --target-kl that the first epoch's world KL crosses: every rank stops early,
+    # at the same epoch of the same iteration
     compiled_before = compiled_files()
     flags = ["--env-id", "HalfCheetah-v5", "--num-steps", "512", "--total-timesteps", "2048", "--save-model", *TINY]
-    flags += ["--compile", "--target-kl", "0.002"]
-    states, result = train_ranks("ppo_continuous_mpi.py", flags, tmp_path)
+    target_kl = 1e-7
+    flags += ["--compile", "--target-kl", str(target_kl)]
+    results, result = train_ranks("ppo_continuous_mpi.py", flags, tmp_path, worker=epoch_counting_rank)
     assert compiled_files() - compiled_before  # it compiled new kernels
     assert_no_settotalmass_warning(result.stdout + result.stderr, tmp_path)
+    states = [rank_result["state"] for rank_result in results]
     assert_same_parameters(states)
+    updates = results[0]["updates"]  # (epochs, world KL) per iteration
+    assert results[1]["updates"] == updates and len(updates) == 2, [rank_result["updates"] for rank_result in results]
+    assert all(epochs == 2 or kl > target_kl for epochs, kl in updates), updates  # early only past the target
+    assert any(epochs < 2 for epochs, _ in updates), updates  # and it did stop early: fewer epochs than --update-epochs
     [run_dir] = run_dirs(tmp_path)
     scalars = read_scalars(run_dir)
     assert [step for step, _ in scalars["charts/SPS"]] == [1024, 2048]  # two iterations of the global batch
+    logged_kls = [value for _, value in scalars["losses/approx_kl"]]
+    assert logged_kls == pytest.approx([kl for _, kl in updates], rel=1e-5)  # the KL the update stopped on is logged
     for key in LOG_KEYS:
         assert key in scalars, key
     assert scalars["charts/episodic_length"] == [(2048, 1000.0)]  # the world-wide mean of both ranks' episodes

@@ -1,5 +1,6 @@
-"""Issue 15: DD-PPO's preemption in both PPO scripts. A straggling rank 1 (its env steps sleep) is cut short once rank 0
-has finished its rollout; the world trains on what was collected, checkpoints, and a resumed run goes on."""
+"""DD-PPO's preemption (--preempt-fraction) in both PPO scripts. A straggling rank 1 (its env steps sleep) is cut
+short once rank 0 has finished its rollout; the world trains on what was collected, checkpoints, and a resumed run
+goes on."""
 
 import importlib
 import os

@@ -1,4 +1,4 @@
-"""Issue 6, for every script: checkpoints and elastic restarts, SIGTERM, dead peers, ranks that disagree, bad input."""
+"""For every script: checkpoints and elastic restarts, SIGTERM, dead peers, ranks that disagree, bad input."""
 
 import importlib
 import os

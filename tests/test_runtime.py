@@ -122,9 +122,9 @@ def test_mujoco_warns_of_everything_but_settotalmass(script, tmp_path, monkeypat
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two usable cores")
 @pytest.mark.alone
 def test_a_run_with_more_threads_than_idle_cores_says_so_once_and_the_default_does_not(tmp_path):
-    """Issue 37: with another process busy on one usable core, a thread on every core leaves the others waiting at
-    every op; such a run says so in one line naming the fix, once however many epochs it trains. The default counts
-    only the idle cores, so a default run beside the same busy process has nothing to say."""
+    """The oversubscription warning: with another process busy on one usable core, a thread on every core leaves the
+    others waiting at every op; such a run says so in one line naming the fix, once however many epochs it trains.
+    The default counts only the idle cores, so a default run beside the same busy process has nothing to say."""
     cores = os.sched_getaffinity(0)
     busy = subprocess.Popen(
         [sys.executable, "-c", f"import os\nos.sched_setaffinity(0, {{{max(cores)}}})\nwhile 1: pass"]
