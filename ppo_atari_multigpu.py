@@ -769,11 +769,14 @@ def has_native_bf16(device: torch.device) -> bool:
 
 def check_video_support(args, render_frame: Callable[[], object]) -> None:
     """With --capture-video, render one frame now rather than fail after training (moviepy and the renderer work)."""
-    if args.capture_video and importlib.util.find_spec("moviepy") is None:
+    if not args.capture_video:
+        return
+    try:
+        import moviepy  # noqa: F401
+    except ImportError:
         fail("--capture-video needs moviepy: pip install moviepy")
     try:
-        if args.capture_video:
-            render_frame()
+        render_frame()
     except Exception as error:
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         fail(
@@ -887,9 +890,8 @@ def evaluate_checkpoint(args: Args) -> None:
     check_video_support(args, lambda: render_one_frame(checkpoint["env_id"]))
     if read_launcher_environment()[0] != 0:
         return
-    env = make_eval_env(checkpoint["env_id"])
-    agent = Agent(int(env.action_space.n), bf16=args.bf16).to(memory_format=torch.channels_last)
-    env.close()
+    with contextlib.closing(gym.make(checkpoint["env_id"])) as env:  # its action set sizes the policy head
+        agent = Agent(int(env.action_space.n), bf16=args.bf16).to(memory_format=torch.channels_last)
     load_weights(agent, checkpoint["model"], args.eval_checkpoint)
     torch.manual_seed(args.seed)  # the policy's sampling: the same --seed plays the same games
     video_folder = os.path.join(os.path.dirname(args.eval_checkpoint), "videos") if args.capture_video else None
@@ -898,10 +900,9 @@ def evaluate_checkpoint(args: Args) -> None:
 
 
 # ======================================================================================================
-# RUNTIME: the same text in every ddrl script (tests/test_anatomy.py compares them), which a reader of the algorithm
-# may skip. Its parts: failures (fail); launch (Launch: --nprocs, the process group); collectives (through MPI under
-# mpirun); agreement between ranks; checkpoints (read by the weights-only loader: loading one runs no code); logging
-# (TensorBoard, the console); the training loop (TrainingLoop) and the Run that main drives.
+# RUNTIME: the same text in every ddrl script (tests/test_anatomy.py compares them); a reader of the algorithm may
+# skip it. Its parts: failures; launch (Launch: --nprocs, the process group); collectives (MPI under mpirun); agreement
+# between ranks; checkpoints (weights-only: loading one runs no code); logging; TrainingLoop and the Run main drives.
 # ======================================================================================================
 
 SCRIPT = os.path.basename(__file__)
@@ -1335,8 +1336,7 @@ class TrainingLoop(Launch):
         if self.stopping or (args.checkpoint_every and iteration % args.checkpoint_every == 0):
             name, keys, *rest = np.random.get_state()  # its key array as a list: a checkpoint holds no numpy object
             rng = {"python": random.getstate(), "numpy": [name, keys.tolist(), *rest], "torch": torch.get_rng_state()}
-            if torch.cuda.is_available() and torch.cuda.is_initialized():
-                rng["cuda"] = torch.cuda.get_rng_state_all()
+            rng |= {"cuda": torch.cuda.get_rng_state_all()} if torch.cuda.is_initialized() else {}
             rngs = [None] * self.world_size if self.rank == 0 else None
             dist.gather_object(rng, rngs, dst=0)  # every rank's random streams, to rank 0, which writes them
             if self.rank == 0:
@@ -1356,6 +1356,8 @@ class Run(TrainingLoop):
     """A training run, driven by main: `Run(args)`, `start`, `restore`, the loop (TrainingLoop, and `log`), `finish`."""
 
     def __init__(self, args, unit: str = "iteration"):
+        if args.capture_video and "MUJOCO_GL" not in os.environ and not os.environ.get("DISPLAY"):
+            os.environ["MUJOCO_GL"] = "egl"  # headless: MuJoCo's GPU-or-CPU EGL renderer, read when mujoco loads
         super().__init__(args)  # Launch: this rank's place; re-launches for --nprocs
         self.unit, self.stopping = unit, False  # `unit`: what the progress line calls an iteration
         self.launched_at, self.last_return, self.oversubscribed = time.time(), "n/a", False  # the last line; said once

@@ -41,9 +41,9 @@ def test_a_gpu_run_forms_a_group_that_serves_both_cpu_and_cuda_tensors(script, g
     monkeypatch.setattr(dist, "init_process_group", init_process_group)
     run = module.Run(module.Args(cuda=True))
     with pytest.raises(SystemExit):
-        run.group.join_process_group()
+        run.join_process_group()
     assert formed == [backend]
-    assert run.group.device == torch.device("cuda", 0)
+    assert run.device == torch.device("cuda", 0)
     assert f"with {backend}:" in capsys.readouterr().err
 
 
