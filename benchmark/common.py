@@ -10,12 +10,14 @@ import math
 import os
 import platform
 import re
+import resource
 import shlex
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -282,6 +284,23 @@ def cpu_details() -> str:
 def load_average() -> str:
     """The 1, 5 and 15 minute load averages, as `uptime` shows them."""
     return ", ".join(f"{value:.2f}" for value in os.getloadavg()) if hasattr(os, "getloadavg") else "unknown"
+
+
+def cpu_clock() -> tuple[float, float, float]:
+    """(wall seconds, busy CPU seconds of the machine, CPU seconds of this process and its waited-for children)."""
+    busy = math.nan
+    with contextlib.suppress(OSError):  # /proc/stat's first line: cpu user nice system idle iowait irq softirq ...
+        ticks = [int(field) for field in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:8]]
+        busy = (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
+    usage = [resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
+    return time.perf_counter(), busy, sum(use.ru_utime + use.ru_stime for use in usage)
+
+
+def other_cores(since: tuple[float, float, float]) -> float:
+    """The cores that other processes kept busy, on average, since `since` (a cpu_clock()); NaN off Linux."""
+    (wall, busy, own), (start_wall, start_busy, start_own) = cpu_clock(), since
+    others = max((busy - start_busy) - (own - start_own), 0.0)  # NaN stays NaN; the clock ticks' jitter stays >= 0
+    return others / max(wall - start_wall, 1e-9)
 
 
 def check_load(max_load: float) -> tuple[str, str | None]:

@@ -34,6 +34,8 @@ limit (Atari)"""
 REFERENCE = {"ppo_continuous_mpi.py": "ppo_continuous_action.py", common.ATARI: "ppo_atari.py"}
 """CleanRL's file that each PPO script follows, run beside it with --cleanrl"""
 COMPAT = Path(__file__).with_name("cleanrl_compat.py")
+MAX_OTHERS = 0.25
+"""above this many cores kept busy by other processes during a run, the results file opens with a warning"""
 
 
 @dataclass(kw_only=True)
@@ -230,8 +232,9 @@ Runs = dict[tuple[str, Contender, str, str], list[common.Measurement]]
 """(script, contender, load, cores) -> a Measurement per round"""
 
 
-def throughput_rows(runs: Runs, bounds: dict[tuple[str, str, str], list[float]], env_ids: dict[str, str]) -> list:
-    """A row per script, contender and setting: the bound, the SPS, their ratio, the target (ours) and time split."""
+def throughput_rows(runs: Runs, bounds: dict, others: dict, env_ids: dict[str, str]) -> list[list[str]]:
+    """A row per script, contender and setting: the bound, the SPS, their ratio, the target (ours), the time split and
+    the most cores other processes kept busy during one of its runs (`bounds`, `others`: lists per round)."""
     rows = []
     for (script, contender, load, cores), measurements in runs.items():
         limit, atari, target = statistics.median(bounds[script, load, cores]), script == common.ATARI, TARGETS[script]
@@ -243,6 +246,7 @@ def throughput_rows(runs: Runs, bounds: dict[tuple[str, str, str], list[float]],
         rows[-1] += [f"{sps:,.0f}", f"{sps / limit:.2f}" if atari else f"{sps / limit:.0%}"]
         rows[-1] += ["", ""] if contender.kind == "cleanrl" else goal
         rows[-1] += ["" if second != second else f"{second:.3f}" for second in seconds]  # NaN: CleanRL times none
+        rows[-1].append(f"{max(others[script, contender, load, cores]):.2f}")
     return rows
 
 
@@ -288,6 +292,7 @@ def main(argv: list[str] | None = None) -> Path:
     bounds: dict[tuple[str, str, str], list[float]] = {}  # (script, load, cores) -> the bound per round
     atari_parts: list[list[float]] = []
     runs: Runs = {}
+    others: dict[tuple[str, Contender, str, str], list[float]] = {}  # cores other processes used, per round
     settings = [(index, load, cores) for index in range(args.repeats) for load in args.loads for cores in args.cores]
     with common.work_folder(args.out_dir, "ddrl_throughput_") as work_dir:
         for round_index, load, cores in settings:
@@ -305,25 +310,34 @@ def main(argv: list[str] | None = None) -> Path:
                         name = f"throughput__{Path(script).stem}__{contender.tag}{place}__{round_index}"
                         run_args = ["--env-id", env_ids[script], "--run-name", name]
                         run_args += common.budget_args(script, 1, args.local_steps, args.iterations)
+                        clock = common.cpu_clock()
                         run_dir = run_once(contender, name, run_args, work_dir, core)
+                        shared = common.other_cores(clock)
                         measurement = common.measure(run_dir, script, "default", 1)
                         runs.setdefault((script, contender, load, cores), []).append(measurement)
-                        print(f"  {contender.label}{setting(load, cores)}: SPS {measurement.sps:,.0f}", flush=True)
+                        others.setdefault((script, contender, load, cores), []).append(shared)
+                        print(
+                            f"  {contender.label}{setting(load, cores)}: SPS {measurement.sps:,.0f} "
+                            f"(other processes: {shared:.2f} cores)",
+                            flush=True,
+                        )
     runs = dict(sorted(runs.items(), key=lambda item: args.scripts.index(item[0][0])))  # by script, else as run
     headers = (
         "script | checkout | env | bound (steps/s) | script SPS (iterations 2..) | ratio | target | met | "
-        "rollout s / it | update s / it"
+        "rollout s / it | update s / it | others (cores)"
     )
     atari = common.defaults(common.ATARI)
     envs, minibatch = atari.local_num_envs, atari.local_num_envs * atari.num_steps // atari.num_minibatches
-    body = "\n" + common.markdown_table(headers, throughput_rows(runs, bounds, env_ids))
+    body = "\n" + common.markdown_table(headers, throughput_rows(runs, bounds, others, env_ids))
     body += (
         "\nbound: for the MLP scripts, env steps per second of the same env in the same SyncVectorEnv (one env, "
         f"same-step autoreset, random actions); for Atari, the fp32 eager compute limit (one batch-{envs} act per env "
         f"step plus {atari.update_epochs * atari.num_minibatches} minibatch forward/backward/Adam steps of {minibatch} "
         f"per {envs * atari.num_steps:,} samples, with the script's Agent as plain PyTorch builds it: float32, NCHW). "
         "ratio = script SPS / bound. One core, one thread: each run under `taskset -c CORE env OMP_NUM_THREADS=1`, "
-        "its bound measured on that core alone.\n"
+        "its bound measured on that core alone. others: the most cores that processes other than the benchmark's "
+        "kept busy, on average over one of the row's runs (/proc/stat's busy time less the runs' own CPU time), "
+        "beside a busy core its spinning process (about 1) included.\n"
     )
     if atari_parts:
         act_ms, step_ms = (statistics.median(part) for part in zip(*atari_parts, strict=True))
@@ -341,7 +355,13 @@ def main(argv: list[str] | None = None) -> Path:
     batch = f"{args.local_steps:,} env steps per iteration" if args.local_steps else "default hyperparameters"
     facts.insert(0, f"1 rank, {batch}, {args.iterations} iterations per run, {args.repeats} round(s): medians")
     title = "Throughput against the env-only rate and the compute limit"
-    return common.write_results(args, argv, title, facts, body, *load_before)
+    load, warning = load_before
+    beyond = [max(shared) - (place == "busy core") for (*_, place, _), shared in others.items()]  # less the hog
+    if (most := max(beyond, default=0.0)) > MAX_OTHERS:
+        shared = f"SHARED CPU: other processes kept up to {most:.2f} cores busy during a run (column others, less the"
+        shared += f" busy core's process); rows above {MAX_OTHERS} are distorted."
+        warning = " ".join(filter(None, [warning, shared]))
+    return common.write_results(args, argv, title, facts, body, load, warning)
 
 
 if __name__ == "__main__":
