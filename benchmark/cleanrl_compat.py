@@ -25,13 +25,17 @@ def adapt_gymnasium() -> None:
 
     gym.register_envs(ale_py)
     wrappers = gym.wrappers
-    if not hasattr(wrappers, "FrameStack"):  # renamed in gymnasium 1.0, which also takes the old keyword's place
+    if not hasattr(wrappers, "FrameStack"):  # gymnasium 1.0 renamed two and made TransformObservation take a space
         wrappers.FrameStack = lambda env, num_stack: wrappers.FrameStackObservation(env, num_stack)
         wrappers.GrayScaleObservation = wrappers.GrayscaleObservation
         wrappers.TransformObservation = TransformObservation
 
 
 if __name__ == "__main__":
+    if len(sys.argv) < 2 or not Path(sys.argv[1]).is_file():
+        usage = "python benchmark/cleanrl_compat.py CLEANRL_FILE [ARGS...]"
+        print(f"cleanrl_compat.py: error: give an existing CleanRL file: {usage}", file=sys.stderr)
+        sys.exit(2)
     file = Path(sys.argv[1]).resolve()
     adapt_gymnasium()
     sys.path[:1] = [str(file.parent), str(file.parent.parent)]  # as `python FILE` from its checkout, not benchmark/

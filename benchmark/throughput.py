@@ -306,21 +306,16 @@ def main(argv: list[str] | None = None) -> Path:
                     for contender in programs[script]:
                         if contender.kind == "variant" and cores == "one":
                             continue
+                        row = (script, contender, load, cores)
                         place = "__busy" * (load != "quiet") + "__one_core" * (cores == "one")
                         name = f"throughput__{Path(script).stem}__{contender.tag}{place}__{round_index}"
                         run_args = ["--env-id", env_ids[script], "--run-name", name]
                         run_args += common.budget_args(script, 1, args.local_steps, args.iterations)
                         clock = common.cpu_clock()
                         run_dir = run_once(contender, name, run_args, work_dir, core)
-                        shared = common.other_cores(clock)
-                        measurement = common.measure(run_dir, script, "default", 1)
-                        runs.setdefault((script, contender, load, cores), []).append(measurement)
-                        others.setdefault((script, contender, load, cores), []).append(shared)
-                        print(
-                            f"  {contender.label}{setting(load, cores)}: SPS {measurement.sps:,.0f} "
-                            f"(other processes: {shared:.2f} cores)",
-                            flush=True,
-                        )
+                        others.setdefault(row, []).append(common.other_cores(clock))
+                        runs.setdefault(row, []).append(common.measure(run_dir, script, "default", 1))
+                        print(f"  {contender.label}{setting(load, cores)}: SPS {runs[row][-1].sps:,.0f}", flush=True)
     runs = dict(sorted(runs.items(), key=lambda item: args.scripts.index(item[0][0])))  # by script, else as run
     headers = (
         "script | checkout | env | bound (steps/s) | script SPS (iterations 2..) | ratio | target | met | "

@@ -2,6 +2,7 @@
 
 import re
 import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -162,6 +163,10 @@ def test_bad_arguments_are_refused(tmp_path):
         throughput.main(["--cleanrl", str(tmp_path), "--out", str(tmp_path / "x")])
     with pytest.raises(SystemExit, match="has no vpg_mpi.py"):
         throughput.main(["--scripts", "vpg_mpi.py", "--compare-with", str(tmp_path), "--out", str(tmp_path / "x")])
+    compat = [sys.executable, str(ROOT / "benchmark" / "cleanrl_compat.py"), str(tmp_path / "ppo_atari.py")]
+    refused = subprocess.run(compat, capture_output=True, text=True)
+    assert refused.returncode == 2 and refused.stderr.startswith("cleanrl_compat.py: error: give an existing CleanRL")
+    assert refused.stderr.count("\n") == 1  # one line, no traceback
 
 
 @pytest.mark.parametrize(
