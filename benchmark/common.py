@@ -6,15 +6,18 @@ import datetime
 import functools
 import importlib.util
 import itertools
+import math
 import os
 import platform
 import re
+import resource
 import shlex
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -241,7 +244,8 @@ class Measurement:
 
 
 def measure(run_dir: Path, script: str, mode: str, ranks: int) -> Measurement:
-    """A run as a Measurement: SPS and perf/PART_time medians over iterations 2.. (no start-up), and charts/SPS."""
+    """A run as a Measurement: SPS and perf/PART_time medians over iterations 2.. (no start-up), and charts/SPS.
+    A run that logs no perf/PART_time (CleanRL's) gets NaN seconds for it."""
     scalars = read_scalar_events(run_dir)
     sps_events = scalars.get("charts/SPS", [])
     if len(sps_events) < 2:
@@ -249,8 +253,8 @@ def measure(run_dir: Path, script: str, mode: str, ranks: int) -> Measurement:
     (first_wall, first_step, _), (last_wall, last_step, script_sps) = sps_events[0], sps_events[-1]
     sps = (last_step - first_step) / max(last_wall - first_wall, 1e-9)
     batch = (last_step - first_step) // (len(sps_events) - 1)
-    parts = ("rollout", "update", "sync")  # as the scripts time them
-    seconds = [statistics.median(event[2] for event in scalars[f"perf/{part}_time"][1:]) for part in parts]
+    parts = [scalars.get(f"perf/{part}_time", [])[1:] for part in ("rollout", "update", "sync")]  # as the scripts time
+    seconds = [statistics.median(event[2] for event in events) if events else math.nan for events in parts]
     return Measurement(script, mode, ranks, batch, len(sps_events), sps, script_sps, *seconds)
 
 
@@ -263,9 +267,40 @@ def cpu_model() -> str:
     return platform.processor() or "unknown CPU"
 
 
+def cpu_details() -> str:
+    """What tells apart CPUs of one model name: family, model and the vector extensions torch uses; empty if unknown."""
+    fields = {}
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().split("\n\n")[0].splitlines():
+            key, _, value = line.partition(":")
+            fields[key.strip()] = value.strip()
+    if "model" not in fields:
+        return ""
+    flags = fields.get("flags", "").split()
+    extensions = [flag for flag in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if flag in flags] or ["no AVX2"]
+    return f"family {fields.get('cpu family', '?')} model {fields['model']}, {' '.join(extensions)}"
+
+
 def load_average() -> str:
     """The 1, 5 and 15 minute load averages, as `uptime` shows them."""
     return ", ".join(f"{value:.2f}" for value in os.getloadavg()) if hasattr(os, "getloadavg") else "unknown"
+
+
+def cpu_clock() -> tuple[float, float, float]:
+    """(wall seconds, busy CPU seconds of the machine, CPU seconds of this process and its waited-for children)."""
+    busy = math.nan
+    with contextlib.suppress(OSError):  # /proc/stat's first line: cpu user nice system idle iowait irq softirq ...
+        ticks = [int(field) for field in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:8]]
+        busy = (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
+    usage = [resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
+    return time.perf_counter(), busy, sum(use.ru_utime + use.ru_stime for use in usage)
+
+
+def other_cores(since: tuple[float, float, float]) -> float:
+    """The cores that other processes kept busy, on average, since `since` (a cpu_clock()); NaN off Linux."""
+    (wall, busy, own), (start_wall, start_busy, start_own) = cpu_clock(), since
+    others = max((busy - start_busy) - (own - start_own), 0.0)  # NaN stays NaN; the clock ticks' jitter stays >= 0
+    return others / max(wall - start_wall, 1e-9)
 
 
 def check_load(max_load: float) -> tuple[str, str | None]:
@@ -281,12 +316,13 @@ def check_load(max_load: float) -> tuple[str, str | None]:
     return load, warning
 
 
-def code_version(root: Path = ROOT, short: bool = False) -> str:
-    """The git commit of a checkout, and which scripts differ from it (`+changes` if `short`)."""
+def code_version(root: Path = ROOT, short: bool = False, files: Sequence[str | Path] = SCRIPTS) -> str:
+    """The git commit of a checkout, and which of `files` (the scripts) differ from it (`+changes` if `short`)."""
     try:
         git = ["git", "-C", str(root)]
         commit = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True)
-        changed = subprocess.run([*git, "status", "--porcelain", "--", *SCRIPTS], capture_output=True, text=True)
+        status = [*git, "status", "--porcelain", "--", *map(str, files)]
+        changed = subprocess.run(status, capture_output=True, text=True)
     except (OSError, subprocess.CalledProcessError):
         return "unknown (not a git checkout)"
     dirty = [line[3:] for line in changed.stdout.splitlines()]
@@ -311,8 +347,9 @@ def command_line(module: str, argv: Sequence[str]) -> str:
 def results_header(title: str, module: str, argv: Sequence[str], facts=(), notes=(), warning: str | None = None) -> str:
     """A results file's header: title, warning, the command, date, machine, checkout, load, `facts`, then `notes`."""
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    details = f" ({cpu_details()})" if cpu_details() else ""
     machine = (
-        f"{cpu_model()}, {len(usable_cores())} usable cores ({os.cpu_count()} online), {platform.system()} "
+        f"{cpu_model()}{details}, {len(usable_cores())} usable cores ({os.cpu_count()} online), {platform.system()} "
         f"{platform.release()}, Python {platform.python_version()}, torch {torch.__version__}"
     )
     lines = [f"# {title}", "", *([f"**{warning}**", ""] if warning else [])]
