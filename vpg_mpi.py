@@ -396,6 +396,48 @@ def update(
     return allreduce_mean(losses.double(), group), sync_time
 
 
+# --- --sync gather: rank 0 learns alone on every rank's batch, then broadcasts the weights ------------
+
+
+def gather_to_learner(batch: Batch) -> Batch | None:
+    """--sync gather: every rank's batch on rank 0 (one gather), as their union in rank order; None on other ranks."""
+    gathered = gather_to_rank0(
+        torch.cat([value.reshape(-1).double() for value in batch.values()])
+    )  # [ranks, packed] on rank 0
+    if gathered is None:
+        return None
+    union = gathered.split([value.numel() for value in batch.values()], 1)  # per field: [ranks, its elements]
+    return {key: union[i].reshape(-1, *value.shape[1:]).to(value.dtype) for i, (key, value) in enumerate(batch.items())}
+
+
+def update_one_learner(
+    agent: Agent,
+    pi_optimizer: torch.optim.Optimizer,
+    vf_optimizer: torch.optim.Optimizer,
+    batch: Batch,
+    args: Args,
+    learner_group: Group,
+) -> tuple[torch.Tensor, float]:
+    """--sync gather: rank 0 runs `update` on the union of the ranks' batches in `learner_group` (a group of one),
+    then one broadcast gives every rank its weights, the logged losses and whether it met a non-finite loss.
+    Returns those losses and the seconds of the gather and the broadcast."""
+    start = time.perf_counter()
+    union = gather_to_learner(batch)
+    outcome = torch.zeros(len(LOSS_KEYS) + 1, dtype=torch.float64, device=batch["returns"].device)  # + non-finite flag
+    learner_start = time.perf_counter()
+    if union is not None:
+        try:  # the learner's batch is the world's
+            losses, _ = update(agent, pi_optimizer, vf_optimizer, union, args, learner_group)
+            outcome[:-1] = losses
+        except NonFiniteError:
+            outcome[-1] = 1.0
+    learner_time = time.perf_counter() - learner_start
+    broadcast_parameters(agent, outcome)
+    if outcome[-1] > 0:
+        raise NonFiniteError("a non-finite loss or gradient")
+    return outcome[:-1], time.perf_counter() - start - learner_time
+
+
 def main(args: Args) -> Agent | None:
     """Train (or, with --eval-checkpoint, evaluate); returns this rank's trained agent."""
     run = Run(args, unit="epoch")  # re-launches for --nprocs (mpirun or torchrun); reads the launcher's world
@@ -510,6 +552,9 @@ def main(args: Args) -> Agent | None:
     return agent
 
 
+# --- the parts main names: explained variance, seeds --------------------------------------------------
+
+
 def explained_variance(returns: torch.Tensor, values: torch.Tensor) -> float:
     """1 - Var(returns - values) / Var(returns) over the world's batch in float64 (one collective; constant: NaN)."""
     _, stds = global_mean_std(torch.stack([returns - values, returns]).double())
@@ -604,46 +649,7 @@ def check_agreement(when: str, must_agree: str, **pairs: tuple[torch.Tensor, tor
             )
 
 
-# --- --sync gather (rank 0 learns alone), MuJoCo's console, input checks, batch table, evaluation -----
-
-
-def update_one_learner(
-    agent: Agent,
-    pi_optimizer: torch.optim.Optimizer,
-    vf_optimizer: torch.optim.Optimizer,
-    batch: Batch,
-    args: Args,
-    learner_group: Group,
-) -> tuple[torch.Tensor, float]:
-    """--sync gather: rank 0 runs `update` on the union of the ranks' batches in `learner_group` (a group of one),
-    then one broadcast gives every rank its weights, the logged losses and whether it met a non-finite loss.
-    Returns those losses and the seconds of the gather and the broadcast."""
-    start = time.perf_counter()
-    union = gather_to_learner(batch)
-    outcome = torch.zeros(len(LOSS_KEYS) + 1, dtype=torch.float64, device=batch["returns"].device)  # + non-finite flag
-    learner_start = time.perf_counter()
-    if union is not None:
-        try:  # the learner's batch is the world's
-            losses, _ = update(agent, pi_optimizer, vf_optimizer, union, args, learner_group)
-            outcome[:-1] = losses
-        except NonFiniteError:
-            outcome[-1] = 1.0
-    learner_time = time.perf_counter() - learner_start
-    broadcast_parameters(agent, outcome)
-    if outcome[-1] > 0:
-        raise NonFiniteError("a non-finite loss or gradient")
-    return outcome[:-1], time.perf_counter() - start - learner_time
-
-
-def gather_to_learner(batch: Batch) -> Batch | None:
-    """--sync gather: every rank's batch on rank 0 (one gather), as their union in rank order; None on other ranks."""
-    gathered = gather_to_rank0(
-        torch.cat([value.reshape(-1).double() for value in batch.values()])
-    )  # [ranks, packed] on rank 0
-    if gathered is None:
-        return None
-    union = gathered.split([value.numel() for value in batch.values()], 1)  # per field: [ranks, its elements]
-    return {key: union[i].reshape(-1, *value.shape[1:]).to(value.dtype) for i, (key, value) in enumerate(batch.items())}
+# --- MuJoCo's console, input checks, batch table, evaluation ------------------------------------------
 
 
 def silence_settotalmass_warning() -> None:
