@@ -1,20 +1,23 @@
 """Vanilla policy gradient (VPG) with GAE-lambda, data-parallel over any number of processes.
 
-SpinningUp's VPG in one file: separate policy and value MLPs (Gaussian policy with a state-independent log-std for Box
-actions, Categorical for Discrete), GAE-lambda advantages, one policy-gradient step and `--train-v-iters` value steps
-per epoch. It trains CartPole-v1 and the MuJoCo tasks (HalfCheetah-v5...).
+SpinningUp's VPG in one file: separate policy and value MLPs, GAE-lambda advantages, one
+policy-gradient step and `--train-v-iters` value steps per epoch. The policy is a Gaussian with a
+state-independent log-std for Box actions, a Categorical for Discrete ones. It trains CartPole-v1
+and the MuJoCo tasks (HalfCheetah-v5...). README.md shows every launcher and how to evaluate.
 
-    torchrun --standalone --nproc_per_node=2 vpg_mpi.py --env-id CartPole-v1   # README: every launcher, evaluation
+    torchrun --standalone --nproc_per_node=2 vpg_mpi.py --env-id CartPole-v1
 
-Distributed story: `--steps-per-epoch` is global and split evenly across ranks; each rank steps its own envs and
-computes GAE on its share; advantages are normalised with the world-wide mean and std. `--sync allreduce` (default)
-averages the gradients in one flat allreduce per optimizer step, so every rank takes the step one process would take
-on the concatenated batch; `--sync gather` (one learner) gathers the rollouts to rank 0, which updates alone and
-broadcasts the weights. An epoch is one iteration of the runtime at the bottom (checkpoints `iter_{epoch:06d}.pt`).
+Distributed story: `--steps-per-epoch` is global and split evenly across ranks. Each rank steps its
+own envs and computes GAE on its share; advantages are normalised with the world-wide mean and std.
+`--sync allreduce` (default) averages the gradients in one flat allreduce per optimizer step, so
+every rank takes the step one process would take on the concatenated batch. `--sync gather` (one
+learner) gathers the rollouts to rank 0, which updates alone and broadcasts the weights. An epoch is
+one iteration of the runtime at the bottom (checkpoints `iter_{epoch:06d}.pt`).
 
-SpinningUp's defaults: PyTorch's initialisation, advantages normalised by the population std (+ 1e-8: a constant
-batch cannot divide by zero), a log-std starting at -0.5, (64, 64) (its benchmark's net is (64, 32)). Unlike it, a
-sampled Box action is clipped to the space before the env sees it, which raises MuJoCo returns (docs/differences.md).
+SpinningUp's defaults: PyTorch's initialisation, a log-std starting at -0.5, hidden sizes (64, 64)
+(its benchmark's net is (64, 32)), advantages normalised by the population std (+ 1e-8, so that a
+constant batch cannot divide by zero). Unlike it, a sampled Box action is clipped to the space
+before the env sees it, which raises MuJoCo returns (docs/differences.md).
 """
 
 import contextlib
@@ -55,7 +58,7 @@ class Args:
     torch_deterministic: bool = True
     """if toggled, `torch.backends.cudnn.deterministic=True`"""
     cuda: bool = False
-    """if toggled and CUDA is available, rank r uses cuda:LOCAL_RANK (small MLPs are usually faster on CPU)"""
+    """if toggled and CUDA exists, rank r uses cuda:LOCAL_RANK (small MLPs: often faster on CPU)"""
     track: bool = False
     """if toggled, the run is also sent to Weights and Biases (needs `pip install wandb`)"""
     wandb_project_name: str = "ddrl"
@@ -63,7 +66,7 @@ class Args:
     wandb_entity: str | None = None
     """the Weights and Biases entity (team)"""
     capture_video: bool = False
-    """if toggled, rank 0 records evaluation episodes to `runs/{run_name}/videos` after training (needs moviepy)"""
+    """if toggled, rank 0 records evaluation episodes to `runs/{run_name}/videos` (needs moviepy)"""
     save_model: bool = False
     """if toggled, rank 0 writes `runs/{run_name}/model.pt` at the end of training"""
     eval_checkpoint: str = ""
@@ -73,7 +76,7 @@ class Args:
     eval_deterministic: bool = False
     """if toggled, evaluation takes the policy's mode instead of sampling"""
     numpy_rollout: bool = True
-    """if toggled, the rollout runs numpy copies of the Agent's networks (fast); --no-numpy-rollout calls the modules"""
+    """if toggled, the rollout runs numpy copies of the Agent's networks (faster than torch)"""
 
     # Algorithm specific arguments (names as in SpinningUp)
     env_id: str = "HalfCheetah-v5"
@@ -99,7 +102,7 @@ class Args:
     max_ep_len: int = 1000
     """episodes are cut (and bootstrapped) after this many steps"""
     sync: Literal["allreduce", "gather"] = "allreduce"
-    """allreduce: average gradients over ranks; gather: rank 0 learns on all rollouts, then broadcasts weights"""
+    """allreduce: average the gradients; gather: rank 0 learns on all rollouts, sends the weights"""
 
     # Distributed runtime (the same flags in every ddrl script)
     run_name: str = ""
@@ -107,21 +110,22 @@ class Args:
     torch_threads: int = 0
     """torch threads per rank; 0 = the cores idle at start divided by the ranks on this node"""
     nprocs: int = 1
-    """if > 1 and not already launched, re-launch this script as that many ranks: under mpirun when --collectives
-    allows MPI and mpirun and mpi4py are installed, else under `torch.distributed.run --standalone`"""
+    """if > 1 and not yet launched, re-launch as that many ranks: mpirun where --collectives allows
+    MPI and mpirun and mpi4py are installed, else `torch.distributed.run --standalone`"""
     collectives: Literal["auto", "mpi", "torch"] = "auto"
-    """CPU collectives: `mpi` through mpi4py (ranks started by mpirun, mpiexec or `srun --mpi=pmix`), `torch` through
-    torch.distributed (gloo); auto = mpi where MPI started the ranks and mpi4py imports, else torch"""
+    """CPU collectives: `mpi` through mpi4py (ranks started by mpirun, mpiexec or srun --mpi=pmix),
+    `torch` through torch.distributed (gloo); auto = mpi where MPI started the ranks and mpi4py
+    imports, else torch"""
     backend: str = ""
-    """torch.distributed backend; empty = NCCL for CUDA tensors (gloo for CPU ones) with --cuda, gloo otherwise"""
+    """torch.distributed backend; empty = with --cuda NCCL (gloo for CPU tensors), else gloo"""
     dist_timeout: float = 1800.0
     """seconds a collective may wait for a peer before the run stops with an error"""
     checkpoint_every: int = 0
-    """write `runs/{run_name}/checkpoints/iter_{n:06d}.pt` every this many iterations (0 = only on SIGTERM)"""
+    """checkpoint to `runs/{run_name}/checkpoints/` every this many iterations (0 = SIGTERM only)"""
     resume: bool = False
-    """continue the run `--run-name` from its newest checkpoint (automatic when torchrun restarts the ranks)"""
+    """resume `--run-name` from its newest checkpoint (automatic when torchrun restarts ranks)"""
     check_sync_every: int = 0
-    """compare a checksum of the weights across ranks every this many iterations and stop if they differ (0 = never)"""
+    """every this many iterations, stop unless all ranks' weights have one checksum (0 = never)"""
 
     # to be filled in at run time
     world_size: int = 0
@@ -134,7 +138,8 @@ class Args:
     """number of epochs: total_timesteps // steps_per_epoch (computed at run time)"""
 
 
-Batch = dict[str, torch.Tensor]  # a rollout's tensors by name: obs, actions, log_probs, values, advantages, returns
+# a rollout's tensors by name: obs, actions, log_probs, values, advantages, returns
+Batch = dict[str, torch.Tensor]
 Group = dist.ProcessGroup | None  # None: the world
 
 
