@@ -147,13 +147,15 @@ Group = dist.ProcessGroup | None  # None: the world
 
 
 def derive_batch_sizes(args: Args, world_size: int) -> None:
-    """Each rank's and each env's share of the global epoch, and the epochs; uneven shares or no epoch stop."""
+    """Each rank's and each env's share of the global epoch, and the number of epochs. Uneven shares
+    or zero epochs stop the run here."""
     args.world_size = world_size
     args.local_steps_per_epoch = args.steps_per_epoch // world_size
     args.num_steps = args.local_steps_per_epoch // args.local_num_envs
     fix = f"use a --steps-per-epoch that is a multiple of {world_size * args.local_num_envs}"
     if args.steps_per_epoch % world_size:
-        fail(f"--steps-per-epoch {args.steps_per_epoch} does not split evenly across {world_size} ranks; {fix}")
+        uneven = f"--steps-per-epoch {args.steps_per_epoch} does not split evenly"
+        fail(f"{uneven} across {world_size} ranks; {fix}")
     if args.local_steps_per_epoch % args.local_num_envs:
         local = f"the local epoch of {args.local_steps_per_epoch} steps"
         fail(f"{local} does not split across --local-num-envs {args.local_num_envs}; {fix}")
@@ -169,7 +171,7 @@ def derive_batch_sizes(args: Args, world_size: int) -> None:
 
 
 def make_env(env_id: str, max_ep_len: int, video_folder: str | None = None) -> Callable[[], gym.Env]:
-    """A thunk building one env; `max_ep_len` becomes a time limit, so a cut episode is a truncation."""
+    """A thunk building one env. `max_ep_len` becomes a time limit: a cut episode is truncated."""
 
     def thunk() -> gym.Env:
         silence_settotalmass_warning()
@@ -182,7 +184,7 @@ def make_env(env_id: str, max_ep_len: int, video_folder: str | None = None) -> C
 
 
 def layer_init(layer: nn.Linear) -> nn.Linear:
-    """PyTorch's default initialisation, as SpinningUp's: the one place to change it (CleanRL's is orthogonal)."""
+    """PyTorch's default initialisation (SpinningUp's; CleanRL's is orthogonal): change it here."""
     return layer
 
 
@@ -206,14 +208,15 @@ class Agent(nn.Module):
         num_outputs = int(np.prod(action_space.shape)) if self.continuous else int(action_space.n)
         self.actor = mlp(obs_dim, hidden_sizes, num_outputs)
         self.critic = mlp(obs_dim, hidden_sizes, 1)
-        if self.continuous:
-            self.log_std = nn.Parameter(torch.full((num_outputs,), -0.5))  # state-independent, as SpinningUp's
+        if self.continuous:  # a state-independent log-std, as SpinningUp's
+            self.log_std = nn.Parameter(torch.full((num_outputs,), -0.5))
 
     def log_prob_entropy(self, obs: torch.Tensor, actions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Log-probability of `actions` and the policy's entropy at `obs` (closed forms, no Distribution objects)."""
+        """Log-probability of `actions` and the policy's entropy at `obs`, in closed form."""
         out = self.actor(obs)
         if self.continuous:
-            log_prob = (-0.5 * ((actions - out) / self.log_std.exp()) ** 2 - self.log_std - LOG_SQRT_2PI).sum(-1)
+            noise = (actions - out) / self.log_std.exp()
+            log_prob = (-0.5 * noise**2 - self.log_std - LOG_SQRT_2PI).sum(-1)
             entropy = (0.5 + LOG_SQRT_2PI + self.log_std).sum().expand(len(obs))
             return log_prob, entropy
         log_probs = torch.log_softmax(out, dim=-1)
@@ -224,31 +227,37 @@ class Agent(nn.Module):
         return self.critic(obs).squeeze(-1)
 
     def policy_parameters(self) -> list[nn.Parameter]:
-        """All but the critic's: what the policy step trains (a module added to the actor's side joins by itself)."""
-        return [parameter for name, parameter in self.named_parameters() if not name.startswith("critic.")]
+        """All parameters but the critic's: what the policy step trains. A module added on the
+        actor's side joins by itself."""
+        return [p for name, p in self.named_parameters() if not name.startswith("critic.")]
 
     def rollout_policy(self, numpy_networks: bool = True) -> "RolloutPolicy":
-        """The policy and value function as they are now, for a rollout (which never changes them)."""
+        """The policy and value function as they are now, for a rollout (it never changes them)."""
         return RolloutPolicy(self, numpy_networks)
 
 
 class RolloutPolicy:
-    """The Agent acting one env step at a time: its networks as numpy functions built layer by layer from its modules
-    (numpy_module; at one observation per env torch's per-call overhead costs more than the arithmetic), sampling the
-    distribution that Agent.log_prob_entropy scores. Noise from numpy's seeded global generator."""
+    """The Agent acting one env step at a time, sampling the distribution Agent.log_prob_entropy
+    scores. Its networks are numpy functions built layer by layer from its modules (numpy_module):
+    at one observation per env, torch's per-call overhead costs more than the arithmetic. The noise
+    comes from numpy's seeded global generator."""
 
     def __init__(self, agent: Agent, numpy_networks: bool = True):
         self.continuous = agent.continuous
-        self.actor, self.critic = numpy_module(agent.actor, numpy_networks), numpy_module(agent.critic, numpy_networks)
+        self.actor = numpy_module(agent.actor, numpy_networks)
+        self.critic = numpy_module(agent.critic, numpy_networks)
         if self.continuous:
             self.log_std = numpy_module(agent.log_std, numpy_networks)
 
     def act(self, obs: np.ndarray, deterministic: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Sampled (or modal) actions, their log-probabilities and the values at `obs` [envs, obs_dim]."""
+        """Sampled or modal actions, their log-probabilities and values at `obs` [envs, obs_dim]."""
         out = self.actor(obs)
         if self.continuous:
             log_std = self.log_std(obs)
-            noise = np.zeros_like(out) if deterministic else np.random.standard_normal(out.shape).astype(out.dtype)
+            if deterministic:
+                noise = np.zeros_like(out)
+            else:
+                noise = np.random.standard_normal(out.shape).astype(out.dtype)
             actions = out + np.exp(log_std) * noise
             log_prob = (-0.5 * noise**2 - log_std - LOG_SQRT_2PI).sum(-1)
         else:
@@ -256,9 +265,10 @@ class RolloutPolicy:
             log_probs = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))  # log_softmax
             if deterministic:
                 actions = log_probs.argmax(-1)
-            else:  # inverse CDF: the first action whose cumulative probability reaches a uniform draw
+            else:  # inverse CDF: the first action whose cumulative probability reaches a draw
                 uniform = np.random.random_sample((len(out), 1))
-                actions = np.minimum((np.exp(log_probs).cumsum(-1) < uniform).sum(-1), out.shape[-1] - 1)
+                below = (np.exp(log_probs).cumsum(-1) < uniform).sum(-1)
+                actions = np.minimum(below, out.shape[-1] - 1)
             log_prob = np.take_along_axis(log_probs, actions[:, None], -1)[:, 0]
         return actions, log_prob, self.value(obs)
 
@@ -275,10 +285,10 @@ def compute_gae(
     gamma: float,
     gae_lambda: float,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """GAE-lambda advantages and discounted rewards-to-go (the value targets) for arrays [T, envs]. `next_values[t]`
-    is V of the state after step t in its episode (V(final observation) where it was truncated), zeroed where
-    `terminations[t]`; `episode_ends[t]` ends the path at t. The last row ends a path too, bootstrapping from
-    `next_values` as SpinningUp's `finish_path(last_val)` does."""
+    """GAE-lambda advantages and discounted rewards-to-go (the value targets) for arrays [T, envs].
+    `next_values[t]` is V of the state after step t in its episode (V(final observation) where it
+    was truncated), zeroed where `terminations[t]`. `episode_ends[t]` ends the path at t. The last
+    row ends a path too, bootstrapping from `next_values` (SpinningUp's `finish_path(last_val)`)."""
     advantages, rewards_to_go = np.zeros_like(rewards), np.zeros_like(rewards)
     next_advantage, next_return = np.zeros_like(rewards[0]), np.zeros_like(rewards[0])
     for t in reversed(range(len(rewards))):
@@ -295,12 +305,12 @@ def compute_gae(
 
 
 def group_size(group: Group = None) -> int:
-    """Ranks in `group` (the world by default); 1 where no process group exists, so helpers become no-ops."""
+    """Ranks in `group` (default: the world), or 1 without a process group (helpers do nothing)."""
     return dist.get_world_size(group) if dist.is_initialized() else 1
 
 
 def allreduce_mean(tensor: torch.Tensor, group: Group = None) -> torch.Tensor:
-    """Average `tensor` over the ranks of `group`, in place (reduce_to_all: MPI's under mpirun, else torch's)."""
+    """In-place average of `tensor` over `group` (reduce_to_all: MPI under mpirun, else torch)."""
     if group_size(group) > 1:
         reduce_to_all(tensor, group=group)
         tensor /= group_size(group)
@@ -308,18 +318,21 @@ def allreduce_mean(tensor: torch.Tensor, group: Group = None) -> torch.Tensor:
 
 
 def flat_gradient_buffer(parameters: list[nn.Parameter], num_extras: int) -> torch.Tensor:
-    """One zeroed buffer of every gradient, then `num_extras` scalars; each `.grad` is a view into it, so backward()
-    accumulates into what the allreduce sends. Zero it with `zero_()` (`optimizer.zero_grad()` drops the views)."""
+    """One zeroed buffer of every gradient, then `num_extras` scalars. Each `.grad` is a view into
+    it, so backward() accumulates into what the allreduce sends. Zero it with `zero_()`, as
+    `optimizer.zero_grad()` drops the views."""
     sizes = [p.numel() for p in parameters]
-    flat = torch.zeros(sum(sizes) + num_extras, dtype=parameters[0].dtype, device=parameters[0].device)
+    first = parameters[0]
+    flat = torch.zeros(sum(sizes) + num_extras, dtype=first.dtype, device=first.device)
     for parameter, gradient in zip(parameters, flat[: sum(sizes)].split(sizes), strict=True):
         parameter.grad = gradient.view_as(parameter)
     return flat
 
 
 def average_gradients(flat: torch.Tensor, group: Group = None) -> float:
-    """Average a flat_gradient_buffer (gradients, then scalars every rank must agree on) in one allreduce; returns its
-    seconds. A NaN or inf anywhere spreads through the sum, so every rank raises NonFiniteError before any step."""
+    """Average a flat_gradient_buffer (gradients, then scalars every rank must agree on) in one
+    allreduce, and return its seconds. A NaN or inf anywhere spreads through the sum, so every rank
+    raises NonFiniteError before any step."""
     start = time.perf_counter()
     allreduce_mean(flat, group)
     if not torch.isfinite(flat).all():
@@ -328,7 +341,7 @@ def average_gradients(flat: torch.Tensor, group: Group = None) -> float:
 
 
 def broadcast_parameters(module: nn.Module, extras: torch.Tensor | None = None) -> None:
-    """Copy rank 0's parameters and buffers, and `extras` (numbers riding along), to every rank in one broadcast."""
+    """One broadcast gives every rank the parameters, buffers and `extras` of rank 0."""
     tensors = [t for t in (*module.parameters(), *module.buffers()) if t.is_floating_point()]
     tensors += [] if extras is None else [extras]
     if group_size() > 1:
@@ -340,7 +353,8 @@ def broadcast_parameters(module: nn.Module, extras: torch.Tensor | None = None) 
 
 
 def global_mean_std(x: torch.Tensor, group: Group = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mean and population std (SpinningUp's) along the last dim of `x` over all ranks' elements, as if concatenated."""
+    """Mean and population std (SpinningUp's) along the last dim of `x`, over the elements of all
+    ranks as if concatenated."""
     local_mean = x.mean(-1)
     local_m2 = ((x - local_mean.unsqueeze(-1)) ** 2).sum(-1)
     local = torch.stack([torch.full_like(local_mean, x.shape[-1]), local_mean, local_m2])
@@ -364,13 +378,14 @@ def update(
     args: Args,
     group: Group = None,
 ) -> tuple[torch.Tensor, float]:
-    """One VPG epoch on this rank's batch, gradients averaged over `group`: the policy step, then the value steps. A
-    non-finite loss or gradient stops every rank before its own step, not earlier ones (met in the value steps: after
-    the policy step). Returns the group-averaged LOSS_KEYS (first value loss) and the seconds in collectives."""
-    obs, actions, returns, old_log_prob = batch["obs"], batch["actions"], batch["returns"], batch["log_probs"]
+    """One VPG epoch on this rank's batch, gradients averaged over `group`: the policy step, then
+    the value steps. A non-finite loss or gradient stops every rank before its own step, not earlier
+    ones (in the value steps: after the policy step). Returns the group-averaged LOSS_KEYS (the
+    first value loss) and the seconds in collectives."""
+    obs, actions, returns = batch["obs"], batch["actions"], batch["returns"]
     adv_mean, adv_std = global_mean_std(batch["advantages"], group)
     advantages = (batch["advantages"] - adv_mean) / (adv_std + 1e-8)
-    # each step's gradients, then its loss (a non-finite loss stops every rank too), in one allreduce
+    # one allreduce per step: its gradients, then its loss (a non-finite loss stops every rank too)
     policy_flat = flat_gradient_buffer(agent.policy_parameters(), num_extras=1)
     value_flat = flat_gradient_buffer(list(agent.critic.parameters()), num_extras=1)
     sync_time = 0.0
@@ -394,10 +409,10 @@ def update(
         sync_time += average_gradients(value_flat, group)
         vf_optimizer.step()
 
-    with torch.no_grad():
+    with torch.no_grad():  # the losses in LOSS_KEYS' order
         new_log_prob, _ = agent.log_prob_entropy(obs, actions)
-        approx_kl = (old_log_prob - new_log_prob).mean()
-        losses = torch.stack([policy_loss.detach(), first_value_loss, entropy.mean().detach(), approx_kl])  # LOSS_KEYS
+        approx_kl = (batch["log_probs"] - new_log_prob).mean()
+        losses = torch.stack([policy_loss, first_value_loss, entropy.mean(), approx_kl])
     return allreduce_mean(losses.double(), group), sync_time
 
 
@@ -405,14 +420,17 @@ def update(
 
 
 def gather_to_learner(batch: Batch) -> Batch | None:
-    """--sync gather: every rank's batch on rank 0 (one gather), as their union in rank order; None on other ranks."""
-    gathered = gather_to_rank0(
-        torch.cat([value.reshape(-1).double() for value in batch.values()])
-    )  # [ranks, packed] on rank 0
+    """Every rank's batch on rank 0 (one gather), as their union in rank order; None elsewhere."""
+    packed = torch.cat([value.reshape(-1).double() for value in batch.values()])
+    gathered = gather_to_rank0(packed)  # [ranks, packed] on rank 0
     if gathered is None:
         return None
-    union = gathered.split([value.numel() for value in batch.values()], 1)  # per field: [ranks, its elements]
-    return {key: union[i].reshape(-1, *value.shape[1:]).to(value.dtype) for i, (key, value) in enumerate(batch.items())}
+    sizes = [value.numel() for value in batch.values()]
+    union = gathered.split(sizes, 1)  # per field: [ranks, its elements]
+    return {
+        key: part.reshape(-1, *value.shape[1:]).to(value.dtype)
+        for (key, value), part in zip(batch.items(), union, strict=True)
+    }
 
 
 def update_one_learner(
@@ -423,12 +441,13 @@ def update_one_learner(
     args: Args,
     learner_group: Group,
 ) -> tuple[torch.Tensor, float]:
-    """--sync gather: rank 0 runs `update` on the union of the ranks' batches in `learner_group` (a group of one),
-    then one broadcast gives every rank its weights, the logged losses and whether it met a non-finite loss.
-    Returns those losses and the seconds of the gather and the broadcast."""
+    """Rank 0 runs `update` on the union of the ranks' batches in `learner_group` (a group of one).
+    Then one broadcast gives every rank its weights, the logged losses and whether rank 0 met a
+    non-finite loss. Returns those losses and the seconds of the gather and the broadcast."""
     start = time.perf_counter()
     union = gather_to_learner(batch)
-    outcome = torch.zeros(len(LOSS_KEYS) + 1, dtype=torch.float64, device=batch["returns"].device)  # + non-finite flag
+    # the losses, then a non-finite flag
+    outcome = torch.zeros(len(LOSS_KEYS) + 1, dtype=torch.float64, device=batch["returns"].device)
     learner_start = time.perf_counter()
     if union is not None:
         try:  # the learner's batch is the world's
