@@ -464,16 +464,18 @@ def update_one_learner(
 
 def main(args: Args) -> Agent | None:
     """Train (or, with --eval-checkpoint, evaluate); returns this rank's trained agent."""
-    run = Run(args, unit="epoch")  # re-launches for --nprocs (mpirun or torchrun); reads the launcher's world
-    silence_settotalmass_warning()  # before any env is made: the input checks' probe and evaluation too
+    # re-launches for --nprocs (mpirun or torchrun); reads the launcher's world
+    run = Run(args, unit="epoch")
+    silence_settotalmass_warning()  # before any env: the input checks' probe and evaluation too
     if args.eval_checkpoint:
         return evaluate_checkpoint(args)
     check_args(args)
     derive_batch_sizes(args, run.world_size)
-    run.start(args.num_epochs * args.steps_per_epoch, batch_table(args))  # run folder, resume, same command everywhere
+    total_steps = args.num_epochs * args.steps_per_epoch
+    run.start(total_steps, batch_table(args))  # run folder, resume, the same command everywhere
     rank, device = run.rank, run.device
 
-    # --- set-up: envs, identical initial weights on every rank (built from `seed`, then broadcast), rank seeds ---
+    # --- set-up: envs, identical weights on every rank (from `seed`, broadcast), rank seeds ---
     envs = gym.vector.SyncVectorEnv(
         [make_env(args.env_id, args.max_ep_len) for _ in range(args.local_num_envs)],
         autoreset_mode=gym.vector.AutoresetMode.SAME_STEP,
@@ -483,7 +485,8 @@ def main(args: Args) -> Agent | None:
     torch.manual_seed(args.seed)
     agent = Agent(obs_dim, action_space, args.hidden_sizes).to(device)
     broadcast_parameters(agent)
-    check_rollout_policy(agent, rollout_probe(agent.rollout_policy(args.numpy_rollout), obs_dim, device), "at start")
+    probe = rollout_probe(agent.rollout_policy(args.numpy_rollout), obs_dim, device)
+    check_rollout_policy(agent, probe, "at start")
     random.seed(rank_seed(args.seed, rank))
     np.random.seed(rank_seed(args.seed, rank))
     torch.manual_seed(rank_seed(args.seed, rank))
@@ -497,20 +500,25 @@ def main(args: Args) -> Agent | None:
     shape = (args.num_steps, args.local_num_envs)
     obs = np.zeros(shape + (obs_dim,), dtype=np.float32)
     actions = np.zeros(shape + action_space.shape, dtype=np.float32)
-    # episode_ends: terminated or truncated; final_values: V(final observation) where an episode was truncated
-    logprobs, values, rewards, terminations, episode_ends, final_values = np.zeros((6, *shape), dtype=np.float32)
+    # episode_ends: terminated or truncated
+    # final_values: V(final observation) where an episode was truncated
+    per_step = np.zeros((6, *shape), dtype=np.float32)
+    logprobs, values, rewards, terminations, episode_ends, final_values = per_step
 
     # a resumed run starts fresh episodes, on envs seeded after all the earlier attempts' envs
     index_offset = run.restarts * args.world_size * args.local_num_envs
     next_obs, _ = envs.reset(seed=env_seeds(args.seed, rank, args.local_num_envs, index_offset))
-    episode_return, episode_length = np.zeros(args.local_num_envs), np.zeros(args.local_num_envs, dtype=np.int64)
+    episode_return = np.zeros(args.local_num_envs)
+    episode_length = np.zeros(args.local_num_envs, dtype=np.int64)
 
-    with run.guard(nonfinite_fix="lower --pi-lr/--vf-lr or check the env's observations and rewards"):
+    nonfinite_fix = "lower --pi-lr/--vf-lr or check the env's observations and rewards"
+    with run.guard(nonfinite_fix=nonfinite_fix):
         for _epoch in run.iterations():
             # --- rollout ---
             rollout_start = time.perf_counter()
             policy = agent.rollout_policy(args.numpy_rollout)
-            finished = {"episodes": 0, "episode_return": 0.0, "episode_length": 0}  # summed over ranks for the log
+            # summed over ranks for the log
+            finished = {"episodes": 0, "episode_return": 0.0, "episode_length": 0}
             for step in range(args.num_steps):
                 obs[step] = next_obs.reshape(args.local_num_envs, -1)
                 action, logprobs[step], values[step] = policy.act(obs[step])
@@ -528,14 +536,14 @@ def main(args: Args) -> Agent | None:
                     finished["episode_length"] += int(episode_length[ended].sum())
                     episode_return[ended], episode_length[ended] = 0.0, 0
                     cut = truncated & ~terminated
-                    if cut.any():  # truncation is not termination: bootstrap from V(final observation)
+                    if cut.any():  # truncated, not terminated: bootstrap from V(final observation)
                         final_obs = np.stack(info["final_obs"][cut]).reshape(cut.sum(), -1)
                         final_values[step, cut] = policy.value(final_obs.astype(np.float32))
             global_step += args.steps_per_epoch
             last_values = policy.value(next_obs.reshape(args.local_num_envs, -1).astype(np.float32))
             rollout_time = time.perf_counter() - rollout_start
 
-            # --- GAE: each step bootstraps from the next row's value, or V(final observation) where its episode ended
+            # --- GAE: bootstrap from the next row's value, or V(final_obs) where an episode ended
             next_values = np.concatenate([values[1:], last_values[None]])
             next_values = np.where(episode_ends > 0, final_values, next_values)
             advantages, returns = compute_gae(
@@ -551,24 +559,26 @@ def main(args: Args) -> Agent | None:
                 "returns": returns.reshape(-1),  # the rewards-to-go
             }
             batch = {key: torch.as_tensor(value, device=device) for key, value in batch.items()}
-            check_rollout_policy(agent, batch, f"at epoch {run.iteration}")  # the rollout's policy is the Agent's
+            # the rollout's policy is the Agent's
+            check_rollout_policy(agent, batch, f"at epoch {run.iteration}")
 
-            # --- update ---
+            # --- update (--sync gather: the same update, by rank 0 alone on every rank's batch) ---
             update_start = time.perf_counter()
-            if args.sync == "allreduce":
-                losses, sync_time = update(agent, pi_optimizer, vf_optimizer, batch, args)
-            else:  # the same update, by rank 0 alone on the union of every rank's batch
-                losses, sync_time = update_one_learner(agent, pi_optimizer, vf_optimizer, batch, args, learner_group)
+            learn = update if args.sync == "allreduce" else update_one_learner
+            losses, sync_time = learn(agent, pi_optimizer, vf_optimizer, batch, args, learner_group)
             update_time = time.perf_counter() - update_start
 
-            # --- logging: episodes ended on any rank, losses averaged over ranks, the world's explained variance ---
+            # --- logging: episodes ended on any rank, rank-averaged losses, explained variance ---
             world = run.sum_over_ranks(**finished)
             scalars = {"charts/learning_rate": pi_optimizer.param_groups[0]["lr"]}
-            scalars |= {f"losses/{key}": value for key, value in zip(LOSS_KEYS, losses.tolist(), strict=True)}
-            scalars["losses/explained_variance"] = explained_variance(batch["returns"], batch["values"])
-            scalars |= {"perf/rollout_time": rollout_time, "perf/update_time": update_time, "perf/sync_time": sync_time}
+            logged = dict(zip(LOSS_KEYS, losses.tolist(), strict=True))
+            logged["explained_variance"] = explained_variance(batch["returns"], batch["values"])
+            scalars |= {f"losses/{key}": value for key, value in logged.items()}
+            scalars |= {"perf/rollout_time": rollout_time, "perf/update_time": update_time}
+            scalars["perf/sync_time"] = sync_time
             run.log(global_step, world, scalars)
-            if run.end_iteration(global_step):  # weight check, checkpoint; every rank stops here on SIGTERM
+            # the weight check and checkpoint; every rank stops here on SIGTERM
+            if run.end_iteration(global_step):
                 break
 
         envs.close()
