@@ -590,20 +590,24 @@ def main(args: Args) -> Agent | None:
 
 
 def explained_variance(returns: torch.Tensor, values: torch.Tensor) -> float:
-    """1 - Var(returns - values) / Var(returns) over the world's batch in float64 (one collective; constant: NaN)."""
+    """1 - Var(returns - values) / Var(returns) over the world's batch, in float64 (one collective).
+    NaN where the returns are constant."""
     _, stds = global_mean_std(torch.stack([returns - values, returns]).double())
     return float("nan") if stds[1] == 0 else (1 - stds[0] ** 2 / stds[1] ** 2).item()
 
 
 def rank_seed(seed: int, rank: int) -> int:
-    """Seed of python, numpy and action sampling on `rank` (SpinningUp's stride: nearby seeds never collide)."""
+    """Seed of python, numpy and action sampling on `rank`. SpinningUp's stride keeps nearby seeds
+    from colliding."""
     return seed + 10_000 * rank
 
 
 def env_seeds(seed: int, rank: int, local_num_envs: int, index_offset: int = 0) -> list[int]:
-    """Seeds of this rank's envs: env j of rank r has global index g = index_offset + r * local_num_envs + j. A resumed
-    run passes `index_offset` = restarts x the world's envs, so its fresh episodes never replay a seed."""
-    return [seed + 10_000 * (index_offset + rank * local_num_envs + j) for j in range(local_num_envs)]
+    """Seeds of this rank's envs: env j of rank r has the global index
+    g = index_offset + r * local_num_envs + j. A resumed run passes `index_offset` = restarts x the
+    world's envs, so its fresh episodes never replay a seed."""
+    first = index_offset + rank * local_num_envs  # the global index of this rank's env 0
+    return [seed + 10_000 * (first + j) for j in range(local_num_envs)]
 
 
 # --- the rollout's numpy copy of the Agent's networks, and the check that it agrees with the Agent ----
@@ -612,9 +616,10 @@ ROLLOUT_CHECK_SAMPLES = 256
 
 
 def numpy_module(module: nn.Module | nn.Parameter, numpy_layers: bool = True) -> Callable[[np.ndarray], np.ndarray]:
-    """`module` as a numpy function of a batch of rows, layer by layer, on numpy views of its parameters; a parameter
-    stands for a head that is the same for every row (a state-independent log-std; broadcast). A layer it does not
-    know stops the run: add its numpy version here, or pass --no-numpy-rollout (`numpy_layers` False: torch layers)."""
+    """`module` as a numpy function of a batch of rows, layer by layer, on numpy views of its
+    parameters. A parameter stands for a head that is the same for every row (a state-independent
+    log-std, broadcast). A layer it does not know stops the run: add its numpy version here, or pass
+    --no-numpy-rollout (`numpy_layers` False: the torch layers)."""
     if isinstance(module, nn.Parameter):
         value = module.detach().cpu().numpy()
         return lambda x: value
@@ -630,20 +635,25 @@ def numpy_module(module: nn.Module | nn.Parameter, numpy_layers: bool = True) ->
         return lambda x: x @ weight + bias
     if isinstance(module, nn.LayerNorm) and len(module.normalized_shape) == 1:
         weight, bias, eps = params.get("weight", 1.0), params.get("bias", 0.0), module.eps
-        return lambda x: (x - x.mean(-1, keepdims=True)) / np.sqrt(x.var(-1, keepdims=True) + eps) * weight + bias
+
+        def layer_norm(x: np.ndarray) -> np.ndarray:
+            std = np.sqrt(x.var(-1, keepdims=True) + eps)
+            return (x - x.mean(-1, keepdims=True)) / std * weight + bias
+
+        return layer_norm
+    alpha, slope = getattr(module, "alpha", 1.0), getattr(module, "negative_slope", 0.0)
     activations = {
         nn.Identity: lambda x: x,
         nn.Tanh: np.tanh,
         nn.ReLU: lambda x: np.maximum(x, 0),
-        nn.ELU: lambda x: np.where(x > 0, x, getattr(module, "alpha", 1.0) * np.expm1(np.minimum(x, 0))),
-        nn.LeakyReLU: lambda x: np.where(x > 0, x, getattr(module, "negative_slope", 0.0) * x),
+        nn.ELU: lambda x: np.where(x > 0, x, alpha * np.expm1(np.minimum(x, 0))),
+        nn.LeakyReLU: lambda x: np.where(x > 0, x, slope * x),
         nn.SiLU: lambda x: x / (1 + np.exp(-x)),
     }
     if type(module) not in activations:
-        fail(
-            f"the rollout has no numpy version of the Agent's layer {module!r}: add one to numpy_module(), or pass "
-            "--no-numpy-rollout (the rollout then calls the Agent's torch modules, slower)"
-        )
+        slower = "the rollout then calls the Agent's torch modules, slower"
+        fix = f"add one to numpy_module(), or pass --no-numpy-rollout ({slower})"
+        fail(f"the rollout has no numpy version of the Agent's layer {module!r}: {fix}")
     return activations[type(module)]
 
 
@@ -656,39 +666,40 @@ def rollout_probe(policy: RolloutPolicy, obs_dim: int, device: torch.device) -> 
 
 
 def check_rollout_policy(agent: Agent, batch: Batch, when: str) -> None:
-    """Stop unless Agent.log_prob_entropy and Agent.value give the rollout's log-probabilities and values."""
-    rows = {key: batch[key][:ROLLOUT_CHECK_SAMPLES] for key in ("obs", "actions", "log_probs", "values")}
+    """Stop unless Agent.log_prob_entropy and Agent.value agree with the rollout's numbers."""
+    keys = ("obs", "actions", "log_probs", "values")
+    obs, actions, log_probs, values = (batch[key][:ROLLOUT_CHECK_SAMPLES] for key in keys)
     with torch.no_grad():
-        log_probs, values = agent.log_prob_entropy(rows["obs"], rows["actions"])[0], agent.value(rows["obs"])
-    check_agreement(
-        when,
-        "RolloutPolicy.act (sampling, on numpy_module's copies of the networks) and Agent.log_prob_entropy / value",
-        **{"log-probabilities": (log_probs, rows["log_probs"]), "values": (values, rows["values"])},
-    )
+        agent_log_probs, agent_values = agent.log_prob_entropy(obs, actions)[0], agent.value(obs)
+    pairs = {"log-probabilities": (agent_log_probs, log_probs), "values": (agent_values, values)}
+    rollout = "RolloutPolicy.act (sampling, on numpy_module's copies of the networks)"
+    check_agreement(when, f"{rollout} and Agent.log_prob_entropy / value", **pairs)
 
 
 def check_agreement(when: str, must_agree: str, **pairs: tuple[torch.Tensor, torch.Tensor]) -> None:
-    """Stop every rank unless each pair (the Agent's numbers, the rollout's) agrees on every rank (one reduction)."""
-    tolerance = 1e-3  # relative: float32 rounding (actions rebuilt from a small std included) stays far below
+    """Stop every rank unless each pair (the Agent's numbers, the rollout's) agrees on all ranks."""
+    # relative: float32 rounding (actions rebuilt from a small std included) stays far below
+    tolerance = 1e-3
     with torch.no_grad():
-        gaps = torch.stack([((mine - theirs).abs() / (1 + theirs.abs())).max() for mine, theirs in pairs.values()])
+        relative = [(mine - theirs).abs() / (1 + theirs.abs()) for mine, theirs in pairs.values()]
+        gaps = torch.stack([gap.max() for gap in relative])
     gaps = gaps.double()
     if dist.is_initialized() and dist.get_world_size() > 1:
         reduce_to_all(gaps, "max")
     for name, gap in zip(pairs, gaps.tolist(), strict=True):
         if not gap <= tolerance:  # NaN too
-            fail(
-                f"{when}, the rollout's {name} differ from the Agent's by up to {gap:.3g} (relative; tolerance "
-                f"{tolerance:g}): {must_agree} must compute the same distribution and value; edit both alike"
-            )
+            differ = f"the rollout's {name} differ from the Agent's by up to {gap:.3g}"
+            fix = f"{must_agree} must compute the same distribution and value; edit both alike"
+            fail(f"{when}, {differ} (relative; tolerance {tolerance:g}): {fix}")
 
 
 # --- MuJoCo's console, input checks, batch table, evaluation ------------------------------------------
 
 
 def silence_settotalmass_warning() -> None:
-    """Drop the one warning MuJoCo 4 prints (and logs to MUJOCO_LOG.TXT) for every HalfCheetah env on every rank:
-    gymnasium's model file still uses the deprecated `settotalmass`. Any other MuJoCo warning prints as before."""
+    """Drop the one warning MuJoCo 4 prints (and logs to MUJOCO_LOG.TXT) for every HalfCheetah env
+    on every rank: gymnasium's model file still uses the deprecated `settotalmass`. Any other MuJoCo
+    warning prints as before."""
     try:
         import mujoco
     except ImportError:  # no MuJoCo, no MuJoCo warnings
@@ -702,23 +713,27 @@ def silence_settotalmass_warning() -> None:
 
 
 def check_args(args: Args) -> None:
-    """Refuse flags and envs that cannot run, with the fix, before any process group or rollout env exists."""
-    counts = ("total_timesteps", "steps_per_epoch", "local_num_envs", "train_v_iters", "max_ep_len", "eval_episodes")
-    for name in counts:
+    """Refuse, with the fix, flags and envs that cannot run, before any process group or env."""
+    counts = "total_timesteps steps_per_epoch local_num_envs train_v_iters max_ep_len eval_episodes"
+    for name in counts.split():
         if getattr(args, name) < 1:
             fail(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
-    try:
-        probe = gym.make(args.env_id)  # only to read its spaces; `module:EnvId` imports the module that registers it
-    except Exception as error:  # an unknown id or module, or MuJoCo failing to load the renderer MUJOCO_GL names
+    try:  # only to read its spaces; `module:EnvId` imports the module that registers it
+        probe = gym.make(args.env_id)
+    except Exception as error:  # unknown id or module, or MUJOCO_GL's renderer failing to load
         gl = os.environ.get("MUJOCO_GL")
-        renderer = f"; or MUJOCO_GL={gl} names a renderer this machine lacks (unset it, or install it)" if gl else ""
-        fail(f"unknown or unusable --env-id {args.env_id!r} ({type(error).__name__}: {error}){renderer}")
+        lacks = f"; or MUJOCO_GL={gl} names a renderer this machine lacks (unset it, or install it)"
+        renderer = lacks if gl else ""
+        reason = f"{type(error).__name__}: {error}"
+        fail(f"unknown or unusable --env-id {args.env_id!r} ({reason}){renderer}")
     action_space, observation_space = probe.action_space, probe.observation_space
     probe.close()
     if not isinstance(action_space, gym.spaces.Box | gym.spaces.Discrete):
-        fail(f"{args.env_id} has {type(action_space).__name__} actions; {SCRIPT} trains Box or Discrete action spaces")
+        kind = type(action_space).__name__
+        fail(f"{args.env_id} has {kind} actions; {SCRIPT} trains Box or Discrete action spaces")
     if not isinstance(observation_space, gym.spaces.Box):
-        fail(f"{args.env_id} has {type(observation_space).__name__} observations; {SCRIPT} needs a Box space")
+        kind = type(observation_space).__name__
+        fail(f"{args.env_id} has {kind} observations; {SCRIPT} needs a Box space")
     check_video_support(args, lambda: render_one_frame(args.env_id))
 
 
@@ -734,9 +749,10 @@ def batch_table(args: Args) -> list[tuple[str, object, object]]:
 
 
 def check_video_support(args, render_frame: Callable[[], object]) -> None:
-    """With --capture-video, render one frame now rather than fail after training (moviepy and the renderer work)."""
+    """With --capture-video, fail now rather than after training: check moviepy, render a frame."""
     if args.capture_video and "MUJOCO_GL" not in os.environ and not os.environ.get("DISPLAY"):
-        os.environ["MUJOCO_GL"] = "egl"  # headless: MuJoCo's GPU-or-CPU EGL renderer, read when mujoco loads
+        # headless: MuJoCo's GPU-or-CPU EGL renderer, read when mujoco loads
+        os.environ["MUJOCO_GL"] = "egl"
     if args.capture_video and importlib.util.find_spec("moviepy") is None:
         fail("--capture-video needs moviepy: pip install moviepy")
     try:
@@ -745,9 +761,10 @@ def check_video_support(args, render_frame: Callable[[], object]) -> None:
     except Exception as error:
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         fail(
-            f"--capture-video cannot render a frame ({reason}): for MuJoCo without a display use MUJOCO_GL=egl "
-            "(apt-get install libegl1) or MUJOCO_GL=osmesa (apt-get install libosmesa6); for classic-control envs "
-            "pip install pygame; or drop --capture-video"
+            f"--capture-video cannot render a frame ({reason}): for MuJoCo without a display use "
+            "MUJOCO_GL=egl (apt-get install libegl1) or MUJOCO_GL=osmesa "
+            "(apt-get install libosmesa6); for classic-control envs pip install pygame; "
+            "or drop --capture-video"
         )
 
 
@@ -781,24 +798,29 @@ def evaluate(agent: Agent, env_id: str, args: Args, video_folder: str | None = N
 
 
 def evaluate_checkpoint(args: Args) -> None:
-    """`--eval-checkpoint`: play a model.pt of this script on rank 0 (with the network and episode length it was
-    trained with) and print one `eval:` line."""
-    checkpoint = read_checkpoint(args.eval_checkpoint, "pass the model.pt that --save-model wrote")
+    """`--eval-checkpoint`: play a model.pt of this script on rank 0, with the network and episode
+    length it was trained with, and print one `eval:` line."""
+    path = args.eval_checkpoint
+    checkpoint = read_checkpoint(path, "pass the model.pt that --save-model wrote")
     check_video_support(args, lambda: render_one_frame(checkpoint["env_id"]))
     if read_launcher_environment()[0] != 0:
         return
     saved = checkpoint["args"]
-    if not (isinstance(saved.get("hidden_sizes"), list | tuple) and isinstance(saved.get("max_ep_len"), int)):
-        fail(f"{args.eval_checkpoint} holds no network sizes or episode length in its args: it is damaged")
+    sizes_ok = isinstance(saved.get("hidden_sizes"), list | tuple)
+    if not (sizes_ok and isinstance(saved.get("max_ep_len"), int)):
+        fail(f"{path} holds no network sizes or episode length in its args: it is damaged")
     env = gym.make(checkpoint["env_id"])
-    agent = Agent(int(np.prod(env.observation_space.shape)), env.action_space, tuple(saved["hidden_sizes"]))
+    obs_dim = int(np.prod(env.observation_space.shape))
+    agent = Agent(obs_dim, env.action_space, tuple(saved["hidden_sizes"]))
     env.close()
-    load_weights(agent, checkpoint["model"], args.eval_checkpoint)
+    load_weights(agent, checkpoint["model"], path)
     args.max_ep_len = saved["max_ep_len"]
-    np.random.seed(args.seed)  # the rollout policy's sampling, like the env, follows --seed: repeatable evaluations
-    video_folder = os.path.join(os.path.dirname(args.eval_checkpoint), "videos") if args.capture_video else None
+    # the rollout policy's sampling, like the env, follows --seed: repeatable evaluations
+    np.random.seed(args.seed)
+    video_folder = os.path.join(os.path.dirname(path), "videos") if args.capture_video else None
     returns = evaluate(agent, checkpoint["env_id"], args, video_folder)
-    print(f"eval: episodes={len(returns)} return_mean={np.mean(returns):.2f} return_std={np.std(returns):.2f}")
+    mean, std = np.mean(returns), np.std(returns)
+    print(f"eval: episodes={len(returns)} return_mean={mean:.2f} return_std={std:.2f}")
 
 
 # ======================================================================================================
