@@ -58,7 +58,7 @@ class Args:
     torch_deterministic: bool = True
     """if toggled, `torch.backends.cudnn.deterministic=True`"""
     cuda: bool = False
-    """if toggled and CUDA exists, rank r uses cuda:LOCAL_RANK (small MLPs: often faster on CPU)"""
+    """if toggled and CUDA exists, rank r uses cuda:LOCAL_RANK (small MLPs: CPU is often faster)"""
     track: bool = False
     """if toggled, the run is also sent to Weights and Biases (needs `pip install wandb`)"""
     wandb_project_name: str = "ddrl"
@@ -66,7 +66,7 @@ class Args:
     wandb_entity: str | None = None
     """the Weights and Biases entity (team)"""
     capture_video: bool = False
-    """if toggled, rank 0 records evaluation episodes to `runs/{run_name}/videos` (needs moviepy)"""
+    """if toggled, rank 0 films evaluation episodes into `runs/{run_name}/videos` (needs moviepy)"""
     save_model: bool = False
     """if toggled, rank 0 writes `runs/{run_name}/model.pt` at the end of training"""
     eval_checkpoint: str = ""
@@ -76,7 +76,7 @@ class Args:
     eval_deterministic: bool = False
     """if toggled, evaluation takes the policy's mode instead of sampling"""
     numpy_rollout: bool = True
-    """if toggled, the rollout runs numpy copies of the Agent's networks (faster than torch)"""
+    """if toggled, the rollout runs numpy copies of the Agent's networks (fast), else the modules"""
 
     # Algorithm specific arguments (names as in SpinningUp)
     env_id: str = "HalfCheetah-v5"
@@ -110,22 +110,19 @@ class Args:
     torch_threads: int = 0
     """torch threads per rank; 0 = the cores idle at start divided by the ranks on this node"""
     nprocs: int = 1
-    """if > 1 and not yet launched, re-launch as that many ranks: mpirun where --collectives allows
-    MPI and mpirun and mpi4py are installed, else `torch.distributed.run --standalone`"""
+    """if > 1, re-launch as that many ranks: mpirun if --collectives allows MPI, else torchrun"""
     collectives: Literal["auto", "mpi", "torch"] = "auto"
-    """CPU collectives: `mpi` through mpi4py (ranks started by mpirun, mpiexec or srun --mpi=pmix),
-    `torch` through torch.distributed (gloo); auto = mpi where MPI started the ranks and mpi4py
-    imports, else torch"""
+    """CPU collectives via mpi4py or gloo; auto: mpi if MPI started the ranks and mpi4py imports"""
     backend: str = ""
-    """torch.distributed backend; empty = with --cuda NCCL (gloo for CPU tensors), else gloo"""
+    """torch.distributed backend; empty = gloo, and NCCL for CUDA tensors with --cuda"""
     dist_timeout: float = 1800.0
     """seconds a collective may wait for a peer before the run stops with an error"""
     checkpoint_every: int = 0
-    """checkpoint to `runs/{run_name}/checkpoints/` every this many iterations (0 = SIGTERM only)"""
+    """iterations between checkpoints, `runs/{run_name}/checkpoints/iter_{n:06d}.pt` (0: SIGTERM)"""
     resume: bool = False
-    """resume `--run-name` from its newest checkpoint (automatic when torchrun restarts ranks)"""
+    """continue the run `--run-name` from its newest checkpoint (automatic on a torchrun restart)"""
     check_sync_every: int = 0
-    """every this many iterations, stop unless all ranks' weights have one checksum (0 = never)"""
+    """iterations between checks that all ranks hold the same weights (a checksum); 0 = never"""
 
     # to be filled in at run time
     world_size: int = 0
