@@ -141,8 +141,6 @@ Group = dist.ProcessGroup | None  # None: the world
 
 
 # --- batch arithmetic ---------------------------------------------------------------------------------
-
-
 def derive_batch_sizes(args: Args, world_size: int) -> None:
     """Each rank's and each env's share of the global epoch, and the number of epochs. Uneven shares
     or zero epochs stop the run here."""
@@ -165,8 +163,6 @@ def derive_batch_sizes(args: Args, world_size: int) -> None:
 
 
 # --- environment, agent, GAE --------------------------------------------------------------------------
-
-
 def make_env(env_id: str, max_ep_len: int, video_folder: str | None = None) -> Callable[[], gym.Env]:
     """A thunk building one env. `max_ep_len` becomes a time limit: a cut episode is truncated."""
 
@@ -299,8 +295,6 @@ def compute_gae(
 
 
 # --- gradient sync and the update ---------------------------------------------------------------------
-
-
 def group_size(group: Group = None) -> int:
     """Ranks in `group` (default: the world), or 1 without a process group (helpers do nothing)."""
     return dist.get_world_size(group) if dist.is_initialized() else 1
@@ -413,9 +407,7 @@ def update(
     return allreduce_mean(losses.double(), group), sync_time
 
 
-# --- --sync gather: rank 0 learns alone on every rank's batch, then broadcasts the weights ------------
-
-
+# --- --sync gather: rank 0 runs the update on the union of every rank's batch -------------------------
 def gather_to_learner(batch: Batch) -> Batch | None:
     """Every rank's batch on rank 0 (one gather), as their union in rank order; None elsewhere."""
     packed = torch.cat([value.reshape(-1).double() for value in batch.values()])
@@ -584,8 +576,6 @@ def main(args: Args) -> Agent | None:
 
 
 # --- the parts main names: explained variance, seeds --------------------------------------------------
-
-
 def explained_variance(returns: torch.Tensor, values: torch.Tensor) -> float:
     """1 - Var(returns - values) / Var(returns) over the world's batch, in float64 (one collective).
     NaN where the returns are constant."""
@@ -607,8 +597,7 @@ def env_seeds(seed: int, rank: int, local_num_envs: int, index_offset: int = 0) 
     return [seed + 10_000 * (first + j) for j in range(local_num_envs)]
 
 
-# --- the rollout's numpy copy of the Agent's networks, and the check that it agrees with the Agent ----
-
+# --- the rollout's numpy copy of the Agent's networks, checked against the Agent ----------------------
 ROLLOUT_CHECK_SAMPLES = 256
 
 
@@ -690,9 +679,7 @@ def check_agreement(when: str, must_agree: str, **pairs: tuple[torch.Tensor, tor
             fail(f"{when}, {differ} (relative; tolerance {tolerance:g}): {fix}")
 
 
-# --- MuJoCo's console, input checks, batch table, evaluation ------------------------------------------
-
-
+# --- MuJoCo's console, input checks, the batch table, evaluation --------------------------------------
 def silence_settotalmass_warning() -> None:
     """Drop the one warning MuJoCo 4 prints (and logs to MUJOCO_LOG.TXT) for every HalfCheetah env
     on every rank: gymnasium's model file still uses the deprecated `settotalmass`. Any other MuJoCo
