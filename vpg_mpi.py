@@ -1,20 +1,23 @@
 """Vanilla policy gradient (VPG) with GAE-lambda, data-parallel over any number of processes.
 
-SpinningUp's VPG in one file: separate policy and value MLPs (Gaussian policy with a state-independent log-std for Box
-actions, Categorical for Discrete), GAE-lambda advantages, one policy-gradient step and `--train-v-iters` value steps
-per epoch. It trains CartPole-v1 and the MuJoCo tasks (HalfCheetah-v5...).
+SpinningUp's VPG in one file: separate policy and value MLPs, GAE-lambda advantages, one
+policy-gradient step and `--train-v-iters` value steps per epoch. The policy is a Gaussian with a
+state-independent log-std for Box actions, a Categorical for Discrete ones. It trains CartPole-v1
+and the MuJoCo tasks (HalfCheetah-v5...). README.md shows every launcher and how to evaluate.
 
-    torchrun --standalone --nproc_per_node=2 vpg_mpi.py --env-id CartPole-v1   # README: every launcher, evaluation
+    torchrun --standalone --nproc_per_node=2 vpg_mpi.py --env-id CartPole-v1
 
-Distributed story: `--steps-per-epoch` is global and split evenly across ranks; each rank steps its own envs and
-computes GAE on its share; advantages are normalised with the world-wide mean and std. `--sync allreduce` (default)
-averages the gradients in one flat allreduce per optimizer step, so every rank takes the step one process would take
-on the concatenated batch; `--sync gather` (one learner) gathers the rollouts to rank 0, which updates alone and
-broadcasts the weights. An epoch is one iteration of the runtime at the bottom (checkpoints `iter_{epoch:06d}.pt`).
+Distributed story: `--steps-per-epoch` is global and split evenly across ranks. Each rank steps its
+own envs and computes GAE on its share; advantages are normalised with the world-wide mean and std.
+`--sync allreduce` (default) averages the gradients in one flat allreduce per optimizer step, so
+every rank takes the step one process would take on the concatenated batch. `--sync gather` (one
+learner) gathers the rollouts to rank 0, which updates alone and broadcasts the weights. An epoch is
+one iteration of the runtime at the bottom (checkpoints `iter_{epoch:06d}.pt`).
 
-SpinningUp's defaults: PyTorch's initialisation, advantages normalised by the population std (+ 1e-8: a constant
-batch cannot divide by zero), a log-std starting at -0.5, (64, 64) (its benchmark's net is (64, 32)). Unlike it, a
-sampled Box action is clipped to the space before the env sees it, which raises MuJoCo returns (docs/differences.md).
+SpinningUp's defaults: PyTorch's initialisation, a log-std starting at -0.5, hidden sizes (64, 64)
+(its benchmark's net is (64, 32)), advantages normalised by the population std (+ 1e-8, so that a
+constant batch cannot divide by zero). Unlike it, a sampled Box action is clipped to the space
+before the env sees it, which raises MuJoCo returns (docs/differences.md).
 """
 
 import contextlib
@@ -55,7 +58,7 @@ class Args:
     torch_deterministic: bool = True
     """if toggled, `torch.backends.cudnn.deterministic=True`"""
     cuda: bool = False
-    """if toggled and CUDA is available, rank r uses cuda:LOCAL_RANK (small MLPs are usually faster on CPU)"""
+    """if toggled and CUDA exists, rank r uses cuda:LOCAL_RANK (small MLPs: CPU is often faster)"""
     track: bool = False
     """if toggled, the run is also sent to Weights and Biases (needs `pip install wandb`)"""
     wandb_project_name: str = "ddrl"
@@ -63,7 +66,7 @@ class Args:
     wandb_entity: str | None = None
     """the Weights and Biases entity (team)"""
     capture_video: bool = False
-    """if toggled, rank 0 records evaluation episodes to `runs/{run_name}/videos` after training (needs moviepy)"""
+    """if toggled, rank 0 films evaluation episodes into `runs/{run_name}/videos` (needs moviepy)"""
     save_model: bool = False
     """if toggled, rank 0 writes `runs/{run_name}/model.pt` at the end of training"""
     eval_checkpoint: str = ""
@@ -73,7 +76,7 @@ class Args:
     eval_deterministic: bool = False
     """if toggled, evaluation takes the policy's mode instead of sampling"""
     numpy_rollout: bool = True
-    """if toggled, the rollout runs numpy copies of the Agent's networks (fast); --no-numpy-rollout calls the modules"""
+    """if toggled, the rollout runs numpy copies of the Agent's networks (fast), else the modules"""
 
     # Algorithm specific arguments (names as in SpinningUp)
     env_id: str = "HalfCheetah-v5"
@@ -99,7 +102,7 @@ class Args:
     max_ep_len: int = 1000
     """episodes are cut (and bootstrapped) after this many steps"""
     sync: Literal["allreduce", "gather"] = "allreduce"
-    """allreduce: average gradients over ranks; gather: rank 0 learns on all rollouts, then broadcasts weights"""
+    """allreduce: average the gradients; gather: rank 0 learns on all rollouts, sends the weights"""
 
     # Distributed runtime (the same flags in every ddrl script)
     run_name: str = ""
@@ -107,21 +110,19 @@ class Args:
     torch_threads: int = 0
     """torch threads per rank; 0 = the cores idle at start divided by the ranks on this node"""
     nprocs: int = 1
-    """if > 1 and not already launched, re-launch this script as that many ranks: under mpirun when --collectives
-    allows MPI and mpirun and mpi4py are installed, else under `torch.distributed.run --standalone`"""
+    """if > 1, re-launch as that many ranks: mpirun if --collectives allows MPI, else torchrun"""
     collectives: Literal["auto", "mpi", "torch"] = "auto"
-    """CPU collectives: `mpi` through mpi4py (ranks started by mpirun, mpiexec or `srun --mpi=pmix`), `torch` through
-    torch.distributed (gloo); auto = mpi where MPI started the ranks and mpi4py imports, else torch"""
+    """CPU collectives via mpi4py or gloo; auto: mpi if MPI started the ranks and mpi4py imports"""
     backend: str = ""
-    """torch.distributed backend; empty = NCCL for CUDA tensors (gloo for CPU ones) with --cuda, gloo otherwise"""
+    """torch.distributed backend; empty = gloo, and NCCL for CUDA tensors with --cuda"""
     dist_timeout: float = 1800.0
     """seconds a collective may wait for a peer before the run stops with an error"""
     checkpoint_every: int = 0
-    """write `runs/{run_name}/checkpoints/iter_{n:06d}.pt` every this many iterations (0 = only on SIGTERM)"""
+    """iterations between checkpoints, `runs/{run_name}/checkpoints/iter_{n:06d}.pt` (0: SIGTERM)"""
     resume: bool = False
-    """continue the run `--run-name` from its newest checkpoint (automatic when torchrun restarts the ranks)"""
+    """continue the run `--run-name` from its newest checkpoint (automatic on a torchrun restart)"""
     check_sync_every: int = 0
-    """compare a checksum of the weights across ranks every this many iterations and stop if they differ (0 = never)"""
+    """iterations between checks that all ranks hold the same weights (a checksum); 0 = never"""
 
     # to be filled in at run time
     world_size: int = 0
@@ -134,21 +135,22 @@ class Args:
     """number of epochs: total_timesteps // steps_per_epoch (computed at run time)"""
 
 
-Batch = dict[str, torch.Tensor]  # a rollout's tensors by name: obs, actions, log_probs, values, advantages, returns
+# a rollout's tensors by name: obs, actions, log_probs, values, advantages, returns
+Batch = dict[str, torch.Tensor]
 Group = dist.ProcessGroup | None  # None: the world
 
 
 # --- batch arithmetic ---------------------------------------------------------------------------------
-
-
 def derive_batch_sizes(args: Args, world_size: int) -> None:
-    """Each rank's and each env's share of the global epoch, and the epochs; uneven shares or no epoch stop."""
+    """Each rank's and each env's share of the global epoch, and the number of epochs. Uneven shares
+    or zero epochs stop the run here."""
     args.world_size = world_size
     args.local_steps_per_epoch = args.steps_per_epoch // world_size
     args.num_steps = args.local_steps_per_epoch // args.local_num_envs
     fix = f"use a --steps-per-epoch that is a multiple of {world_size * args.local_num_envs}"
     if args.steps_per_epoch % world_size:
-        fail(f"--steps-per-epoch {args.steps_per_epoch} does not split evenly across {world_size} ranks; {fix}")
+        uneven = f"--steps-per-epoch {args.steps_per_epoch} does not split evenly"
+        fail(f"{uneven} across {world_size} ranks; {fix}")
     if args.local_steps_per_epoch % args.local_num_envs:
         local = f"the local epoch of {args.local_steps_per_epoch} steps"
         fail(f"{local} does not split across --local-num-envs {args.local_num_envs}; {fix}")
@@ -161,10 +163,8 @@ def derive_batch_sizes(args: Args, world_size: int) -> None:
 
 
 # --- environment, agent, GAE --------------------------------------------------------------------------
-
-
 def make_env(env_id: str, max_ep_len: int, video_folder: str | None = None) -> Callable[[], gym.Env]:
-    """A thunk building one env; `max_ep_len` becomes a time limit, so a cut episode is a truncation."""
+    """A thunk building one env. `max_ep_len` becomes a time limit: a cut episode is truncated."""
 
     def thunk() -> gym.Env:
         silence_settotalmass_warning()
@@ -177,7 +177,7 @@ def make_env(env_id: str, max_ep_len: int, video_folder: str | None = None) -> C
 
 
 def layer_init(layer: nn.Linear) -> nn.Linear:
-    """PyTorch's default initialisation, as SpinningUp's: the one place to change it (CleanRL's is orthogonal)."""
+    """PyTorch's default initialisation (SpinningUp's; CleanRL's is orthogonal): change it here."""
     return layer
 
 
@@ -201,14 +201,15 @@ class Agent(nn.Module):
         num_outputs = int(np.prod(action_space.shape)) if self.continuous else int(action_space.n)
         self.actor = mlp(obs_dim, hidden_sizes, num_outputs)
         self.critic = mlp(obs_dim, hidden_sizes, 1)
-        if self.continuous:
-            self.log_std = nn.Parameter(torch.full((num_outputs,), -0.5))  # state-independent, as SpinningUp's
+        if self.continuous:  # a state-independent log-std, as SpinningUp's
+            self.log_std = nn.Parameter(torch.full((num_outputs,), -0.5))
 
     def log_prob_entropy(self, obs: torch.Tensor, actions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Log-probability of `actions` and the policy's entropy at `obs` (closed forms, no Distribution objects)."""
+        """Log-probability of `actions` and the policy's entropy at `obs`, in closed form."""
         out = self.actor(obs)
         if self.continuous:
-            log_prob = (-0.5 * ((actions - out) / self.log_std.exp()) ** 2 - self.log_std - LOG_SQRT_2PI).sum(-1)
+            noise = (actions - out) / self.log_std.exp()
+            log_prob = (-0.5 * noise**2 - self.log_std - LOG_SQRT_2PI).sum(-1)
             entropy = (0.5 + LOG_SQRT_2PI + self.log_std).sum().expand(len(obs))
             return log_prob, entropy
         log_probs = torch.log_softmax(out, dim=-1)
@@ -219,31 +220,37 @@ class Agent(nn.Module):
         return self.critic(obs).squeeze(-1)
 
     def policy_parameters(self) -> list[nn.Parameter]:
-        """All but the critic's: what the policy step trains (a module added to the actor's side joins by itself)."""
-        return [parameter for name, parameter in self.named_parameters() if not name.startswith("critic.")]
+        """All parameters but the critic's: what the policy step trains. A module added on the
+        actor's side joins by itself."""
+        return [p for name, p in self.named_parameters() if not name.startswith("critic.")]
 
     def rollout_policy(self, numpy_networks: bool = True) -> "RolloutPolicy":
-        """The policy and value function as they are now, for a rollout (which never changes them)."""
+        """The policy and value function as they are now, for a rollout (it never changes them)."""
         return RolloutPolicy(self, numpy_networks)
 
 
 class RolloutPolicy:
-    """The Agent acting one env step at a time: its networks as numpy functions built layer by layer from its modules
-    (numpy_module; at one observation per env torch's per-call overhead costs more than the arithmetic), sampling the
-    distribution that Agent.log_prob_entropy scores. Noise from numpy's seeded global generator."""
+    """The Agent acting one env step at a time, sampling the distribution Agent.log_prob_entropy
+    scores. Its networks are numpy functions built layer by layer from its modules (numpy_module):
+    at one observation per env, torch's per-call overhead costs more than the arithmetic. The noise
+    comes from numpy's seeded global generator."""
 
     def __init__(self, agent: Agent, numpy_networks: bool = True):
         self.continuous = agent.continuous
-        self.actor, self.critic = numpy_module(agent.actor, numpy_networks), numpy_module(agent.critic, numpy_networks)
+        self.actor = numpy_module(agent.actor, numpy_networks)
+        self.critic = numpy_module(agent.critic, numpy_networks)
         if self.continuous:
             self.log_std = numpy_module(agent.log_std, numpy_networks)
 
     def act(self, obs: np.ndarray, deterministic: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Sampled (or modal) actions, their log-probabilities and the values at `obs` [envs, obs_dim]."""
+        """Sampled or modal actions, their log-probabilities and values at `obs` [envs, obs_dim]."""
         out = self.actor(obs)
         if self.continuous:
             log_std = self.log_std(obs)
-            noise = np.zeros_like(out) if deterministic else np.random.standard_normal(out.shape).astype(out.dtype)
+            if deterministic:
+                noise = np.zeros_like(out)
+            else:
+                noise = np.random.standard_normal(out.shape).astype(out.dtype)
             actions = out + np.exp(log_std) * noise
             log_prob = (-0.5 * noise**2 - log_std - LOG_SQRT_2PI).sum(-1)
         else:
@@ -251,9 +258,10 @@ class RolloutPolicy:
             log_probs = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))  # log_softmax
             if deterministic:
                 actions = log_probs.argmax(-1)
-            else:  # inverse CDF: the first action whose cumulative probability reaches a uniform draw
+            else:  # inverse CDF: the first action whose cumulative probability reaches a draw
                 uniform = np.random.random_sample((len(out), 1))
-                actions = np.minimum((np.exp(log_probs).cumsum(-1) < uniform).sum(-1), out.shape[-1] - 1)
+                below = (np.exp(log_probs).cumsum(-1) < uniform).sum(-1)
+                actions = np.minimum(below, out.shape[-1] - 1)
             log_prob = np.take_along_axis(log_probs, actions[:, None], -1)[:, 0]
         return actions, log_prob, self.value(obs)
 
@@ -270,10 +278,10 @@ def compute_gae(
     gamma: float,
     gae_lambda: float,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """GAE-lambda advantages and discounted rewards-to-go (the value targets) for arrays [T, envs]. `next_values[t]`
-    is V of the state after step t in its episode (V(final observation) where it was truncated), zeroed where
-    `terminations[t]`; `episode_ends[t]` ends the path at t. The last row ends a path too, bootstrapping from
-    `next_values` as SpinningUp's `finish_path(last_val)` does."""
+    """GAE-lambda advantages and discounted rewards-to-go (the value targets) for arrays [T, envs].
+    `next_values[t]` is V of the state after step t in its episode (V(final observation) where it
+    was truncated), zeroed where `terminations[t]`. `episode_ends[t]` ends the path at t. The last
+    row ends a path too, bootstrapping from `next_values` (SpinningUp's `finish_path(last_val)`)."""
     advantages, rewards_to_go = np.zeros_like(rewards), np.zeros_like(rewards)
     next_advantage, next_return = np.zeros_like(rewards[0]), np.zeros_like(rewards[0])
     for t in reversed(range(len(rewards))):
@@ -287,15 +295,13 @@ def compute_gae(
 
 
 # --- gradient sync and the update ---------------------------------------------------------------------
-
-
 def group_size(group: Group = None) -> int:
-    """Ranks in `group` (the world by default); 1 where no process group exists, so helpers become no-ops."""
+    """Ranks in `group` (default: the world), or 1 without a process group (helpers do nothing)."""
     return dist.get_world_size(group) if dist.is_initialized() else 1
 
 
 def allreduce_mean(tensor: torch.Tensor, group: Group = None) -> torch.Tensor:
-    """Average `tensor` over the ranks of `group`, in place (reduce_to_all: MPI's under mpirun, else torch's)."""
+    """In-place average of `tensor` over `group` (reduce_to_all: MPI under mpirun, else torch)."""
     if group_size(group) > 1:
         reduce_to_all(tensor, group=group)
         tensor /= group_size(group)
@@ -303,18 +309,21 @@ def allreduce_mean(tensor: torch.Tensor, group: Group = None) -> torch.Tensor:
 
 
 def flat_gradient_buffer(parameters: list[nn.Parameter], num_extras: int) -> torch.Tensor:
-    """One zeroed buffer of every gradient, then `num_extras` scalars; each `.grad` is a view into it, so backward()
-    accumulates into what the allreduce sends. Zero it with `zero_()` (`optimizer.zero_grad()` drops the views)."""
+    """One zeroed buffer of every gradient, then `num_extras` scalars. Each `.grad` is a view into
+    it, so backward() accumulates into what the allreduce sends. Zero it with `zero_()`, as
+    `optimizer.zero_grad()` drops the views."""
     sizes = [p.numel() for p in parameters]
-    flat = torch.zeros(sum(sizes) + num_extras, dtype=parameters[0].dtype, device=parameters[0].device)
+    first = parameters[0]
+    flat = torch.zeros(sum(sizes) + num_extras, dtype=first.dtype, device=first.device)
     for parameter, gradient in zip(parameters, flat[: sum(sizes)].split(sizes), strict=True):
         parameter.grad = gradient.view_as(parameter)
     return flat
 
 
 def average_gradients(flat: torch.Tensor, group: Group = None) -> float:
-    """Average a flat_gradient_buffer (gradients, then scalars every rank must agree on) in one allreduce; returns its
-    seconds. A NaN or inf anywhere spreads through the sum, so every rank raises NonFiniteError before any step."""
+    """Average a flat_gradient_buffer (gradients, then scalars every rank must agree on) in one
+    allreduce, and return its seconds. A NaN or inf anywhere spreads through the sum, so every rank
+    raises NonFiniteError before any step."""
     start = time.perf_counter()
     allreduce_mean(flat, group)
     if not torch.isfinite(flat).all():
@@ -323,7 +332,7 @@ def average_gradients(flat: torch.Tensor, group: Group = None) -> float:
 
 
 def broadcast_parameters(module: nn.Module, extras: torch.Tensor | None = None) -> None:
-    """Copy rank 0's parameters and buffers, and `extras` (numbers riding along), to every rank in one broadcast."""
+    """One broadcast gives every rank the parameters, buffers and `extras` of rank 0."""
     tensors = [t for t in (*module.parameters(), *module.buffers()) if t.is_floating_point()]
     tensors += [] if extras is None else [extras]
     if group_size() > 1:
@@ -335,7 +344,8 @@ def broadcast_parameters(module: nn.Module, extras: torch.Tensor | None = None) 
 
 
 def global_mean_std(x: torch.Tensor, group: Group = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mean and population std (SpinningUp's) along the last dim of `x` over all ranks' elements, as if concatenated."""
+    """Mean and population std (SpinningUp's) along the last dim of `x`, over the elements of all
+    ranks as if concatenated."""
     local_mean = x.mean(-1)
     local_m2 = ((x - local_mean.unsqueeze(-1)) ** 2).sum(-1)
     local = torch.stack([torch.full_like(local_mean, x.shape[-1]), local_mean, local_m2])
@@ -359,13 +369,14 @@ def update(
     args: Args,
     group: Group = None,
 ) -> tuple[torch.Tensor, float]:
-    """One VPG epoch on this rank's batch, gradients averaged over `group`: the policy step, then the value steps. A
-    non-finite loss or gradient stops every rank before its own step, not earlier ones (met in the value steps: after
-    the policy step). Returns the group-averaged LOSS_KEYS (first value loss) and the seconds in collectives."""
-    obs, actions, returns, old_log_prob = batch["obs"], batch["actions"], batch["returns"], batch["log_probs"]
+    """One VPG epoch on this rank's batch, gradients averaged over `group`: the policy step, then
+    the value steps. A non-finite loss or gradient stops every rank before its own step, not earlier
+    ones (in the value steps: after the policy step). Returns the group-averaged LOSS_KEYS (the
+    first value loss) and the seconds in collectives."""
+    obs, actions, returns = batch["obs"], batch["actions"], batch["returns"]
     adv_mean, adv_std = global_mean_std(batch["advantages"], group)
     advantages = (batch["advantages"] - adv_mean) / (adv_std + 1e-8)
-    # each step's gradients, then its loss (a non-finite loss stops every rank too), in one allreduce
+    # one allreduce per step: its gradients, then its loss (a non-finite loss stops every rank too)
     policy_flat = flat_gradient_buffer(agent.policy_parameters(), num_extras=1)
     value_flat = flat_gradient_buffer(list(agent.critic.parameters()), num_extras=1)
     sync_time = 0.0
@@ -389,25 +400,71 @@ def update(
         sync_time += average_gradients(value_flat, group)
         vf_optimizer.step()
 
-    with torch.no_grad():
+    with torch.no_grad():  # the losses in LOSS_KEYS' order
         new_log_prob, _ = agent.log_prob_entropy(obs, actions)
-        approx_kl = (old_log_prob - new_log_prob).mean()
-        losses = torch.stack([policy_loss.detach(), first_value_loss, entropy.mean().detach(), approx_kl])  # LOSS_KEYS
+        approx_kl = (batch["log_probs"] - new_log_prob).mean()
+        losses = torch.stack([policy_loss, first_value_loss, entropy.mean(), approx_kl])
     return allreduce_mean(losses.double(), group), sync_time
+
+
+# --- --sync gather: rank 0 runs the update on the union of every rank's batch -------------------------
+def gather_to_learner(batch: Batch) -> Batch | None:
+    """Every rank's batch on rank 0 (one gather), as their union in rank order; None elsewhere."""
+    packed = torch.cat([value.reshape(-1).double() for value in batch.values()])
+    gathered = gather_to_rank0(packed)  # [ranks, packed] on rank 0
+    if gathered is None:
+        return None
+    sizes = [value.numel() for value in batch.values()]
+    union = gathered.split(sizes, 1)  # per field: [ranks, its elements]
+    return {
+        key: part.reshape(-1, *value.shape[1:]).to(value.dtype)
+        for (key, value), part in zip(batch.items(), union, strict=True)
+    }
+
+
+def update_one_learner(
+    agent: Agent,
+    pi_optimizer: torch.optim.Optimizer,
+    vf_optimizer: torch.optim.Optimizer,
+    batch: Batch,
+    args: Args,
+    learner_group: Group,
+) -> tuple[torch.Tensor, float]:
+    """Rank 0 runs `update` on the union of the ranks' batches in `learner_group` (a group of one).
+    Then one broadcast gives every rank its weights, the logged losses and whether rank 0 met a
+    non-finite loss. Returns those losses and the seconds of the gather and the broadcast."""
+    start = time.perf_counter()
+    union = gather_to_learner(batch)
+    # the losses, then a non-finite flag
+    outcome = torch.zeros(len(LOSS_KEYS) + 1, dtype=torch.float64, device=batch["returns"].device)
+    learner_start = time.perf_counter()
+    if union is not None:
+        try:  # the learner's batch is the world's
+            losses, _ = update(agent, pi_optimizer, vf_optimizer, union, args, learner_group)
+            outcome[:-1] = losses
+        except NonFiniteError:
+            outcome[-1] = 1.0
+    learner_time = time.perf_counter() - learner_start
+    broadcast_parameters(agent, outcome)
+    if outcome[-1] > 0:
+        raise NonFiniteError("a non-finite loss or gradient")
+    return outcome[:-1], time.perf_counter() - start - learner_time
 
 
 def main(args: Args) -> Agent | None:
     """Train (or, with --eval-checkpoint, evaluate); returns this rank's trained agent."""
-    run = Run(args, unit="epoch")  # re-launches for --nprocs (mpirun or torchrun); reads the launcher's world
-    silence_settotalmass_warning()  # before any env is made: the input checks' probe and evaluation too
+    # re-launches for --nprocs (mpirun or torchrun); reads the launcher's world
+    run = Run(args, unit="epoch")
+    silence_settotalmass_warning()  # before any env: the input checks' probe and evaluation too
     if args.eval_checkpoint:
         return evaluate_checkpoint(args)
     check_args(args)
     derive_batch_sizes(args, run.world_size)
-    run.start(args.num_epochs * args.steps_per_epoch, batch_table(args))  # run folder, resume, same command everywhere
+    total_steps = args.num_epochs * args.steps_per_epoch
+    run.start(total_steps, batch_table(args))  # run folder, resume, the same command everywhere
     rank, device = run.rank, run.device
 
-    # --- set-up: envs, identical initial weights on every rank (built from `seed`, then broadcast), rank seeds ---
+    # --- set-up: envs, identical weights on every rank (from `seed`, broadcast), rank seeds ---
     envs = gym.vector.SyncVectorEnv(
         [make_env(args.env_id, args.max_ep_len) for _ in range(args.local_num_envs)],
         autoreset_mode=gym.vector.AutoresetMode.SAME_STEP,
@@ -417,7 +474,8 @@ def main(args: Args) -> Agent | None:
     torch.manual_seed(args.seed)
     agent = Agent(obs_dim, action_space, args.hidden_sizes).to(device)
     broadcast_parameters(agent)
-    check_rollout_policy(agent, rollout_probe(agent.rollout_policy(args.numpy_rollout), obs_dim, device), "at start")
+    probe = rollout_probe(agent.rollout_policy(args.numpy_rollout), obs_dim, device)
+    check_rollout_policy(agent, probe, "at start")
     random.seed(rank_seed(args.seed, rank))
     np.random.seed(rank_seed(args.seed, rank))
     torch.manual_seed(rank_seed(args.seed, rank))
@@ -431,20 +489,25 @@ def main(args: Args) -> Agent | None:
     shape = (args.num_steps, args.local_num_envs)
     obs = np.zeros(shape + (obs_dim,), dtype=np.float32)
     actions = np.zeros(shape + action_space.shape, dtype=np.float32)
-    # episode_ends: terminated or truncated; final_values: V(final observation) where an episode was truncated
-    logprobs, values, rewards, terminations, episode_ends, final_values = np.zeros((6, *shape), dtype=np.float32)
+    # episode_ends: terminated or truncated
+    # final_values: V(final observation) where an episode was truncated
+    per_step = np.zeros((6, *shape), dtype=np.float32)
+    logprobs, values, rewards, terminations, episode_ends, final_values = per_step
 
     # a resumed run starts fresh episodes, on envs seeded after all the earlier attempts' envs
     index_offset = run.restarts * args.world_size * args.local_num_envs
     next_obs, _ = envs.reset(seed=env_seeds(args.seed, rank, args.local_num_envs, index_offset))
-    episode_return, episode_length = np.zeros(args.local_num_envs), np.zeros(args.local_num_envs, dtype=np.int64)
+    episode_return = np.zeros(args.local_num_envs)
+    episode_length = np.zeros(args.local_num_envs, dtype=np.int64)
 
-    with run.guard(nonfinite_fix="lower --pi-lr/--vf-lr or check the env's observations and rewards"):
+    nonfinite_fix = "lower --pi-lr/--vf-lr or check the env's observations and rewards"
+    with run.guard(nonfinite_fix=nonfinite_fix):
         for _epoch in run.iterations():
             # --- rollout ---
             rollout_start = time.perf_counter()
             policy = agent.rollout_policy(args.numpy_rollout)
-            finished = {"episodes": 0, "episode_return": 0.0, "episode_length": 0}  # summed over ranks for the log
+            # summed over ranks for the log
+            finished = {"episodes": 0, "episode_return": 0.0, "episode_length": 0}
             for step in range(args.num_steps):
                 obs[step] = next_obs.reshape(args.local_num_envs, -1)
                 action, logprobs[step], values[step] = policy.act(obs[step])
@@ -462,14 +525,14 @@ def main(args: Args) -> Agent | None:
                     finished["episode_length"] += int(episode_length[ended].sum())
                     episode_return[ended], episode_length[ended] = 0.0, 0
                     cut = truncated & ~terminated
-                    if cut.any():  # truncation is not termination: bootstrap from V(final observation)
+                    if cut.any():  # truncated, not terminated: bootstrap from V(final observation)
                         final_obs = np.stack(info["final_obs"][cut]).reshape(cut.sum(), -1)
                         final_values[step, cut] = policy.value(final_obs.astype(np.float32))
             global_step += args.steps_per_epoch
             last_values = policy.value(next_obs.reshape(args.local_num_envs, -1).astype(np.float32))
             rollout_time = time.perf_counter() - rollout_start
 
-            # --- GAE: each step bootstraps from the next row's value, or V(final observation) where its episode ended
+            # --- GAE: bootstrap from the next row's value, or V(final_obs) where an episode ended
             next_values = np.concatenate([values[1:], last_values[None]])
             next_values = np.where(episode_ends > 0, final_values, next_values)
             advantages, returns = compute_gae(
@@ -485,24 +548,26 @@ def main(args: Args) -> Agent | None:
                 "returns": returns.reshape(-1),  # the rewards-to-go
             }
             batch = {key: torch.as_tensor(value, device=device) for key, value in batch.items()}
-            check_rollout_policy(agent, batch, f"at epoch {run.iteration}")  # the rollout's policy is the Agent's
+            # the rollout's policy is the Agent's
+            check_rollout_policy(agent, batch, f"at epoch {run.iteration}")
 
-            # --- update ---
+            # --- update (--sync gather: the same update, by rank 0 alone on every rank's batch) ---
             update_start = time.perf_counter()
-            if args.sync == "allreduce":
-                losses, sync_time = update(agent, pi_optimizer, vf_optimizer, batch, args)
-            else:  # the same update, by rank 0 alone on the union of every rank's batch
-                losses, sync_time = update_one_learner(agent, pi_optimizer, vf_optimizer, batch, args, learner_group)
+            learn = update if args.sync == "allreduce" else update_one_learner
+            losses, sync_time = learn(agent, pi_optimizer, vf_optimizer, batch, args, learner_group)
             update_time = time.perf_counter() - update_start
 
-            # --- logging: episodes ended on any rank, losses averaged over ranks, the world's explained variance ---
+            # --- logging: episodes ended on any rank, rank-averaged losses, explained variance ---
             world = run.sum_over_ranks(**finished)
             scalars = {"charts/learning_rate": pi_optimizer.param_groups[0]["lr"]}
-            scalars |= {f"losses/{key}": value for key, value in zip(LOSS_KEYS, losses.tolist(), strict=True)}
-            scalars["losses/explained_variance"] = explained_variance(batch["returns"], batch["values"])
-            scalars |= {"perf/rollout_time": rollout_time, "perf/update_time": update_time, "perf/sync_time": sync_time}
+            logged = dict(zip(LOSS_KEYS, losses.tolist(), strict=True))
+            logged["explained_variance"] = explained_variance(batch["returns"], batch["values"])
+            scalars |= {f"losses/{key}": value for key, value in logged.items()}
+            scalars |= {"perf/rollout_time": rollout_time, "perf/update_time": update_time}
+            scalars["perf/sync_time"] = sync_time
             run.log(global_step, world, scalars)
-            if run.end_iteration(global_step):  # weight check, checkpoint; every rank stops here on SIGTERM
+            # the weight check and checkpoint; every rank stops here on SIGTERM
+            if run.end_iteration(global_step):
                 break
 
         envs.close()
@@ -510,32 +575,37 @@ def main(args: Args) -> Agent | None:
     return agent
 
 
+# --- the parts main names: explained variance, seeds --------------------------------------------------
 def explained_variance(returns: torch.Tensor, values: torch.Tensor) -> float:
-    """1 - Var(returns - values) / Var(returns) over the world's batch in float64 (one collective; constant: NaN)."""
+    """1 - Var(returns - values) / Var(returns) over the world's batch, in float64 (one collective).
+    NaN where the returns are constant."""
     _, stds = global_mean_std(torch.stack([returns - values, returns]).double())
     return float("nan") if stds[1] == 0 else (1 - stds[0] ** 2 / stds[1] ** 2).item()
 
 
 def rank_seed(seed: int, rank: int) -> int:
-    """Seed of python, numpy and action sampling on `rank` (SpinningUp's stride: nearby seeds never collide)."""
+    """Seed of python, numpy and action sampling on `rank`. SpinningUp's stride keeps nearby seeds
+    from colliding."""
     return seed + 10_000 * rank
 
 
 def env_seeds(seed: int, rank: int, local_num_envs: int, index_offset: int = 0) -> list[int]:
-    """Seeds of this rank's envs: env j of rank r has global index g = index_offset + r * local_num_envs + j. A resumed
-    run passes `index_offset` = restarts x the world's envs, so its fresh episodes never replay a seed."""
-    return [seed + 10_000 * (index_offset + rank * local_num_envs + j) for j in range(local_num_envs)]
+    """Seeds of this rank's envs: env j of rank r has the global index
+    g = index_offset + r * local_num_envs + j. A resumed run passes `index_offset` = restarts x the
+    world's envs, so its fresh episodes never replay a seed."""
+    first = index_offset + rank * local_num_envs  # the global index of this rank's env 0
+    return [seed + 10_000 * (first + j) for j in range(local_num_envs)]
 
 
-# --- the rollout's numpy copy of the Agent's networks, and the check that it agrees with the Agent ----
-
+# --- the rollout's numpy copy of the Agent's networks, checked against the Agent ----------------------
 ROLLOUT_CHECK_SAMPLES = 256
 
 
 def numpy_module(module: nn.Module | nn.Parameter, numpy_layers: bool = True) -> Callable[[np.ndarray], np.ndarray]:
-    """`module` as a numpy function of a batch of rows, layer by layer, on numpy views of its parameters; a parameter
-    stands for a head that is the same for every row (a state-independent log-std; broadcast). A layer it does not
-    know stops the run: add its numpy version here, or pass --no-numpy-rollout (`numpy_layers` False: torch layers)."""
+    """`module` as a numpy function of a batch of rows, layer by layer, on numpy views of its
+    parameters. A parameter stands for a head that is the same for every row (a state-independent
+    log-std, broadcast). A layer it does not know stops the run: add its numpy version here, or pass
+    --no-numpy-rollout (`numpy_layers` False: the torch layers)."""
     if isinstance(module, nn.Parameter):
         value = module.detach().cpu().numpy()
         return lambda x: value
@@ -551,20 +621,25 @@ def numpy_module(module: nn.Module | nn.Parameter, numpy_layers: bool = True) ->
         return lambda x: x @ weight + bias
     if isinstance(module, nn.LayerNorm) and len(module.normalized_shape) == 1:
         weight, bias, eps = params.get("weight", 1.0), params.get("bias", 0.0), module.eps
-        return lambda x: (x - x.mean(-1, keepdims=True)) / np.sqrt(x.var(-1, keepdims=True) + eps) * weight + bias
+
+        def layer_norm(x: np.ndarray) -> np.ndarray:
+            std = np.sqrt(x.var(-1, keepdims=True) + eps)
+            return (x - x.mean(-1, keepdims=True)) / std * weight + bias
+
+        return layer_norm
+    alpha, slope = getattr(module, "alpha", 1.0), getattr(module, "negative_slope", 0.0)
     activations = {
         nn.Identity: lambda x: x,
         nn.Tanh: np.tanh,
         nn.ReLU: lambda x: np.maximum(x, 0),
-        nn.ELU: lambda x: np.where(x > 0, x, getattr(module, "alpha", 1.0) * np.expm1(np.minimum(x, 0))),
-        nn.LeakyReLU: lambda x: np.where(x > 0, x, getattr(module, "negative_slope", 0.0) * x),
+        nn.ELU: lambda x: np.where(x > 0, x, alpha * np.expm1(np.minimum(x, 0))),
+        nn.LeakyReLU: lambda x: np.where(x > 0, x, slope * x),
         nn.SiLU: lambda x: x / (1 + np.exp(-x)),
     }
     if type(module) not in activations:
-        fail(
-            f"the rollout has no numpy version of the Agent's layer {module!r}: add one to numpy_module(), or pass "
-            "--no-numpy-rollout (the rollout then calls the Agent's torch modules, slower)"
-        )
+        slower = "the rollout then calls the Agent's torch modules, slower"
+        fix = f"add one to numpy_module(), or pass --no-numpy-rollout ({slower})"
+        fail(f"the rollout has no numpy version of the Agent's layer {module!r}: {fix}")
     return activations[type(module)]
 
 
@@ -577,78 +652,38 @@ def rollout_probe(policy: RolloutPolicy, obs_dim: int, device: torch.device) -> 
 
 
 def check_rollout_policy(agent: Agent, batch: Batch, when: str) -> None:
-    """Stop unless Agent.log_prob_entropy and Agent.value give the rollout's log-probabilities and values."""
-    rows = {key: batch[key][:ROLLOUT_CHECK_SAMPLES] for key in ("obs", "actions", "log_probs", "values")}
+    """Stop unless Agent.log_prob_entropy and Agent.value agree with the rollout's numbers."""
+    keys = ("obs", "actions", "log_probs", "values")
+    obs, actions, log_probs, values = (batch[key][:ROLLOUT_CHECK_SAMPLES] for key in keys)
     with torch.no_grad():
-        log_probs, values = agent.log_prob_entropy(rows["obs"], rows["actions"])[0], agent.value(rows["obs"])
-    check_agreement(
-        when,
-        "RolloutPolicy.act (sampling, on numpy_module's copies of the networks) and Agent.log_prob_entropy / value",
-        **{"log-probabilities": (log_probs, rows["log_probs"]), "values": (values, rows["values"])},
-    )
+        agent_log_probs, agent_values = agent.log_prob_entropy(obs, actions)[0], agent.value(obs)
+    pairs = {"log-probabilities": (agent_log_probs, log_probs), "values": (agent_values, values)}
+    rollout = "RolloutPolicy.act (sampling, on numpy_module's copies of the networks)"
+    check_agreement(when, f"{rollout} and Agent.log_prob_entropy / value", **pairs)
 
 
 def check_agreement(when: str, must_agree: str, **pairs: tuple[torch.Tensor, torch.Tensor]) -> None:
-    """Stop every rank unless each pair (the Agent's numbers, the rollout's) agrees on every rank (one reduction)."""
-    tolerance = 1e-3  # relative: float32 rounding (actions rebuilt from a small std included) stays far below
+    """Stop every rank unless each pair (the Agent's numbers, the rollout's) agrees on all ranks."""
+    # relative: float32 rounding (actions rebuilt from a small std included) stays far below
+    tolerance = 1e-3
     with torch.no_grad():
-        gaps = torch.stack([((mine - theirs).abs() / (1 + theirs.abs())).max() for mine, theirs in pairs.values()])
+        relative = [(mine - theirs).abs() / (1 + theirs.abs()) for mine, theirs in pairs.values()]
+        gaps = torch.stack([gap.max() for gap in relative])
     gaps = gaps.double()
     if dist.is_initialized() and dist.get_world_size() > 1:
         reduce_to_all(gaps, "max")
     for name, gap in zip(pairs, gaps.tolist(), strict=True):
         if not gap <= tolerance:  # NaN too
-            fail(
-                f"{when}, the rollout's {name} differ from the Agent's by up to {gap:.3g} (relative; tolerance "
-                f"{tolerance:g}): {must_agree} must compute the same distribution and value; edit both alike"
-            )
+            differ = f"the rollout's {name} differ from the Agent's by up to {gap:.3g}"
+            fix = f"{must_agree} must compute the same distribution and value; edit both alike"
+            fail(f"{when}, {differ} (relative; tolerance {tolerance:g}): {fix}")
 
 
-# --- --sync gather (rank 0 learns alone), MuJoCo's console, input checks, batch table, evaluation -----
-
-
-def update_one_learner(
-    agent: Agent,
-    pi_optimizer: torch.optim.Optimizer,
-    vf_optimizer: torch.optim.Optimizer,
-    batch: Batch,
-    args: Args,
-    learner_group: Group,
-) -> tuple[torch.Tensor, float]:
-    """--sync gather: rank 0 runs `update` on the union of the ranks' batches in `learner_group` (a group of one),
-    then one broadcast gives every rank its weights, the logged losses and whether it met a non-finite loss.
-    Returns those losses and the seconds of the gather and the broadcast."""
-    start = time.perf_counter()
-    union = gather_to_learner(batch)
-    outcome = torch.zeros(len(LOSS_KEYS) + 1, dtype=torch.float64, device=batch["returns"].device)  # + non-finite flag
-    learner_start = time.perf_counter()
-    if union is not None:
-        try:  # the learner's batch is the world's
-            losses, _ = update(agent, pi_optimizer, vf_optimizer, union, args, learner_group)
-            outcome[:-1] = losses
-        except NonFiniteError:
-            outcome[-1] = 1.0
-    learner_time = time.perf_counter() - learner_start
-    broadcast_parameters(agent, outcome)
-    if outcome[-1] > 0:
-        raise NonFiniteError("a non-finite loss or gradient")
-    return outcome[:-1], time.perf_counter() - start - learner_time
-
-
-def gather_to_learner(batch: Batch) -> Batch | None:
-    """--sync gather: every rank's batch on rank 0 (one gather), as their union in rank order; None on other ranks."""
-    gathered = gather_to_rank0(
-        torch.cat([value.reshape(-1).double() for value in batch.values()])
-    )  # [ranks, packed] on rank 0
-    if gathered is None:
-        return None
-    union = gathered.split([value.numel() for value in batch.values()], 1)  # per field: [ranks, its elements]
-    return {key: union[i].reshape(-1, *value.shape[1:]).to(value.dtype) for i, (key, value) in enumerate(batch.items())}
-
-
+# --- MuJoCo's console, input checks, the batch table, evaluation --------------------------------------
 def silence_settotalmass_warning() -> None:
-    """Drop the one warning MuJoCo 4 prints (and logs to MUJOCO_LOG.TXT) for every HalfCheetah env on every rank:
-    gymnasium's model file still uses the deprecated `settotalmass`. Any other MuJoCo warning prints as before."""
+    """Drop the one warning MuJoCo 4 prints (and logs to MUJOCO_LOG.TXT) for every HalfCheetah env
+    on every rank: gymnasium's model file still uses the deprecated `settotalmass`. Any other MuJoCo
+    warning prints as before."""
     try:
         import mujoco
     except ImportError:  # no MuJoCo, no MuJoCo warnings
@@ -662,23 +697,27 @@ def silence_settotalmass_warning() -> None:
 
 
 def check_args(args: Args) -> None:
-    """Refuse flags and envs that cannot run, with the fix, before any process group or rollout env exists."""
-    counts = ("total_timesteps", "steps_per_epoch", "local_num_envs", "train_v_iters", "max_ep_len", "eval_episodes")
-    for name in counts:
+    """Refuse, with the fix, flags and envs that cannot run, before any process group or env."""
+    counts = "total_timesteps steps_per_epoch local_num_envs train_v_iters max_ep_len eval_episodes"
+    for name in counts.split():
         if getattr(args, name) < 1:
             fail(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
-    try:
-        probe = gym.make(args.env_id)  # only to read its spaces; `module:EnvId` imports the module that registers it
-    except Exception as error:  # an unknown id or module, or MuJoCo failing to load the renderer MUJOCO_GL names
+    try:  # only to read its spaces; `module:EnvId` imports the module that registers it
+        probe = gym.make(args.env_id)
+    except Exception as error:  # unknown id or module, or MUJOCO_GL's renderer failing to load
         gl = os.environ.get("MUJOCO_GL")
-        renderer = f"; or MUJOCO_GL={gl} names a renderer this machine lacks (unset it, or install it)" if gl else ""
-        fail(f"unknown or unusable --env-id {args.env_id!r} ({type(error).__name__}: {error}){renderer}")
+        lacks = f"; or MUJOCO_GL={gl} names a renderer this machine lacks (unset it, or install it)"
+        renderer = lacks if gl else ""
+        reason = f"{type(error).__name__}: {error}"
+        fail(f"unknown or unusable --env-id {args.env_id!r} ({reason}){renderer}")
     action_space, observation_space = probe.action_space, probe.observation_space
     probe.close()
     if not isinstance(action_space, gym.spaces.Box | gym.spaces.Discrete):
-        fail(f"{args.env_id} has {type(action_space).__name__} actions; {SCRIPT} trains Box or Discrete action spaces")
+        kind = type(action_space).__name__
+        fail(f"{args.env_id} has {kind} actions; {SCRIPT} trains Box or Discrete action spaces")
     if not isinstance(observation_space, gym.spaces.Box):
-        fail(f"{args.env_id} has {type(observation_space).__name__} observations; {SCRIPT} needs a Box space")
+        kind = type(observation_space).__name__
+        fail(f"{args.env_id} has {kind} observations; {SCRIPT} needs a Box space")
     check_video_support(args, lambda: render_one_frame(args.env_id))
 
 
@@ -694,7 +733,7 @@ def batch_table(args: Args) -> list[tuple[str, object, object]]:
 
 
 def check_video_support(args, render_frame: Callable[[], object]) -> None:
-    """With --capture-video, render one frame now rather than fail after training (moviepy and the renderer work)."""
+    """With --capture-video, fail now rather than after training: check moviepy, render a frame."""
     if not args.capture_video:
         return
     try:
@@ -706,9 +745,10 @@ def check_video_support(args, render_frame: Callable[[], object]) -> None:
     except Exception as error:
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         fail(
-            f"--capture-video cannot render a frame ({reason}): for MuJoCo without a display use MUJOCO_GL=egl "
-            "(apt-get install libegl1) or MUJOCO_GL=osmesa (apt-get install libosmesa6); for classic-control envs "
-            "pip install pygame; or drop --capture-video"
+            f"--capture-video cannot render a frame ({reason}): for MuJoCo without a display use "
+            "MUJOCO_GL=egl (apt-get install libegl1) or MUJOCO_GL=osmesa "
+            "(apt-get install libosmesa6); for classic-control envs pip install pygame; "
+            "or drop --capture-video"
         )
 
 
@@ -742,24 +782,29 @@ def evaluate(agent: Agent, env_id: str, args: Args, video_folder: str | None = N
 
 
 def evaluate_checkpoint(args: Args) -> None:
-    """`--eval-checkpoint`: play a model.pt of this script on rank 0 (with the network and episode length it was
-    trained with) and print one `eval:` line."""
-    checkpoint = read_checkpoint(args.eval_checkpoint, "pass the model.pt that --save-model wrote")
+    """`--eval-checkpoint`: play a model.pt of this script on rank 0, with the network and episode
+    length it was trained with, and print one `eval:` line."""
+    path = args.eval_checkpoint
+    checkpoint = read_checkpoint(path, "pass the model.pt that --save-model wrote")
     check_video_support(args, lambda: render_one_frame(checkpoint["env_id"]))
     if read_launcher_environment()[0] != 0:
         return
     saved = checkpoint["args"]
-    if not (isinstance(saved.get("hidden_sizes"), list | tuple) and isinstance(saved.get("max_ep_len"), int)):
-        fail(f"{args.eval_checkpoint} holds no network sizes or episode length in its args: it is damaged")
+    sizes_ok = isinstance(saved.get("hidden_sizes"), list | tuple)
+    if not (sizes_ok and isinstance(saved.get("max_ep_len"), int)):
+        fail(f"{path} holds no network sizes or episode length in its args: it is damaged")
     env = gym.make(checkpoint["env_id"])
-    agent = Agent(int(np.prod(env.observation_space.shape)), env.action_space, tuple(saved["hidden_sizes"]))
+    obs_dim = int(np.prod(env.observation_space.shape))
+    agent = Agent(obs_dim, env.action_space, tuple(saved["hidden_sizes"]))
     env.close()
-    load_weights(agent, checkpoint["model"], args.eval_checkpoint)
+    load_weights(agent, checkpoint["model"], path)
     args.max_ep_len = saved["max_ep_len"]
-    np.random.seed(args.seed)  # the rollout policy's sampling, like the env, follows --seed: repeatable evaluations
-    video_folder = os.path.join(os.path.dirname(args.eval_checkpoint), "videos") if args.capture_video else None
+    # the rollout policy's sampling, like the env, follows --seed: repeatable evaluations
+    np.random.seed(args.seed)
+    video_folder = os.path.join(os.path.dirname(path), "videos") if args.capture_video else None
     returns = evaluate(agent, checkpoint["env_id"], args, video_folder)
-    print(f"eval: episodes={len(returns)} return_mean={np.mean(returns):.2f} return_std={np.std(returns):.2f}")
+    mean, std = np.mean(returns), np.std(returns)
+    print(f"eval: episodes={len(returns)} return_mean={mean:.2f} return_std={std:.2f}")
 
 
 # ======================================================================================================
