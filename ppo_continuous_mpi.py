@@ -203,6 +203,33 @@ def make_env(env_id: str, video_folder: str | None = None) -> Callable[[], gym.E
     return thunk
 
 
+class RunningMeanStd(nn.Module):
+    """Running mean and population variance in float64 buffers; empty at first (no gymnasium 1e-4 pseudo-count)."""
+
+    def __init__(self, shape: tuple[int, ...]):
+        super().__init__()
+        self.register_buffer("mean", torch.zeros(shape, dtype=torch.float64))
+        self.register_buffer("var", torch.ones(shape, dtype=torch.float64))
+        self.register_buffer("count", torch.zeros((), dtype=torch.float64))
+
+    @torch.no_grad()
+    def update(self, count: torch.Tensor, mean: torch.Tensor, m2: torch.Tensor) -> None:
+        """Merge a batch's moments (parallel variance update): the result is the statistics of all data seen."""
+        total, delta = self.count + count, mean - self.mean
+        self.var.copy_((self.var * self.count + m2 + delta**2 * self.count * count / total) / total)
+        self.mean += delta * count / total
+        self.count.copy_(total)
+
+    def frozen(self) -> tuple[np.ndarray, np.ndarray]:
+        """(mean, std) as numpy arrays, fixed for a rollout."""
+        return self.mean.cpu().numpy().copy(), np.sqrt(self.var.cpu().numpy() + NORM_EPS)
+
+
+def normalize_obs(x: np.ndarray, mean: np.ndarray, std: np.ndarray) -> np.ndarray:
+    """Observations as the agent sees them: standardised with frozen statistics, clipped, float32."""
+    return np.clip((x - mean) / std, -NORM_CLIP, NORM_CLIP).astype(np.float32)
+
+
 def layer_init(layer: nn.Linear, std: float = math.sqrt(2), bias_const: float = 0.0) -> nn.Linear:
     torch.nn.init.orthogonal_(layer.weight, std)
     torch.nn.init.constant_(layer.bias, bias_const)
@@ -485,6 +512,65 @@ def update(
     return losses.clone(), sync_time
 
 
+# --- --sync gather: rank 0 runs the update on the union of every rank's batch -------------------------
+
+
+def gather_to_learner(batch: Batch, orders: torch.Tensor, sizes: torch.Tensor) -> tuple[Batch, torch.Tensor] | None:
+    """--sync gather: every rank's batch and orders on rank 0 (one gather, padded where preemption cut them short), as
+    the union batch and the orders that make its minibatch k the world's, as with allreduce; None on other ranks."""
+    padding = int(sizes.sum(1).max()) - orders.shape[1]  # rows; the orders go as [samples, epochs]
+    full = [torch.cat([value, value.new_zeros((padding, *value.shape[1:]))]) for value in [*batch.values(), orders.T]]
+    gathered = gather_to_rank0(torch.cat([value.reshape(-1).double() for value in full]))  # [ranks, packed] on rank 0
+    if gathered is None:
+        return None
+    numels = [value.numel() for value in full]
+    ranks = [[part.view_as(like) for part, like in zip(row.split(numels), full, strict=True)] for row in gathered]
+    counts = sizes.sum(1).tolist()  # each rank's samples, then where they start in the union
+    offsets = [0, *np.cumsum(counts)[:-1].tolist()]
+    union = {
+        key: torch.cat([rank[i][:n] for rank, n in zip(ranks, counts, strict=True)]).to(value.dtype)
+        for i, (key, value) in enumerate(batch.items())
+    }
+    minibatches = [  # each rank's minibatches of every epoch, as [epochs, size] indices into the union
+        (rank[-1][:n].T.long() + offset).split(rank_sizes.tolist(), 1)
+        for rank, n, offset, rank_sizes in zip(ranks, counts, offsets, sizes, strict=True)
+    ]
+    union_orders = torch.cat([rank[k] for k in range(sizes.shape[1]) for rank in minibatches], 1)
+    return union, union_orders.to(orders.device)
+
+
+def update_one_learner(
+    agent: Agent,
+    optimizer: torch.optim.Optimizer,
+    batch: Batch,
+    args: Args,
+    orders: torch.Tensor,
+    sizes: torch.Tensor,
+    loss_fn: Callable,
+    learner_group: Group,
+) -> tuple[torch.Tensor, float]:
+    """--sync gather: rank 0 runs `update` on the union of the ranks' batches in `learner_group` (a group of one); one
+    broadcast gives every rank the weights, losses and a non-finite flag. Returns the losses and the sync's seconds."""
+    start = time.perf_counter()
+    union = gather_to_learner(batch, orders, sizes)
+    outcome = torch.zeros(len(LOSS_KEYS) + 1, dtype=torch.float64, device=batch["returns"].device)  # + non-finite flag
+    learner_start = time.perf_counter()
+    if union is not None:
+        union_batch, union_orders = union
+        try:  # the learner's minibatch k is the world's
+            losses, _ = update(
+                agent, optimizer, union_batch, args, union_orders, sizes.sum(0)[None], loss_fn, learner_group
+            )
+            outcome[:-1] = losses
+        except NonFiniteError:
+            outcome[-1] = 1.0
+    learner_time = time.perf_counter() - learner_start
+    broadcast_parameters(agent, outcome)
+    if outcome[-1] > 0:
+        raise NonFiniteError("a non-finite loss or gradient")
+    return outcome[:-1], time.perf_counter() - start - learner_time
+
+
 def main(args: Args) -> Agent | None:
     """Train (or, with --eval-checkpoint, evaluate); returns this rank's trained agent."""
     run = Run(args)  # re-launches for --nprocs (mpirun or torchrun); reads the launcher's world
@@ -641,34 +727,7 @@ def env_seeds(seed: int, rank: int, local_num_envs: int, index_offset: int = 0) 
     return [seed + 10_000 * (index_offset + rank * local_num_envs + j) for j in range(local_num_envs)]
 
 
-# --- running statistics; the rollout's numpy copy of the Agent's networks, checked against the Agent --
-
-
-class RunningMeanStd(nn.Module):
-    """Running mean and population variance in float64 buffers; empty at first (no gymnasium 1e-4 pseudo-count)."""
-
-    def __init__(self, shape: tuple[int, ...]):
-        super().__init__()
-        self.register_buffer("mean", torch.zeros(shape, dtype=torch.float64))
-        self.register_buffer("var", torch.ones(shape, dtype=torch.float64))
-        self.register_buffer("count", torch.zeros((), dtype=torch.float64))
-
-    @torch.no_grad()
-    def update(self, count: torch.Tensor, mean: torch.Tensor, m2: torch.Tensor) -> None:
-        """Merge a batch's moments (parallel variance update): the result is the statistics of all data seen."""
-        total, delta = self.count + count, mean - self.mean
-        self.var.copy_((self.var * self.count + m2 + delta**2 * self.count * count / total) / total)
-        self.mean += delta * count / total
-        self.count.copy_(total)
-
-    def frozen(self) -> tuple[np.ndarray, np.ndarray]:
-        """(mean, std) as numpy arrays, fixed for a rollout."""
-        return self.mean.cpu().numpy().copy(), np.sqrt(self.var.cpu().numpy() + NORM_EPS)
-
-
-def normalize_obs(x: np.ndarray, mean: np.ndarray, std: np.ndarray) -> np.ndarray:
-    """Observations as the agent sees them: standardised with frozen statistics, clipped, float32."""
-    return np.clip((x - mean) / std, -NORM_CLIP, NORM_CLIP).astype(np.float32)
+# --- the rollout's numpy copy of the Agent's networks, checked against the Agent ----------------------
 
 
 ROLLOUT_CHECK_SAMPLES = 256
@@ -745,63 +804,7 @@ def check_agreement(when: str, must_agree: str, **pairs: tuple[torch.Tensor, tor
             )
 
 
-# --- --sync gather (rank 0 learns alone), MuJoCo's console, input checks, batch table, evaluation -----
-
-
-def update_one_learner(
-    agent: Agent,
-    optimizer: torch.optim.Optimizer,
-    batch: Batch,
-    args: Args,
-    orders: torch.Tensor,
-    sizes: torch.Tensor,
-    loss_fn: Callable,
-    learner_group: Group,
-) -> tuple[torch.Tensor, float]:
-    """--sync gather: rank 0 runs `update` on the union of the ranks' batches in `learner_group` (a group of one); one
-    broadcast gives every rank the weights, losses and a non-finite flag. Returns the losses and the sync's seconds."""
-    start = time.perf_counter()
-    union = gather_to_learner(batch, orders, sizes)
-    outcome = torch.zeros(len(LOSS_KEYS) + 1, dtype=torch.float64, device=batch["returns"].device)  # + non-finite flag
-    learner_start = time.perf_counter()
-    if union is not None:
-        union_batch, union_orders = union
-        try:  # the learner's minibatch k is the world's
-            losses, _ = update(
-                agent, optimizer, union_batch, args, union_orders, sizes.sum(0)[None], loss_fn, learner_group
-            )
-            outcome[:-1] = losses
-        except NonFiniteError:
-            outcome[-1] = 1.0
-    learner_time = time.perf_counter() - learner_start
-    broadcast_parameters(agent, outcome)
-    if outcome[-1] > 0:
-        raise NonFiniteError("a non-finite loss or gradient")
-    return outcome[:-1], time.perf_counter() - start - learner_time
-
-
-def gather_to_learner(batch: Batch, orders: torch.Tensor, sizes: torch.Tensor) -> tuple[Batch, torch.Tensor] | None:
-    """--sync gather: every rank's batch and orders on rank 0 (one gather, padded where preemption cut them short), as
-    the union batch and the orders that make its minibatch k the world's, as with allreduce; None on other ranks."""
-    padding = int(sizes.sum(1).max()) - orders.shape[1]  # rows; the orders go as [samples, epochs]
-    full = [torch.cat([value, value.new_zeros((padding, *value.shape[1:]))]) for value in [*batch.values(), orders.T]]
-    gathered = gather_to_rank0(torch.cat([value.reshape(-1).double() for value in full]))  # [ranks, packed] on rank 0
-    if gathered is None:
-        return None
-    numels = [value.numel() for value in full]
-    ranks = [[part.view_as(like) for part, like in zip(row.split(numels), full, strict=True)] for row in gathered]
-    counts = sizes.sum(1).tolist()  # each rank's samples, then where they start in the union
-    offsets = [0, *np.cumsum(counts)[:-1].tolist()]
-    union = {
-        key: torch.cat([rank[i][:n] for rank, n in zip(ranks, counts, strict=True)]).to(value.dtype)
-        for i, (key, value) in enumerate(batch.items())
-    }
-    minibatches = [  # each rank's minibatches of every epoch, as [epochs, size] indices into the union
-        (rank[-1][:n].T.long() + offset).split(rank_sizes.tolist(), 1)
-        for rank, n, offset, rank_sizes in zip(ranks, counts, offsets, sizes, strict=True)
-    ]
-    union_orders = torch.cat([rank[k] for k in range(sizes.shape[1]) for rank in minibatches], 1)
-    return union, union_orders.to(orders.device)
+# --- MuJoCo's console, input checks, the batch table, evaluation --------------------------------------
 
 
 def silence_settotalmass_warning() -> None:
