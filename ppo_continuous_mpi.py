@@ -1,16 +1,18 @@
 """PPO for continuous control (MuJoCo), data-parallel over any number of processes.
 
-CleanRL's ppo_continuous_action.py recipe in one file, so results compare with its published table: separate 64-64
-tanh actor and critic MLPs with orthogonal init, a state-independent log-std, clipped surrogate and value losses,
-GAE-lambda, an annealed learning rate, actions clipped to the space, observations normalised and rewards scaled by a
-running return std (each clipped to +-10); that return restarts with every episode, truncated or not (README).
+CleanRL's ppo_continuous_action.py recipe in one file, so results compare with its published table:
+separate 64-64 tanh actor and critic MLPs with orthogonal init, a state-independent log-std, clipped
+surrogate and value losses, GAE-lambda and an annealed learning rate. Actions are clipped to the
+space. Observations are normalised and rewards scaled by a running return std, each clipped to +-10.
+That return restarts with every episode, truncated or not (README).
 
-    torchrun --standalone --nproc_per_node=2 ppo_continuous_mpi.py     # README: every launcher, GPUs, evaluation
+    torchrun --standalone --nproc_per_node=2 ppo_continuous_mpi.py    # README: launchers, GPUs
 
-Distributed story: `--local-num-envs` and `--num-steps` are per rank. The world's minibatch k is the union of every
-rank's minibatch k, its advantages normalised with the union's mean and std and its gradients averaged in one flat
-allreduce; normalisation statistics are merged once per iteration. So every rank takes the step one process would
-take on the concatenated batch. `--sync gather`: rank 0 runs that update alone; `--preempt-fraction`: DD-PPO.
+Distributed story: `--local-num-envs` and `--num-steps` are per rank. The world's minibatch k is the
+union of every rank's minibatch k: its advantages are normalised with the union's mean and std, its
+gradients averaged in one flat allreduce. So every rank takes the step one process would take on the
+concatenated batch. Normalisation statistics are merged once per iteration. `--sync gather`: rank 0
+runs that update alone. `--preempt-fraction`: DD-PPO.
 """
 
 import contextlib
@@ -51,7 +53,7 @@ class Args:
     torch_deterministic: bool = True
     """if toggled, `torch.backends.cudnn.deterministic=True`"""
     cuda: bool = False
-    """if toggled and CUDA is available, rank r uses cuda:LOCAL_RANK (small MLPs are usually faster on CPU)"""
+    """if toggled and CUDA exists, rank r uses cuda:LOCAL_RANK (small MLPs: CPU is often faster)"""
     track: bool = False
     """if toggled, the run is also sent to Weights and Biases (needs `pip install wandb`)"""
     wandb_project_name: str = "ddrl"
@@ -59,9 +61,9 @@ class Args:
     wandb_entity: str | None = None
     """the Weights and Biases entity (team)"""
     capture_video: bool = False
-    """if toggled, rank 0 records evaluation episodes to `runs/{run_name}/videos` after training (needs moviepy)"""
+    """if toggled, rank 0 films evaluation episodes into `runs/{run_name}/videos` (needs moviepy)"""
     save_model: bool = False
-    """if toggled, rank 0 writes `runs/{run_name}/model.pt` (weights and normalisation statistics)"""
+    """if toggled, rank 0 writes `runs/{run_name}/model.pt` (weights, normalisation statistics)"""
     eval_checkpoint: str = ""
     """if set, load this model.pt, play `--eval-episodes` episodes on rank 0 and exit"""
     eval_episodes: int = 10
@@ -69,9 +71,9 @@ class Args:
     eval_deterministic: bool = False
     """if toggled, evaluation takes the policy's mean action instead of sampling"""
     compile: bool = False
-    """if toggled, the update's loss runs through torch.compile (compiles for seconds; on CPU needs a C++ compiler)"""
+    """if toggled, the update's loss runs through torch.compile (on CPU: needs a C++ compiler)"""
     numpy_rollout: bool = True
-    """if toggled, the rollout runs numpy copies of the Agent's networks (fast); --no-numpy-rollout calls the modules"""
+    """if toggled, the rollout runs numpy copies of the Agent's networks (fast), else the modules"""
 
     # Algorithm specific arguments (names and defaults as in CleanRL's ppo_continuous_action.py)
     env_id: str = "HalfCheetah-v5"
@@ -91,15 +93,15 @@ class Args:
     gae_lambda: float = 0.95
     """the lambda of generalized advantage estimation"""
     num_minibatches: int = 32
-    """minibatches per update epoch; the world's minibatch k is the union of every rank's minibatch k"""
+    """minibatches per update epoch; the world's minibatch k is every rank's minibatch k"""
     update_epochs: int = 10
     """passes over the batch per iteration"""
     norm_adv: bool = True
-    """if toggled, advantages are normalised with the world-wide mean and std of each global minibatch"""
+    """if toggled, advantages are normalised with each world minibatch's mean and std"""
     clip_coef: float = 0.2
     """the surrogate clipping coefficient"""
     clip_vloss: bool = True
-    """if toggled, the value loss is clipped around the rollout's values, as in the PPO paper's code"""
+    """if toggled, the value loss is clipped around the rollout's values (the PPO paper's code)"""
     ent_coef: float = 0.0
     """coefficient of the entropy bonus"""
     vf_coef: float = 0.5
@@ -109,11 +111,11 @@ class Args:
     target_kl: float | None = None
     """if set, stop the update epochs once the world-averaged approximate KL exceeds it"""
     sync: Literal["allreduce", "gather"] = "allreduce"
-    """allreduce: each rank updates on its share, gradients averaged; gather: rank 0 runs the update on the union"""
+    """allreduce: ranks update on their shares, gradients averaged; gather: rank 0 on the union"""
     preempt_fraction: float = 0.0
-    """DD-PPO: once this fraction of the ranks has finished its rollout, the others cut theirs short (0 = off)"""
+    """DD-PPO: once this share of the ranks ends its rollout, the rest cut theirs short (0 = off)"""
     min_rollout_fraction: float = 0.25
-    """with --preempt-fraction, the share of --num-steps every rollout collects before it may be cut short"""
+    """with --preempt-fraction, the share of --num-steps a rollout collects before any cut"""
 
     # Distributed runtime (the same flags in every ddrl script)
     run_name: str = ""
@@ -121,21 +123,21 @@ class Args:
     torch_threads: int = 0
     """torch threads per rank; 0 = the cores idle at start divided by the ranks on this node"""
     nprocs: int = 1
-    """if > 1 and not already launched, re-launch this script as that many ranks: under mpirun when --collectives
-    allows MPI and mpirun and mpi4py are installed, else under `torch.distributed.run --standalone`"""
+    """if > 1 and not yet launched, re-launch as that many ranks: under mpirun where --collectives
+    allows MPI and mpirun and mpi4py are installed, else `torch.distributed.run --standalone`"""
     collectives: Literal["auto", "mpi", "torch"] = "auto"
-    """CPU collectives: `mpi` through mpi4py (ranks started by mpirun, mpiexec or `srun --mpi=pmix`), `torch` through
-    torch.distributed (gloo); auto = mpi where MPI started the ranks and mpi4py imports, else torch"""
+    """CPU collectives: `mpi` = mpi4py (ranks from mpirun, mpiexec or `srun --mpi=pmix`), `torch` =
+    torch.distributed (gloo); auto = mpi if MPI started the ranks and mpi4py imports, else torch"""
     backend: str = ""
-    """torch.distributed backend; empty = NCCL for CUDA tensors (gloo for CPU ones) with --cuda, gloo otherwise"""
+    """torch.distributed backend; empty = gloo, and NCCL for CUDA tensors with --cuda"""
     dist_timeout: float = 1800.0
     """seconds a collective may wait for a peer before the run stops with an error"""
     checkpoint_every: int = 0
-    """write `runs/{run_name}/checkpoints/iter_{n:06d}.pt` every this many iterations (0 = only on SIGTERM)"""
+    """iterations between checkpoints, `runs/{run_name}/checkpoints/iter_{n:06d}.pt` (0: SIGTERM)"""
     resume: bool = False
-    """continue the run `--run-name` from its newest checkpoint (automatic when torchrun restarts the ranks)"""
+    """continue the run `--run-name` from its newest checkpoint (automatic on a torchrun restart)"""
     check_sync_every: int = 0
-    """compare a checksum of the weights across ranks every this many iterations and stop if they differ (0 = never)"""
+    """iterations between checks that all ranks hold the same weights (a checksum); 0 = never"""
 
     # to be filled in at run time
     world_size: int = 0
@@ -151,10 +153,10 @@ class Args:
     num_iterations: int = 0
     """number of iterations: total_timesteps // batch_size (computed at run time)"""
     min_num_steps: int = 0
-    """steps per env a rollout collects before --preempt-fraction may cut it short (computed at run time)"""
+    """steps per env before --preempt-fraction may cut a rollout short (computed at run time)"""
 
 
-Batch = dict[str, torch.Tensor]  # a rollout's tensors by name: obs, actions, log_probs, values, advantages, returns
+Batch = dict[str, torch.Tensor]  # obs, actions, log_probs, values, advantages, returns (by name)
 Group = dist.ProcessGroup | None  # None: the world
 
 
