@@ -164,14 +164,15 @@ Group = dist.ProcessGroup | None  # None: the world
 
 
 def derive_batch_sizes(args: Args, world_size: int) -> None:
-    """Per-rank and world batch sizes from the per-rank flags; sizes that do not divide or give no iteration stop."""
+    """The per-rank and world batch sizes; sizes that do not divide, or give no iteration, stop."""
     args.world_size = world_size
     args.local_batch_size = args.local_num_envs * args.num_steps
     args.batch_size = args.local_batch_size * world_size
     if args.local_batch_size % args.num_minibatches:
         fail(
-            f"--num-minibatches {args.num_minibatches} does not divide the local batch of {args.local_batch_size} "
-            f"steps (--local-num-envs {args.local_num_envs} x --num-steps {args.num_steps}); use a divisor of it"
+            f"--num-minibatches {args.num_minibatches} does not divide the local batch of "
+            f"{args.local_batch_size} steps (--local-num-envs {args.local_num_envs} x --num-steps "
+            f"{args.num_steps}); use a divisor of it"
         )
     args.local_minibatch_size = args.local_batch_size // args.num_minibatches
     args.minibatch_size = args.local_minibatch_size * world_size
@@ -181,8 +182,9 @@ def derive_batch_sizes(args: Args, world_size: int) -> None:
     args.min_num_steps = max(min_steps, math.ceil(args.num_minibatches / args.local_num_envs))
     if args.num_iterations < 1:
         fail(
-            f"--total-timesteps {args.total_timesteps} is less than one iteration's batch of {args.batch_size} steps "
-            f"({world_size} ranks x {args.local_num_envs} envs x {args.num_steps} steps): raise --total-timesteps"
+            f"--total-timesteps {args.total_timesteps} is less than one iteration's batch of "
+            f"{args.batch_size} steps ({world_size} ranks x {args.local_num_envs} envs x "
+            f"{args.num_steps} steps): raise --total-timesteps"
         )
 
 
@@ -193,7 +195,7 @@ NORM_EPS = 1e-8
 
 
 def make_env(env_id: str, video_folder: str | None = None) -> Callable[[], gym.Env]:
-    """A thunk building one env; normalisation lives in main (gymnasium's wrappers keep per-env statistics)."""
+    """A thunk building one env (normalisation lives in main: gymnasium's wrappers are per env)."""
 
     def thunk() -> gym.Env:
         silence_settotalmass_warning()
@@ -206,7 +208,7 @@ def make_env(env_id: str, video_folder: str | None = None) -> Callable[[], gym.E
 
 
 class RunningMeanStd(nn.Module):
-    """Running mean and population variance in float64 buffers; empty at first (no gymnasium 1e-4 pseudo-count)."""
+    """Running mean and population variance in float64 buffers, empty at first (no pseudo-count)."""
 
     def __init__(self, shape: tuple[int, ...]):
         super().__init__()
@@ -216,7 +218,7 @@ class RunningMeanStd(nn.Module):
 
     @torch.no_grad()
     def update(self, count: torch.Tensor, mean: torch.Tensor, m2: torch.Tensor) -> None:
-        """Merge a batch's moments (parallel variance update): the result is the statistics of all data seen."""
+        """Merge a batch's moments (parallel variance update) into the statistics of all data."""
         total, delta = self.count + count, mean - self.mean
         self.var.copy_((self.var * self.count + m2 + delta**2 * self.count * count / total) / total)
         self.mean += delta * count / total
@@ -228,7 +230,7 @@ class RunningMeanStd(nn.Module):
 
 
 def normalize_obs(x: np.ndarray, mean: np.ndarray, std: np.ndarray) -> np.ndarray:
-    """Observations as the agent sees them: standardised with frozen statistics, clipped, float32."""
+    """Observations as the agent sees them: standardised with frozen statistics, clipped."""
     return np.clip((x - mean) / std, -NORM_CLIP, NORM_CLIP).astype(np.float32)
 
 
@@ -239,11 +241,11 @@ def layer_init(layer: nn.Linear, std: float = math.sqrt(2), bias_const: float = 
 
 
 class DispatchFreeSequential(nn.Sequential):
-    """nn.Sequential doing Linear and Tanh layers' arithmetic itself (dispatch: ~5% of a step); others as modules."""
+    """nn.Sequential doing Linear and Tanh layers' arithmetic itself (dispatch: ~5% of a step)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for layer in self:
-            parameters = layer._parameters  # not layer.weight: nn.Module.__getattr__ costs ~1.5 us a lookup
+            parameters = layer._parameters  # not layer.weight: nn.Module.__getattr__ costs ~1.5 us
             if type(layer) is nn.Linear and parameters["bias"] is not None and x.dim() == 2:
                 x = torch.addmm(parameters["bias"], x, parameters["weight"].t())
             else:
@@ -266,23 +268,25 @@ LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
 
 
 class Agent(nn.Module):
-    """CleanRL's continuous agent: separate 64-64 tanh MLPs, a state-independent log-std, and the observation and
-    return statistics (buffers, saved with the weights): the one definition the rollout's copy is checked against."""
+    """CleanRL's continuous agent: separate 64-64 tanh MLPs and a state-independent log-std. The
+    observation and return statistics are buffers, saved with the weights. The rollout's copy is
+    checked against this one definition."""
 
     def __init__(self, obs_dim: int, action_dim: int):
         super().__init__()
         self.critic = mlp(obs_dim, 1, out_std=1.0)
         self.actor_mean = mlp(obs_dim, action_dim, out_std=0.01)
-        self.actor_logstd = nn.Parameter(torch.zeros(action_dim))  # or a module of the observation (state-dependent)
+        # a state-dependent log-std: a module of the observation instead
+        self.actor_logstd = nn.Parameter(torch.zeros(action_dim))
         self.obs_rms = RunningMeanStd((obs_dim,))
         self.return_rms = RunningMeanStd(())
 
     def log_prob_entropy_value(
         self, obs: torch.Tensor, actions: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Log-probability of `actions`, the policy's entropy and the value at `obs` (closed-form Gaussian)."""
+        """Log-probability of `actions`, the policy's entropy and the value at `obs` (Gaussian)."""
         mean = self.actor_mean(obs)
-        log_std = self.actor_logstd  # broadcast over the batch; state-dependent: self.actor_logstd(obs)
+        log_std = self.actor_logstd  # broadcast; state-dependent: self.actor_logstd(obs)
         log_prob = (-0.5 * ((actions - mean) / log_std.exp()) ** 2 - log_std - LOG_SQRT_2PI).sum(-1)
         entropy = (0.5 + LOG_SQRT_2PI + log_std).sum(-1).expand(len(obs))
         return log_prob, entropy, self.value(obs)
@@ -291,22 +295,25 @@ class Agent(nn.Module):
         return self.critic(obs).squeeze(-1)
 
     def rollout_policy(self, numpy_networks: bool = True) -> "RolloutPolicy":
-        """The policy and value function as they are now, for a rollout (which never changes them)."""
+        """The policy and value as they are now, for a rollout (which never changes them)."""
         return RolloutPolicy(self, numpy_networks)
 
 
 class RolloutPolicy:
-    """The Agent acting one env step at a time on numpy copies of its networks (numpy_module: per step, torch's call
-    overhead costs more than the arithmetic), sampling the Gaussian Agent.log_prob_entropy_value scores."""
+    """The Agent acting one env step at a time, sampling the Gaussian Agent.log_prob_entropy_value
+    scores. It runs numpy copies of the networks (numpy_module): per step, torch's call overhead
+    costs more than the arithmetic."""
 
     def __init__(self, agent: Agent, numpy_networks: bool = True):
-        modules = (agent.actor_mean, agent.actor_logstd, agent.critic)
-        self.actor_mean, self.actor_logstd, self.critic = (numpy_module(m, numpy_networks) for m in modules)
+        self.actor_mean = numpy_module(agent.actor_mean, numpy_networks)
+        self.actor_logstd = numpy_module(agent.actor_logstd, numpy_networks)
+        self.critic = numpy_module(agent.critic, numpy_networks)
 
-    def act(self, obs: np.ndarray, deterministic: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Sampled (or mean) actions, their log-probabilities and the values at `obs` [envs, obs_dim]."""
+    def act(self, obs: np.ndarray, deterministic: bool = False) -> tuple[np.ndarray, ...]:
+        """Sampled (or mean) actions, their log-probabilities and the values at `obs`."""
         mean, log_std = self.actor_mean(obs), self.actor_logstd(obs)
-        noise = np.zeros_like(mean) if deterministic else np.random.standard_normal(mean.shape).astype(mean.dtype)
+        normal = np.zeros if deterministic else np.random.standard_normal  # deterministic: the mean
+        noise = normal(mean.shape).astype(mean.dtype)
         actions = mean + np.exp(log_std) * noise
         log_prob = (-0.5 * noise**2 - log_std - LOG_SQRT_2PI).sum(-1)
         return actions, log_prob, self.value(obs)
@@ -324,8 +331,9 @@ def compute_gae(
     gamma: float,
     gae_lambda: float,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """GAE-lambda advantages and value targets for [T, envs]. `next_values[t]`: V after step t in its own episode (of
-    the final observation where truncated), zeroed where `terminations[t]`; `episode_ends[t]` stops the recursion."""
+    """GAE-lambda advantages and value targets for [T, envs]. `next_values[t]` is V after step t in
+    its own episode (of the final observation where truncated), zeroed where `terminations[t]`.
+    `episode_ends[t]` stops the recursion."""
     advantages = np.zeros_like(rewards)
     next_advantage = np.zeros_like(rewards[0])
     for t in reversed(range(len(rewards))):
