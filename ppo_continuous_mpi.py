@@ -347,12 +347,12 @@ def compute_gae(
 
 
 def group_size(group: Group = None) -> int:
-    """Ranks in `group` (the world by default); 1 where no process group exists, so helpers become no-ops."""
+    """Ranks in `group` (the world by default); 1 without a process group, so helpers do nothing."""
     return dist.get_world_size(group) if dist.is_initialized() else 1
 
 
 def allreduce_mean(tensor: torch.Tensor, group: Group = None) -> torch.Tensor:
-    """Average `tensor` over the ranks of `group`, in place (reduce_to_all: MPI's under mpirun, else torch's)."""
+    """Average `tensor` over the ranks of `group` in place (through MPI under mpirun, else torch)."""
     if group_size(group) > 1:
         reduce_to_all(tensor, group=group)
         tensor /= group_size(group)
@@ -360,18 +360,19 @@ def allreduce_mean(tensor: torch.Tensor, group: Group = None) -> torch.Tensor:
 
 
 def flat_gradient_buffer(parameters: list[nn.Parameter], num_extras: int) -> torch.Tensor:
-    """One zeroed buffer of every gradient, then `num_extras` scalars; each `.grad` is a view into it, so backward()
-    accumulates into what the allreduce sends. Zero it with `zero_()` (`optimizer.zero_grad()` drops the views)."""
+    """One zeroed buffer of every gradient, then `num_extras` scalars. Each `.grad` is a view into it,
+    so backward() accumulates into what the allreduce sends. Zero it with `zero_()`:
+    `optimizer.zero_grad()` drops the views."""
     sizes = [p.numel() for p in parameters]
-    flat = torch.zeros(sum(sizes) + num_extras, dtype=parameters[0].dtype, device=parameters[0].device)
+    flat = parameters[0].new_zeros(sum(sizes) + num_extras)
     for parameter, gradient in zip(parameters, flat[: sum(sizes)].split(sizes), strict=True):
         parameter.grad = gradient.view_as(parameter)
     return flat
 
 
 def average_gradients(flat: torch.Tensor, group: Group = None) -> float:
-    """Average a flat_gradient_buffer (gradients, then scalars every rank must agree on) in one allreduce; returns its
-    seconds. A NaN or inf anywhere spreads through the sum, so every rank raises NonFiniteError before any step."""
+    """Average a flat_gradient_buffer in one allreduce; returns its seconds. A NaN or inf anywhere
+    spreads through the sum, so every rank raises NonFiniteError before any step."""
     start = time.perf_counter()
     allreduce_mean(flat, group)
     if not torch.isfinite(flat).all():
@@ -380,7 +381,7 @@ def average_gradients(flat: torch.Tensor, group: Group = None) -> float:
 
 
 def broadcast_parameters(module: nn.Module, extras: torch.Tensor | None = None) -> None:
-    """Copy rank 0's parameters and buffers, and `extras` (numbers riding along), to every rank in one broadcast."""
+    """Copy rank 0's parameters and buffers, and `extras`, to every rank in one broadcast."""
     tensors = [t for t in (*module.parameters(), *module.buffers()) if t.is_floating_point()]
     tensors += [] if extras is None else [extras]
     if group_size() > 1:
@@ -392,10 +393,11 @@ def broadcast_parameters(module: nn.Module, extras: torch.Tensor | None = None) 
 
 
 def global_moments(x: torch.Tensor | list[torch.Tensor], group: Group = None) -> tuple[torch.Tensor, ...]:
-    """Count, mean and M2 along the last dim of `x` (or of each 1-d piece in a list of unequal ones) over all ranks'
-    elements, as if concatenated (one all_gather)."""
+    """Count, mean and M2 along the last dim of `x` over all ranks' elements, as if concatenated (one
+    all_gather). A list of unequal 1-d pieces gives those of each piece."""
     if isinstance(x, list):
-        local = torch.stack([torch.stack([p.new_tensor(len(p)), p.mean(), ((p - p.mean()) ** 2).sum()]) for p in x], 1)
+        moments = [(p.new_tensor(len(p)), p.mean(), ((p - p.mean()) ** 2).sum()) for p in x]
+        local = torch.stack([torch.stack(column) for column in zip(*moments, strict=True)])
     else:
         local_mean = x.mean(-1)
         local_m2 = ((x - local_mean.unsqueeze(-1)) ** 2).sum(-1)
@@ -410,7 +412,7 @@ def global_moments(x: torch.Tensor | list[torch.Tensor], group: Group = None) ->
 
 
 def global_mean_std(x: torch.Tensor | list[torch.Tensor], group: Group = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mean and unbiased std along the last dim of `x` over all ranks' elements, as if concatenated (one collective)."""
+    """Mean and unbiased std along the last dim of `x` over all ranks' elements, as if concatenated."""
     count, mean, m2 = global_moments(x, group)
     return mean, torch.sqrt(m2 / (count - 1))
 
@@ -422,7 +424,7 @@ APPROX_KL, CLIPFRAC = LOSS_KEYS.index("approx_kl"), LOSS_KEYS.index("clipfrac")
 def minibatch_loss(
     agent: Agent, mb: Batch, adv_mean: torch.Tensor | None, adv_std: torch.Tensor | None, args: Args
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """PPO's clipped loss on one minibatch and its LOSS_KEYS; advantages normalised with the global minibatch's."""
+    """PPO's clipped loss on one minibatch and its LOSS_KEYS, advantages normalised world-wide."""
     new_log_prob, entropy, new_value = agent.log_prob_entropy_value(mb["obs"], mb["actions"])
     logratio = new_log_prob - mb["log_probs"]
     ratio = logratio.exp()
@@ -430,7 +432,8 @@ def minibatch_loss(
         old_approx_kl = (-logratio).mean()
         approx_kl = ((ratio - 1) - logratio).mean()
         clipfrac = ((ratio - 1.0).abs() > args.clip_coef).to(ratio.dtype).mean()
-    mb_advantages = mb["advantages"] if adv_mean is None else (mb["advantages"] - adv_mean) / (adv_std + 1e-8)
+    advantages = mb["advantages"]
+    mb_advantages = advantages if adv_mean is None else (advantages - adv_mean) / (adv_std + 1e-8)
 
     # Policy loss
     pg_loss1 = -mb_advantages * ratio
@@ -448,24 +451,28 @@ def minibatch_loss(
 
     entropy_loss = entropy.mean()
     loss = pg_loss - args.ent_coef * entropy_loss + v_loss * args.vf_coef
-    return loss, torch.stack([pg_loss, v_loss, entropy_loss, old_approx_kl, approx_kl, clipfrac]).detach()  # LOSS_KEYS
+    losses = torch.stack([pg_loss, v_loss, entropy_loss, old_approx_kl, approx_kl, clipfrac])  # LOSS_KEYS
+    return loss, losses.detach()
 
 
 def loss_function(args: Args) -> Callable:
-    """minibatch_loss, through torch.compile with `--compile` (fixed shapes, unless preemption varies them)."""
-    dynamic = None if args.preempt_fraction else False
-    return torch.compile(minibatch_loss, fullgraph=True, dynamic=dynamic) if args.compile else minibatch_loss
+    """minibatch_loss, through torch.compile with `--compile`."""
+    if not args.compile:
+        return minibatch_loss
+    dynamic = None if args.preempt_fraction else False  # fixed shapes, unless preemption varies them
+    return torch.compile(minibatch_loss, fullgraph=True, dynamic=dynamic)
 
 
 def minibatch_sizes(sample_counts: list[int], num_minibatches: int) -> torch.Tensor:
-    """[ranks, num_minibatches]: the samples each rank gives each world minibatch (unequal after preemption only)."""
+    """[ranks, num_minibatches]: the samples each rank gives each world minibatch."""
     counts = torch.tensor(sample_counts)[:, None]
     return counts // num_minibatches + (torch.arange(num_minibatches) < counts % num_minibatches)
 
 
 def local_minibatches(sizes: torch.Tensor, group: Group = None) -> tuple[list[int], list[float] | None]:
-    """This rank's minibatch sizes (its row of `sizes`) and the weight of its loss in each world minibatch, its share
-    of the samples times the ranks, so that the average over ranks is the union's mean (None: all sizes equal)."""
+    """This rank's minibatch sizes (its row of `sizes`) and the weight of its loss in each world
+    minibatch: its share of the samples times the ranks, so that the ranks' average is the union's
+    mean (None: all sizes equal, as without preemption)."""
     local_sizes = sizes[dist.get_rank(group) if dist.is_initialized() else 0]
     weights = (local_sizes.double() * len(sizes) / sizes.sum(0)).tolist()
     return local_sizes.tolist(), None if bool((sizes == sizes[0, 0]).all()) else weights
@@ -481,14 +488,15 @@ def update(
     loss_fn: Callable = minibatch_loss,
     group: Group = None,
 ) -> tuple[torch.Tensor, float]:
-    """PPO's epochs: minibatch k of epoch e is slice k, `sizes[rank, k]` long (None: equal), of `orders[e]`; the world's
-    is the union of the ranks'. Returns the world-averaged LOSS_KEYS (clipfrac over all) and the collectives' time."""
-    flat = flat_gradient_buffer(list(agent.parameters()), num_extras=len(LOSS_KEYS))  # gradients, then the losses
+    """PPO's epochs. Minibatch k of epoch e is slice k of `orders[e]`, `sizes[rank, k]` long (None:
+    equal); the world's is the union of the ranks'. Returns the world-averaged LOSS_KEYS (clipfrac
+    over all) and the collectives' seconds."""
+    flat = flat_gradient_buffer(list(agent.parameters()), num_extras=len(LOSS_KEYS))
     gradients, losses = flat[: -len(LOSS_KEYS)], flat[-len(LOSS_KEYS) :]
     if sizes is None:
         sizes = minibatch_sizes([orders.shape[1]] * group_size(group), args.num_minibatches)
     local_sizes, weights = local_minibatches(sizes, group)
-    starts = np.cumsum([0, *local_sizes]).tolist()  # where each minibatch starts in the epoch's order
+    starts = np.cumsum([0, *local_sizes]).tolist()  # where each minibatch starts
     sync_time = 0.0
     clipfrac_sum = torch.zeros((), dtype=flat.dtype, device=flat.device)
     for epoch in range(args.update_epochs):
@@ -497,8 +505,9 @@ def update(
         adv_mean = adv_std = [None] * args.num_minibatches
         if args.norm_adv:  # every global minibatch's mean and std in one collective per epoch
             start = time.perf_counter()
-            advantages = shuffled["advantages"].split(local_sizes)  # this rank's part of each world minibatch
-            advantages = torch.stack(advantages) if weights is None else list(advantages)  # unequal: one by one
+            # this rank's part of each world minibatch; unequal parts go one by one
+            advantages = shuffled["advantages"].split(local_sizes)
+            advantages = torch.stack(advantages) if weights is None else list(advantages)
             adv_mean, adv_std = global_mean_std(advantages, group)
             sync_time += time.perf_counter() - start
         for k in range(args.num_minibatches):
@@ -512,11 +521,11 @@ def update(
             with torch.no_grad():
                 losses.copy_(minibatch_losses)
                 losses[CLIPFRAC] = clipfrac_sum / (epoch * args.num_minibatches + k + 1)
-            # the (weighted) mean of the ranks' gradients is the union's; clipped alike after averaging
+            # the ranks' (weighted) mean gradient is the union's; then clip_grad_norm_, alike on all
             sync_time += average_gradients(flat, group)
-            gradients.mul_(torch.clamp(args.max_grad_norm / (gradients.norm() + 1e-6), max=1.0))  # clip_grad_norm_
+            gradients.mul_(torch.clamp(args.max_grad_norm / (gradients.norm() + 1e-6), max=1.0))
             optimizer.step()
-        # the KL is the world average carried by the last gradient allreduce: every rank stops together
+        # the KL is the world's, carried by the last gradient allreduce: every rank stops together
         if args.target_kl is not None and losses[APPROX_KL] > args.target_kl:
             break
     return losses.clone(), sync_time
@@ -526,22 +535,23 @@ def update(
 
 
 def gather_to_learner(batch: Batch, orders: torch.Tensor, sizes: torch.Tensor) -> tuple[Batch, torch.Tensor] | None:
-    """--sync gather: every rank's batch and orders on rank 0 (one gather, padded where preemption cut them short), as
-    the union batch and the orders that make its minibatch k the world's, as with allreduce; None on other ranks."""
+    """Every rank's batch and orders on rank 0 in one gather, padded where preemption cut them.
+    Returns the union batch and the orders that make its minibatch k the world's; None elsewhere."""
     padding = int(sizes.sum(1).max()) - orders.shape[1]  # rows; the orders go as [samples, epochs]
-    full = [torch.cat([value, value.new_zeros((padding, *value.shape[1:]))]) for value in [*batch.values(), orders.T]]
-    gathered = gather_to_rank0(torch.cat([value.reshape(-1).double() for value in full]))  # [ranks, packed] on rank 0
+    tensors = [*batch.values(), orders.T]
+    full = [torch.cat([t, t.new_zeros((padding, *t.shape[1:]))]) for t in tensors]
+    gathered = gather_to_rank0(torch.cat([t.reshape(-1).double() for t in full]))  # [ranks, packed]
     if gathered is None:
         return None
-    numels = [value.numel() for value in full]
-    ranks = [[part.view_as(like) for part, like in zip(row.split(numels), full, strict=True)] for row in gathered]
+    numels = [t.numel() for t in full]
+    ranks = [[p.view_as(t) for p, t in zip(row.split(numels), full, strict=True)] for row in gathered]
     counts = sizes.sum(1).tolist()  # each rank's samples, then where they start in the union
     offsets = [0, *np.cumsum(counts)[:-1].tolist()]
     union = {
         key: torch.cat([rank[i][:n] for rank, n in zip(ranks, counts, strict=True)]).to(value.dtype)
         for i, (key, value) in enumerate(batch.items())
     }
-    minibatches = [  # each rank's minibatches of every epoch, as [epochs, size] indices into the union
+    minibatches = [  # each rank's minibatches: [epochs, size] indices into the union
         (rank[-1][:n].T.long() + offset).split(rank_sizes.tolist(), 1)
         for rank, n, offset, rank_sizes in zip(ranks, counts, offsets, sizes, strict=True)
     ]
@@ -559,11 +569,11 @@ def update_one_learner(
     loss_fn: Callable,
     learner_group: Group,
 ) -> tuple[torch.Tensor, float]:
-    """--sync gather: rank 0 runs `update` on the union of the ranks' batches in `learner_group` (a group of one); one
-    broadcast gives every rank the weights, losses and a non-finite flag. Returns the losses and the sync's seconds."""
+    """Rank 0 runs `update` on the union batch in `learner_group`, a group of one. One broadcast
+    gives every rank the weights, losses and a non-finite flag. Returns the losses and sync seconds."""
     start = time.perf_counter()
     union = gather_to_learner(batch, orders, sizes)
-    outcome = torch.zeros(len(LOSS_KEYS) + 1, dtype=torch.float64, device=batch["returns"].device)  # + non-finite flag
+    outcome = batch["returns"].new_zeros(len(LOSS_KEYS) + 1, dtype=torch.float64)  # + inf/NaN flag
     learner_start = time.perf_counter()
     if union is not None:
         union_batch, union_orders = union
@@ -584,41 +594,44 @@ def update_one_learner(
 def main(args: Args) -> Agent | None:
     """Train (or, with --eval-checkpoint, evaluate); returns this rank's trained agent."""
     run = Run(args)  # re-launches for --nprocs (mpirun or torchrun); reads the launcher's world
-    silence_settotalmass_warning()  # before any env is made: the input checks' probe and evaluation too
+    silence_settotalmass_warning()  # before any env exists, for the input checks and evaluation too
     if args.eval_checkpoint:
         return evaluate_checkpoint(args)
     check_args(args)
     derive_batch_sizes(args, run.world_size)
-    run.start(args.num_iterations * args.batch_size, batch_table(args))  # run folder, resume, same command everywhere
+    run.start(args.num_iterations * args.batch_size, batch_table(args))  # run folder, resume
     rank, device = run.rank, run.device
 
-    # --- set-up: envs, identical initial weights on every rank (built from `seed`, then broadcast), rank seeds ---
+    # --- set-up: envs, initial weights (from `seed`, broadcast to every rank), the rank's seeds ---
     envs = gym.vector.SyncVectorEnv(
         [make_env(args.env_id) for _ in range(args.local_num_envs)],
         autoreset_mode=gym.vector.AutoresetMode.SAME_STEP,
     )
     obs_dim = int(np.prod(envs.single_observation_space.shape))
-    action_dim = int(np.prod(envs.single_action_space.shape))
+    action_space = envs.single_action_space
+    action_dim = int(np.prod(action_space.shape))
     torch.manual_seed(args.seed)
     agent = Agent(obs_dim, action_dim).to(device)
     broadcast_parameters(agent)
-    check_rollout_policy(agent, rollout_probe(agent.rollout_policy(args.numpy_rollout), obs_dim, device), "at start")
+    probe = rollout_probe(agent.rollout_policy(args.numpy_rollout), obs_dim, device)
+    check_rollout_policy(agent, probe, "at start")
     random.seed(rank_seed(args.seed, rank))
     np.random.seed(rank_seed(args.seed, rank))
     torch.manual_seed(rank_seed(args.seed, rank))
     torch.backends.cudnn.deterministic = args.torch_deterministic
-    optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5, fused=True)  # fused: 1 kernel
+    optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5, fused=True)
     loss_fn = loss_function(args)
-    global_step = run.restore(model=agent, optimizer=optimizer)  # a resumed run's state, RNG streams included
+    global_step = run.restore(model=agent, optimizer=optimizer)  # a resumed run's state and RNG
     learner_group = dist.new_group([0]) if args.sync == "gather" else None  # rank 0 learning alone
 
-    # rollout storage (numpy, one row per step of the local envs; moved to `device` once per iteration)
+    # rollout storage: numpy, a row per step of the local envs, moved to `device` once per iteration
     shape = (args.num_steps, args.local_num_envs)
     raw_obs = np.zeros(shape + (obs_dim,))  # unnormalised, for the statistics
     obs = np.zeros(shape + (obs_dim,), dtype=np.float32)  # normalised, as the agent saw them
     actions = np.zeros(shape + (action_dim,), dtype=np.float32)
-    # episode_ends: terminated or truncated; final_values: V(final observation) where an episode was truncated
-    logprobs, values, rewards, terminations, episode_ends, final_values = np.zeros((6, *shape), dtype=np.float32)
+    logprobs, values, rewards, terminations = np.zeros((4, *shape), dtype=np.float32)
+    # episode_ends: terminated or truncated; final_values: V(final observation) where truncated
+    episode_ends, final_values = np.zeros((2, *shape), dtype=np.float32)
     discounted_returns = np.zeros(shape)  # the running return whose std scales the rewards
 
     # a resumed run starts fresh episodes, on envs seeded after all the earlier attempts' envs
@@ -629,57 +642,62 @@ def main(args: Args) -> Agent | None:
     with run.guard(nonfinite_fix="lower --learning-rate or check the env's observations and rewards"):
         for _iteration in run.iterations():
             if args.anneal_lr:  # linearly to zero over the run's env steps
-                optimizer.param_groups[0]["lr"] = (1.0 - global_step / run.total_steps) * args.learning_rate
+                frac = 1.0 - global_step / run.total_steps
+                optimizer.param_groups[0]["lr"] = frac * args.learning_rate
 
             # --- rollout (normalisation statistics frozen, so every rank normalises alike) ---
             rollout_start = time.perf_counter()
             obs_mean, obs_std = agent.obs_rms.frozen()
             policy = agent.rollout_policy(args.numpy_rollout)
-            finished = {"episodes": 0, "episode_return": 0.0, "episode_length": 0}  # summed over ranks for the log
+            finished = {"episodes": 0, "episode_return": 0.0, "episode_length": 0}  # for the log
             for step in run.rollout_steps(args.num_steps, args.min_num_steps, args.preempt_fraction):
                 raw_obs[step] = next_obs.reshape(args.local_num_envs, -1)
                 obs[step] = normalize_obs(raw_obs[step], obs_mean, obs_std)
                 actions[step], logprobs[step], values[step] = policy.act(obs[step])
-                clipped_action = np.clip(actions[step], envs.single_action_space.low, envs.single_action_space.high)
+                clipped_action = np.clip(actions[step], action_space.low, action_space.high)
                 next_obs, reward, terminated, truncated, info = envs.step(clipped_action)
                 ended = terminated | truncated
                 rewards[step], terminations[step], episode_ends[step] = reward, terminated, ended
-                discounted_returns[step] = discounted_return = discounted_return * args.gamma + reward
+                discounted_return = discounted_return * args.gamma + reward
+                discounted_returns[step] = discounted_return
                 episode_return += reward
                 episode_length += 1
                 if ended.any():
                     finished["episodes"] += int(ended.sum())
                     finished["episode_return"] += float(episode_return[ended].sum())
                     finished["episode_length"] += int(episode_length[ended].sum())
-                    episode_return[ended], episode_length[ended], discounted_return[ended] = 0.0, 0, 0.0
+                    episode_return[ended] = episode_length[ended] = discounted_return[ended] = 0
                     cut = truncated & ~terminated
-                    if cut.any():  # truncation is not termination: bootstrap from V(final observation)
+                    if cut.any():  # truncated, not terminated: bootstrap from V(final observation)
                         final_obs = np.stack(info["final_obs"][cut]).reshape(cut.sum(), -1)
-                        final_values[step, cut] = policy.value(normalize_obs(final_obs, obs_mean, obs_std))
-            collected = step + 1  # steps per env: all of them, unless preemption cut the rollout short
+                        final_obs = normalize_obs(final_obs, obs_mean, obs_std)
+                        final_values[step, cut] = policy.value(final_obs)
+            collected = step + 1  # steps per env: all, unless preemption cut the rollout short
             rows = slice(collected)  # the rollout's rows
-            last_values = policy.value(normalize_obs(next_obs.reshape(args.local_num_envs, -1), obs_mean, obs_std))
+            last_obs = normalize_obs(next_obs.reshape(args.local_num_envs, -1), obs_mean, obs_std)
+            last_values = policy.value(last_obs)
             rollout_time = time.perf_counter() - rollout_start
-            sample_counts = [args.local_batch_size] * args.world_size  # each rank's samples: one all_gather if cut
-            if args.preempt_fraction:
-                sample_counts = gather_ints_to_all([collected * args.local_num_envs], device)[:, 0].tolist()
+            sample_counts = [args.local_batch_size] * args.world_size  # each rank's samples
+            if args.preempt_fraction:  # one all_gather
+                local_samples = [collected * args.local_num_envs]
+                sample_counts = gather_ints_to_all(local_samples, device)[:, 0].tolist()
             global_step += sum(sample_counts)
 
             # --- normalisation statistics: merged over all ranks' rollouts in one collective ---
-            local_data = [raw_obs[rows].reshape(-1, obs_dim).T, discounted_returns[rows].reshape(1, -1)]
-            count, mean, m2 = global_moments(torch.as_tensor(np.concatenate(local_data), device=device))
+            data = [raw_obs[rows].reshape(-1, obs_dim).T, discounted_returns[rows].reshape(1, -1)]
+            count, mean, m2 = global_moments(torch.as_tensor(np.concatenate(data), device=device))
             agent.obs_rms.update(count[0], mean[:obs_dim], m2[:obs_dim])
             agent.return_rms.update(count[obs_dim], mean[obs_dim], m2[obs_dim])
-            # the learner sees scaled rewards, used only from here on: with statistics that include this rollout
+            # from here on the rewards are scaled, with statistics that include this rollout
             reward_scale = math.sqrt(agent.return_rms.var.item() + NORM_EPS)
             rewards[rows] = np.clip(rewards[rows] / reward_scale, -NORM_CLIP, NORM_CLIP)
 
-            # --- GAE: each step bootstraps from the next row's value, or V(final observation) where its episode ended
-            next_values = np.concatenate([values[rows][1:], last_values[None]])  # a cut rollout's too, as a full one's
+            # --- GAE: bootstrap from the next row's value, or V(final observation) at an end ---
+            next_values = np.concatenate([values[rows][1:], last_values[None]])  # cut rollouts too
             next_values = np.where(episode_ends[rows] > 0, final_values[rows], next_values)
             advantages, returns = compute_gae(
-                rewards[rows], values[rows], next_values, terminations[rows], episode_ends[rows], args.gamma,
-                args.gae_lambda,
+                rewards[rows], values[rows], next_values, terminations[rows], episode_ends[rows],
+                args.gamma, args.gae_lambda,
             )  # fmt: skip
             final_values[:] = 0.0
             batch = {
@@ -690,12 +708,14 @@ def main(args: Args) -> Agent | None:
                 "advantages": advantages.reshape(-1),
                 "returns": returns.reshape(-1),
             }
-            batch = {key: torch.as_tensor(value, dtype=torch.float32, device=device) for key, value in batch.items()}
-            check_rollout_policy(agent, batch, f"at iteration {run.iteration}")  # PPO's first ratios must be 1
+            batch = {k: torch.as_tensor(v, dtype=torch.float32, device=device) for k, v in batch.items()}
+            # the Agent scores the rollout's actions as the rollout did: PPO's first ratios are 1
+            check_rollout_policy(agent, batch, f"at iteration {run.iteration}")
 
             # --- update ---
             update_start = time.perf_counter()
-            orders = torch.stack([torch.randperm(returns.size, device=device) for _ in range(args.update_epochs)])
+            epochs = range(args.update_epochs)
+            orders = torch.stack([torch.randperm(returns.size, device=device) for _ in epochs])
             sizes = minibatch_sizes(sample_counts, args.num_minibatches)
             if args.sync == "allreduce":
                 losses, sync_time = update(agent, optimizer, batch, args, orders, sizes, loss_fn)
@@ -705,14 +725,15 @@ def main(args: Args) -> Agent | None:
                 )
             update_time = time.perf_counter() - update_start
 
-            # --- logging: episodes ended on any rank, losses averaged over ranks, the world's explained variance ---
+            # --- logging: episodes ended on any rank, world-averaged losses, explained variance ---
             world = run.sum_over_ranks(**finished)
             scalars = {"charts/learning_rate": optimizer.param_groups[0]["lr"]}
-            scalars |= {f"losses/{key}": value for key, value in zip(LOSS_KEYS, losses.tolist(), strict=True)}
+            scalars |= {f"losses/{k}": v for k, v in zip(LOSS_KEYS, losses.tolist(), strict=True)}
             scalars["losses/explained_variance"] = explained_variance(batch["returns"], batch["values"])
-            scalars |= {"perf/rollout_time": rollout_time, "perf/update_time": update_time, "perf/sync_time": sync_time}
+            perf = dict(rollout_time=rollout_time, update_time=update_time, sync_time=sync_time)
+            scalars |= {f"perf/{k}": v for k, v in perf.items()}
             run.log(global_step, world, scalars)
-            if run.end_iteration(global_step):  # weight check, checkpoint; every rank stops here on SIGTERM
+            if run.end_iteration(global_step):  # checkpoint, weight check; all stop on SIGTERM
                 break
 
         envs.close()
