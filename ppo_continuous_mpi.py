@@ -742,20 +742,21 @@ def main(args: Args) -> Agent | None:
 
 
 def explained_variance(returns: torch.Tensor, values: torch.Tensor) -> float:
-    """1 - Var(returns - values) / Var(returns) over the world's batch in float64 (one collective; constant: NaN)."""
+    """1 - Var(returns - values) / Var(returns) over the world's batch (float64; constant: NaN)."""
     _, stds = global_mean_std(torch.stack([returns - values, returns]).double())
     return float("nan") if stds[1] == 0 else (1 - stds[0] ** 2 / stds[1] ** 2).item()
 
 
 def rank_seed(seed: int, rank: int) -> int:
-    """Seed of python, numpy and action sampling on `rank` (SpinningUp's stride: nearby seeds never collide)."""
+    """The seed of `rank`'s RNGs (SpinningUp's stride: nearby seeds never collide)."""
     return seed + 10_000 * rank
 
 
 def env_seeds(seed: int, rank: int, local_num_envs: int, index_offset: int = 0) -> list[int]:
-    """Seeds of this rank's envs: env j of rank r has global index g = index_offset + r * local_num_envs + j. A resumed
-    run passes `index_offset` = restarts x the world's envs, so its fresh episodes never replay a seed."""
-    return [seed + 10_000 * (index_offset + rank * local_num_envs + j) for j in range(local_num_envs)]
+    """Seeds of `rank`'s envs: env j's global index is index_offset + rank * local_num_envs + j. A
+    resumed run passes `index_offset` = restarts x the world's envs: no seed is replayed."""
+    first = index_offset + rank * local_num_envs
+    return [seed + 10_000 * (first + j) for j in range(local_num_envs)]
 
 
 # --- the rollout's numpy copy of the Agent's networks, checked against the Agent ----------------------
@@ -765,8 +766,8 @@ ROLLOUT_CHECK_SAMPLES = 256
 
 
 def numpy_module(module: nn.Module | nn.Parameter, numpy_layers: bool = True) -> Callable[[np.ndarray], np.ndarray]:
-    """`module` (or a parameter: a head the same for every row) as a numpy function of rows, layer by layer, on views of
-    its parameters. An unknown layer stops the run (add it here, or --no-numpy-rollout: `numpy_layers` False)."""
+    """`module` (or a parameter, the same for every row) as a numpy function of rows, on views of
+    its parameters. An unknown layer stops the run: add it here, or pass --no-numpy-rollout."""
     if isinstance(module, nn.Parameter):
         value = module.detach().cpu().numpy()
         return lambda x: value
@@ -787,8 +788,8 @@ def numpy_module(module: nn.Module | nn.Parameter, numpy_layers: bool = True) ->
         nn.Identity: lambda x: x,
         nn.Tanh: np.tanh,
         nn.ReLU: lambda x: np.maximum(x, 0),
-        nn.ELU: lambda x: np.where(x > 0, x, getattr(module, "alpha", 1.0) * np.expm1(np.minimum(x, 0))),
-        nn.LeakyReLU: lambda x: np.where(x > 0, x, getattr(module, "negative_slope", 0.0) * x),
+        nn.ELU: lambda x: np.where(x > 0, x, module.alpha * np.expm1(np.minimum(x, 0))),
+        nn.LeakyReLU: lambda x: np.where(x > 0, x, module.negative_slope * x),
         nn.SiLU: lambda x: x / (1 + np.exp(-x)),
     }
     if type(module) not in activations:
@@ -800,16 +801,16 @@ def numpy_module(module: nn.Module | nn.Parameter, numpy_layers: bool = True) ->
 
 
 def rollout_probe(policy: RolloutPolicy, obs_dim: int, device: torch.device) -> Batch:
-    """`policy`'s actions, log-probabilities and values at standard-normal observations (as normalised ones look)."""
+    """What `policy` does at standard-normal observations, which look like normalised ones."""
     obs = np.random.standard_normal((ROLLOUT_CHECK_SAMPLES, obs_dim)).astype(np.float32)
     actions, log_probs, values = policy.act(obs)
     probe = {"obs": obs, "actions": actions, "log_probs": log_probs, "values": values}
-    return {key: torch.as_tensor(value, dtype=torch.float32, device=device) for key, value in probe.items()}
+    return {k: torch.as_tensor(v, dtype=torch.float32, device=device) for k, v in probe.items()}
 
 
 def check_rollout_policy(agent: Agent, batch: Batch, when: str) -> None:
-    """Stop unless Agent.log_prob_entropy_value gives the rollout's log-probabilities and values (in `batch`)."""
-    rows = {key: batch[key][:ROLLOUT_CHECK_SAMPLES] for key in ("obs", "actions", "log_probs", "values")}
+    """Stop unless Agent.log_prob_entropy_value gives `batch`'s log-probabilities and values."""
+    rows = {k: batch[k][:ROLLOUT_CHECK_SAMPLES] for k in ("obs", "actions", "log_probs", "values")}
     with torch.no_grad():
         log_probs, _, values = agent.log_prob_entropy_value(rows["obs"], rows["actions"])
     check_agreement(
@@ -820,11 +821,11 @@ def check_rollout_policy(agent: Agent, batch: Batch, when: str) -> None:
 
 
 def check_agreement(when: str, must_agree: str, **pairs: tuple[torch.Tensor, torch.Tensor]) -> None:
-    """Stop every rank unless each pair (the Agent's numbers, the rollout's) agrees on every rank (one reduction)."""
-    tolerance = 1e-3  # relative: float32 rounding (actions rebuilt from a small std included) stays far below
+    """Stop every rank unless each pair (the Agent's numbers, the rollout's) agrees on all ranks."""
+    tolerance = 1e-3  # relative; float32 rounding, small stds' included, stays far below
     with torch.no_grad():
-        gaps = torch.stack([((mine - theirs).abs() / (1 + theirs.abs())).max() for mine, theirs in pairs.values()])
-    gaps = gaps.double()
+        relative = [(mine - theirs).abs() / (1 + theirs.abs()) for mine, theirs in pairs.values()]
+        gaps = torch.stack([gap.max() for gap in relative]).double()
     if dist.is_initialized() and dist.get_world_size() > 1:
         reduce_to_all(gaps, "max")
     for name, gap in zip(pairs, gaps.tolist(), strict=True):
@@ -839,8 +840,8 @@ def check_agreement(when: str, must_agree: str, **pairs: tuple[torch.Tensor, tor
 
 
 def silence_settotalmass_warning() -> None:
-    """Drop the one warning MuJoCo 4 prints (and logs to MUJOCO_LOG.TXT) for every HalfCheetah env on every rank:
-    gymnasium's model file still uses the deprecated `settotalmass`. Any other MuJoCo warning prints as before."""
+    """Drop the warning MuJoCo 4 prints and logs for each HalfCheetah env on every rank (gymnasium's
+    model file uses the deprecated `settotalmass`). Other MuJoCo warnings print as before."""
     try:
         import mujoco
     except ImportError:  # no MuJoCo, no MuJoCo warnings
@@ -854,8 +855,9 @@ def silence_settotalmass_warning() -> None:
 
 
 def check_args(args: Args) -> None:
-    """Refuse flags and envs that cannot run, with the fix, before any process group or rollout env exists."""
-    for name in ("total_timesteps", "local_num_envs", "num_steps", "num_minibatches", "update_epochs", "eval_episodes"):
+    """Refuse flags and envs that cannot run, naming the fix, before any process group exists."""
+    counts = ("total_timesteps", "local_num_envs", "num_steps", "num_minibatches", "update_epochs")
+    for name in (*counts, "eval_episodes"):
         if getattr(args, name) < 1:
             fail(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     if args.target_kl is not None and args.target_kl <= 0:
@@ -866,8 +868,8 @@ def check_args(args: Args) -> None:
             f"{args.preempt_fraction:g} and {args.min_rollout_fraction:g}"
         )
     try:
-        probe = gym.make(args.env_id)  # only to read its spaces; `module:EnvId` imports the module that registers it
-    except Exception as error:  # an unknown id or module, or MuJoCo failing to load the renderer MUJOCO_GL names
+        probe = gym.make(args.env_id)  # for its spaces; `module:EnvId` imports the module first
+    except Exception as error:  # an unknown id or module, or MUJOCO_GL naming a missing renderer
         gl = os.environ.get("MUJOCO_GL")
         renderer = f"; or MUJOCO_GL={gl} names a renderer this machine lacks (unset it, or install it)" if gl else ""
         fail(f"unknown or unusable --env-id {args.env_id!r} ({type(error).__name__}: {error}){renderer}")
@@ -894,9 +896,9 @@ def batch_table(args: Args) -> list[tuple[str, object, object]]:
 
 
 def check_video_support(args, render_frame: Callable[[], object]) -> None:
-    """With --capture-video, render one frame now rather than fail after training (moviepy and the renderer work)."""
+    """With --capture-video, render one frame now rather than fail after training."""
     if args.capture_video and "MUJOCO_GL" not in os.environ and not os.environ.get("DISPLAY"):
-        os.environ["MUJOCO_GL"] = "egl"  # headless: MuJoCo's GPU-or-CPU EGL renderer, read when mujoco loads
+        os.environ["MUJOCO_GL"] = "egl"  # headless: MuJoCo's EGL renderer, read when mujoco loads
     if args.capture_video and importlib.util.find_spec("moviepy") is None:
         fail("--capture-video needs moviepy: pip install moviepy")
     try:
@@ -919,14 +921,15 @@ def render_one_frame(env_id: str) -> None:
 
 
 def evaluate(agent: Agent, env_id: str, args: Args, video_folder: str | None = None) -> list[float]:
-    """Play `args.eval_episodes` whole episodes with one env (observation statistics frozen); raw env returns."""
+    """Play `args.eval_episodes` whole episodes with one env; returns the raw env returns."""
     env = make_env(env_id, video_folder)()
     obs_mean, obs_std = agent.obs_rms.frozen()
     policy = agent.rollout_policy(args.numpy_rollout)
     returns, episode_return = [], 0.0
     obs, _ = env.reset(seed=args.seed)
     while len(returns) < args.eval_episodes:
-        action, _, _ = policy.act(normalize_obs(obs.reshape(1, -1), obs_mean, obs_std), args.eval_deterministic)
+        rows = normalize_obs(obs.reshape(1, -1), obs_mean, obs_std)
+        action, _, _ = policy.act(rows, args.eval_deterministic)
         action = np.clip(action[0], env.action_space.low, env.action_space.high)
         obs, reward, terminated, truncated, _ = env.step(action)
         episode_return += float(reward)
@@ -948,8 +951,9 @@ def evaluate_checkpoint(args: Args) -> None:
     agent = Agent(int(np.prod(env.observation_space.shape)), int(np.prod(env.action_space.shape)))
     env.close()
     load_weights(agent, checkpoint["model"], args.eval_checkpoint)
-    np.random.seed(args.seed)  # the rollout policy's sampling, like the env, follows --seed: repeatable evaluations
-    video_folder = os.path.join(os.path.dirname(args.eval_checkpoint), "videos") if args.capture_video else None
+    np.random.seed(args.seed)  # sampling, like the env, follows --seed: repeatable evaluations
+    run_folder = os.path.dirname(args.eval_checkpoint)
+    video_folder = os.path.join(run_folder, "videos") if args.capture_video else None
     returns = evaluate(agent, checkpoint["env_id"], args, video_folder)
     print(f"eval: episodes={len(returns)} return_mean={np.mean(returns):.2f} return_std={np.std(returns):.2f}")
 
