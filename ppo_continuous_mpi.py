@@ -1,18 +1,16 @@
 """PPO for continuous control (MuJoCo), data-parallel over any number of processes.
 
-CleanRL's ppo_continuous_action.py recipe in one file, so results compare with its published table:
-separate 64-64 tanh actor and critic MLPs with orthogonal init, a state-independent log-std, clipped
-surrogate and value losses, GAE-lambda and an annealed learning rate. Actions are clipped to the
-space. Observations are normalised and rewards scaled by a running return std, each clipped to +-10.
-That return restarts with every episode, truncated or not (README).
+CleanRL's ppo_continuous_action.py recipe, so results compare with its published table: separate
+64-64 tanh actor and critic MLPs, a state-independent log-std, clipped surrogate and value losses,
+GAE-lambda, an annealed learning rate, clipped actions. Observations are normalised and rewards
+scaled by a running return std that restarts with every episode (README), both clipped to +-10.
 
     torchrun --standalone --nproc_per_node=2 ppo_continuous_mpi.py    # README: launchers, GPUs
 
 Distributed story: `--local-num-envs` and `--num-steps` are per rank. The world's minibatch k is the
-union of every rank's minibatch k: its advantages are normalised with the union's mean and std, its
-gradients averaged in one flat allreduce. So every rank takes the step one process would take on the
-concatenated batch. Normalisation statistics are merged once per iteration. `--sync gather`: rank 0
-runs that update alone. `--preempt-fraction`: DD-PPO.
+union of the ranks' minibatches k: advantages normalised with its mean and std, gradients averaged
+in one allreduce. So every rank takes the step one process would take on the whole batch.
+`--sync gather`: rank 0 runs that update alone. `--preempt-fraction`: DD-PPO.
 """
 
 import contextlib
@@ -123,11 +121,9 @@ class Args:
     torch_threads: int = 0
     """torch threads per rank; 0 = the cores idle at start divided by the ranks on this node"""
     nprocs: int = 1
-    """if > 1 and not yet launched, re-launch as that many ranks: under mpirun where --collectives
-    allows MPI and mpirun and mpi4py are installed, else `torch.distributed.run --standalone`"""
+    """if > 1, re-launch as that many ranks: mpirun if --collectives allows MPI, else torchrun"""
     collectives: Literal["auto", "mpi", "torch"] = "auto"
-    """CPU collectives: `mpi` = mpi4py (ranks from mpirun, mpiexec or `srun --mpi=pmix`), `torch` =
-    torch.distributed (gloo); auto = mpi if MPI started the ranks and mpi4py imports, else torch"""
+    """CPU collectives via mpi4py or gloo; auto: mpi if MPI started the ranks and mpi4py imports"""
     backend: str = ""
     """torch.distributed backend; empty = gloo, and NCCL for CUDA tensors with --cuda"""
     dist_timeout: float = 1800.0
@@ -161,8 +157,6 @@ Group = dist.ProcessGroup | None  # None: the world
 
 
 # --- batch arithmetic ---------------------------------------------------------------------------------
-
-
 def derive_batch_sizes(args: Args, world_size: int) -> None:
     """The per-rank and world batch sizes; sizes that do not divide, or give no iteration, stop."""
     args.world_size = world_size
@@ -189,9 +183,9 @@ def derive_batch_sizes(args: Args, world_size: int) -> None:
 
 
 # --- environment, normalisation, agent, GAE -----------------------------------------------------------
-
 NORM_CLIP = 10.0  # normalised observations and scaled rewards are clipped to +-10, as in CleanRL
 NORM_EPS = 1e-8
+LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)  # of the Gaussian policy's density
 
 
 def make_env(env_id: str, video_folder: str | None = None) -> Callable[[], gym.Env]:
@@ -264,20 +258,15 @@ def mlp(in_size: int, out_size: int, out_std: float) -> nn.Sequential:
     )
 
 
-LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
-
-
 class Agent(nn.Module):
-    """CleanRL's continuous agent: separate 64-64 tanh MLPs and a state-independent log-std. The
-    observation and return statistics are buffers, saved with the weights. The rollout's copy is
-    checked against this one definition."""
+    """CleanRL's continuous agent: 64-64 tanh MLPs, a state-independent log-std and the statistics
+    (buffers, saved with the weights). The one definition the rollout's copy is checked against."""
 
     def __init__(self, obs_dim: int, action_dim: int):
         super().__init__()
         self.critic = mlp(obs_dim, 1, out_std=1.0)
         self.actor_mean = mlp(obs_dim, action_dim, out_std=0.01)
-        # a state-dependent log-std: a module of the observation instead
-        self.actor_logstd = nn.Parameter(torch.zeros(action_dim))
+        self.actor_logstd = nn.Parameter(torch.zeros(action_dim))  # or a module (state-dependent)
         self.obs_rms = RunningMeanStd((obs_dim,))
         self.return_rms = RunningMeanStd(())
 
@@ -300,9 +289,8 @@ class Agent(nn.Module):
 
 
 class RolloutPolicy:
-    """The Agent acting one env step at a time, sampling the Gaussian Agent.log_prob_entropy_value
-    scores. It runs numpy copies of the networks (numpy_module): per step, torch's call overhead
-    costs more than the arithmetic."""
+    """The Agent acting one env step at a time on numpy copies of its networks (torch's per-call
+    overhead costs more), sampling the Gaussian that Agent.log_prob_entropy_value scores."""
 
     def __init__(self, agent: Agent, numpy_networks: bool = True):
         self.actor_mean = numpy_module(agent.actor_mean, numpy_networks)
@@ -331,9 +319,8 @@ def compute_gae(
     gamma: float,
     gae_lambda: float,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """GAE-lambda advantages and value targets for [T, envs]. `next_values[t]` is V after step t in
-    its own episode (of the final observation where truncated), zeroed where `terminations[t]`.
-    `episode_ends[t]` stops the recursion."""
+    """GAE-lambda advantages and value targets, [T, envs]. `next_values[t]`: V after step t in its
+    episode (the final observation's if truncated, 0 if terminated); `episode_ends` cut the sum."""
     advantages = np.zeros_like(rewards)
     next_advantage = np.zeros_like(rewards[0])
     for t in reversed(range(len(rewards))):
@@ -344,15 +331,13 @@ def compute_gae(
 
 
 # --- gradient sync and the update ---------------------------------------------------------------------
-
-
 def group_size(group: Group = None) -> int:
     """Ranks in `group` (the world by default); 1 without a process group, so helpers do nothing."""
     return dist.get_world_size(group) if dist.is_initialized() else 1
 
 
 def allreduce_mean(tensor: torch.Tensor, group: Group = None) -> torch.Tensor:
-    """Average `tensor` over the ranks of `group` in place (through MPI under mpirun, else torch)."""
+    """Average `tensor` over the ranks of `group`, in place (through MPI under mpirun)."""
     if group_size(group) > 1:
         reduce_to_all(tensor, group=group)
         tensor /= group_size(group)
@@ -360,9 +345,8 @@ def allreduce_mean(tensor: torch.Tensor, group: Group = None) -> torch.Tensor:
 
 
 def flat_gradient_buffer(parameters: list[nn.Parameter], num_extras: int) -> torch.Tensor:
-    """One zeroed buffer of every gradient, then `num_extras` scalars. Each `.grad` is a view into it,
-    so backward() accumulates into what the allreduce sends. Zero it with `zero_()`:
-    `optimizer.zero_grad()` drops the views."""
+    """One buffer of every gradient, then `num_extras` scalars. Each `.grad` views into it, so the
+    allreduce sends what backward() fills. Zero it with `zero_()`: zero_grad() drops the views."""
     sizes = [p.numel() for p in parameters]
     flat = parameters[0].new_zeros(sum(sizes) + num_extras)
     for parameter, gradient in zip(parameters, flat[: sum(sizes)].split(sizes), strict=True):
@@ -393,8 +377,8 @@ def broadcast_parameters(module: nn.Module, extras: torch.Tensor | None = None) 
 
 
 def global_moments(x: torch.Tensor | list[torch.Tensor], group: Group = None) -> tuple[torch.Tensor, ...]:
-    """Count, mean and M2 along the last dim of `x` over all ranks' elements, as if concatenated (one
-    all_gather). A list of unequal 1-d pieces gives those of each piece."""
+    """Count, mean and M2 along the last dim of `x` over all ranks' elements, as if concatenated, in
+    one all_gather. A list of unequal 1-d pieces gives each piece's."""
     if isinstance(x, list):
         moments = [(p.new_tensor(len(p)), p.mean(), ((p - p.mean()) ** 2).sum()) for p in x]
         local = torch.stack([torch.stack(column) for column in zip(*moments, strict=True)])
@@ -412,7 +396,7 @@ def global_moments(x: torch.Tensor | list[torch.Tensor], group: Group = None) ->
 
 
 def global_mean_std(x: torch.Tensor | list[torch.Tensor], group: Group = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mean and unbiased std along the last dim of `x` over all ranks' elements, as if concatenated."""
+    """Mean and unbiased std along the last dim of `x` over all ranks' elements (concatenated)."""
     count, mean, m2 = global_moments(x, group)
     return mean, torch.sqrt(m2 / (count - 1))
 
@@ -470,9 +454,8 @@ def minibatch_sizes(sample_counts: list[int], num_minibatches: int) -> torch.Ten
 
 
 def local_minibatches(sizes: torch.Tensor, group: Group = None) -> tuple[list[int], list[float] | None]:
-    """This rank's minibatch sizes (its row of `sizes`) and the weight of its loss in each world
-    minibatch: its share of the samples times the ranks, so that the ranks' average is the union's
-    mean (None: all sizes equal, as without preemption)."""
+    """This rank's minibatch sizes (its row of `sizes`) and its loss's weight in each minibatch: its
+    share of the samples times the ranks, so the ranks' mean is the union's (None: all equal)."""
     local_sizes = sizes[dist.get_rank(group) if dist.is_initialized() else 0]
     weights = (local_sizes.double() * len(sizes) / sizes.sum(0)).tolist()
     return local_sizes.tolist(), None if bool((sizes == sizes[0, 0]).all()) else weights
@@ -488,9 +471,8 @@ def update(
     loss_fn: Callable = minibatch_loss,
     group: Group = None,
 ) -> tuple[torch.Tensor, float]:
-    """PPO's epochs. Minibatch k of epoch e is slice k of `orders[e]`, `sizes[rank, k]` long (None:
-    equal); the world's is the union of the ranks'. Returns the world-averaged LOSS_KEYS (clipfrac
-    over all) and the collectives' seconds."""
+    """PPO's epochs: minibatch k of epoch e is slice k, `sizes[rank, k]` long, of `orders[e]`; the
+    world's is the ranks' union. Returns the world-averaged LOSS_KEYS and the collectives' time."""
     flat = flat_gradient_buffer(list(agent.parameters()), num_extras=len(LOSS_KEYS))
     gradients, losses = flat[: -len(LOSS_KEYS)], flat[-len(LOSS_KEYS) :]
     if sizes is None:
@@ -532,8 +514,6 @@ def update(
 
 
 # --- --sync gather: rank 0 runs the update on the union of every rank's batch -------------------------
-
-
 def gather_to_learner(batch: Batch, orders: torch.Tensor, sizes: torch.Tensor) -> tuple[Batch, torch.Tensor] | None:
     """Every rank's batch and orders on rank 0 in one gather, padded where preemption cut them.
     Returns the union batch and the orders that make its minibatch k the world's; None elsewhere."""
@@ -569,8 +549,8 @@ def update_one_learner(
     loss_fn: Callable,
     learner_group: Group,
 ) -> tuple[torch.Tensor, float]:
-    """Rank 0 runs `update` on the union batch in `learner_group`, a group of one. One broadcast
-    gives every rank the weights, losses and a non-finite flag. Returns the losses and sync seconds."""
+    """Rank 0 runs `update` on the union batch in `learner_group` (a group of one). One broadcast
+    gives every rank the weights, losses and a non-finite flag; returns the losses and sync time."""
     start = time.perf_counter()
     union = gather_to_learner(batch, orders, sizes)
     outcome = batch["returns"].new_zeros(len(LOSS_KEYS) + 1, dtype=torch.float64)  # + inf/NaN flag
@@ -603,10 +583,8 @@ def main(args: Args) -> Agent | None:
     rank, device = run.rank, run.device
 
     # --- set-up: envs, initial weights (from `seed`, broadcast to every rank), the rank's seeds ---
-    envs = gym.vector.SyncVectorEnv(
-        [make_env(args.env_id) for _ in range(args.local_num_envs)],
-        autoreset_mode=gym.vector.AutoresetMode.SAME_STEP,
-    )
+    thunks = [make_env(args.env_id) for _ in range(args.local_num_envs)]
+    envs = gym.vector.SyncVectorEnv(thunks, autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
     obs_dim = int(np.prod(envs.single_observation_space.shape))
     action_space = envs.single_action_space
     action_dim = int(np.prod(action_space.shape))
@@ -760,8 +738,6 @@ def env_seeds(seed: int, rank: int, local_num_envs: int, index_offset: int = 0) 
 
 
 # --- the rollout's numpy copy of the Agent's networks, checked against the Agent ----------------------
-
-
 ROLLOUT_CHECK_SAMPLES = 256
 
 
@@ -837,8 +813,6 @@ def check_agreement(when: str, must_agree: str, **pairs: tuple[torch.Tensor, tor
 
 
 # --- MuJoCo's console, input checks, the batch table, evaluation --------------------------------------
-
-
 def silence_settotalmass_warning() -> None:
     """Drop the warning MuJoCo 4 prints and logs for each HalfCheetah env on every rank (gymnasium's
     model file uses the deprecated `settotalmass`). Other MuJoCo warnings print as before."""
