@@ -311,14 +311,9 @@ class RolloutPolicy:
 
 
 def compute_gae(
-    rewards: np.ndarray,
-    values: np.ndarray,
-    next_values: np.ndarray,
-    terminations: np.ndarray,
-    episode_ends: np.ndarray,
-    gamma: float,
-    gae_lambda: float,
-) -> tuple[np.ndarray, np.ndarray]:
+    rewards: np.ndarray, values: np.ndarray, next_values: np.ndarray, terminations: np.ndarray,
+    episode_ends: np.ndarray, gamma: float, gae_lambda: float,
+) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
     """GAE-lambda advantages and value targets, [T, envs]. `next_values[t]`: V after step t in its
     episode (the final observation's if truncated, 0 if terminated); `episode_ends` cut the sum."""
     advantages = np.zeros_like(rewards)
@@ -418,12 +413,10 @@ def minibatch_loss(
         clipfrac = ((ratio - 1.0).abs() > args.clip_coef).to(ratio.dtype).mean()
     advantages = mb["advantages"]
     mb_advantages = advantages if adv_mean is None else (advantages - adv_mean) / (adv_std + 1e-8)
-
     # Policy loss
     pg_loss1 = -mb_advantages * ratio
     pg_loss2 = -mb_advantages * torch.clamp(ratio, 1 - args.clip_coef, 1 + args.clip_coef)
     pg_loss = torch.max(pg_loss1, pg_loss2).mean()
-
     # Value loss
     if args.clip_vloss:
         v_loss_unclipped = (new_value - mb["returns"]) ** 2
@@ -432,10 +425,9 @@ def minibatch_loss(
         v_loss = 0.5 * torch.max(v_loss_unclipped, v_loss_clipped).mean()
     else:
         v_loss = 0.5 * ((new_value - mb["returns"]) ** 2).mean()
-
     entropy_loss = entropy.mean()
     loss = pg_loss - args.ent_coef * entropy_loss + v_loss * args.vf_coef
-    losses = torch.stack([pg_loss, v_loss, entropy_loss, old_approx_kl, approx_kl, clipfrac])  # LOSS_KEYS
+    losses = torch.stack([pg_loss, v_loss, entropy_loss, old_approx_kl, approx_kl, clipfrac])
     return loss, losses.detach()
 
 
@@ -443,7 +435,7 @@ def loss_function(args: Args) -> Callable:
     """minibatch_loss, through torch.compile with `--compile`."""
     if not args.compile:
         return minibatch_loss
-    dynamic = None if args.preempt_fraction else False  # fixed shapes, unless preemption varies them
+    dynamic = None if args.preempt_fraction else False  # fixed shapes unless preemption varies them
     return torch.compile(minibatch_loss, fullgraph=True, dynamic=dynamic)
 
 
@@ -462,15 +454,9 @@ def local_minibatches(sizes: torch.Tensor, group: Group = None) -> tuple[list[in
 
 
 def update(
-    agent: Agent,
-    optimizer: torch.optim.Optimizer,
-    batch: Batch,
-    args: Args,
-    orders: torch.Tensor,
-    sizes: torch.Tensor | None = None,
-    loss_fn: Callable = minibatch_loss,
-    group: Group = None,
-) -> tuple[torch.Tensor, float]:
+    agent: Agent, optimizer: torch.optim.Optimizer, batch: Batch, args: Args, orders: torch.Tensor,
+    sizes: torch.Tensor | None = None, loss_fn: Callable = minibatch_loss, group: Group = None,
+) -> tuple[torch.Tensor, float]:  # fmt: skip
     """PPO's epochs: minibatch k of epoch e is slice k, `sizes[rank, k]` long, of `orders[e]`; the
     world's is the ranks' union. Returns the world-averaged LOSS_KEYS and the collectives' time."""
     flat = flat_gradient_buffer(list(agent.parameters()), num_extras=len(LOSS_KEYS))
@@ -479,16 +465,14 @@ def update(
         sizes = minibatch_sizes([orders.shape[1]] * group_size(group), args.num_minibatches)
     local_sizes, weights = local_minibatches(sizes, group)
     starts = np.cumsum([0, *local_sizes]).tolist()  # where each minibatch starts
-    sync_time = 0.0
-    clipfrac_sum = torch.zeros((), dtype=flat.dtype, device=flat.device)
+    sync_time, clipfrac_sum = 0.0, flat.new_zeros(())
     for epoch in range(args.update_epochs):
         # one gather per tensor per epoch; each minibatch is then a slice, not another gather
         shuffled = {key: value[orders[epoch]] for key, value in batch.items()}
         adv_mean = adv_std = [None] * args.num_minibatches
         if args.norm_adv:  # every global minibatch's mean and std in one collective per epoch
             start = time.perf_counter()
-            # this rank's part of each world minibatch; unequal parts go one by one
-            advantages = shuffled["advantages"].split(local_sizes)
+            advantages = shuffled["advantages"].split(local_sizes)  # this rank's part of each
             advantages = torch.stack(advantages) if weights is None else list(advantages)
             adv_mean, adv_std = global_mean_std(advantages, group)
             sync_time += time.perf_counter() - start
@@ -524,7 +508,7 @@ def gather_to_learner(batch: Batch, orders: torch.Tensor, sizes: torch.Tensor) -
     if gathered is None:
         return None
     numels = [t.numel() for t in full]
-    ranks = [[p.view_as(t) for p, t in zip(row.split(numels), full, strict=True)] for row in gathered]
+    ranks = [[p.view_as(t) for p, t in zip(r.split(numels), full, strict=True)] for r in gathered]
     counts = sizes.sum(1).tolist()  # each rank's samples, then where they start in the union
     offsets = [0, *np.cumsum(counts)[:-1].tolist()]
     union = {
@@ -540,15 +524,9 @@ def gather_to_learner(batch: Batch, orders: torch.Tensor, sizes: torch.Tensor) -
 
 
 def update_one_learner(
-    agent: Agent,
-    optimizer: torch.optim.Optimizer,
-    batch: Batch,
-    args: Args,
-    orders: torch.Tensor,
-    sizes: torch.Tensor,
-    loss_fn: Callable,
-    learner_group: Group,
-) -> tuple[torch.Tensor, float]:
+    agent: Agent, optimizer: torch.optim.Optimizer, batch: Batch, args: Args, orders: torch.Tensor,
+    sizes: torch.Tensor, loss_fn: Callable, learner_group: Group,
+) -> tuple[torch.Tensor, float]:  # fmt: skip
     """Rank 0 runs `update` on the union batch in `learner_group` (a group of one). One broadcast
     gives every rank the weights, losses and a non-finite flag; returns the losses and sync time."""
     start = time.perf_counter()
@@ -678,17 +656,13 @@ def main(args: Args) -> Agent | None:
                 args.gamma, args.gae_lambda,
             )  # fmt: skip
             final_values[:] = 0.0
-            batch = {
-                "obs": obs[rows].reshape(-1, obs_dim),
-                "actions": actions[rows].reshape(-1, action_dim),
-                "log_probs": logprobs[rows].reshape(-1),
-                "values": values[rows].reshape(-1),
-                "advantages": advantages.reshape(-1),
-                "returns": returns.reshape(-1),
-            }
+            batch = dict(
+                obs=obs[rows].reshape(-1, obs_dim), actions=actions[rows].reshape(-1, action_dim),
+                log_probs=logprobs[rows].reshape(-1), values=values[rows].reshape(-1),
+                advantages=advantages.reshape(-1), returns=returns.reshape(-1),
+            )  # fmt: skip
             batch = {k: torch.as_tensor(v, dtype=torch.float32, device=device) for k, v in batch.items()}
-            # the Agent scores the rollout's actions as the rollout did: PPO's first ratios are 1
-            check_rollout_policy(agent, batch, f"at iteration {run.iteration}")
+            check_rollout_policy(agent, batch, f"at iteration {run.iteration}")  # first ratios: 1
 
             # --- update ---
             update_start = time.perf_counter()
