@@ -1,9 +1,8 @@
 """PPO for continuous control (MuJoCo), data-parallel over any number of processes.
 
-CleanRL's ppo_continuous_action.py recipe, so results compare with its published table: separate
-64-64 tanh actor and critic MLPs, a state-independent log-std, clipped surrogate and value losses,
-GAE-lambda, an annealed learning rate, clipped actions. Observations are normalised and rewards
-scaled by a running return std that restarts with every episode (README), both clipped to +-10.
+CleanRL's ppo_continuous_action.py recipe, so results compare with its table: separate 64-64 tanh
+actor and critic MLPs, a state-independent log-std, clipped losses, GAE-lambda, an annealed learning
+rate. Observations are normalised and rewards scaled by a per-episode return's std (README).
 
     torchrun --standalone --nproc_per_node=2 ppo_continuous_mpi.py    # README: launchers, GPUs
 
@@ -259,8 +258,7 @@ def mlp(in_size: int, out_size: int, out_std: float) -> nn.Sequential:
 
 
 class Agent(nn.Module):
-    """CleanRL's continuous agent: 64-64 tanh MLPs, a state-independent log-std and the statistics
-    (buffers, saved with the weights). The one definition the rollout's copy is checked against."""
+    """CleanRL's continuous agent and statistics: the definition the rollout's copy must match."""
 
     def __init__(self, obs_dim: int, action_dim: int):
         super().__init__()
@@ -289,13 +287,11 @@ class Agent(nn.Module):
 
 
 class RolloutPolicy:
-    """The Agent acting one env step at a time on numpy copies of its networks (torch's per-call
-    overhead costs more), sampling the Gaussian that Agent.log_prob_entropy_value scores."""
+    """The Agent acting an env step at a time on numpy copies of its networks (cheaper per call)."""
 
     def __init__(self, agent: Agent, numpy_networks: bool = True):
-        self.actor_mean = numpy_module(agent.actor_mean, numpy_networks)
-        self.actor_logstd = numpy_module(agent.actor_logstd, numpy_networks)
-        self.critic = numpy_module(agent.critic, numpy_networks)
+        modules = (agent.actor_mean, agent.actor_logstd, agent.critic)
+        self.actor_mean, self.actor_logstd, self.critic = (numpy_module(m, numpy_networks) for m in modules)
 
     def act(self, obs: np.ndarray, deterministic: bool = False) -> tuple[np.ndarray, ...]:
         """Sampled (or mean) actions, their log-probabilities and the values at `obs`."""
@@ -350,8 +346,7 @@ def flat_gradient_buffer(parameters: list[nn.Parameter], num_extras: int) -> tor
 
 
 def average_gradients(flat: torch.Tensor, group: Group = None) -> float:
-    """Average a flat_gradient_buffer in one allreduce; returns its seconds. A NaN or inf anywhere
-    spreads through the sum, so every rank raises NonFiniteError before any step."""
+    """Average `flat` in one allreduce (returns its seconds); a NaN or inf raises on every rank."""
     start = time.perf_counter()
     allreduce_mean(flat, group)
     if not torch.isfinite(flat).all():
@@ -432,11 +427,9 @@ def minibatch_loss(
 
 
 def loss_function(args: Args) -> Callable:
-    """minibatch_loss, through torch.compile with `--compile`."""
-    if not args.compile:
-        return minibatch_loss
-    dynamic = None if args.preempt_fraction else False  # fixed shapes unless preemption varies them
-    return torch.compile(minibatch_loss, fullgraph=True, dynamic=dynamic)
+    """minibatch_loss, through torch.compile with `--compile` (fixed shapes, unless preempted)."""
+    dynamic = None if args.preempt_fraction else False
+    return torch.compile(minibatch_loss, fullgraph=True, dynamic=dynamic) if args.compile else minibatch_loss
 
 
 def minibatch_sizes(sample_counts: list[int], num_minibatches: int) -> torch.Tensor:
@@ -502,8 +495,7 @@ def gather_to_learner(batch: Batch, orders: torch.Tensor, sizes: torch.Tensor) -
     """Every rank's batch and orders on rank 0 in one gather, padded where preemption cut them.
     Returns the union batch and the orders that make its minibatch k the world's; None elsewhere."""
     padding = int(sizes.sum(1).max()) - orders.shape[1]  # rows; the orders go as [samples, epochs]
-    tensors = [*batch.values(), orders.T]
-    full = [torch.cat([t, t.new_zeros((padding, *t.shape[1:]))]) for t in tensors]
+    full = [torch.cat([t, t.new_zeros(padding, *t.shape[1:])]) for t in [*batch.values(), orders.T]]
     gathered = gather_to_rank0(torch.cat([t.reshape(-1).double() for t in full]))  # [ranks, packed]
     if gathered is None:
         return None
@@ -534,11 +526,9 @@ def update_one_learner(
     outcome = batch["returns"].new_zeros(len(LOSS_KEYS) + 1, dtype=torch.float64)  # + inf/NaN flag
     learner_start = time.perf_counter()
     if union is not None:
-        union_batch, union_orders = union
-        try:  # the learner's minibatch k is the world's
-            losses, _ = update(
-                agent, optimizer, union_batch, args, union_orders, sizes.sum(0)[None], loss_fn, learner_group
-            )
+        batch, orders = union  # the union's, in which the learner's minibatch k is the world's
+        try:
+            losses, _ = update(agent, optimizer, batch, args, orders, sizes.sum(0)[None], loss_fn, learner_group)
             outcome[:-1] = losses
         except NonFiniteError:
             outcome[-1] = 1.0
@@ -579,19 +569,15 @@ def main(args: Args) -> Agent | None:
     loss_fn = loss_function(args)
     global_step = run.restore(model=agent, optimizer=optimizer)  # a resumed run's state and RNG
     learner_group = dist.new_group([0]) if args.sync == "gather" else None  # rank 0 learning alone
-
     # rollout storage: numpy, a row per step of the local envs, moved to `device` once per iteration
     shape = (args.num_steps, args.local_num_envs)
     raw_obs = np.zeros(shape + (obs_dim,))  # unnormalised, for the statistics
     obs = np.zeros(shape + (obs_dim,), dtype=np.float32)  # normalised, as the agent saw them
     actions = np.zeros(shape + (action_dim,), dtype=np.float32)
     logprobs, values, rewards, terminations = np.zeros((4, *shape), dtype=np.float32)
-    # episode_ends: terminated or truncated; final_values: V(final observation) where truncated
-    episode_ends, final_values = np.zeros((2, *shape), dtype=np.float32)
+    episode_ends, final_values = np.zeros((2, *shape), dtype=np.float32)  # ended; V(final obs)
     discounted_returns = np.zeros(shape)  # the running return whose std scales the rewards
-
-    # a resumed run starts fresh episodes, on envs seeded after all the earlier attempts' envs
-    index_offset = run.restarts * args.world_size * args.local_num_envs
+    index_offset = run.restarts * args.world_size * args.local_num_envs  # resumed: new env seeds
     next_obs, _ = envs.reset(seed=env_seeds(args.seed, rank, args.local_num_envs, index_offset))
     episode_return, episode_length, discounted_return = np.zeros((3, args.local_num_envs))
 
@@ -614,8 +600,7 @@ def main(args: Args) -> Agent | None:
                 next_obs, reward, terminated, truncated, info = envs.step(clipped_action)
                 ended = terminated | truncated
                 rewards[step], terminations[step], episode_ends[step] = reward, terminated, ended
-                discounted_return = discounted_return * args.gamma + reward
-                discounted_returns[step] = discounted_return
+                discounted_returns[step] = discounted_return = discounted_return * args.gamma + reward
                 episode_return += reward
                 episode_length += 1
                 if ended.any():
@@ -626,8 +611,7 @@ def main(args: Args) -> Agent | None:
                     cut = truncated & ~terminated
                     if cut.any():  # truncated, not terminated: bootstrap from V(final observation)
                         final_obs = np.stack(info["final_obs"][cut]).reshape(cut.sum(), -1)
-                        final_obs = normalize_obs(final_obs, obs_mean, obs_std)
-                        final_values[step, cut] = policy.value(final_obs)
+                        final_values[step, cut] = policy.value(normalize_obs(final_obs, obs_mean, obs_std))
             collected = step + 1  # steps per env: all, unless preemption cut the rollout short
             rows = slice(collected)  # the rollout's rows
             last_obs = normalize_obs(next_obs.reshape(args.local_num_envs, -1), obs_mean, obs_std)
@@ -635,8 +619,7 @@ def main(args: Args) -> Agent | None:
             rollout_time = time.perf_counter() - rollout_start
             sample_counts = [args.local_batch_size] * args.world_size  # each rank's samples
             if args.preempt_fraction:  # one all_gather
-                local_samples = [collected * args.local_num_envs]
-                sample_counts = gather_ints_to_all(local_samples, device)[:, 0].tolist()
+                sample_counts = gather_ints_to_all([collected * args.local_num_envs], device)[:, 0].tolist()
             global_step += sum(sample_counts)
 
             # --- normalisation statistics: merged over all ranks' rollouts in one collective ---
@@ -687,7 +670,6 @@ def main(args: Args) -> Agent | None:
             run.log(global_step, world, scalars)
             if run.end_iteration(global_step):  # checkpoint, weight check; all stop on SIGTERM
                 break
-
         envs.close()
         run.finish(record_video=lambda folder: evaluate(agent, args.env_id, args, folder))
     return agent
@@ -705,10 +687,8 @@ def rank_seed(seed: int, rank: int) -> int:
 
 
 def env_seeds(seed: int, rank: int, local_num_envs: int, index_offset: int = 0) -> list[int]:
-    """Seeds of `rank`'s envs: env j's global index is index_offset + rank * local_num_envs + j. A
-    resumed run passes `index_offset` = restarts x the world's envs: no seed is replayed."""
-    first = index_offset + rank * local_num_envs
-    return [seed + 10_000 * (first + j) for j in range(local_num_envs)]
+    """Env seeds by global index; a resumed run's `index_offset` (restarts x envs) replays none."""
+    return [seed + 10_000 * (index_offset + rank * local_num_envs + j) for j in range(local_num_envs)]
 
 
 # --- the rollout's numpy copy of the Agent's networks, checked against the Agent ----------------------
@@ -762,12 +742,10 @@ def check_rollout_policy(agent: Agent, batch: Batch, when: str) -> None:
     """Stop unless Agent.log_prob_entropy_value gives `batch`'s log-probabilities and values."""
     rows = {k: batch[k][:ROLLOUT_CHECK_SAMPLES] for k in ("obs", "actions", "log_probs", "values")}
     with torch.no_grad():
-        log_probs, _, values = agent.log_prob_entropy_value(rows["obs"], rows["actions"])
-    check_agreement(
-        when,
-        "RolloutPolicy.act (sampling, on numpy_module's copies of the networks) and Agent.log_prob_entropy_value",
-        **{"log-probabilities": (log_probs, rows["log_probs"]), "values": (values, rows["values"])},
-    )
+        log_prob, _, value = agent.log_prob_entropy_value(rows["obs"], rows["actions"])
+    pairs = {"log-probabilities": (log_prob, rows["log_probs"]), "values": (value, rows["values"])}
+    acting = "RolloutPolicy.act (sampling, on numpy_module's copies of the networks)"
+    check_agreement(when, f"{acting} and Agent.log_prob_entropy_value", **pairs)
 
 
 def check_agreement(when: str, must_agree: str, **pairs: tuple[torch.Tensor, torch.Tensor]) -> None:
@@ -788,8 +766,7 @@ def check_agreement(when: str, must_agree: str, **pairs: tuple[torch.Tensor, tor
 
 # --- MuJoCo's console, input checks, the batch table, evaluation --------------------------------------
 def silence_settotalmass_warning() -> None:
-    """Drop the warning MuJoCo 4 prints and logs for each HalfCheetah env on every rank (gymnasium's
-    model file uses the deprecated `settotalmass`). Other MuJoCo warnings print as before."""
+    """Drop MuJoCo 4's warning on the deprecated `settotalmass` in gymnasium's HalfCheetah model."""
     try:
         import mujoco
     except ImportError:  # no MuJoCo, no MuJoCo warnings
@@ -876,8 +853,7 @@ def evaluate(agent: Agent, env_id: str, args: Args, video_folder: str | None = N
     returns, episode_return = [], 0.0
     obs, _ = env.reset(seed=args.seed)
     while len(returns) < args.eval_episodes:
-        rows = normalize_obs(obs.reshape(1, -1), obs_mean, obs_std)
-        action, _, _ = policy.act(rows, args.eval_deterministic)
+        action, _, _ = policy.act(normalize_obs(obs.reshape(1, -1), obs_mean, obs_std), args.eval_deterministic)
         action = np.clip(action[0], env.action_space.low, env.action_space.high)
         obs, reward, terminated, truncated, _ = env.step(action)
         episode_return += float(reward)
@@ -900,8 +876,7 @@ def evaluate_checkpoint(args: Args) -> None:
     env.close()
     load_weights(agent, checkpoint["model"], args.eval_checkpoint)
     np.random.seed(args.seed)  # sampling, like the env, follows --seed: repeatable evaluations
-    run_folder = os.path.dirname(args.eval_checkpoint)
-    video_folder = os.path.join(run_folder, "videos") if args.capture_video else None
+    video_folder = os.path.join(os.path.dirname(args.eval_checkpoint), "videos") if args.capture_video else None
     returns = evaluate(agent, checkpoint["env_id"], args, video_folder)
     print(f"eval: episodes={len(returns)} return_mean={np.mean(returns):.2f} return_std={np.std(returns):.2f}")
 
