@@ -367,8 +367,7 @@ def broadcast_parameters(module: nn.Module, extras: torch.Tensor | None = None) 
 
 
 def global_moments(x: torch.Tensor | list[torch.Tensor], group: Group = None) -> tuple[torch.Tensor, ...]:
-    """Count, mean and M2 along the last dim of `x` over all ranks' elements, as if concatenated, in
-    one all_gather. A list of unequal 1-d pieces gives each piece's."""
+    """Count, mean, M2 of `x`'s last dim (or each list item) over all ranks, in one all_gather."""
     if isinstance(x, list):
         moments = [(p.new_tensor(len(p)), p.mean(), ((p - p.mean()) ** 2).sum()) for p in x]
         local = torch.stack([torch.stack(column) for column in zip(*moments, strict=True)])
@@ -492,8 +491,7 @@ def update(
 
 # --- --sync gather: rank 0 runs the update on the union of every rank's batch -------------------------
 def gather_to_learner(batch: Batch, orders: torch.Tensor, sizes: torch.Tensor) -> tuple[Batch, torch.Tensor] | None:
-    """Every rank's batch and orders on rank 0 in one gather, padded where preemption cut them.
-    Returns the union batch and the orders that make its minibatch k the world's; None elsewhere."""
+    """Rank 0's union of all batches (one gather), with orders giving the world's minibatches."""
     padding = int(sizes.sum(1).max()) - orders.shape[1]  # rows; the orders go as [samples, epochs]
     full = [torch.cat([t, t.new_zeros(padding, *t.shape[1:])]) for t in [*batch.values(), orders.T]]
     gathered = gather_to_rank0(torch.cat([t.reshape(-1).double() for t in full]))  # [ranks, packed]
@@ -519,8 +517,7 @@ def update_one_learner(
     agent: Agent, optimizer: torch.optim.Optimizer, batch: Batch, args: Args, orders: torch.Tensor,
     sizes: torch.Tensor, loss_fn: Callable, learner_group: Group,
 ) -> tuple[torch.Tensor, float]:  # fmt: skip
-    """Rank 0 runs `update` on the union batch in `learner_group` (a group of one). One broadcast
-    gives every rank the weights, losses and a non-finite flag; returns the losses and sync time."""
+    """Rank 0 runs `update` on the union; one broadcast then gives every rank weights and losses."""
     start = time.perf_counter()
     union = gather_to_learner(batch, orders, sizes)
     outcome = batch["returns"].new_zeros(len(LOSS_KEYS) + 1, dtype=torch.float64)  # + inf/NaN flag
@@ -528,8 +525,7 @@ def update_one_learner(
     if union is not None:
         batch, orders = union  # the union's, in which the learner's minibatch k is the world's
         try:
-            losses, _ = update(agent, optimizer, batch, args, orders, sizes.sum(0)[None], loss_fn, learner_group)
-            outcome[:-1] = losses
+            outcome[:-1] = update(agent, optimizer, batch, args, orders, sizes.sum(0)[None], loss_fn, learner_group)[0]
         except NonFiniteError:
             outcome[-1] = 1.0
     learner_time = time.perf_counter() - learner_start
@@ -569,6 +565,7 @@ def main(args: Args) -> Agent | None:
     loss_fn = loss_function(args)
     global_step = run.restore(model=agent, optimizer=optimizer)  # a resumed run's state and RNG
     learner_group = dist.new_group([0]) if args.sync == "gather" else None  # rank 0 learning alone
+
     # rollout storage: numpy, a row per step of the local envs, moved to `device` once per iteration
     shape = (args.num_steps, args.local_num_envs)
     raw_obs = np.zeros(shape + (obs_dim,))  # unnormalised, for the statistics
@@ -696,8 +693,7 @@ ROLLOUT_CHECK_SAMPLES = 256
 
 
 def numpy_module(module: nn.Module | nn.Parameter, numpy_layers: bool = True) -> Callable[[np.ndarray], np.ndarray]:
-    """`module` (or a parameter, the same for every row) as a numpy function of rows, on views of
-    its parameters. An unknown layer stops the run: add it here, or pass --no-numpy-rollout."""
+    """`module` (or a parameter) as a numpy function of rows; unknown layers stop with the fix."""
     if isinstance(module, nn.Parameter):
         value = module.detach().cpu().numpy()
         return lambda x: value
