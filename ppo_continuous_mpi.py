@@ -2,7 +2,7 @@
 
 CleanRL's ppo_continuous_action.py recipe, so results compare with its table: separate 64-64 tanh
 actor and critic MLPs, a state-independent log-std, clipped losses, GAE-lambda, an annealed learning
-rate. Observations are normalised and rewards scaled by a per-episode return's std (README).
+rate. Observations are normalised, rewards scaled by a per-episode return's running std (README).
 
     torchrun --standalone --nproc_per_node=2 ppo_continuous_mpi.py    # README: launchers, GPUs
 
@@ -287,7 +287,8 @@ class Agent(nn.Module):
 
 
 class RolloutPolicy:
-    """The Agent acting an env step at a time on numpy copies of its networks (cheaper per call)."""
+    """The Agent acting one env step at a time on numpy copies of its networks (per step, torch's
+    call overhead costs more), sampling the Gaussian that Agent.log_prob_entropy_value scores."""
 
     def __init__(self, agent: Agent, numpy_networks: bool = True):
         modules = (agent.actor_mean, agent.actor_logstd, agent.critic)
@@ -746,7 +747,7 @@ def check_rollout_policy(agent: Agent, batch: Batch, when: str) -> None:
 
 def check_agreement(when: str, must_agree: str, **pairs: tuple[torch.Tensor, torch.Tensor]) -> None:
     """Stop every rank unless each pair (the Agent's numbers, the rollout's) agrees on all ranks."""
-    tolerance = 1e-3  # relative; float32 rounding, small stds' included, stays far below
+    tolerance = 1e-3  # relative: float32 rounding (of small stds too) stays far below
     with torch.no_grad():
         relative = [(mine - theirs).abs() / (1 + theirs.abs()) for mine, theirs in pairs.values()]
         gaps = torch.stack([gap.max() for gap in relative]).double()
