@@ -1,16 +1,15 @@
 """PPO for continuous control (MuJoCo), data-parallel over any number of processes.
 
-CleanRL's ppo_continuous_action.py recipe in one file, so results compare with its published table: separate 64-64
-tanh actor and critic MLPs with orthogonal init, a state-independent log-std, clipped surrogate and value losses,
-GAE-lambda, an annealed learning rate, actions clipped to the space, observations normalised and rewards scaled by a
-running return std (each clipped to +-10); that return restarts with every episode, truncated or not (README).
+CleanRL's ppo_continuous_action.py recipe, so results compare with its table: separate 64-64 tanh
+actor and critic MLPs, a state-independent log-std, clipped losses, GAE-lambda, an annealed learning
+rate. Observations are normalised, rewards scaled by a per-episode return's running std (README).
 
-    torchrun --standalone --nproc_per_node=2 ppo_continuous_mpi.py     # README: every launcher, GPUs, evaluation
+    torchrun --standalone --nproc_per_node=2 ppo_continuous_mpi.py    # README: launchers, GPUs
 
-Distributed story: `--local-num-envs` and `--num-steps` are per rank. The world's minibatch k is the union of every
-rank's minibatch k, its advantages normalised with the union's mean and std and its gradients averaged in one flat
-allreduce; normalisation statistics are merged once per iteration. So every rank takes the step one process would
-take on the concatenated batch. `--sync gather`: rank 0 runs that update alone; `--preempt-fraction`: DD-PPO.
+Distributed story: `--local-num-envs` and `--num-steps` are per rank. The world's minibatch k is the
+union of the ranks' minibatches k: advantages normalised with its mean and std, gradients averaged
+in one allreduce. So every rank takes the step one process would take on the whole batch.
+`--sync gather`: rank 0 runs that update alone. `--preempt-fraction`: DD-PPO.
 """
 
 import contextlib
@@ -51,7 +50,7 @@ class Args:
     torch_deterministic: bool = True
     """if toggled, `torch.backends.cudnn.deterministic=True`"""
     cuda: bool = False
-    """if toggled and CUDA is available, rank r uses cuda:LOCAL_RANK (small MLPs are usually faster on CPU)"""
+    """if toggled and CUDA exists, rank r uses cuda:LOCAL_RANK (small MLPs: CPU is often faster)"""
     track: bool = False
     """if toggled, the run is also sent to Weights and Biases (needs `pip install wandb`)"""
     wandb_project_name: str = "ddrl"
@@ -59,9 +58,9 @@ class Args:
     wandb_entity: str | None = None
     """the Weights and Biases entity (team)"""
     capture_video: bool = False
-    """if toggled, rank 0 records evaluation episodes to `runs/{run_name}/videos` after training (needs moviepy)"""
+    """if toggled, rank 0 films evaluation episodes into `runs/{run_name}/videos` (needs moviepy)"""
     save_model: bool = False
-    """if toggled, rank 0 writes `runs/{run_name}/model.pt` (weights and normalisation statistics)"""
+    """if toggled, rank 0 writes `runs/{run_name}/model.pt` (weights, normalisation statistics)"""
     eval_checkpoint: str = ""
     """if set, load this model.pt, play `--eval-episodes` episodes on rank 0 and exit"""
     eval_episodes: int = 10
@@ -69,9 +68,9 @@ class Args:
     eval_deterministic: bool = False
     """if toggled, evaluation takes the policy's mean action instead of sampling"""
     compile: bool = False
-    """if toggled, the update's loss runs through torch.compile (compiles for seconds; on CPU needs a C++ compiler)"""
+    """if toggled, the update's loss runs through torch.compile (on CPU: needs a C++ compiler)"""
     numpy_rollout: bool = True
-    """if toggled, the rollout runs numpy copies of the Agent's networks (fast); --no-numpy-rollout calls the modules"""
+    """if toggled, the rollout runs numpy copies of the Agent's networks (fast), else the modules"""
 
     # Algorithm specific arguments (names and defaults as in CleanRL's ppo_continuous_action.py)
     env_id: str = "HalfCheetah-v5"
@@ -91,15 +90,15 @@ class Args:
     gae_lambda: float = 0.95
     """the lambda of generalized advantage estimation"""
     num_minibatches: int = 32
-    """minibatches per update epoch; the world's minibatch k is the union of every rank's minibatch k"""
+    """minibatches per update epoch; the world's minibatch k is every rank's minibatch k"""
     update_epochs: int = 10
     """passes over the batch per iteration"""
     norm_adv: bool = True
-    """if toggled, advantages are normalised with the world-wide mean and std of each global minibatch"""
+    """if toggled, advantages are normalised with each world minibatch's mean and std"""
     clip_coef: float = 0.2
     """the surrogate clipping coefficient"""
     clip_vloss: bool = True
-    """if toggled, the value loss is clipped around the rollout's values, as in the PPO paper's code"""
+    """if toggled, the value loss is clipped around the rollout's values (the PPO paper's code)"""
     ent_coef: float = 0.0
     """coefficient of the entropy bonus"""
     vf_coef: float = 0.5
@@ -109,11 +108,11 @@ class Args:
     target_kl: float | None = None
     """if set, stop the update epochs once the world-averaged approximate KL exceeds it"""
     sync: Literal["allreduce", "gather"] = "allreduce"
-    """allreduce: each rank updates on its share, gradients averaged; gather: rank 0 runs the update on the union"""
+    """allreduce: ranks update on their shares, gradients averaged; gather: rank 0 on the union"""
     preempt_fraction: float = 0.0
-    """DD-PPO: once this fraction of the ranks has finished its rollout, the others cut theirs short (0 = off)"""
+    """DD-PPO: once this share of the ranks ends its rollout, the rest cut theirs short (0 = off)"""
     min_rollout_fraction: float = 0.25
-    """with --preempt-fraction, the share of --num-steps every rollout collects before it may be cut short"""
+    """with --preempt-fraction, the share of --num-steps a rollout collects before any cut"""
 
     # Distributed runtime (the same flags in every ddrl script)
     run_name: str = ""
@@ -121,21 +120,19 @@ class Args:
     torch_threads: int = 0
     """torch threads per rank; 0 = the cores idle at start divided by the ranks on this node"""
     nprocs: int = 1
-    """if > 1 and not already launched, re-launch this script as that many ranks: under mpirun when --collectives
-    allows MPI and mpirun and mpi4py are installed, else under `torch.distributed.run --standalone`"""
+    """if > 1, re-launch as that many ranks: mpirun if --collectives allows MPI, else torchrun"""
     collectives: Literal["auto", "mpi", "torch"] = "auto"
-    """CPU collectives: `mpi` through mpi4py (ranks started by mpirun, mpiexec or `srun --mpi=pmix`), `torch` through
-    torch.distributed (gloo); auto = mpi where MPI started the ranks and mpi4py imports, else torch"""
+    """CPU collectives via mpi4py or gloo; auto: mpi if MPI started the ranks and mpi4py imports"""
     backend: str = ""
-    """torch.distributed backend; empty = NCCL for CUDA tensors (gloo for CPU ones) with --cuda, gloo otherwise"""
+    """torch.distributed backend; empty = gloo, and NCCL for CUDA tensors with --cuda"""
     dist_timeout: float = 1800.0
     """seconds a collective may wait for a peer before the run stops with an error"""
     checkpoint_every: int = 0
-    """write `runs/{run_name}/checkpoints/iter_{n:06d}.pt` every this many iterations (0 = only on SIGTERM)"""
+    """iterations between checkpoints, `runs/{run_name}/checkpoints/iter_{n:06d}.pt` (0: SIGTERM)"""
     resume: bool = False
-    """continue the run `--run-name` from its newest checkpoint (automatic when torchrun restarts the ranks)"""
+    """continue the run `--run-name` from its newest checkpoint (automatic on a torchrun restart)"""
     check_sync_every: int = 0
-    """compare a checksum of the weights across ranks every this many iterations and stop if they differ (0 = never)"""
+    """iterations between checks that all ranks hold the same weights (a checksum); 0 = never"""
 
     # to be filled in at run time
     world_size: int = 0
@@ -151,25 +148,24 @@ class Args:
     num_iterations: int = 0
     """number of iterations: total_timesteps // batch_size (computed at run time)"""
     min_num_steps: int = 0
-    """steps per env a rollout collects before --preempt-fraction may cut it short (computed at run time)"""
+    """steps per env before --preempt-fraction may cut a rollout short (computed at run time)"""
 
 
-Batch = dict[str, torch.Tensor]  # a rollout's tensors by name: obs, actions, log_probs, values, advantages, returns
+Batch = dict[str, torch.Tensor]  # obs, actions, log_probs, values, advantages, returns (by name)
 Group = dist.ProcessGroup | None  # None: the world
 
 
 # --- batch arithmetic ---------------------------------------------------------------------------------
-
-
 def derive_batch_sizes(args: Args, world_size: int) -> None:
-    """Per-rank and world batch sizes from the per-rank flags; sizes that do not divide or give no iteration stop."""
+    """The per-rank and world batch sizes; sizes that do not divide, or give no iteration, stop."""
     args.world_size = world_size
     args.local_batch_size = args.local_num_envs * args.num_steps
     args.batch_size = args.local_batch_size * world_size
     if args.local_batch_size % args.num_minibatches:
         fail(
-            f"--num-minibatches {args.num_minibatches} does not divide the local batch of {args.local_batch_size} "
-            f"steps (--local-num-envs {args.local_num_envs} x --num-steps {args.num_steps}); use a divisor of it"
+            f"--num-minibatches {args.num_minibatches} does not divide the local batch of "
+            f"{args.local_batch_size} steps (--local-num-envs {args.local_num_envs} x --num-steps "
+            f"{args.num_steps}); use a divisor of it"
         )
     args.local_minibatch_size = args.local_batch_size // args.num_minibatches
     args.minibatch_size = args.local_minibatch_size * world_size
@@ -179,19 +175,20 @@ def derive_batch_sizes(args: Args, world_size: int) -> None:
     args.min_num_steps = max(min_steps, math.ceil(args.num_minibatches / args.local_num_envs))
     if args.num_iterations < 1:
         fail(
-            f"--total-timesteps {args.total_timesteps} is less than one iteration's batch of {args.batch_size} steps "
-            f"({world_size} ranks x {args.local_num_envs} envs x {args.num_steps} steps): raise --total-timesteps"
+            f"--total-timesteps {args.total_timesteps} is less than one iteration's batch of "
+            f"{args.batch_size} steps ({world_size} ranks x {args.local_num_envs} envs x "
+            f"{args.num_steps} steps): raise --total-timesteps"
         )
 
 
 # --- environment, normalisation, agent, GAE -----------------------------------------------------------
-
 NORM_CLIP = 10.0  # normalised observations and scaled rewards are clipped to +-10, as in CleanRL
 NORM_EPS = 1e-8
+LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)  # of the Gaussian policy's density
 
 
 def make_env(env_id: str, video_folder: str | None = None) -> Callable[[], gym.Env]:
-    """A thunk building one env; normalisation lives in main (gymnasium's wrappers keep per-env statistics)."""
+    """A thunk building one env (normalisation lives in main: gymnasium's wrappers are per env)."""
 
     def thunk() -> gym.Env:
         silence_settotalmass_warning()
@@ -203,6 +200,33 @@ def make_env(env_id: str, video_folder: str | None = None) -> Callable[[], gym.E
     return thunk
 
 
+class RunningMeanStd(nn.Module):
+    """Running mean and population variance in float64 buffers, empty at first (no pseudo-count)."""
+
+    def __init__(self, shape: tuple[int, ...]):
+        super().__init__()
+        self.register_buffer("mean", torch.zeros(shape, dtype=torch.float64))
+        self.register_buffer("var", torch.ones(shape, dtype=torch.float64))
+        self.register_buffer("count", torch.zeros((), dtype=torch.float64))
+
+    @torch.no_grad()
+    def update(self, count: torch.Tensor, mean: torch.Tensor, m2: torch.Tensor) -> None:
+        """Merge a batch's moments (parallel variance update) into the statistics of all data."""
+        total, delta = self.count + count, mean - self.mean
+        self.var.copy_((self.var * self.count + m2 + delta**2 * self.count * count / total) / total)
+        self.mean += delta * count / total
+        self.count.copy_(total)
+
+    def frozen(self) -> tuple[np.ndarray, np.ndarray]:
+        """(mean, std) as numpy arrays, fixed for a rollout."""
+        return self.mean.cpu().numpy().copy(), np.sqrt(self.var.cpu().numpy() + NORM_EPS)
+
+
+def normalize_obs(x: np.ndarray, mean: np.ndarray, std: np.ndarray) -> np.ndarray:
+    """Observations as the agent sees them: standardised with frozen statistics, clipped."""
+    return np.clip((x - mean) / std, -NORM_CLIP, NORM_CLIP).astype(np.float32)
+
+
 def layer_init(layer: nn.Linear, std: float = math.sqrt(2), bias_const: float = 0.0) -> nn.Linear:
     torch.nn.init.orthogonal_(layer.weight, std)
     torch.nn.init.constant_(layer.bias, bias_const)
@@ -210,11 +234,11 @@ def layer_init(layer: nn.Linear, std: float = math.sqrt(2), bias_const: float = 
 
 
 class DispatchFreeSequential(nn.Sequential):
-    """nn.Sequential doing Linear and Tanh layers' arithmetic itself (dispatch: ~5% of a step); others as modules."""
+    """nn.Sequential doing Linear and Tanh layers' arithmetic itself (dispatch: ~5% of a step)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for layer in self:
-            parameters = layer._parameters  # not layer.weight: nn.Module.__getattr__ costs ~1.5 us a lookup
+            parameters = layer._parameters  # not layer.weight: nn.Module.__getattr__ costs ~1.5 us
             if type(layer) is nn.Linear and parameters["bias"] is not None and x.dim() == 2:
                 x = torch.addmm(parameters["bias"], x, parameters["weight"].t())
             else:
@@ -233,27 +257,23 @@ def mlp(in_size: int, out_size: int, out_std: float) -> nn.Sequential:
     )
 
 
-LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
-
-
 class Agent(nn.Module):
-    """CleanRL's continuous agent: separate 64-64 tanh MLPs, a state-independent log-std, and the observation and
-    return statistics (buffers, saved with the weights): the one definition the rollout's copy is checked against."""
+    """CleanRL's continuous agent and statistics: the definition the rollout's copy must match."""
 
     def __init__(self, obs_dim: int, action_dim: int):
         super().__init__()
         self.critic = mlp(obs_dim, 1, out_std=1.0)
         self.actor_mean = mlp(obs_dim, action_dim, out_std=0.01)
-        self.actor_logstd = nn.Parameter(torch.zeros(action_dim))  # or a module of the observation (state-dependent)
+        self.actor_logstd = nn.Parameter(torch.zeros(action_dim))  # or a module (state-dependent)
         self.obs_rms = RunningMeanStd((obs_dim,))
         self.return_rms = RunningMeanStd(())
 
     def log_prob_entropy_value(
         self, obs: torch.Tensor, actions: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Log-probability of `actions`, the policy's entropy and the value at `obs` (closed-form Gaussian)."""
+        """Log-probability of `actions`, the policy's entropy and the value at `obs` (Gaussian)."""
         mean = self.actor_mean(obs)
-        log_std = self.actor_logstd  # broadcast over the batch; state-dependent: self.actor_logstd(obs)
+        log_std = self.actor_logstd  # broadcast; state-dependent: self.actor_logstd(obs)
         log_prob = (-0.5 * ((actions - mean) / log_std.exp()) ** 2 - log_std - LOG_SQRT_2PI).sum(-1)
         entropy = (0.5 + LOG_SQRT_2PI + log_std).sum(-1).expand(len(obs))
         return log_prob, entropy, self.value(obs)
@@ -262,22 +282,23 @@ class Agent(nn.Module):
         return self.critic(obs).squeeze(-1)
 
     def rollout_policy(self, numpy_networks: bool = True) -> "RolloutPolicy":
-        """The policy and value function as they are now, for a rollout (which never changes them)."""
+        """The policy and value as they are now, for a rollout (which never changes them)."""
         return RolloutPolicy(self, numpy_networks)
 
 
 class RolloutPolicy:
-    """The Agent acting one env step at a time on numpy copies of its networks (numpy_module: per step, torch's call
-    overhead costs more than the arithmetic), sampling the Gaussian Agent.log_prob_entropy_value scores."""
+    """The Agent acting one env step at a time on numpy copies of its networks (per step, torch's
+    call overhead costs more), sampling the Gaussian that Agent.log_prob_entropy_value scores."""
 
     def __init__(self, agent: Agent, numpy_networks: bool = True):
         modules = (agent.actor_mean, agent.actor_logstd, agent.critic)
         self.actor_mean, self.actor_logstd, self.critic = (numpy_module(m, numpy_networks) for m in modules)
 
-    def act(self, obs: np.ndarray, deterministic: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Sampled (or mean) actions, their log-probabilities and the values at `obs` [envs, obs_dim]."""
+    def act(self, obs: np.ndarray, deterministic: bool = False) -> tuple[np.ndarray, ...]:
+        """Sampled (or mean) actions, their log-probabilities and the values at `obs`."""
         mean, log_std = self.actor_mean(obs), self.actor_logstd(obs)
-        noise = np.zeros_like(mean) if deterministic else np.random.standard_normal(mean.shape).astype(mean.dtype)
+        normal = np.zeros if deterministic else np.random.standard_normal  # deterministic: the mean
+        noise = normal(mean.shape).astype(mean.dtype)
         actions = mean + np.exp(log_std) * noise
         log_prob = (-0.5 * noise**2 - log_std - LOG_SQRT_2PI).sum(-1)
         return actions, log_prob, self.value(obs)
@@ -287,16 +308,11 @@ class RolloutPolicy:
 
 
 def compute_gae(
-    rewards: np.ndarray,
-    values: np.ndarray,
-    next_values: np.ndarray,
-    terminations: np.ndarray,
-    episode_ends: np.ndarray,
-    gamma: float,
-    gae_lambda: float,
-) -> tuple[np.ndarray, np.ndarray]:
-    """GAE-lambda advantages and value targets for [T, envs]. `next_values[t]`: V after step t in its own episode (of
-    the final observation where truncated), zeroed where `terminations[t]`; `episode_ends[t]` stops the recursion."""
+    rewards: np.ndarray, values: np.ndarray, next_values: np.ndarray, terminations: np.ndarray,
+    episode_ends: np.ndarray, gamma: float, gae_lambda: float,
+) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
+    """GAE-lambda advantages and value targets, [T, envs]. `next_values[t]`: V after step t in its
+    episode (the final observation's if truncated, 0 if terminated); `episode_ends` cut the sum."""
     advantages = np.zeros_like(rewards)
     next_advantage = np.zeros_like(rewards[0])
     for t in reversed(range(len(rewards))):
@@ -307,15 +323,13 @@ def compute_gae(
 
 
 # --- gradient sync and the update ---------------------------------------------------------------------
-
-
 def group_size(group: Group = None) -> int:
-    """Ranks in `group` (the world by default); 1 where no process group exists, so helpers become no-ops."""
+    """Ranks in `group` (the world by default); 1 without a process group, so helpers do nothing."""
     return dist.get_world_size(group) if dist.is_initialized() else 1
 
 
 def allreduce_mean(tensor: torch.Tensor, group: Group = None) -> torch.Tensor:
-    """Average `tensor` over the ranks of `group`, in place (reduce_to_all: MPI's under mpirun, else torch's)."""
+    """Average `tensor` over the ranks of `group`, in place (through MPI under mpirun)."""
     if group_size(group) > 1:
         reduce_to_all(tensor, group=group)
         tensor /= group_size(group)
@@ -323,18 +337,17 @@ def allreduce_mean(tensor: torch.Tensor, group: Group = None) -> torch.Tensor:
 
 
 def flat_gradient_buffer(parameters: list[nn.Parameter], num_extras: int) -> torch.Tensor:
-    """One zeroed buffer of every gradient, then `num_extras` scalars; each `.grad` is a view into it, so backward()
-    accumulates into what the allreduce sends. Zero it with `zero_()` (`optimizer.zero_grad()` drops the views)."""
+    """One buffer of every gradient, then `num_extras` scalars. Each `.grad` views into it, so the
+    allreduce sends what backward() fills. Zero it with `zero_()`: zero_grad() drops the views."""
     sizes = [p.numel() for p in parameters]
-    flat = torch.zeros(sum(sizes) + num_extras, dtype=parameters[0].dtype, device=parameters[0].device)
+    flat = parameters[0].new_zeros(sum(sizes) + num_extras)
     for parameter, gradient in zip(parameters, flat[: sum(sizes)].split(sizes), strict=True):
         parameter.grad = gradient.view_as(parameter)
     return flat
 
 
 def average_gradients(flat: torch.Tensor, group: Group = None) -> float:
-    """Average a flat_gradient_buffer (gradients, then scalars every rank must agree on) in one allreduce; returns its
-    seconds. A NaN or inf anywhere spreads through the sum, so every rank raises NonFiniteError before any step."""
+    """Average `flat` in one allreduce (returns its seconds); a NaN or inf raises on every rank."""
     start = time.perf_counter()
     allreduce_mean(flat, group)
     if not torch.isfinite(flat).all():
@@ -343,7 +356,7 @@ def average_gradients(flat: torch.Tensor, group: Group = None) -> float:
 
 
 def broadcast_parameters(module: nn.Module, extras: torch.Tensor | None = None) -> None:
-    """Copy rank 0's parameters and buffers, and `extras` (numbers riding along), to every rank in one broadcast."""
+    """Copy rank 0's parameters and buffers, and `extras`, to every rank in one broadcast."""
     tensors = [t for t in (*module.parameters(), *module.buffers()) if t.is_floating_point()]
     tensors += [] if extras is None else [extras]
     if group_size() > 1:
@@ -355,10 +368,10 @@ def broadcast_parameters(module: nn.Module, extras: torch.Tensor | None = None) 
 
 
 def global_moments(x: torch.Tensor | list[torch.Tensor], group: Group = None) -> tuple[torch.Tensor, ...]:
-    """Count, mean and M2 along the last dim of `x` (or of each 1-d piece in a list of unequal ones) over all ranks'
-    elements, as if concatenated (one all_gather)."""
+    """Count, mean, M2 of `x`'s last dim (or each list item) over all ranks, in one all_gather."""
     if isinstance(x, list):
-        local = torch.stack([torch.stack([p.new_tensor(len(p)), p.mean(), ((p - p.mean()) ** 2).sum()]) for p in x], 1)
+        moments = [(p.new_tensor(len(p)), p.mean(), ((p - p.mean()) ** 2).sum()) for p in x]
+        local = torch.stack([torch.stack(column) for column in zip(*moments, strict=True)])
     else:
         local_mean = x.mean(-1)
         local_m2 = ((x - local_mean.unsqueeze(-1)) ** 2).sum(-1)
@@ -373,7 +386,7 @@ def global_moments(x: torch.Tensor | list[torch.Tensor], group: Group = None) ->
 
 
 def global_mean_std(x: torch.Tensor | list[torch.Tensor], group: Group = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mean and unbiased std along the last dim of `x` over all ranks' elements, as if concatenated (one collective)."""
+    """Mean and unbiased std along the last dim of `x` over all ranks' elements (concatenated)."""
     count, mean, m2 = global_moments(x, group)
     return mean, torch.sqrt(m2 / (count - 1))
 
@@ -385,7 +398,7 @@ APPROX_KL, CLIPFRAC = LOSS_KEYS.index("approx_kl"), LOSS_KEYS.index("clipfrac")
 def minibatch_loss(
     agent: Agent, mb: Batch, adv_mean: torch.Tensor | None, adv_std: torch.Tensor | None, args: Args
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """PPO's clipped loss on one minibatch and its LOSS_KEYS; advantages normalised with the global minibatch's."""
+    """PPO's clipped loss on one minibatch and its LOSS_KEYS, advantages normalised world-wide."""
     new_log_prob, entropy, new_value = agent.log_prob_entropy_value(mb["obs"], mb["actions"])
     logratio = new_log_prob - mb["log_probs"]
     ratio = logratio.exp()
@@ -393,13 +406,12 @@ def minibatch_loss(
         old_approx_kl = (-logratio).mean()
         approx_kl = ((ratio - 1) - logratio).mean()
         clipfrac = ((ratio - 1.0).abs() > args.clip_coef).to(ratio.dtype).mean()
-    mb_advantages = mb["advantages"] if adv_mean is None else (mb["advantages"] - adv_mean) / (adv_std + 1e-8)
-
+    advantages = mb["advantages"]
+    mb_advantages = advantages if adv_mean is None else (advantages - adv_mean) / (adv_std + 1e-8)
     # Policy loss
     pg_loss1 = -mb_advantages * ratio
     pg_loss2 = -mb_advantages * torch.clamp(ratio, 1 - args.clip_coef, 1 + args.clip_coef)
     pg_loss = torch.max(pg_loss1, pg_loss2).mean()
-
     # Value loss
     if args.clip_vloss:
         v_loss_unclipped = (new_value - mb["returns"]) ** 2
@@ -408,60 +420,53 @@ def minibatch_loss(
         v_loss = 0.5 * torch.max(v_loss_unclipped, v_loss_clipped).mean()
     else:
         v_loss = 0.5 * ((new_value - mb["returns"]) ** 2).mean()
-
     entropy_loss = entropy.mean()
     loss = pg_loss - args.ent_coef * entropy_loss + v_loss * args.vf_coef
-    return loss, torch.stack([pg_loss, v_loss, entropy_loss, old_approx_kl, approx_kl, clipfrac]).detach()  # LOSS_KEYS
+    losses = torch.stack([pg_loss, v_loss, entropy_loss, old_approx_kl, approx_kl, clipfrac])
+    return loss, losses.detach()
 
 
 def loss_function(args: Args) -> Callable:
-    """minibatch_loss, through torch.compile with `--compile` (fixed shapes, unless preemption varies them)."""
+    """minibatch_loss, through torch.compile with `--compile` (fixed shapes, unless preempted)."""
     dynamic = None if args.preempt_fraction else False
     return torch.compile(minibatch_loss, fullgraph=True, dynamic=dynamic) if args.compile else minibatch_loss
 
 
 def minibatch_sizes(sample_counts: list[int], num_minibatches: int) -> torch.Tensor:
-    """[ranks, num_minibatches]: the samples each rank gives each world minibatch (unequal after preemption only)."""
+    """[ranks, num_minibatches]: the samples each rank gives each world minibatch."""
     counts = torch.tensor(sample_counts)[:, None]
     return counts // num_minibatches + (torch.arange(num_minibatches) < counts % num_minibatches)
 
 
 def local_minibatches(sizes: torch.Tensor, group: Group = None) -> tuple[list[int], list[float] | None]:
-    """This rank's minibatch sizes (its row of `sizes`) and the weight of its loss in each world minibatch, its share
-    of the samples times the ranks, so that the average over ranks is the union's mean (None: all sizes equal)."""
+    """This rank's minibatch sizes (its row of `sizes`) and its loss's weight in each minibatch: its
+    share of the samples times the ranks, so the ranks' mean is the union's (None: all equal)."""
     local_sizes = sizes[dist.get_rank(group) if dist.is_initialized() else 0]
     weights = (local_sizes.double() * len(sizes) / sizes.sum(0)).tolist()
     return local_sizes.tolist(), None if bool((sizes == sizes[0, 0]).all()) else weights
 
 
 def update(
-    agent: Agent,
-    optimizer: torch.optim.Optimizer,
-    batch: Batch,
-    args: Args,
-    orders: torch.Tensor,
-    sizes: torch.Tensor | None = None,
-    loss_fn: Callable = minibatch_loss,
-    group: Group = None,
-) -> tuple[torch.Tensor, float]:
-    """PPO's epochs: minibatch k of epoch e is slice k, `sizes[rank, k]` long (None: equal), of `orders[e]`; the world's
-    is the union of the ranks'. Returns the world-averaged LOSS_KEYS (clipfrac over all) and the collectives' time."""
-    flat = flat_gradient_buffer(list(agent.parameters()), num_extras=len(LOSS_KEYS))  # gradients, then the losses
+    agent: Agent, optimizer: torch.optim.Optimizer, batch: Batch, args: Args, orders: torch.Tensor,
+    sizes: torch.Tensor | None = None, loss_fn: Callable = minibatch_loss, group: Group = None,
+) -> tuple[torch.Tensor, float]:  # fmt: skip
+    """PPO's epochs: minibatch k of epoch e is slice k, `sizes[rank, k]` long, of `orders[e]`; the
+    world's is the ranks' union. Returns the world-averaged LOSS_KEYS and the collectives' time."""
+    flat = flat_gradient_buffer(list(agent.parameters()), num_extras=len(LOSS_KEYS))
     gradients, losses = flat[: -len(LOSS_KEYS)], flat[-len(LOSS_KEYS) :]
     if sizes is None:
         sizes = minibatch_sizes([orders.shape[1]] * group_size(group), args.num_minibatches)
     local_sizes, weights = local_minibatches(sizes, group)
-    starts = np.cumsum([0, *local_sizes]).tolist()  # where each minibatch starts in the epoch's order
-    sync_time = 0.0
-    clipfrac_sum = torch.zeros((), dtype=flat.dtype, device=flat.device)
+    starts = np.cumsum([0, *local_sizes]).tolist()  # where each minibatch starts
+    sync_time, clipfrac_sum = 0.0, flat.new_zeros(())
     for epoch in range(args.update_epochs):
         # one gather per tensor per epoch; each minibatch is then a slice, not another gather
         shuffled = {key: value[orders[epoch]] for key, value in batch.items()}
         adv_mean = adv_std = [None] * args.num_minibatches
         if args.norm_adv:  # every global minibatch's mean and std in one collective per epoch
             start = time.perf_counter()
-            advantages = shuffled["advantages"].split(local_sizes)  # this rank's part of each world minibatch
-            advantages = torch.stack(advantages) if weights is None else list(advantages)  # unequal: one by one
+            advantages = shuffled["advantages"].split(local_sizes)  # this rank's part of each
+            advantages = torch.stack(advantages) if weights is None else list(advantages)
             adv_mean, adv_std = global_mean_std(advantages, group)
             sync_time += time.perf_counter() - start
         for k in range(args.num_minibatches):
@@ -475,76 +480,121 @@ def update(
             with torch.no_grad():
                 losses.copy_(minibatch_losses)
                 losses[CLIPFRAC] = clipfrac_sum / (epoch * args.num_minibatches + k + 1)
-            # the (weighted) mean of the ranks' gradients is the union's; clipped alike after averaging
+            # the ranks' (weighted) mean gradient is the union's; then clip_grad_norm_, alike on all
             sync_time += average_gradients(flat, group)
-            gradients.mul_(torch.clamp(args.max_grad_norm / (gradients.norm() + 1e-6), max=1.0))  # clip_grad_norm_
+            gradients.mul_(torch.clamp(args.max_grad_norm / (gradients.norm() + 1e-6), max=1.0))
             optimizer.step()
-        # the KL is the world average carried by the last gradient allreduce: every rank stops together
+        # the KL is the world's, carried by the last gradient allreduce: every rank stops together
         if args.target_kl is not None and losses[APPROX_KL] > args.target_kl:
             break
     return losses.clone(), sync_time
 
 
+# --- --sync gather: rank 0 runs the update on the union of every rank's batch -------------------------
+def gather_to_learner(batch: Batch, orders: torch.Tensor, sizes: torch.Tensor) -> tuple[Batch, torch.Tensor] | None:
+    """Rank 0's union of all batches (one gather), with orders giving the world's minibatches."""
+    padding = int(sizes.sum(1).max()) - orders.shape[1]  # rows; the orders go as [samples, epochs]
+    full = [torch.cat([t, t.new_zeros(padding, *t.shape[1:])]) for t in [*batch.values(), orders.T]]
+    gathered = gather_to_rank0(torch.cat([t.reshape(-1).double() for t in full]))  # [ranks, packed]
+    if gathered is None:
+        return None
+    numels = [t.numel() for t in full]
+    ranks = [[p.view_as(t) for p, t in zip(r.split(numels), full, strict=True)] for r in gathered]
+    counts = sizes.sum(1).tolist()  # each rank's samples, then where they start in the union
+    offsets = [0, *np.cumsum(counts)[:-1].tolist()]
+    union = {
+        key: torch.cat([rank[i][:n] for rank, n in zip(ranks, counts, strict=True)]).to(value.dtype)
+        for i, (key, value) in enumerate(batch.items())
+    }
+    minibatches = [  # each rank's minibatches: [epochs, size] indices into the union
+        (rank[-1][:n].T.long() + offset).split(rank_sizes.tolist(), 1)
+        for rank, n, offset, rank_sizes in zip(ranks, counts, offsets, sizes, strict=True)
+    ]
+    union_orders = torch.cat([rank[k] for k in range(sizes.shape[1]) for rank in minibatches], 1)
+    return union, union_orders.to(orders.device)
+
+
+def update_one_learner(
+    agent: Agent, optimizer: torch.optim.Optimizer, batch: Batch, args: Args, orders: torch.Tensor,
+    sizes: torch.Tensor, loss_fn: Callable, learner_group: Group,
+) -> tuple[torch.Tensor, float]:  # fmt: skip
+    """Rank 0 runs `update` on the union; one broadcast then gives every rank weights and losses."""
+    start = time.perf_counter()
+    union = gather_to_learner(batch, orders, sizes)
+    outcome = batch["returns"].new_zeros(len(LOSS_KEYS) + 1, dtype=torch.float64)  # + inf/NaN flag
+    learner_start = time.perf_counter()
+    if union is not None:
+        batch, orders = union  # the union's, in which the learner's minibatch k is the world's
+        try:
+            outcome[:-1] = update(agent, optimizer, batch, args, orders, sizes.sum(0)[None], loss_fn, learner_group)[0]
+        except NonFiniteError:
+            outcome[-1] = 1.0
+    learner_time = time.perf_counter() - learner_start
+    broadcast_parameters(agent, outcome)
+    if outcome[-1] > 0:
+        raise NonFiniteError("a non-finite loss or gradient")
+    return outcome[:-1], time.perf_counter() - start - learner_time
+
+
 def main(args: Args) -> Agent | None:
     """Train (or, with --eval-checkpoint, evaluate); returns this rank's trained agent."""
     run = Run(args)  # re-launches for --nprocs (mpirun or torchrun); reads the launcher's world
-    silence_settotalmass_warning()  # before any env is made: the input checks' probe and evaluation too
+    silence_settotalmass_warning()  # before any env exists, for the input checks and evaluation too
     if args.eval_checkpoint:
         return evaluate_checkpoint(args)
     check_args(args)
     derive_batch_sizes(args, run.world_size)
-    run.start(args.num_iterations * args.batch_size, batch_table(args))  # run folder, resume, same command everywhere
+    run.start(args.num_iterations * args.batch_size, batch_table(args))  # run folder, resume
     rank, device = run.rank, run.device
 
-    # --- set-up: envs, identical initial weights on every rank (built from `seed`, then broadcast), rank seeds ---
-    envs = gym.vector.SyncVectorEnv(
-        [make_env(args.env_id) for _ in range(args.local_num_envs)],
-        autoreset_mode=gym.vector.AutoresetMode.SAME_STEP,
-    )
+    # --- set-up: envs, initial weights (from `seed`, broadcast to every rank), the rank's seeds ---
+    thunks = [make_env(args.env_id) for _ in range(args.local_num_envs)]
+    envs = gym.vector.SyncVectorEnv(thunks, autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
     obs_dim = int(np.prod(envs.single_observation_space.shape))
-    action_dim = int(np.prod(envs.single_action_space.shape))
+    action_space = envs.single_action_space
+    action_dim = int(np.prod(action_space.shape))
     torch.manual_seed(args.seed)
     agent = Agent(obs_dim, action_dim).to(device)
     broadcast_parameters(agent)
-    check_rollout_policy(agent, rollout_probe(agent.rollout_policy(args.numpy_rollout), obs_dim, device), "at start")
+    probe = rollout_probe(agent.rollout_policy(args.numpy_rollout), obs_dim, device)
+    check_rollout_policy(agent, probe, "at start")
     random.seed(rank_seed(args.seed, rank))
     np.random.seed(rank_seed(args.seed, rank))
     torch.manual_seed(rank_seed(args.seed, rank))
     torch.backends.cudnn.deterministic = args.torch_deterministic
-    optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5, fused=True)  # fused: 1 kernel
+    optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5, fused=True)
     loss_fn = loss_function(args)
-    global_step = run.restore(model=agent, optimizer=optimizer)  # a resumed run's state, RNG streams included
+    global_step = run.restore(model=agent, optimizer=optimizer)  # a resumed run's state and RNG
     learner_group = dist.new_group([0]) if args.sync == "gather" else None  # rank 0 learning alone
 
-    # rollout storage (numpy, one row per step of the local envs; moved to `device` once per iteration)
+    # rollout storage: numpy, a row per step of the local envs, moved to `device` once per iteration
     shape = (args.num_steps, args.local_num_envs)
     raw_obs = np.zeros(shape + (obs_dim,))  # unnormalised, for the statistics
     obs = np.zeros(shape + (obs_dim,), dtype=np.float32)  # normalised, as the agent saw them
     actions = np.zeros(shape + (action_dim,), dtype=np.float32)
-    # episode_ends: terminated or truncated; final_values: V(final observation) where an episode was truncated
-    logprobs, values, rewards, terminations, episode_ends, final_values = np.zeros((6, *shape), dtype=np.float32)
+    logprobs, values, rewards, terminations = np.zeros((4, *shape), dtype=np.float32)
+    episode_ends, final_values = np.zeros((2, *shape), dtype=np.float32)  # ended; V(final obs)
     discounted_returns = np.zeros(shape)  # the running return whose std scales the rewards
-
-    # a resumed run starts fresh episodes, on envs seeded after all the earlier attempts' envs
-    index_offset = run.restarts * args.world_size * args.local_num_envs
+    index_offset = run.restarts * args.world_size * args.local_num_envs  # resumed: new env seeds
     next_obs, _ = envs.reset(seed=env_seeds(args.seed, rank, args.local_num_envs, index_offset))
     episode_return, episode_length, discounted_return = np.zeros((3, args.local_num_envs))
 
     with run.guard(nonfinite_fix="lower --learning-rate or check the env's observations and rewards"):
         for _iteration in run.iterations():
             if args.anneal_lr:  # linearly to zero over the run's env steps
-                optimizer.param_groups[0]["lr"] = (1.0 - global_step / run.total_steps) * args.learning_rate
+                frac = 1.0 - global_step / run.total_steps
+                optimizer.param_groups[0]["lr"] = frac * args.learning_rate
 
             # --- rollout (normalisation statistics frozen, so every rank normalises alike) ---
             rollout_start = time.perf_counter()
             obs_mean, obs_std = agent.obs_rms.frozen()
             policy = agent.rollout_policy(args.numpy_rollout)
-            finished = {"episodes": 0, "episode_return": 0.0, "episode_length": 0}  # summed over ranks for the log
+            finished = {"episodes": 0, "episode_return": 0.0, "episode_length": 0}  # for the log
             for step in run.rollout_steps(args.num_steps, args.min_num_steps, args.preempt_fraction):
                 raw_obs[step] = next_obs.reshape(args.local_num_envs, -1)
                 obs[step] = normalize_obs(raw_obs[step], obs_mean, obs_std)
                 actions[step], logprobs[step], values[step] = policy.act(obs[step])
-                clipped_action = np.clip(actions[step], envs.single_action_space.low, envs.single_action_space.high)
+                clipped_action = np.clip(actions[step], action_space.low, action_space.high)
                 next_obs, reward, terminated, truncated, info = envs.step(clipped_action)
                 ended = terminated | truncated
                 rewards[step], terminations[step], episode_ends[step] = reward, terminated, ended
@@ -555,51 +605,50 @@ def main(args: Args) -> Agent | None:
                     finished["episodes"] += int(ended.sum())
                     finished["episode_return"] += float(episode_return[ended].sum())
                     finished["episode_length"] += int(episode_length[ended].sum())
-                    episode_return[ended], episode_length[ended], discounted_return[ended] = 0.0, 0, 0.0
+                    episode_return[ended] = episode_length[ended] = discounted_return[ended] = 0
                     cut = truncated & ~terminated
-                    if cut.any():  # truncation is not termination: bootstrap from V(final observation)
+                    if cut.any():  # truncated, not terminated: bootstrap from V(final observation)
                         final_obs = np.stack(info["final_obs"][cut]).reshape(cut.sum(), -1)
                         final_values[step, cut] = policy.value(normalize_obs(final_obs, obs_mean, obs_std))
-            collected = step + 1  # steps per env: all of them, unless preemption cut the rollout short
+            collected = step + 1  # steps per env: all, unless preemption cut the rollout short
             rows = slice(collected)  # the rollout's rows
-            last_values = policy.value(normalize_obs(next_obs.reshape(args.local_num_envs, -1), obs_mean, obs_std))
+            last_obs = normalize_obs(next_obs.reshape(args.local_num_envs, -1), obs_mean, obs_std)
+            last_values = policy.value(last_obs)
             rollout_time = time.perf_counter() - rollout_start
-            sample_counts = [args.local_batch_size] * args.world_size  # each rank's samples: one all_gather if cut
-            if args.preempt_fraction:
+            sample_counts = [args.local_batch_size] * args.world_size  # each rank's samples
+            if args.preempt_fraction:  # one all_gather
                 sample_counts = gather_ints_to_all([collected * args.local_num_envs], device)[:, 0].tolist()
             global_step += sum(sample_counts)
 
             # --- normalisation statistics: merged over all ranks' rollouts in one collective ---
-            local_data = [raw_obs[rows].reshape(-1, obs_dim).T, discounted_returns[rows].reshape(1, -1)]
-            count, mean, m2 = global_moments(torch.as_tensor(np.concatenate(local_data), device=device))
+            data = [raw_obs[rows].reshape(-1, obs_dim).T, discounted_returns[rows].reshape(1, -1)]
+            count, mean, m2 = global_moments(torch.as_tensor(np.concatenate(data), device=device))
             agent.obs_rms.update(count[0], mean[:obs_dim], m2[:obs_dim])
             agent.return_rms.update(count[obs_dim], mean[obs_dim], m2[obs_dim])
-            # the learner sees scaled rewards, used only from here on: with statistics that include this rollout
+            # from here on the rewards are scaled, with statistics that include this rollout
             reward_scale = math.sqrt(agent.return_rms.var.item() + NORM_EPS)
             rewards[rows] = np.clip(rewards[rows] / reward_scale, -NORM_CLIP, NORM_CLIP)
 
-            # --- GAE: each step bootstraps from the next row's value, or V(final observation) where its episode ended
-            next_values = np.concatenate([values[rows][1:], last_values[None]])  # a cut rollout's too, as a full one's
+            # --- GAE: bootstrap from the next row's value, or V(final observation) at an end ---
+            next_values = np.concatenate([values[rows][1:], last_values[None]])  # cut rollouts too
             next_values = np.where(episode_ends[rows] > 0, final_values[rows], next_values)
             advantages, returns = compute_gae(
-                rewards[rows], values[rows], next_values, terminations[rows], episode_ends[rows], args.gamma,
-                args.gae_lambda,
+                rewards[rows], values[rows], next_values, terminations[rows], episode_ends[rows],
+                args.gamma, args.gae_lambda,
             )  # fmt: skip
             final_values[:] = 0.0
-            batch = {
-                "obs": obs[rows].reshape(-1, obs_dim),
-                "actions": actions[rows].reshape(-1, action_dim),
-                "log_probs": logprobs[rows].reshape(-1),
-                "values": values[rows].reshape(-1),
-                "advantages": advantages.reshape(-1),
-                "returns": returns.reshape(-1),
-            }
-            batch = {key: torch.as_tensor(value, dtype=torch.float32, device=device) for key, value in batch.items()}
-            check_rollout_policy(agent, batch, f"at iteration {run.iteration}")  # PPO's first ratios must be 1
+            batch = dict(
+                obs=obs[rows].reshape(-1, obs_dim), actions=actions[rows].reshape(-1, action_dim),
+                log_probs=logprobs[rows].reshape(-1), values=values[rows].reshape(-1),
+                advantages=advantages.reshape(-1), returns=returns.reshape(-1),
+            )  # fmt: skip
+            batch = {k: torch.as_tensor(v, dtype=torch.float32, device=device) for k, v in batch.items()}
+            check_rollout_policy(agent, batch, f"at iteration {run.iteration}")  # first ratios: 1
 
             # --- update ---
             update_start = time.perf_counter()
-            orders = torch.stack([torch.randperm(returns.size, device=device) for _ in range(args.update_epochs)])
+            epochs = range(args.update_epochs)
+            orders = torch.stack([torch.randperm(returns.size, device=device) for _ in epochs])
             sizes = minibatch_sizes(sample_counts, args.num_minibatches)
             if args.sync == "allreduce":
                 losses, sync_time = update(agent, optimizer, batch, args, orders, sizes, loss_fn)
@@ -609,74 +658,43 @@ def main(args: Args) -> Agent | None:
                 )
             update_time = time.perf_counter() - update_start
 
-            # --- logging: episodes ended on any rank, losses averaged over ranks, the world's explained variance ---
+            # --- logging: episodes ended on any rank, world-averaged losses, explained variance ---
             world = run.sum_over_ranks(**finished)
             scalars = {"charts/learning_rate": optimizer.param_groups[0]["lr"]}
-            scalars |= {f"losses/{key}": value for key, value in zip(LOSS_KEYS, losses.tolist(), strict=True)}
+            scalars |= {f"losses/{k}": v for k, v in zip(LOSS_KEYS, losses.tolist(), strict=True)}
             scalars["losses/explained_variance"] = explained_variance(batch["returns"], batch["values"])
-            scalars |= {"perf/rollout_time": rollout_time, "perf/update_time": update_time, "perf/sync_time": sync_time}
+            perf = dict(rollout_time=rollout_time, update_time=update_time, sync_time=sync_time)
+            scalars |= {f"perf/{k}": v for k, v in perf.items()}
             run.log(global_step, world, scalars)
-            if run.end_iteration(global_step):  # weight check, checkpoint; every rank stops here on SIGTERM
+            if run.end_iteration(global_step):  # checkpoint, weight check; all stop on SIGTERM
                 break
-
         envs.close()
         run.finish(record_video=lambda folder: evaluate(agent, args.env_id, args, folder))
     return agent
 
 
 def explained_variance(returns: torch.Tensor, values: torch.Tensor) -> float:
-    """1 - Var(returns - values) / Var(returns) over the world's batch in float64 (one collective; constant: NaN)."""
+    """1 - Var(returns - values) / Var(returns) over the world's batch (float64; constant: NaN)."""
     _, stds = global_mean_std(torch.stack([returns - values, returns]).double())
     return float("nan") if stds[1] == 0 else (1 - stds[0] ** 2 / stds[1] ** 2).item()
 
 
 def rank_seed(seed: int, rank: int) -> int:
-    """Seed of python, numpy and action sampling on `rank` (SpinningUp's stride: nearby seeds never collide)."""
+    """The seed of `rank`'s RNGs (SpinningUp's stride: nearby seeds never collide)."""
     return seed + 10_000 * rank
 
 
 def env_seeds(seed: int, rank: int, local_num_envs: int, index_offset: int = 0) -> list[int]:
-    """Seeds of this rank's envs: env j of rank r has global index g = index_offset + r * local_num_envs + j. A resumed
-    run passes `index_offset` = restarts x the world's envs, so its fresh episodes never replay a seed."""
+    """Env seeds by global index; a resumed run's `index_offset` (restarts x envs) replays none."""
     return [seed + 10_000 * (index_offset + rank * local_num_envs + j) for j in range(local_num_envs)]
 
 
-# --- running statistics; the rollout's numpy copy of the Agent's networks, checked against the Agent --
-
-
-class RunningMeanStd(nn.Module):
-    """Running mean and population variance in float64 buffers; empty at first (no gymnasium 1e-4 pseudo-count)."""
-
-    def __init__(self, shape: tuple[int, ...]):
-        super().__init__()
-        self.register_buffer("mean", torch.zeros(shape, dtype=torch.float64))
-        self.register_buffer("var", torch.ones(shape, dtype=torch.float64))
-        self.register_buffer("count", torch.zeros((), dtype=torch.float64))
-
-    @torch.no_grad()
-    def update(self, count: torch.Tensor, mean: torch.Tensor, m2: torch.Tensor) -> None:
-        """Merge a batch's moments (parallel variance update): the result is the statistics of all data seen."""
-        total, delta = self.count + count, mean - self.mean
-        self.var.copy_((self.var * self.count + m2 + delta**2 * self.count * count / total) / total)
-        self.mean += delta * count / total
-        self.count.copy_(total)
-
-    def frozen(self) -> tuple[np.ndarray, np.ndarray]:
-        """(mean, std) as numpy arrays, fixed for a rollout."""
-        return self.mean.cpu().numpy().copy(), np.sqrt(self.var.cpu().numpy() + NORM_EPS)
-
-
-def normalize_obs(x: np.ndarray, mean: np.ndarray, std: np.ndarray) -> np.ndarray:
-    """Observations as the agent sees them: standardised with frozen statistics, clipped, float32."""
-    return np.clip((x - mean) / std, -NORM_CLIP, NORM_CLIP).astype(np.float32)
-
-
+# --- the rollout's numpy copy of the Agent's networks, checked against the Agent ----------------------
 ROLLOUT_CHECK_SAMPLES = 256
 
 
 def numpy_module(module: nn.Module | nn.Parameter, numpy_layers: bool = True) -> Callable[[np.ndarray], np.ndarray]:
-    """`module` (or a parameter: a head the same for every row) as a numpy function of rows, layer by layer, on views of
-    its parameters. An unknown layer stops the run (add it here, or --no-numpy-rollout: `numpy_layers` False)."""
+    """`module` (or a parameter) as a numpy function of rows; unknown layers stop with the fix."""
     if isinstance(module, nn.Parameter):
         value = module.detach().cpu().numpy()
         return lambda x: value
@@ -697,8 +715,8 @@ def numpy_module(module: nn.Module | nn.Parameter, numpy_layers: bool = True) ->
         nn.Identity: lambda x: x,
         nn.Tanh: np.tanh,
         nn.ReLU: lambda x: np.maximum(x, 0),
-        nn.ELU: lambda x: np.where(x > 0, x, getattr(module, "alpha", 1.0) * np.expm1(np.minimum(x, 0))),
-        nn.LeakyReLU: lambda x: np.where(x > 0, x, getattr(module, "negative_slope", 0.0) * x),
+        nn.ELU: lambda x: np.where(x > 0, x, module.alpha * np.expm1(np.minimum(x, 0))),
+        nn.LeakyReLU: lambda x: np.where(x > 0, x, module.negative_slope * x),
         nn.SiLU: lambda x: x / (1 + np.exp(-x)),
     }
     if type(module) not in activations:
@@ -710,31 +728,29 @@ def numpy_module(module: nn.Module | nn.Parameter, numpy_layers: bool = True) ->
 
 
 def rollout_probe(policy: RolloutPolicy, obs_dim: int, device: torch.device) -> Batch:
-    """`policy`'s actions, log-probabilities and values at standard-normal observations (as normalised ones look)."""
+    """What `policy` does at standard-normal observations, which look like normalised ones."""
     obs = np.random.standard_normal((ROLLOUT_CHECK_SAMPLES, obs_dim)).astype(np.float32)
     actions, log_probs, values = policy.act(obs)
     probe = {"obs": obs, "actions": actions, "log_probs": log_probs, "values": values}
-    return {key: torch.as_tensor(value, dtype=torch.float32, device=device) for key, value in probe.items()}
+    return {k: torch.as_tensor(v, dtype=torch.float32, device=device) for k, v in probe.items()}
 
 
 def check_rollout_policy(agent: Agent, batch: Batch, when: str) -> None:
-    """Stop unless Agent.log_prob_entropy_value gives the rollout's log-probabilities and values (in `batch`)."""
-    rows = {key: batch[key][:ROLLOUT_CHECK_SAMPLES] for key in ("obs", "actions", "log_probs", "values")}
+    """Stop unless Agent.log_prob_entropy_value gives `batch`'s log-probabilities and values."""
+    rows = {k: batch[k][:ROLLOUT_CHECK_SAMPLES] for k in ("obs", "actions", "log_probs", "values")}
     with torch.no_grad():
-        log_probs, _, values = agent.log_prob_entropy_value(rows["obs"], rows["actions"])
-    check_agreement(
-        when,
-        "RolloutPolicy.act (sampling, on numpy_module's copies of the networks) and Agent.log_prob_entropy_value",
-        **{"log-probabilities": (log_probs, rows["log_probs"]), "values": (values, rows["values"])},
-    )
+        log_prob, _, value = agent.log_prob_entropy_value(rows["obs"], rows["actions"])
+    pairs = {"log-probabilities": (log_prob, rows["log_probs"]), "values": (value, rows["values"])}
+    acting = "RolloutPolicy.act (sampling, on numpy_module's copies of the networks)"
+    check_agreement(when, f"{acting} and Agent.log_prob_entropy_value", **pairs)
 
 
 def check_agreement(when: str, must_agree: str, **pairs: tuple[torch.Tensor, torch.Tensor]) -> None:
-    """Stop every rank unless each pair (the Agent's numbers, the rollout's) agrees on every rank (one reduction)."""
-    tolerance = 1e-3  # relative: float32 rounding (actions rebuilt from a small std included) stays far below
+    """Stop every rank unless each pair (the Agent's numbers, the rollout's) agrees on all ranks."""
+    tolerance = 1e-3  # relative: float32 rounding (of small stds too) stays far below
     with torch.no_grad():
-        gaps = torch.stack([((mine - theirs).abs() / (1 + theirs.abs())).max() for mine, theirs in pairs.values()])
-    gaps = gaps.double()
+        relative = [(mine - theirs).abs() / (1 + theirs.abs()) for mine, theirs in pairs.values()]
+        gaps = torch.stack([gap.max() for gap in relative]).double()
     if dist.is_initialized() and dist.get_world_size() > 1:
         reduce_to_all(gaps, "max")
     for name, gap in zip(pairs, gaps.tolist(), strict=True):
@@ -745,68 +761,9 @@ def check_agreement(when: str, must_agree: str, **pairs: tuple[torch.Tensor, tor
             )
 
 
-# --- --sync gather (rank 0 learns alone), MuJoCo's console, input checks, batch table, evaluation -----
-
-
-def update_one_learner(
-    agent: Agent,
-    optimizer: torch.optim.Optimizer,
-    batch: Batch,
-    args: Args,
-    orders: torch.Tensor,
-    sizes: torch.Tensor,
-    loss_fn: Callable,
-    learner_group: Group,
-) -> tuple[torch.Tensor, float]:
-    """--sync gather: rank 0 runs `update` on the union of the ranks' batches in `learner_group` (a group of one); one
-    broadcast gives every rank the weights, losses and a non-finite flag. Returns the losses and the sync's seconds."""
-    start = time.perf_counter()
-    union = gather_to_learner(batch, orders, sizes)
-    outcome = torch.zeros(len(LOSS_KEYS) + 1, dtype=torch.float64, device=batch["returns"].device)  # + non-finite flag
-    learner_start = time.perf_counter()
-    if union is not None:
-        union_batch, union_orders = union
-        try:  # the learner's minibatch k is the world's
-            losses, _ = update(
-                agent, optimizer, union_batch, args, union_orders, sizes.sum(0)[None], loss_fn, learner_group
-            )
-            outcome[:-1] = losses
-        except NonFiniteError:
-            outcome[-1] = 1.0
-    learner_time = time.perf_counter() - learner_start
-    broadcast_parameters(agent, outcome)
-    if outcome[-1] > 0:
-        raise NonFiniteError("a non-finite loss or gradient")
-    return outcome[:-1], time.perf_counter() - start - learner_time
-
-
-def gather_to_learner(batch: Batch, orders: torch.Tensor, sizes: torch.Tensor) -> tuple[Batch, torch.Tensor] | None:
-    """--sync gather: every rank's batch and orders on rank 0 (one gather, padded where preemption cut them short), as
-    the union batch and the orders that make its minibatch k the world's, as with allreduce; None on other ranks."""
-    padding = int(sizes.sum(1).max()) - orders.shape[1]  # rows; the orders go as [samples, epochs]
-    full = [torch.cat([value, value.new_zeros((padding, *value.shape[1:]))]) for value in [*batch.values(), orders.T]]
-    gathered = gather_to_rank0(torch.cat([value.reshape(-1).double() for value in full]))  # [ranks, packed] on rank 0
-    if gathered is None:
-        return None
-    numels = [value.numel() for value in full]
-    ranks = [[part.view_as(like) for part, like in zip(row.split(numels), full, strict=True)] for row in gathered]
-    counts = sizes.sum(1).tolist()  # each rank's samples, then where they start in the union
-    offsets = [0, *np.cumsum(counts)[:-1].tolist()]
-    union = {
-        key: torch.cat([rank[i][:n] for rank, n in zip(ranks, counts, strict=True)]).to(value.dtype)
-        for i, (key, value) in enumerate(batch.items())
-    }
-    minibatches = [  # each rank's minibatches of every epoch, as [epochs, size] indices into the union
-        (rank[-1][:n].T.long() + offset).split(rank_sizes.tolist(), 1)
-        for rank, n, offset, rank_sizes in zip(ranks, counts, offsets, sizes, strict=True)
-    ]
-    union_orders = torch.cat([rank[k] for k in range(sizes.shape[1]) for rank in minibatches], 1)
-    return union, union_orders.to(orders.device)
-
-
+# --- MuJoCo's console, input checks, the batch table, evaluation --------------------------------------
 def silence_settotalmass_warning() -> None:
-    """Drop the one warning MuJoCo 4 prints (and logs to MUJOCO_LOG.TXT) for every HalfCheetah env on every rank:
-    gymnasium's model file still uses the deprecated `settotalmass`. Any other MuJoCo warning prints as before."""
+    """Drop MuJoCo 4's warning on the deprecated `settotalmass` in gymnasium's HalfCheetah model."""
     try:
         import mujoco
     except ImportError:  # no MuJoCo, no MuJoCo warnings
@@ -820,8 +777,9 @@ def silence_settotalmass_warning() -> None:
 
 
 def check_args(args: Args) -> None:
-    """Refuse flags and envs that cannot run, with the fix, before any process group or rollout env exists."""
-    for name in ("total_timesteps", "local_num_envs", "num_steps", "num_minibatches", "update_epochs", "eval_episodes"):
+    """Refuse flags and envs that cannot run, naming the fix, before any process group exists."""
+    counts = ("total_timesteps", "local_num_envs", "num_steps", "num_minibatches", "update_epochs")
+    for name in (*counts, "eval_episodes"):
         if getattr(args, name) < 1:
             fail(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     if args.target_kl is not None and args.target_kl <= 0:
@@ -832,8 +790,8 @@ def check_args(args: Args) -> None:
             f"{args.preempt_fraction:g} and {args.min_rollout_fraction:g}"
         )
     try:
-        probe = gym.make(args.env_id)  # only to read its spaces; `module:EnvId` imports the module that registers it
-    except Exception as error:  # an unknown id or module, or MuJoCo failing to load the renderer MUJOCO_GL names
+        probe = gym.make(args.env_id)  # for its spaces; `module:EnvId` imports the module first
+    except Exception as error:  # an unknown id or module, or MUJOCO_GL naming a missing renderer
         gl = os.environ.get("MUJOCO_GL")
         renderer = f"; or MUJOCO_GL={gl} names a renderer this machine lacks (unset it, or install it)" if gl else ""
         fail(f"unknown or unusable --env-id {args.env_id!r} ({type(error).__name__}: {error}){renderer}")
@@ -860,7 +818,7 @@ def batch_table(args: Args) -> list[tuple[str, object, object]]:
 
 
 def check_video_support(args, render_frame: Callable[[], object]) -> None:
-    """With --capture-video, render one frame now rather than fail after training (moviepy and the renderer work)."""
+    """With --capture-video, render one frame now rather than fail after training."""
     if not args.capture_video:
         return
     try:
@@ -886,7 +844,7 @@ def render_one_frame(env_id: str) -> None:
 
 
 def evaluate(agent: Agent, env_id: str, args: Args, video_folder: str | None = None) -> list[float]:
-    """Play `args.eval_episodes` whole episodes with one env (observation statistics frozen); raw env returns."""
+    """Play `args.eval_episodes` whole episodes with one env; returns the raw env returns."""
     env = make_env(env_id, video_folder)()
     obs_mean, obs_std = agent.obs_rms.frozen()
     policy = agent.rollout_policy(args.numpy_rollout)
@@ -915,7 +873,7 @@ def evaluate_checkpoint(args: Args) -> None:
     agent = Agent(int(np.prod(env.observation_space.shape)), int(np.prod(env.action_space.shape)))
     env.close()
     load_weights(agent, checkpoint["model"], args.eval_checkpoint)
-    np.random.seed(args.seed)  # the rollout policy's sampling, like the env, follows --seed: repeatable evaluations
+    np.random.seed(args.seed)  # sampling, like the env, follows --seed: repeatable evaluations
     video_folder = os.path.join(os.path.dirname(args.eval_checkpoint), "videos") if args.capture_video else None
     returns = evaluate(agent, checkpoint["env_id"], args, video_folder)
     print(f"eval: episodes={len(returns)} return_mean={np.mean(returns):.2f} return_std={np.std(returns):.2f}")
