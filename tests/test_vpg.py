@@ -33,7 +33,10 @@ from tests.helpers import (
     train_ranks,
 )
 
+# one torch thread per rank, whatever the launch: a node of one rank would otherwise take two threads where a node of
+# two takes one each, and on some CPUs two threads sum a loss in another order (the 7th digit differs)
 CARTPOLE = ["--env-id", "CartPole-v1", "--steps-per-epoch", "1000", "--total-timesteps", "3000", "--train-v-iters", "5"]
+CARTPOLE += ["--torch-threads", "1"]
 TWO_RANKS = "ranks                        2"  # the batch table's line, printed by rank 0 of a world of two
 
 
