@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from benchmark import common, grad_sync, interval, plot, run, scaling, scaling_model, stragglers
+from benchmark import atari_step, common, grad_sync, interval, plot, run, scaling, scaling_model, stragglers
 from tests.helpers import ROOT, read_scalars, run_command
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -20,7 +20,7 @@ def assert_png(path: Path) -> None:
     assert path.read_bytes()[:8] == PNG_MAGIC and path.stat().st_size > 5_000, path
 
 
-@pytest.mark.parametrize("module", [run, plot, interval, scaling, scaling_model, grad_sync, stragglers])
+@pytest.mark.parametrize("module", [run, plot, interval, scaling, scaling_model, grad_sync, stragglers, atari_step])
 def test_every_entry_point_has_help(module, capsys):
     with pytest.raises(SystemExit) as exit_info:
         module.main(["--help"])
