@@ -91,7 +91,7 @@ class Stepper:
         agent = module.Agent(int(self.envs.single_action_space.n)).to(device, memory_format=torch.channels_last)
         shape = self.envs.single_observation_space.shape
         if hasattr(module, "Rollout"):
-            self.acting = module.Rollout(agent, num_steps, num_envs, shape, device, graph=device.type == "cuda")
+            self.acting = module.Rollout(agent, (num_steps, num_envs), shape, device, device.type == "cuda")
         else:
             self.acting = InlineActing(agent, num_steps, num_envs, shape, device)
         self.step = 0
