@@ -638,10 +638,9 @@ class Rollout:
             self.capture()
 
     def observe(self, step: int, frames: np.ndarray) -> None:
-        frames = torch.from_numpy(frames)
-        if self.graph is not None:  # from pinned memory the copy runs asynchronously, ahead of the replay reading it
-            frames = self.frames_host.copy_(frames)
-        self.obs[step].copy_(frames, non_blocking=True)
+        if self.graph is not None:  # pinned: the copy to the GPU runs ahead of the replay (numpy: no torch threads)
+            np.copyto(self.frames_host.numpy(), frames)
+        self.obs[step].copy_(torch.from_numpy(frames) if self.graph is None else self.frames_host, non_blocking=True)
 
     def act(self, step: int) -> None:
         if self.graph is not None:
