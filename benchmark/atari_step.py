@@ -12,6 +12,7 @@ SPS in a run of its own (iterations 2..) and its rollout time per step.
 """
 
 import hashlib
+import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +35,9 @@ class Args(common.TimingArgs):
     """where the Agent acts"""
     steps: int = 200
     """timed env steps per configuration and script, after 10 untimed ones (and as many again unsynchronised)"""
+    threads: int = 0
+    """torch and env threads of the steps and the runs (`--torch-threads` and `--env-threads`); 0 = the script's rule
+    at one rank (the cores idle at start)"""
     env_seconds: float = 3.0
     """seconds of env-only stepping per env count"""
     baseline: Path | None = None
@@ -41,6 +45,8 @@ class Args(common.TimingArgs):
     measured beside this checkout's"""
     iterations: int = 0
     """also train each script for this many iterations of --num-steps per configuration, for its SPS (0 = no runs)"""
+    rounds: int = 1
+    """rounds of those runs, the scripts alternating; cells show the median run, each round's SPS ratio follows"""
     num_steps: int = 128
     """--num-steps of those runs, and the rows of the rollout storage the acting step fills"""
     out_dir: Path | None = None
@@ -48,8 +54,8 @@ class Args(common.TimingArgs):
     out: Path = Path("benchmark_results/atari_step")
 
     def __post_init__(self):
-        if min(self.envs) < 1 or self.steps < 1 or self.iterations == 1 or self.num_steps < 1:
-            raise SystemExit("benchmark.atari_step: error: need --envs and --steps >= 1, --iterations 0 or >= 2")
+        if min(self.envs) < 1 or min(self.steps, self.num_steps, self.rounds) < 1 or self.iterations == 1:
+            raise SystemExit("benchmark.atari_step: error: need --envs, --steps, --rounds >= 1, --iterations 0 or >= 2")
         if "cuda" in self.devices and not torch.cuda.is_available():
             raise SystemExit("benchmark.atari_step: error: --devices cuda needs a GPU that torch sees")
         if self.baseline is not None and not self.baseline.is_file():
@@ -153,14 +159,32 @@ def env_only_rate(module, num_envs: int, threads: int, seconds: float) -> float:
     return rate
 
 
-def script_run(args: Args, label: str, path: Path, device: str, num_envs: int, extra: list[str], work_dir: Path):
-    """Train the script at `path` for --iterations iterations of `num_envs` envs on `device`: its Measurement."""
-    name = f"atari_step__{label.split()[0]}__{device}__{num_envs}envs"
-    run_args = ["--env-id", ENV_ID, "--local-num-envs", str(num_envs), "--num-steps", str(args.num_steps)]
-    run_args += ["--total-timesteps", str(args.iterations * num_envs * args.num_steps), "--run-name", name]
-    run_args += ["--no-cuda"] * (device == "cpu")
-    [run_dir] = common.run_logged({name: common.script_command(path, [*run_args, *extra])}, work_dir)
-    return common.measure(run_dir, path.name, device, 1)
+def step_row(module, label: str, device: str, num_envs: int, threads: int, env_rate: float, args: Args) -> list[str]:
+    """A table row of the script `module`: its step's parts (synchronised), the step unsynchronised, the rates."""
+    stepper = Stepper(module, torch.device(device), num_envs, threads, args.num_steps)
+    stepper.run(10, synced=False)
+    parts, step = stepper.run(args.steps, synced=True) * 1e3, stepper.run(args.steps, synced=False)[-1]
+    stepper.close()
+    cells = [f"{ms:.3f} ({ms / parts.sum():.0%})" for ms in parts]
+    row = [f"{num_envs} envs", label, device, *cells, f"{parts.sum():.3f}", f"{step * 1e3:.3f}"]
+    return row + [f"{num_envs / step:,.0f}", f"{env_rate:,.0f}"]
+
+
+def script_runs(args: Args, scripts: dict[str, Path], device: str, num_envs: int, extra: list[str], work_dir: Path):
+    """Each script trained --iterations iterations of `num_envs` envs on `device`, in --rounds rounds, the scripts
+    alternating: their Measurements by label (none without --iterations)."""
+    runs = {label: [] for label in scripts}
+    for round_index in range(args.rounds if args.iterations else 0):
+        for label, path in scripts.items():
+            name = f"atari_step__{label.split()[0]}__{device}__{num_envs}envs"
+            name += f"__round{round_index + 1}" if args.rounds > 1 else ""
+            run_args = ["--env-id", ENV_ID, "--local-num-envs", str(num_envs), "--num-steps", str(args.num_steps)]
+            run_args += ["--total-timesteps", str(args.iterations * num_envs * args.num_steps), "--run-name", name]
+            run_args += ["--no-cuda"] * (device == "cpu")
+            [run_dir] = common.run_logged({name: common.script_command(path, [*run_args, *extra])}, work_dir)
+            runs[label].append(common.measure(run_dir, path.name, device, 1))
+            print(f"  {device}, {label}: SPS {runs[label][-1].sps:,.0f}", flush=True)
+    return runs
 
 
 def main(argv: list[str] | None = None) -> Path:
@@ -171,33 +195,38 @@ def main(argv: list[str] | None = None) -> Path:
         scripts = {"baseline": args.baseline.resolve(), **scripts}
     modules = {label: common.load_script(path.name, path.parent) for label, path in scripts.items()}
     this = modules["this checkout"]
-    threads = this.cores_per_rank()  # the script's `--env-threads 0` and `--torch-threads 0` at one rank
+    threads = args.threads or this.cores_per_rank()  # the script's `--env-threads 0` and `--torch-threads 0` rule
+    extra = [*(["--torch-threads", str(threads), "--env-threads", str(threads)] if args.threads else []), *extra]
     torch.set_num_threads(threads)
     torch.backends.cudnn.deterministic = True  # the script's --torch-deterministic default
     load = common.check_load(args.max_load)
-    rows = []
+    rows, ratios = [], ""
     with common.work_folder(args.out_dir, "ddrl_atari_step_") as work_dir:
-        for num_envs in args.envs:
-            env_rate = env_only_rate(this, num_envs, threads, args.env_seconds)
-            print(f"{num_envs} envs: env-only {env_rate:,.0f} steps/s", flush=True)
-            for device, label in ((device, label) for device in args.devices for label in scripts):
-                stepper = Stepper(modules[label], torch.device(device), num_envs, threads, args.num_steps)
-                stepper.run(10, synced=False)
-                parts, step = stepper.run(args.steps, synced=True) * 1e3, stepper.run(args.steps, synced=False)[-1]
-                stepper.close()
-                cells = [f"{ms:.3f} ({ms / parts.sum():.0%})" for ms in parts]
-                row = [f"{num_envs} envs", label, device, *cells, f"{parts.sum():.3f}", f"{step * 1e3:.3f}"]
-                row += [f"{num_envs / step:,.0f}", f"{env_rate:,.0f}"]
-                if args.iterations:
-                    run = script_run(args, label, scripts[label], device, num_envs, extra, work_dir)
-                    row += [f"{run.sps:,.0f}", f"{run.sps / env_rate:.2f}", f"{run.rollout / args.num_steps * 1e3:.3f}"]
-                rows.append(row)
-                print(f"  {device}, {label}: {' | '.join(row[3:])}", flush=True)
+        for num_envs, device in ((num_envs, device) for num_envs in args.envs for device in args.devices):
+            if device == args.devices[0]:
+                env_rate = env_only_rate(this, num_envs, threads, args.env_seconds)
+                print(f"{num_envs} envs: env-only {env_rate:,.0f} steps/s", flush=True)
+            found = {
+                label: step_row(modules[label], label, device, num_envs, threads, env_rate, args) for label in modules
+            }
+            runs = script_runs(args, scripts, device, num_envs, extra, work_dir)
+            for label, measured in runs.items() if args.iterations else ():
+                run = sorted(measured, key=lambda m: m.sps)[(args.rounds - 1) // 2]  # the median run
+                rollout_ms = run.rollout / args.num_steps * 1e3
+                found[label] += [f"{run.sps:,.0f}", f"{run.sps / env_rate:.2f}", f"{rollout_ms:.3f}"]
+            if args.iterations and len(scripts) > 1:
+                each = [new.sps / old.sps for old, new in zip(*runs.values(), strict=True)]
+                ratios += f"- {num_envs} envs, {device}: this checkout's SPS / the baseline's, each round: "
+                ratios += f"{', '.join(f'{ratio:.3f}' for ratio in each)}; median {statistics.median(each):.3f}\n"
+            rows += found.values()
+            print("\n".join(f"  {device}, {label}: {' | '.join(row[3:])}" for label, row in found.items()), flush=True)
     headers = "configuration | script | device | " + " | ".join(f"{part} ms" for part in PARTS)
     headers += " | step ms (sum) | step ms (unsynchronised) | rollout-only SPS | env-only SPS"
     headers += " | script SPS | script / env-only | script rollout ms / step" if args.iterations else ""
-    body = "\n" + common.markdown_table(headers, rows) + "\n" + TABLE_MEANS.format(num_steps=args.num_steps) + "\n"
-    facts = [f"{ENV_ID}; torch and env threads: {threads} (the script's rule at one rank); {args.steps} steps timed"]
+    body = "\n" + common.markdown_table(headers, rows) + "\n" + (ratios and ratios + "\n")
+    body += TABLE_MEANS.format(num_steps=args.num_steps) + "\n"
+    rule = "--threads" if args.threads else "the script's rule at one rank"
+    facts = [f"{ENV_ID}; torch and env threads: {threads} ({rule}); {args.steps} steps timed"]
     if "cuda" in args.devices:
         facts.append(f"GPU: {torch.cuda.get_device_name()}, CUDA {torch.version.cuda}")
     for label, path in scripts.items():
@@ -210,7 +239,8 @@ TABLE_MEANS = (
     "Each part: mean ms per step with the device synchronised at its end, and its share of their sum. Unsynchronised: "
     "the same steps as the rollout runs them. rollout-only SPS = envs / unsynchronised step (no update). env-only SPS: "
     "the same envs stepped alone with random actions. script SPS: the script's own run of {num_steps} steps per "
-    "iteration, iterations 2.. (update included); script rollout ms / step: its perf/rollout_time / {num_steps}."
+    "iteration, iterations 2.. (update included; the median run of the rounds); script rollout ms / step: its "
+    "perf/rollout_time / {num_steps}."
 )
 
 if __name__ == "__main__":

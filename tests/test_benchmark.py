@@ -160,10 +160,21 @@ def test_atari_step_splits_a_step_into_parts_beside_the_env_only_rate_and_each_s
     old.write_text((ROOT / common.ATARI).read_text().replace("Rollout:", "Acting:").replace("= Rollout(", "= Acting("))
     work = tmp_path / "work"
     argv = ["--envs", "2", "3", "--steps", "4", "--env-seconds", "0.05", "--iterations", "2", "--num-steps", "8"]
-    argv += ["--baseline", str(old), "--out", str(tmp_path / "step"), "--out-dir", str(work), "--max-load", "1000"]
+    argv += [
+        "--threads",
+        "1",
+        "--baseline",
+        str(old),
+        "--out",
+        str(tmp_path / "step"),
+        "--out-dir",
+        str(work),
+        "--max-load",
+        "1000",
+    ]
     text = atari_step.main([*argv, "--", "--num-minibatches", "2", "--update-epochs", "1"]).read_text()
-    assert f"- baseline: {old} (sha256 " in text and "- this checkout: " in text
-    rows = common.table_rows(text, "configuration")
+    assert f"- baseline: {old} (sha256 " in text and "- this checkout: " in text and "threads: 1 (--threads)" in text
+    rows, run_sps = common.table_rows(text, "configuration"), {}
     labels = ("baseline", "this checkout")
     assert [row[:3] for row in rows] == [[f"{n} envs", label, "cpu"] for n in (2, 3) for label in labels]
     for row in rows:
@@ -175,10 +186,15 @@ def test_atari_step_splits_a_step_into_parts_beside_the_env_only_rate_and_each_s
         assert row[11] == rows[rows.index(row) // 2 * 2][11]  # one env-only rate per env count
         run_dir = work / "runs" / f"atari_step__{row[1].split()[0]}__cpu__{num_envs}envs"
         measured = common.measure(run_dir, common.ATARI, "cpu", 1)
-        assert common.read_hyperparameters(run_dir)["local_num_envs"] == str(num_envs)
+        hyperparameters = common.read_hyperparameters(run_dir)
+        assert (hyperparameters["local_num_envs"], hyperparameters["torch_threads"]) == (str(num_envs), "1")
+        run_sps[num_envs, row[1]] = measured.sps
         assert row[12] == f"{measured.sps:,.0f}" and row[14] == f"{measured.rollout / 8 * 1e3:.3f}"
         sps, env_only = (float(cell.replace(",", "")) for cell in (row[12], row[11]))
         assert float(row[13]) == pytest.approx(sps / env_only, abs=0.006)
+    for n in (2, 3):  # one round: its ratio is the median
+        ratio = f"{run_sps[n, 'this checkout'] / run_sps[n, 'baseline']:.3f}"
+        assert f"- {n} envs, cpu: this checkout's SPS / the baseline's, each round: {ratio}; median {ratio}\n" in text
     # the older script acts through the inline twin, this one through Rollout; both record what the Agent computes
     for path, acting in ((old, "InlineActing"), (ROOT / common.ATARI, "Rollout")):
         module = common.load_script(path.name, path.parent)

@@ -47,30 +47,6 @@ def train_on_gpu(script: str, ranks: int, flags: list[str], tmp_path, **env: str
     return result.stdout, result.stderr
 
 
-@pytest.mark.parametrize("script", list(GPU_RUNS))
-def test_one_rank_trains_on_the_gpu_with_nccl_beside_gloo(script, tmp_path):
-    stdout, _ = train_on_gpu(script, 1, [], tmp_path)
-    assert "torch cpu:gloo,cuda:nccl" in stdout  # the batch table's collectives row
-
-
-@pytest.mark.parametrize("script", list(GPU_RUNS))
-def test_two_ranks_train_identically_on_the_gpus(script, tmp_path):
-    flags = ["--sync", "gather"] if script != "ppo_atari_multigpu.py" else []
-    stdout, stderr = train_on_gpu(script, 2, flags, tmp_path)
-    if torch.cuda.device_count() >= 2:
-        assert "torch cpu:gloo,cuda:nccl" in stdout
-    else:  # both ranks on one GPU: NCCL refuses two ranks per device, so gloo carries everything, and says so
-        assert "torch gloo" in stdout and "ranks share 1 GPU(s)" in stderr
-
-
-def test_atari_bf16_and_compile_train_on_the_gpu(tmp_path):
-    compiled_before = compiled_files()
-    _, stderr = train_on_gpu("ppo_atari_multigpu.py", 1, ["--bf16", "--compile"], tmp_path)
-    assert compiled_files() - compiled_before  # it compiled new kernels
-    if torch.cuda.is_bf16_supported(including_emulation=False):
-        assert "emulates bfloat16" not in stderr
-
-
 def test_atari_seeded_gpu_runs_repeat_bit_for_bit(tmp_path):
     """The acting graph draws from the seeded CUDA generator and the update is deterministic: same seed, same run."""
     losses = []
@@ -135,3 +111,27 @@ def test_atari_update_on_the_gpu_applies_no_step_once_a_gradient_is_not_finite()
     assert all(optimizer.state[p]["step"].item() == 1 for p in agent.parameters())  # one step of four applied
     assert all(p.isfinite().all() for p in agent.parameters())
     assert any(not torch.equal(p, b) for p, b in zip(agent.parameters(), before, strict=True))
+
+
+@pytest.mark.parametrize("script", list(GPU_RUNS))
+def test_one_rank_trains_on_the_gpu_with_nccl_beside_gloo(script, tmp_path):
+    stdout, _ = train_on_gpu(script, 1, [], tmp_path)
+    assert "torch cpu:gloo,cuda:nccl" in stdout  # the batch table's collectives row
+
+
+@pytest.mark.parametrize("script", list(GPU_RUNS))
+def test_two_ranks_train_identically_on_the_gpus(script, tmp_path):
+    flags = ["--sync", "gather"] if script != "ppo_atari_multigpu.py" else []
+    stdout, stderr = train_on_gpu(script, 2, flags, tmp_path)
+    if torch.cuda.device_count() >= 2:
+        assert "torch cpu:gloo,cuda:nccl" in stdout
+    else:  # both ranks on one GPU: NCCL refuses two ranks per device, so gloo carries everything, and says so
+        assert "torch gloo" in stdout and "ranks share 1 GPU(s)" in stderr
+
+
+def test_atari_bf16_and_compile_train_on_the_gpu(tmp_path):
+    compiled_before = compiled_files()
+    _, stderr = train_on_gpu("ppo_atari_multigpu.py", 1, ["--bf16", "--compile"], tmp_path)
+    assert compiled_files() - compiled_before  # it compiled new kernels
+    if torch.cuda.is_bf16_supported(including_emulation=False):
+        assert "emulates bfloat16" not in stderr

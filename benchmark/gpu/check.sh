@@ -118,7 +118,7 @@ fi
 
 step atari_step_cuda 150 "$python" -m benchmark.atari_step --baseline "$old" --out "$work/tables/atari_step_cuda" \
     --out-dir "$work/atari_step" "${cuda[@]}" "${atari_step[@]}"
-step cuda_tests 210 "$python" -m pytest -o addopts= -p no:cacheprovider -v -rs tests/test_cuda.py
+step cuda_tests 240 "$python" -m pytest -o addopts= -p no:cacheprovider -v -rs tests/test_cuda.py
 step scaling 150 "$python" -m benchmark.scaling --scripts ppo_continuous_mpi.py vpg_mpi.py --sync-modes allreduce \
     --launchers mpirun --out "$work/tables/scaling" --out-dir "$work/scaling" "${scaling[@]}"
 step atari_step_cpu 45 "$python" -m benchmark.atari_step --devices cpu --out "$work/tables/atari_step_cpu" "${cpu_step[@]}"
