@@ -87,7 +87,7 @@ class Stepper:
     """One script's envs, Agent and acting step on `device`, stepped as its rollout steps them."""
 
     def __init__(self, module, device: torch.device, num_envs: int, threads: int, num_steps: int):
-        self.module, self.device, self.rows = module, device, num_steps
+        self.device, self.rows = device, num_steps
         self.envs = module.make_env(module.atari_settings(ENV_ID), num_envs, threads)
         self.next_obs, info = self.envs.reset(seed=np.array(module.env_seeds(1, 0, num_envs)))
         self.games, self.fire = module.GameTracker(info), module.fire_action(self.envs)
