@@ -1,23 +1,20 @@
 """PPO on Atari, data-parallel with torch DistributedDataParallel over any number of processes.
 
 CleanRL's ppo_atari.py recipe in one file: ale-py's native vectorised `AtariVectorEnv` (C++ threads) with the DQN
-preprocessing (frameskip 4 with max-pool, 84x84 grayscale, 4-frame stack), a Nature CNN with a shared trunk and
-policy and value heads, GAE, clipped surrogate and value losses, an annealed learning rate. The learner sees rewards
-clipped to [-1, 1] and a lost life as a terminal; TensorBoard gets the raw score of whole games. Games start, and go on
-after a lost life, with FIRE as under CleanRL's FireResetEnv (README: the details); evaluation plays the same protocol.
+preprocessing, a Nature CNN with policy and value heads on a shared trunk, GAE, clipped surrogate and value losses, an
+annealed learning rate. The learner sees rewards clipped to [-1, 1] and a lost life as a terminal; TensorBoard gets the
+raw score of whole games. Games start, and go on after a lost life, with FIRE as under CleanRL's FireResetEnv (README).
 
     torchrun --standalone --nproc_per_node=2 ppo_atari_multigpu.py     # README: every launcher, GPUs, evaluation
 
 Distributed story: `--local-num-envs` and `--num-steps` are per rank, so N ranks collect N times the batch of one.
-Each rank steps its own envs and computes GAE on its share. The agent is wrapped in DistributedDataParallel, whose
-backward hooks average the gradients over ranks bucket by bucket while backward still runs, so each rank clips and
-applies the gradient of the world minibatch (the union of every rank's minibatch k). Advantages are normalised with
-the world minibatch's mean and std; losses, KL and episode statistics are world-wide. So every rank takes the step
-one process would take on the concatenated batch, and holds the same weights. `--preempt-fraction` (DD-PPO) cuts
-stragglers' rollouts short; each rank's loss then weighs by its samples, so that step stays the union's.
+DistributedDataParallel averages the gradients while backward runs, so each rank applies the gradient of the world
+minibatch (the union of every rank's minibatch k, advantages normalised by its world-wide mean and std): the step one
+process would take on the concatenated batch. `--preempt-fraction` (DD-PPO) cuts stragglers' rollouts short, each
+rank's loss then weighed by its samples, so that the step stays the union's.
 
-Speed: the agent is kept channels-last (oneDNN's fast convolution layout on CPU, tensor cores' on GPU); `--bf16`
-runs the CNN trunk under bfloat16 autocast and `--compile` the update's forward and backward through torch.compile.
+Speed: channels-last weights (oneDNN's and tensor cores' layout); on a GPU, each rollout step is one CUDA graph replay
+(Rollout) and Adam is fused; `--bf16` runs the trunk under bfloat16 autocast, `--compile` the update via torch.compile.
 """
 
 import contextlib
@@ -78,11 +75,11 @@ class Args:
     eval_deterministic: bool = False
     """if toggled, evaluation takes the policy's mode instead of sampling"""
     bf16: bool = False
-    """if toggled, the convolutions and the 512-unit layer compute in bfloat16 (autocast; weights, Adam and the
-    losses stay float32): faster on CPUs with AVX512-BF16 or AMX and on recent GPUs"""
+    """if toggled, the CNN trunk computes in bfloat16 (autocast; weights, Adam and losses stay float32)"""
     compile: bool = False
-    """if toggled, the update's forward and backward run through torch.compile (the first update compiles for
-    several seconds; on CPU this needs a C++ compiler)"""
+    """if toggled, the update's forward and backward run through torch.compile (on CPU: needs a C++ compiler)"""
+    cuda_graph: bool = True
+    """if toggled, on a GPU each rollout step acts through one captured CUDA graph (see Rollout); off: eagerly"""
 
     # Algorithm specific arguments (names and defaults as in CleanRL's ppo_atari.py)
     env_id: str = "BreakoutNoFrameskip-v4"
@@ -191,9 +188,8 @@ def derive_batch_sizes(args: Args, world_size: int) -> None:
     args.min_num_steps = max(min_steps, math.ceil(args.num_minibatches / args.local_num_envs))
     if args.num_iterations < 1:
         fail(
-            f"--total-timesteps {args.total_timesteps} is less than one iteration's global batch of "
-            f"{args.batch_size} ({world_size} ranks x {args.local_batch_size}): zero iterations; "
-            "raise --total-timesteps"
+            f"--total-timesteps {args.total_timesteps} is less than one iteration's global batch of {args.batch_size} "
+            f"({world_size} ranks x {args.local_batch_size}): zero iterations; raise --total-timesteps"
         )
 
 
@@ -201,9 +197,8 @@ def derive_batch_sizes(args: Args, world_size: int) -> None:
 
 
 def make_env(settings: dict, num_envs: int, num_threads: int) -> AtariVectorEnv:
-    """This rank's envs (`settings` from atari_settings): C++ threads with the DQN preprocessing. Unlike
-    AtariVectorEnv's defaults, rewards stay raw (the learner clips them, the log keeps the score), `life_loss_info`
-    reports a lost life as a terminal but plays on (`episodic_life` would restart the game), and same-step autoreset
+    """This rank's envs (`settings` from atari_settings), C++ threads with the DQN preprocessing. Rewards stay raw
+    (the learner clips them), `life_loss_info` reports a lost life as a terminal but plays on, and same-step autoreset
     makes every stored transition a real one, with an ended game's last observation in info["final_obs"]."""
     return AtariVectorEnv(
         settings["game"],
@@ -261,9 +256,8 @@ class Agent(nn.Module):
 
     def policy_value(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Log-probabilities of every action and the value at uint8 frames `obs`: the one definition of the policy and
-        the value function, which acting (RolloutPolicy) and learning (log_prob_entropy_value) share. Frames become the
-        weights' dtype here (per minibatch), scaled to [0, 1]; with `bf16` the trunk (nearly all the arithmetic) runs
-        under bfloat16 autocast and its features come back in the weights' dtype, so the heads keep full precision."""
+        value function, which acting and learning share. With `bf16` the trunk runs under bfloat16 autocast; its
+        features come back in the weights' dtype, so the heads keep full precision."""
         x = obs.to(self.critic.weight.dtype) / 255.0
         with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=self.bf16):
             hidden = self.network(x)
@@ -375,11 +369,7 @@ APPROX_KL, CLIPFRAC = LOSS_KEYS.index("approx_kl"), LOSS_KEYS.index("clipfrac")
 
 
 def minibatch_loss(
-    model: nn.Module,
-    mb: Batch,
-    adv_mean: torch.Tensor | None,
-    adv_std: torch.Tensor | None,
-    args: Args,
+    model: nn.Module, mb: Batch, adv_mean: torch.Tensor | None, adv_std: torch.Tensor | None, args: Args
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """PPO's clipped loss on one minibatch and its LOSS_KEYS; advantages normalised with the global minibatch's."""
     new_log_prob, entropy, new_value = model(mb["obs"], mb["actions"])
@@ -432,12 +422,11 @@ def update(
     orders: torch.Tensor,
     sizes: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, float]:
-    """PPO's update epochs through `model`, the DDP-wrapped agent (or a plain one alone): minibatch k of epoch e is the
-    k-th slice of `orders[e]` (this rank's batch permuted), `sizes[rank, k]` samples long (minibatch_sizes; None:
-    equal), and the world's is the union of every rank's. Returns the world-averaged LOSS_KEYS (the last minibatch's;
-    clipfrac over all) and the seconds in backward and collectives (DDP's allreduce overlaps backward)."""
-    parameters = list(model.parameters())
-    sync_time = 0.0
+    """PPO's update epochs through `model` (the agent, DDP-wrapped over ranks): minibatch k of epoch e is the k-th slice
+    of `orders[e]` (this rank's batch permuted), `sizes[rank, k]` samples long (None: equal), the world's the union of
+    every rank's. Returns the world-averaged LOSS_KEYS (the last minibatch's; clipfrac over all) and the seconds in
+    backward and collectives (DDP's allreduce overlaps backward)."""
+    parameters, sync_time = list(model.parameters()), 0.0
     if sizes is None:
         sizes = minibatch_sizes([orders.shape[1]] * group_size(), args.num_minibatches)
     local_sizes, weights = local_minibatches(sizes)
@@ -451,7 +440,8 @@ def update(
             adv_mean, adv_std = global_mean_std([advantages[index] for epoch in minibatches for index in epoch])
             adv_mean, adv_std = adv_mean.view(len(orders), -1), adv_std.view(len(orders), -1)
         sync_time += time.perf_counter() - start
-    clipfracs = []
+    clipfracs, fused = [], optimizer.defaults.get("fused")
+    nonfinite = optimizer.found_inf = torch.zeros((), device=parameters[0].device) if fused else None
     for epoch, epoch_minibatches in enumerate(minibatches):
         for k, index in enumerate(epoch_minibatches):
             mb = {key: value[index] for key, value in batch.items()}
@@ -465,7 +455,10 @@ def update(
             loss.backward()  # DDP averages the (weighted) gradients over ranks here
             sync_time += time.perf_counter() - start
             grad_norm = nn.utils.clip_grad_norm_(parameters, args.max_grad_norm)  # after the sync: alike everywhere
-            if not torch.isfinite(grad_norm):  # a NaN or inf on any rank spread through DDP's average to every rank
+            # a NaN or inf anywhere spread to every rank; fused Adam reads the flag on the GPU: no sync per minibatch
+            if fused:
+                torch.maximum(nonfinite, (~grad_norm.isfinite()).float(), out=nonfinite)
+            elif not torch.isfinite(grad_norm):
                 raise NonFiniteError("a non-finite loss or gradient")
             optimizer.step()
 
@@ -477,6 +470,8 @@ def update(
         sync_time += time.perf_counter() - start
         if args.target_kl is not None and losses[APPROX_KL] > args.target_kl:
             break
+    if fused and nonfinite.item():  # the steps before the first non-finite gradient stand
+        raise NonFiniteError("a non-finite loss or gradient")
     return losses, sync_time
 
 
@@ -491,11 +486,11 @@ def main(args: Args) -> Agent | None:
     rank, device = run.rank, run.device
 
     # --- set-up: envs, identical initial weights on every rank (built from `seed`; DDP broadcasts rank 0's) ---
-    # a resumed run starts fresh games, on envs seeded after all the earlier attempts' envs
-    index_offset = run.restarts * args.world_size * args.local_num_envs
+    index_offset = run.restarts * args.world_size * args.local_num_envs  # a resumed run: fresh games, unused seeds
     envs = make_env(atari_settings(args.env_id), args.local_num_envs, args.env_threads or run.cores)
     next_obs, info = envs.reset(seed=np.array(env_seeds(args.seed, rank, args.local_num_envs, index_offset)))
     games = GameTracker(info)
+    shape, obs_shape = (args.num_steps, args.local_num_envs), envs.single_observation_space.shape
     fire, relaunch = fire_action(envs), np.zeros(args.local_num_envs, dtype=bool)  # relaunch: lost a life last step
     torch.manual_seed(args.seed)
     if args.bf16 and rank == 0 and not has_native_bf16(device):
@@ -504,26 +499,19 @@ def main(args: Args) -> Agent | None:
     agent = Agent(int(envs.single_action_space.n), bf16=args.bf16).to(device, memory_format=torch.channels_last)
     if args.compile:  # only the update's calls, agent(obs, actions); rollouts (RolloutPolicy) stay eager
         agent.compile(fullgraph=True, dynamic=None if args.preempt_fraction else False)  # preemption varies shapes
-    model = DDP(agent, device_ids=[device.index] if device.type == "cuda" else None)
-    optimizer = torch.optim.Adam(model.parameters(), lr=args.learning_rate, eps=1e-5)
-    check_rollout_policy(
-        agent, rollout_probe(agent.rollout_policy(), envs.single_observation_space.shape, device), "at start"
-    )
+    model = DDP(agent, device_ids=[device.index] if device.type == "cuda" else None) if run.world_size > 1 else agent
+    optimizer = torch.optim.Adam(model.parameters(), lr=args.learning_rate, eps=1e-5, fused=device.type == "cuda")
+    check_rollout_policy(agent, rollout_probe(agent.rollout_policy(), obs_shape, device), "at start")
     random.seed(rank_seed(args.seed, rank))
     np.random.seed(rank_seed(args.seed, rank))
     torch.manual_seed(rank_seed(args.seed, rank))
     torch.backends.cudnn.deterministic = args.torch_deterministic
     global_step = run.restore(model=agent, optimizer=optimizer)  # a resumed run's state, RNG streams included
 
-    # rollout storage, one row per step of the local envs; frames stay uint8 until a minibatch needs them
-    shape = (args.num_steps, args.local_num_envs)
-    obs_shape = envs.single_observation_space.shape
-    obs = torch.zeros(shape + obs_shape, dtype=torch.uint8, device=device)
-    actions = torch.zeros(shape, dtype=torch.long, device=device)
-    logprobs, values = torch.zeros(shape, device=device), torch.zeros(shape, device=device)
-    final_values = torch.zeros(shape, device=device)  # V(final observation) where a game was truncated
-    rewards, terminations = np.zeros(shape, np.float32), np.zeros(shape, np.float32)  # a lost life terminates
-    episode_ends = np.zeros(shape, np.float32)  # terminated or truncated
+    # rollout storage, one row per step of the local envs, and the acting step that fills a row
+    rollout = Rollout(agent, shape, obs_shape, device, graph=args.cuda_graph and device.type == "cuda")
+    final_values = torch.zeros(shape)  # V(final observation) where a game was truncated
+    rewards, terminations, episode_ends = (np.zeros(shape, np.float32) for _ in range(3))  # ends: also truncations
 
     with run.guard(nonfinite_fix="lower --learning-rate or check the env's observations and rewards"):
         for _iteration in run.iterations():
@@ -532,13 +520,11 @@ def main(args: Args) -> Agent | None:
 
             # --- rollout (the unwrapped agent: no DDP hooks) ---
             rollout_start = time.perf_counter()
-            policy = agent.rollout_policy()
             finished = {"episodes": 0, "episode_return": 0.0, "episode_length": 0}  # whole games, raw scores
             for step in run.rollout_steps(args.num_steps, args.min_num_steps, args.preempt_fraction):
-                obs[step] = torch.from_numpy(next_obs).to(device)
-                action, logprobs[step], values[step] = policy.act(obs[step])
-                actions[step] = action
-                env_action = action.cpu().numpy()
+                rollout.observe(step, next_obs)  # frames to the device
+                rollout.act(step)  # actions, log-probabilities and values into the step's row
+                env_action = rollout.actions_to_host()
                 if fire is not None:  # CleanRL's FireResetEnv: FIRE after a lost life; the env ignores `action` there
                     env_action = np.where(relaunch, fire, env_action)
                 next_obs, reward, terminated, truncated, info = envs.step(env_action)
@@ -553,38 +539,26 @@ def main(args: Args) -> Agent | None:
                     cut = truncated & ~terminated
                     if cut.any():  # truncation is not termination: bootstrap from V(final observation)
                         final_obs = torch.from_numpy(info["final_obs"][cut]).to(device)
-                        final_values[step, torch.from_numpy(cut).to(device)] = policy.value(final_obs)
+                        final_values[step, torch.from_numpy(cut)] = rollout.policy.value(final_obs).cpu()
             collected = step + 1  # steps per env: all of them, unless preemption cut the rollout short
-            last_values = policy.value(torch.from_numpy(next_obs).to(device))
+            last_values = rollout.policy.value(torch.from_numpy(next_obs).to(device))
             rollout_time = time.perf_counter() - rollout_start
             sample_counts = [args.local_batch_size] * args.world_size  # each rank's samples: one all_gather if cut
             if args.preempt_fraction:
                 sample_counts = gather_ints_to_all([collected * args.local_num_envs], device)[:, 0].tolist()
             global_step += sum(sample_counts)
 
-            # --- GAE (a rollout cut at step t bootstraps from V(observation after t), as a full one does) ---
+            # --- GAE on the host, where its per-step recursion costs no kernel launches (a rollout cut at step t
+            # bootstraps from V(observation after t), as a full one does) ---
             rows = slice(collected)  # the rollout's rows: all, unless preemption cut it short
-            ends, kept_values = torch.from_numpy(episode_ends[rows]).to(device), values[rows]
-            next_values = torch.cat([kept_values[1:], last_values.unsqueeze(0)])
+            ends, kept_values = torch.from_numpy(episode_ends[rows]), rollout.values[rows].cpu()
+            next_values = torch.cat([kept_values[1:], last_values.cpu().unsqueeze(0)])
             next_values = torch.where(ends > 0, final_values[rows], next_values)
-            advantages, returns = compute_gae(
-                torch.from_numpy(rewards[rows]).to(device),
-                kept_values,
-                next_values,
-                torch.from_numpy(terminations[rows]).to(device),
-                ends,
-                args.gamma,
-                args.gae_lambda,
-            )
+            gae_inputs = torch.from_numpy(rewards[rows]), kept_values, next_values, torch.from_numpy(terminations[rows])
+            advantages, returns = compute_gae(*gae_inputs, ends, args.gamma, args.gae_lambda)
             final_values.zero_()
-            batch = {
-                "obs": obs[rows].reshape((-1,) + obs_shape),
-                "actions": actions[rows].reshape(-1),
-                "log_probs": logprobs[rows].reshape(-1),
-                "values": kept_values.reshape(-1),
-                "advantages": advantages.reshape(-1),
-                "returns": returns.reshape(-1),
-            }
+            batch = {key: vars(rollout)[key][rows].flatten(0, 1) for key in ("obs", "actions", "log_probs", "values")}
+            batch.update(advantages=advantages.flatten().to(device), returns=returns.flatten().to(device))
             check_rollout_policy(agent, batch, f"at iteration {run.iteration}", args.local_num_envs)  # first ratios: 1
 
             # --- update (through DDP) ---
@@ -631,15 +605,12 @@ def env_seeds(seed: int, rank: int, local_num_envs: int, index_offset: int = 0) 
 
 
 class GameTracker:
-    """Raw score and length (agent steps) of every env's current game, across its lives. A lost life is a terminal
-    too (`life_loss_info`); it lowers `lives` while `episode_frame_number` runs on, whereas a finished game is reset
-    at once (same-step autoreset), which restarts the frame count and restores the lives."""
+    """Raw score and length (agent steps) of every env's current game, across its lives. A lost life lowers `lives`
+    while `episode_frame_number` runs on; a finished game is reset at once, restarting both."""
 
     def __init__(self, info: dict):
-        self.lives = info["lives"].copy()
-        self.frames = info["episode_frame_number"].copy()
-        self.returns = np.zeros(len(self.lives))
-        self.lengths = np.zeros(len(self.lives), dtype=np.int64)
+        self.lives, self.frames = info["lives"].copy(), info["episode_frame_number"].copy()
+        self.returns, self.lengths = np.zeros(len(self.lives)), np.zeros(len(self.lives), dtype=np.int64)
 
     def step(self, rewards: np.ndarray, terminated: np.ndarray, truncated: np.ndarray, info: dict):
         """Count one step; returns (game_over mask, raw returns, lengths) of the games that ended at it."""
@@ -654,6 +625,63 @@ class GameTracker:
         return game_over, returns, lengths
 
 
+class Rollout:
+    """One rollout's storage, a row per step of the local envs (frames stay uint8 until a minibatch needs them), and the
+    acting step that fills a row: frames to the device, RolloutPolicy.act, actions to the host. With `graph` (CUDA), one
+    captured CUDA graph acts and writes the row: a step is a copy in from pinned memory, a replay and a copy out."""
+
+    def __init__(self, agent: Agent, shape: tuple[int, int], obs_shape: tuple, device: torch.device, graph: bool):
+        self.obs = torch.zeros(shape + obs_shape, dtype=torch.uint8, device=device)
+        self.actions = torch.zeros(shape, dtype=torch.long, device=device)
+        self.log_probs, self.values = torch.zeros(shape, device=device), torch.zeros(shape, device=device)
+        self.policy, self.graph = agent.rollout_policy(), None
+        if graph:
+            self.capture()
+
+    def observe(self, step: int, frames: np.ndarray) -> None:
+        if self.graph is not None:  # pinned: the copy to the GPU runs ahead of the replay (numpy: no torch threads)
+            np.copyto(self.frames_host.numpy(), frames)
+        self.obs[step].copy_(torch.from_numpy(frames) if self.graph is None else self.frames_host, non_blocking=True)
+
+    def act(self, step: int) -> None:
+        if self.graph is not None:
+            self.row.fill_(step)  # the row the graph reads and writes
+            return self.graph.replay()
+        self.step_actions, self.log_probs[step], self.values[step] = self.policy.act(self.obs[step])
+        self.actions[step] = self.step_actions
+
+    def actions_to_host(self) -> np.ndarray:
+        if self.graph is None:
+            return self.step_actions.cpu().numpy()
+        self.actions_host.copy_(self.step_actions, non_blocking=True)
+        torch.cuda.current_stream().synchronize()  # the step's one sync: the envs wait for their actions
+        return self.actions_host.numpy()
+
+    def capture(self) -> None:
+        """Capture act on row `row` as torch's docs do (side-stream warm-up); replays draw fresh, seeded samples."""
+        self.frames_host = torch.empty(self.obs.shape[1:], dtype=torch.uint8, pin_memory=True)
+        self.actions_host = torch.empty(self.obs.shape[1], dtype=torch.long, pin_memory=True)
+        self.row = torch.zeros(1, dtype=torch.long, device=self.obs.device)
+        (side := torch.cuda.Stream()).wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):  # cuDNN and cuBLAS choose their kernels and workspaces before the capture
+                self.policy.act(self.obs[0])
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph, stores = torch.cuda.CUDAGraph(), (self.actions, self.log_probs, self.values)
+        try:  # thread_local: NCCL's watchdog thread may query its CUDA events during the capture
+            with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
+                outputs = self.policy.act(self.obs.index_select(0, self.row)[0])
+                for store, output in zip(stores, outputs, strict=True):
+                    store.index_copy_(0, self.row, output.unsqueeze(0))
+        except RuntimeError as error:  # the error of the op that broke the capture, if any, came first
+            cause = str(error.__context__ or error).strip().splitlines()[0]
+            fail(
+                f"RolloutPolicy.act could not be captured as a CUDA graph ({cause}): an op in it or in "
+                "Agent.policy_value syncs with the host; remove that op, or pass --no-cuda-graph"
+            )
+        self.step_actions = outputs[0]  # the graph's own output, rewritten by every replay
+
+
 # --- the check that acting (RolloutPolicy) and learning (Agent.log_prob_entropy_value) agree ----------
 
 ROLLOUT_CHECK_SAMPLES = 32  # frames: their forward costs well under 1% of an iteration
@@ -662,8 +690,7 @@ ROLLOUT_CHECK_SAMPLES = 32  # frames: their forward costs well under 1% of an it
 def rollout_probe(policy: RolloutPolicy, obs_shape: tuple[int, ...], device: torch.device) -> Batch:
     """What `policy` does on a batch of random frames: sampled actions, their log-probabilities and the values."""
     obs = torch.randint(0, 256, (ROLLOUT_CHECK_SAMPLES, *obs_shape), dtype=torch.uint8, device=device)
-    actions, log_probs, values = policy.act(obs)
-    return {"obs": obs, "actions": actions, "log_probs": log_probs, "values": values}
+    return dict(zip(("obs", "actions", "log_probs", "values"), (obs, *policy.act(obs)), strict=True))
 
 
 def check_rollout_policy(agent: Agent, batch: Batch, when: str, count: int = ROLLOUT_CHECK_SAMPLES) -> None:
@@ -700,8 +727,7 @@ def check_agreement(when: str, must_agree: str, **pairs: tuple[torch.Tensor, tor
 
 def atari_settings(env_id: str) -> dict:
     """The game and protocol of a gymnasium Atari id, read from its registration; a clear error for anything else.
-    `{Game}NoFrameskip-v4` plays without sticky actions, `ALE/{Game}-v5` repeats the last action with probability
-    0.25; both get this script's own 4-frame skip with max-pool."""
+    `{Game}NoFrameskip-v4` plays without sticky actions, `ALE/{Game}-v5` with probability 0.25."""
     gym.register_envs(ale_py)
     try:
         spec = gym.spec(env_id)
@@ -788,10 +814,9 @@ def check_video_support(args, render_frame: Callable[[], object]) -> None:
 
 def render_one_frame(env_id: str) -> None:
     gym.register_envs(ale_py)
-    env = gym.make(env_id, render_mode="rgb_array")
-    env.reset(seed=0)
-    env.render()
-    env.close()
+    with contextlib.closing(gym.make(env_id, render_mode="rgb_array")) as env:
+        env.reset(seed=0)
+        env.render()
 
 
 def area_resize_matrix(source: int, target: int) -> np.ndarray:
@@ -804,11 +829,10 @@ def area_resize_matrix(source: int, target: int) -> np.ndarray:
 
 
 class TrainingProtocol(gym.Wrapper):
-    """The training env's protocol on one gymnasium ALE env (grayscale frames, frameskip=1), for evaluation: a reset
-    presses FIRE for one frame (in games with FIRE), then plays 0-28 no-op frames (0-29 in games without FIRE; as in
-    ale-py, a draw from 0-29 less one for the FIRE frame) and observes the last frame; each action is repeated for 4
-    frames and the last two are max-pooled; frames are resized to 84x84 by area and stacked 4 deep (zeros at reset).
-    After a lost life the next action is replaced by FIRE, as the training rollout does. An episode is a whole game."""
+    """The training env's protocol on one gymnasium ALE env (grayscale, frameskip=1), for evaluation: a reset presses
+    FIRE for one frame (in games with FIRE), then plays 0-28 no-op frames (0-29 without FIRE, as ale-py); each action
+    is repeated for 4 frames, the last two max-pooled, resized to 84x84 by area and stacked 4 deep (zeros at reset).
+    After a lost life the next action is FIRE, as in the training rollout. An episode is a whole game."""
 
     def __init__(self, env: gym.Env, frameskip: int = 4, stack_num: int = 4, noop_max: int = 30, size: int = 84):
         super().__init__(env)
@@ -866,12 +890,9 @@ def make_eval_env(env_id: str, video_folder: str | None = None) -> gym.Env:
 
 def evaluate(agent: Agent, env_id: str, args: Args, video_folder: str | None = None) -> list[float]:
     """Play `args.eval_episodes` whole games with one env; returns their raw scores."""
-    env = make_eval_env(env_id, video_folder)
-    device = next(agent.parameters()).device
-    policy = agent.rollout_policy()
-    returns = []
+    env, policy, device = make_eval_env(env_id, video_folder), agent.rollout_policy(), next(agent.parameters()).device
+    returns, episode_return = [], 0.0
     obs, _ = env.reset(seed=args.seed)
-    episode_return = 0.0
     while len(returns) < args.eval_episodes:
         action, _, _ = policy.act(torch.as_tensor(obs, device=device).unsqueeze(0), args.eval_deterministic)
         obs, reward, terminated, truncated, _ = env.step(int(action[0]))

@@ -1,11 +1,13 @@
 """The CUDA paths on a real GPU: every script trains on cuda:LOCAL_RANK, over `cpu:gloo,cuda:nccl` with a GPU per
-rank and over gloo (with a warning) when ranks share one, and every rank ends with the same weights on its GPU.
-Skipped where torch sees no GPU (CI has none); run them on a GPU machine with `python -m pytest tests/test_cuda.py`."""
+rank and over gloo (with a warning) when ranks share one, and every rank ends with the same weights on its GPU; the
+Atari script's acting step as a CUDA graph and its fused Adam. Skipped where torch sees no GPU (CI has none); run them
+on a GPU machine with `python -m pytest tests/test_cuda.py`."""
 
 import numpy as np
 import pytest
 import torch
 
+import ppo_atari_multigpu as ppo
 from tests.helpers import (
     assert_ok,
     assert_same_parameters,
@@ -43,6 +45,72 @@ def train_on_gpu(script: str, ranks: int, flags: list[str], tmp_path, **env: str
     assert [step for step, _ in scalars["charts/SPS"]] == [world, 2 * world]
     assert all(np.isfinite(value) for _, value in scalars["losses/value_loss"])
     return result.stdout, result.stderr
+
+
+def test_atari_seeded_gpu_runs_repeat_bit_for_bit(tmp_path):
+    """The acting graph draws from the seeded CUDA generator and the update is deterministic: same seed, same run."""
+    losses = []
+    for name in ("first", "second"):
+        (tmp_path / name).mkdir()
+        train_on_gpu("ppo_atari_multigpu.py", 1, ["--seed", "3"], tmp_path / name)
+        scalars = read_scalars(run_dirs(tmp_path / name)[0])
+        losses.append({key: series for key, series in scalars.items() if key.startswith("losses/")})
+    assert losses[0] == losses[1] and len(losses[0]) == len(ppo.LOSS_KEYS) + 1
+
+
+@pytest.mark.parametrize("graph", [True, False], ids=["graph", "eager"])
+def test_atari_rollout_acts_as_the_agent_on_the_gpu_with_fresh_draws_every_step(graph):
+    """Rollout on the same frames every step: the host gets the actions its rows hold, the rows hold what
+    Agent.log_prob_entropy_value computes for them, every replay draws anew from the policy's probabilities, and the
+    same CUDA seed draws the same actions."""
+    device, steps, envs = torch.device("cuda"), 40, 64
+    torch.manual_seed(1)
+    agent = ppo.Agent(4).to(device, memory_format=torch.channels_last)
+    frames = torch.randint(0, 256, (envs, 4, 84, 84), dtype=torch.uint8)
+    draws = []
+    for _ in range(2):
+        torch.cuda.manual_seed(7)
+        rollout = ppo.Rollout(agent, (steps, envs), (4, 84, 84), device, graph)
+        assert (rollout.graph is not None) == graph
+        sent = []
+        for step in range(steps):
+            rollout.observe(step, frames.numpy())
+            rollout.act(step)
+            sent.append(rollout.actions_to_host().copy())
+        draws.append(np.stack(sent))
+        assert np.array_equal(draws[-1], rollout.actions.cpu().numpy()) and bool((rollout.obs.cpu() == frames).all())
+        batch = {key: vars(rollout)[key].flatten(0, 1) for key in ("obs", "actions", "log_probs", "values")}
+        ppo.check_rollout_policy(agent, batch, "in the test", len(batch["obs"]))  # exits unless they agree
+    assert np.array_equal(draws[0], draws[1])  # seeded
+    assert (draws[0] != draws[0][0]).any(0).all()  # every env's action varies: no replay repeats a frozen draw
+    with torch.no_grad():
+        probs = agent.policy_value(frames.to(device))[0].exp().mean(0).cpu().numpy()
+    frequencies = np.bincount(draws[0].ravel(), minlength=4) / draws[0].size
+    assert np.abs(frequencies - probs).max() < 0.035  # 2,560 draws: about 4 standard deviations
+
+
+def test_atari_update_on_the_gpu_applies_no_step_once_a_gradient_is_not_finite():
+    """Fused Adam reads the non-finite flag on the GPU: the first minibatch's step stands, the second (a NaN return)
+    and every later one are not applied, and the update then stops the run."""
+    device = torch.device("cuda")
+    torch.manual_seed(1)
+    agent = ppo.Agent(4).to(device, memory_format=torch.channels_last)
+    optimizer = torch.optim.Adam(agent.parameters(), lr=2.5e-4, eps=1e-5, fused=True)
+    obs = torch.randint(0, 256, (64, 4, 84, 84), dtype=torch.uint8, device=device)
+    actions = torch.randint(0, 4, (64,), device=device)
+    with torch.no_grad():
+        log_probs, _, values = agent.log_prob_entropy_value(obs, actions)
+    returns = torch.randn(64, device=device)
+    returns[40] = float("nan")  # in the second minibatch of the first epoch
+    batch = {"obs": obs, "actions": actions, "log_probs": log_probs, "values": values}
+    batch.update(advantages=torch.randn(64, device=device), returns=returns)
+    before = [p.detach().clone() for p in agent.parameters()]
+    args = ppo.Args(num_minibatches=2, update_epochs=2)
+    with pytest.raises(ppo.NonFiniteError):
+        ppo.update(agent, optimizer, batch, args, torch.arange(64, device=device).repeat(2, 1))
+    assert all(optimizer.state[p]["step"].item() == 1 for p in agent.parameters())  # one step of four applied
+    assert all(p.isfinite().all() for p in agent.parameters())
+    assert any(not torch.equal(p, b) for p, b in zip(agent.parameters(), before, strict=True))
 
 
 @pytest.mark.parametrize("script", list(GPU_RUNS))
