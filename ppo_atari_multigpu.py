@@ -167,8 +167,6 @@ Group = dist.ProcessGroup | None  # None: the world
 
 
 # --- batch arithmetic ---------------------------------------------------------------------------------
-
-
 def derive_batch_sizes(args: Args, world_size: int) -> None:
     """Per-rank and world batch sizes from the per-rank flags; sizes that do not divide or give no iteration stop."""
     args.world_size = world_size
@@ -194,6 +192,30 @@ def derive_batch_sizes(args: Args, world_size: int) -> None:
 
 
 # --- environment, agent, GAE --------------------------------------------------------------------------
+def atari_settings(env_id: str) -> dict:
+    """The game and protocol of a gymnasium Atari id, read from its registration; a clear error for anything else.
+    `{Game}NoFrameskip-v4` plays without sticky actions, `ALE/{Game}-v5` with probability 0.25."""
+    gym.register_envs(ale_py)
+    try:
+        spec = gym.spec(env_id)
+    except gym.error.Error as error:
+        fail(f"unknown --env-id {env_id!r} ({error}); pass an Atari game such as BreakoutNoFrameskip-v4")
+    if spec.entry_point not in ("ale_py.env:AtariEnv", ale_py.env.AtariEnv):
+        fail(f"--env-id {env_id} is not an Atari game; {SCRIPT} trains ALE games such as BreakoutNoFrameskip-v4")
+    kwargs = spec.kwargs
+    if kwargs.get("obs_type", "rgb") == "ram":
+        fail(f"--env-id {env_id} observes RAM; {SCRIPT} learns from pixels: use the id without '-ram'")
+    if not isinstance(kwargs.get("frameskip", 1), int):
+        fail(
+            f"--env-id {env_id} skips a random number of frames, which AtariVectorEnv cannot do; "
+            f"use the NoFrameskip-v4 or ALE/...-v5 id of the game"
+        )
+    return {
+        "game": kwargs["game"],
+        "repeat_action_probability": kwargs.get("repeat_action_probability", 0.25),
+        "full_action_space": kwargs.get("full_action_space", False),
+        "max_num_frames_per_episode": kwargs.get("max_num_frames_per_episode") or 108_000,
+    }
 
 
 def make_env(settings: dict, num_envs: int, num_threads: int) -> AtariVectorEnv:
@@ -226,6 +248,27 @@ def fire_action(envs: AtariVectorEnv) -> int | None:
     """The index of FIRE among the game's actions, or None in games without it (CleanRL's FireResetEnv's test)."""
     action_set = list(envs.ale.get_action_set())
     return action_set.index(ale_py.Action.FIRE) if ale_py.Action.FIRE in action_set else None
+
+
+class GameTracker:
+    """Raw score and length (agent steps) of every env's current game, across its lives. A lost life lowers `lives`
+    while `episode_frame_number` runs on; a finished game is reset at once, restarting both."""
+
+    def __init__(self, info: dict):
+        self.lives, self.frames = info["lives"].copy(), info["episode_frame_number"].copy()
+        self.returns, self.lengths = np.zeros(len(self.lives)), np.zeros(len(self.lives), dtype=np.int64)
+
+    def step(self, rewards: np.ndarray, terminated: np.ndarray, truncated: np.ndarray, info: dict):
+        """Count one step; returns (game_over mask, raw returns, lengths) of the games that ended at it."""
+        self.returns += rewards
+        self.lengths += 1
+        lives, frames = info["lives"], info["episode_frame_number"]
+        lost_life = terminated & ~truncated & (lives < self.lives) & (frames > self.frames)
+        game_over = (terminated | truncated) & ~lost_life
+        returns, lengths = self.returns[game_over], self.lengths[game_over]
+        self.returns[game_over], self.lengths[game_over] = 0.0, 0
+        self.lives, self.frames = lives.copy(), frames.copy()
+        return game_over, returns, lengths
 
 
 def layer_init(layer: nn.Module, std: float = np.sqrt(2), bias_const: float = 0.0) -> nn.Module:
@@ -324,9 +367,7 @@ def compute_gae(
     return advantages, advantages + values
 
 
-# --- gradient sync (DDP averages the gradients; these carry the rest) and the update ------------------
-
-
+# --- gradient sync and the update ---------------------------------------------------------------------
 def group_size(group: Group = None) -> int:
     """Ranks in `group` (the world by default); 1 where no process group exists, so helpers become no-ops."""
     return dist.get_world_size(group) if dist.is_initialized() else 1
@@ -587,6 +628,7 @@ def main(args: Args) -> Agent | None:
     return agent
 
 
+# --- the parts main names: explained variance, seeds --------------------------------------------------
 def explained_variance(returns: torch.Tensor, values: torch.Tensor) -> float:
     """1 - Var(returns - values) / Var(returns) over the world's batch in float64 (one collective; constant: NaN)."""
     _, stds = global_mean_std(torch.stack([returns - values, returns]).double())
@@ -604,27 +646,7 @@ def env_seeds(seed: int, rank: int, local_num_envs: int, index_offset: int = 0) 
     return [seed + 10_000 * (index_offset + rank * local_num_envs + j) for j in range(local_num_envs)]
 
 
-class GameTracker:
-    """Raw score and length (agent steps) of every env's current game, across its lives. A lost life lowers `lives`
-    while `episode_frame_number` runs on; a finished game is reset at once, restarting both."""
-
-    def __init__(self, info: dict):
-        self.lives, self.frames = info["lives"].copy(), info["episode_frame_number"].copy()
-        self.returns, self.lengths = np.zeros(len(self.lives)), np.zeros(len(self.lives), dtype=np.int64)
-
-    def step(self, rewards: np.ndarray, terminated: np.ndarray, truncated: np.ndarray, info: dict):
-        """Count one step; returns (game_over mask, raw returns, lengths) of the games that ended at it."""
-        self.returns += rewards
-        self.lengths += 1
-        lives, frames = info["lives"], info["episode_frame_number"]
-        lost_life = terminated & ~truncated & (lives < self.lives) & (frames > self.frames)
-        game_over = (terminated | truncated) & ~lost_life
-        returns, lengths = self.returns[game_over], self.lengths[game_over]
-        self.returns[game_over], self.lengths[game_over] = 0.0, 0
-        self.lives, self.frames = lives.copy(), frames.copy()
-        return game_over, returns, lengths
-
-
+# --- the rollout's storage and acting step (a CUDA graph on GPUs), checked against the Agent ----------
 class Rollout:
     """One rollout's storage, a row per step of the local envs (frames stay uint8 until a minibatch needs them), and the
     acting step that fills a row: frames to the device, RolloutPolicy.act, actions to the host. With `graph` (CUDA), one
@@ -682,8 +704,6 @@ class Rollout:
         self.step_actions = outputs[0]  # the graph's own output, rewritten by every replay
 
 
-# --- the check that acting (RolloutPolicy) and learning (Agent.log_prob_entropy_value) agree ----------
-
 ROLLOUT_CHECK_SAMPLES = 32  # frames: their forward costs well under 1% of an iteration
 
 
@@ -722,33 +742,12 @@ def check_agreement(when: str, must_agree: str, **pairs: tuple[torch.Tensor, tor
             )
 
 
-# --- input checks, the batch table, evaluation (after training, --eval-checkpoint) --------------------
-
-
-def atari_settings(env_id: str) -> dict:
-    """The game and protocol of a gymnasium Atari id, read from its registration; a clear error for anything else.
-    `{Game}NoFrameskip-v4` plays without sticky actions, `ALE/{Game}-v5` with probability 0.25."""
-    gym.register_envs(ale_py)
-    try:
-        spec = gym.spec(env_id)
-    except gym.error.Error as error:
-        fail(f"unknown --env-id {env_id!r} ({error}); pass an Atari game such as BreakoutNoFrameskip-v4")
-    if spec.entry_point not in ("ale_py.env:AtariEnv", ale_py.env.AtariEnv):
-        fail(f"--env-id {env_id} is not an Atari game; {SCRIPT} trains ALE games such as BreakoutNoFrameskip-v4")
-    kwargs = spec.kwargs
-    if kwargs.get("obs_type", "rgb") == "ram":
-        fail(f"--env-id {env_id} observes RAM; {SCRIPT} learns from pixels: use the id without '-ram'")
-    if not isinstance(kwargs.get("frameskip", 1), int):
-        fail(
-            f"--env-id {env_id} skips a random number of frames, which AtariVectorEnv cannot do; "
-            f"use the NoFrameskip-v4 or ALE/...-v5 id of the game"
-        )
-    return {
-        "game": kwargs["game"],
-        "repeat_action_probability": kwargs.get("repeat_action_probability", 0.25),
-        "full_action_space": kwargs.get("full_action_space", False),
-        "max_num_frames_per_episode": kwargs.get("max_num_frames_per_episode") or 108_000,
-    }
+# --- bfloat16 support, input checks, the batch table, evaluation --------------------------------------
+def has_native_bf16(device: torch.device) -> bool:
+    """Whether bfloat16 convolutions and matmuls run natively here (AVX512-BF16 or AMX CPUs, Ampere or newer GPUs)."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported(including_emulation=False)
+    return torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 def check_args(args: Args) -> None:
@@ -784,13 +783,6 @@ def batch_table(args: Args) -> list[tuple[str, object, object]]:
         ("iterations", "", args.num_iterations),
         ("total env steps", "", args.num_iterations * args.batch_size),
     ]
-
-
-def has_native_bf16(device: torch.device) -> bool:
-    """Whether bfloat16 convolutions and matmuls run natively here (AVX512-BF16 or AMX CPUs, Ampere or newer GPUs)."""
-    if device.type == "cuda":
-        return torch.cuda.is_bf16_supported(including_emulation=False)
-    return torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 def check_video_support(args, render_frame: Callable[[], object]) -> None:
