@@ -1,20 +1,21 @@
 """PPO on Atari, data-parallel with torch DistributedDataParallel over any number of processes.
 
-CleanRL's ppo_atari.py recipe in one file: ale-py's native vectorised `AtariVectorEnv` (C++ threads) with the DQN
-preprocessing, a Nature CNN with policy and value heads on a shared trunk, GAE, clipped surrogate and value losses, an
-annealed learning rate. The learner sees rewards clipped to [-1, 1] and a lost life as a terminal; TensorBoard gets the
-raw score of whole games. Games start, and go on after a lost life, with FIRE as under CleanRL's FireResetEnv (README).
+CleanRL's ppo_atari.py recipe: ale-py's vectorised `AtariVectorEnv` (C++ threads) with the DQN
+preprocessing, a Nature CNN trunk shared by policy and value heads, clipped losses, GAE-lambda, an
+annealed learning rate. The learner sees rewards clipped to [-1, 1] and a lost life as a terminal.
+TensorBoard gets the raw scores of whole games. FIRE starts a game and relaunches it after a lost
+life, as CleanRL's FireResetEnv does (README).
 
-    torchrun --standalone --nproc_per_node=2 ppo_atari_multigpu.py     # README: every launcher, GPUs, evaluation
+    torchrun --standalone --nproc_per_node=2 ppo_atari_multigpu.py    # README: launchers, GPUs
 
-Distributed story: `--local-num-envs` and `--num-steps` are per rank, so N ranks collect N times the batch of one.
-DistributedDataParallel averages the gradients while backward runs, so each rank applies the gradient of the world
-minibatch (the union of every rank's minibatch k, advantages normalised by its world-wide mean and std): the step one
-process would take on the concatenated batch. `--preempt-fraction` (DD-PPO) cuts stragglers' rollouts short, each
-rank's loss then weighed by its samples, so that the step stays the union's.
+Distributed story: `--local-num-envs` and `--num-steps` are per rank. The world's minibatch k is the
+union of the ranks' minibatches k: advantages normalised with its mean and std, gradients averaged
+by DistributedDataParallel during backward. So every rank takes the step one process would take on
+the whole batch. `--preempt-fraction`: DD-PPO, each rank's loss weighed by its samples.
 
-Speed: channels-last weights (oneDNN's and tensor cores' layout); on a GPU, each rollout step is one CUDA graph replay
-(Rollout) and Adam is fused; `--bf16` runs the trunk under bfloat16 autocast, `--compile` the update via torch.compile.
+Speed: channels-last weights, the layout of oneDNN and tensor cores. On a GPU a rollout step is one
+CUDA graph replay (Rollout) and Adam is fused. `--bf16` runs the trunk under bfloat16 autocast,
+`--compile` the update through torch.compile.
 """
 
 import contextlib
@@ -57,7 +58,7 @@ class Args:
     torch_deterministic: bool = True
     """if toggled, `torch.backends.cudnn.deterministic=True`"""
     cuda: bool = True
-    """if toggled and CUDA is available, rank r uses cuda:LOCAL_RANK"""
+    """if toggled and CUDA exists, rank r uses cuda:LOCAL_RANK"""
     track: bool = False
     """if toggled, the run is also sent to Weights and Biases (needs `pip install wandb`)"""
     wandb_project_name: str = "ddrl"
@@ -65,7 +66,7 @@ class Args:
     wandb_entity: str | None = None
     """the Weights and Biases entity (team)"""
     capture_video: bool = False
-    """if toggled, rank 0 records evaluation games to `runs/{run_name}/videos` after training (needs moviepy)"""
+    """if toggled, rank 0 films evaluation games into `runs/{run_name}/videos` (needs moviepy)"""
     save_model: bool = False
     """if toggled, rank 0 writes `runs/{run_name}/model.pt` at the end of training"""
     eval_checkpoint: str = ""
@@ -75,25 +76,25 @@ class Args:
     eval_deterministic: bool = False
     """if toggled, evaluation takes the policy's mode instead of sampling"""
     bf16: bool = False
-    """if toggled, the CNN trunk computes in bfloat16 (autocast; weights, Adam and losses stay float32)"""
+    """if toggled, the CNN trunk runs under bfloat16 autocast (weights, Adam, losses: float32)"""
     compile: bool = False
-    """if toggled, the update's forward and backward run through torch.compile (on CPU: needs a C++ compiler)"""
+    """if toggled, the update's Agent calls run through torch.compile (CPU: needs a C++ compiler)"""
     cuda_graph: bool = True
-    """if toggled, on a GPU each rollout step acts through one captured CUDA graph (see Rollout); off: eagerly"""
+    """if toggled, a rollout step on a GPU is one CUDA graph replay (see Rollout), else eager"""
 
     # Algorithm specific arguments (names and defaults as in CleanRL's ppo_atari.py)
     env_id: str = "BreakoutNoFrameskip-v4"
     """the id of a gymnasium Atari game (`{Game}NoFrameskip-v4` or `ALE/{Game}-v5`)"""
     total_timesteps: int = 10_000_000
-    """global env steps (agent steps, 4 frames each) over all ranks; sets the number of iterations"""
+    """global env steps (4 frames each) over all ranks; sets the number of iterations"""
     learning_rate: float = 2.5e-4
     """the learning rate of the optimizer (Adam)"""
     local_num_envs: int = 8
-    """game environments stepped by each rank"""
+    """envs stepped by each rank"""
     num_steps: int = 128
     """steps per env per rollout"""
     env_threads: int = 0
-    """AtariVectorEnv threads per rank; 0 = the cores idle at start divided by the ranks on this node"""
+    """AtariVectorEnv threads per rank; 0 = the idle cores at start / the ranks on this node"""
     anneal_lr: bool = True
     """if toggled, the learning rate decays linearly to zero over the iterations"""
     gamma: float = 0.99
@@ -101,15 +102,15 @@ class Args:
     gae_lambda: float = 0.95
     """the lambda of generalized advantage estimation"""
     num_minibatches: int = 4
-    """minibatches per update epoch; the world's minibatch k is the union of every rank's minibatch k"""
+    """minibatches per update epoch; the world's minibatch k is every rank's minibatch k"""
     update_epochs: int = 4
     """passes over the batch per iteration"""
     norm_adv: bool = True
-    """if toggled, advantages are normalised with the world-wide mean and std of each global minibatch"""
+    """if toggled, advantages are normalised with each world minibatch's mean and std"""
     clip_coef: float = 0.1
     """the surrogate clipping coefficient"""
     clip_vloss: bool = True
-    """if toggled, the value loss is clipped around the rollout's values, as in the PPO paper's code"""
+    """if toggled, the value loss is clipped around the rollout's values (the PPO paper's code)"""
     ent_coef: float = 0.01
     """coefficient of the entropy bonus"""
     vf_coef: float = 0.5
@@ -119,9 +120,9 @@ class Args:
     target_kl: float | None = None
     """if set, stop the update epochs once the world-averaged approximate KL exceeds it"""
     preempt_fraction: float = 0.0
-    """DD-PPO: once this fraction of the ranks has finished its rollout, the others cut theirs short (0 = off)"""
+    """DD-PPO: once this share of the ranks ends its rollout, the rest cut theirs short (0 = off)"""
     min_rollout_fraction: float = 0.25
-    """with --preempt-fraction, the share of --num-steps every rollout collects before it may be cut short"""
+    """with --preempt-fraction, the share of --num-steps a rollout collects before any cut"""
 
     # Distributed runtime (the same flags in every ddrl script)
     run_name: str = ""
@@ -129,21 +130,19 @@ class Args:
     torch_threads: int = 0
     """torch threads per rank; 0 = the cores idle at start divided by the ranks on this node"""
     nprocs: int = 1
-    """if > 1 and not already launched, re-launch this script as that many ranks: under mpirun when --collectives
-    allows MPI and mpirun and mpi4py are installed, else under `torch.distributed.run --standalone`"""
+    """if > 1, re-launch as that many ranks: mpirun if --collectives allows MPI, else torchrun"""
     collectives: Literal["auto", "mpi", "torch"] = "auto"
-    """CPU collectives: `mpi` through mpi4py (ranks started by mpirun, mpiexec or `srun --mpi=pmix`), `torch` through
-    torch.distributed (gloo); auto = mpi where MPI started the ranks and mpi4py imports, else torch"""
+    """CPU collectives via mpi4py or gloo; auto: mpi if MPI started the ranks and mpi4py imports"""
     backend: str = ""
-    """torch.distributed backend; empty = NCCL for CUDA tensors (gloo for CPU ones) with --cuda, gloo otherwise"""
+    """torch.distributed backend; empty = gloo, and NCCL for CUDA tensors with --cuda"""
     dist_timeout: float = 1800.0
     """seconds a collective may wait for a peer before the run stops with an error"""
     checkpoint_every: int = 0
-    """write `runs/{run_name}/checkpoints/iter_{n:06d}.pt` every this many iterations (0 = only on SIGTERM)"""
+    """iterations between checkpoints, `runs/{run_name}/checkpoints/iter_{n:06d}.pt` (0: SIGTERM)"""
     resume: bool = False
-    """continue the run `--run-name` from its newest checkpoint (automatic when torchrun restarts the ranks)"""
+    """continue the run `--run-name` from its newest checkpoint (automatic on a torchrun restart)"""
     check_sync_every: int = 0
-    """compare a checksum of the weights across ranks every this many iterations and stop if they differ (0 = never)"""
+    """iterations between checks that all ranks hold the same weights (a checksum); 0 = never"""
 
     # to be filled in at run time
     world_size: int = 0
@@ -159,10 +158,10 @@ class Args:
     num_iterations: int = 0
     """number of iterations: total_timesteps // batch_size (computed at run time)"""
     min_num_steps: int = 0
-    """steps per env a rollout collects before --preempt-fraction may cut it short (computed at run time)"""
+    """steps per env before --preempt-fraction may cut a rollout short (computed at run time)"""
 
 
-Batch = dict[str, torch.Tensor]  # a rollout's tensors by name: obs, actions, log_probs, values, advantages, returns
+Batch = dict[str, torch.Tensor]  # obs, actions, log_probs, values, advantages, returns (by name)
 Group = dist.ProcessGroup | None  # None: the world
 
 
