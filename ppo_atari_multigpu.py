@@ -167,15 +167,16 @@ Group = dist.ProcessGroup | None  # None: the world
 
 # --- batch arithmetic ---------------------------------------------------------------------------------
 def derive_batch_sizes(args: Args, world_size: int) -> None:
-    """Per-rank and world batch sizes from the per-rank flags; sizes that do not divide or give no iteration stop."""
+    """The per-rank and world batch sizes; sizes that do not divide, or give no iteration, stop."""
     args.world_size = world_size
     args.local_batch_size = args.local_num_envs * args.num_steps
     args.batch_size = args.local_batch_size * world_size
     if args.local_batch_size % args.num_minibatches:
         fail(
-            f"the local batch of --local-num-envs {args.local_num_envs} x --num-steps {args.num_steps} = "
-            f"{args.local_batch_size} does not split into --num-minibatches {args.num_minibatches}; "
-            f"choose sizes whose product is a multiple of {args.num_minibatches}"
+            f"the local batch of --local-num-envs {args.local_num_envs} x --num-steps "
+            f"{args.num_steps} = {args.local_batch_size} does not split into --num-minibatches "
+            f"{args.num_minibatches}; choose sizes whose product is a multiple of "
+            f"{args.num_minibatches}"
         )
     args.local_minibatch_size = args.local_batch_size // args.num_minibatches
     args.minibatch_size = args.local_minibatch_size * world_size
@@ -185,28 +186,30 @@ def derive_batch_sizes(args: Args, world_size: int) -> None:
     args.min_num_steps = max(min_steps, math.ceil(args.num_minibatches / args.local_num_envs))
     if args.num_iterations < 1:
         fail(
-            f"--total-timesteps {args.total_timesteps} is less than one iteration's global batch of {args.batch_size} "
-            f"({world_size} ranks x {args.local_batch_size}): zero iterations; raise --total-timesteps"
+            f"--total-timesteps {args.total_timesteps} is less than one iteration's global batch "
+            f"of {args.batch_size} ({world_size} ranks x {args.local_batch_size}): zero "
+            "iterations; raise --total-timesteps"
         )
 
 
 # --- environment, agent, GAE --------------------------------------------------------------------------
 def atari_settings(env_id: str) -> dict:
-    """The game and protocol of a gymnasium Atari id, read from its registration; a clear error for anything else.
+    """The game and protocol of a gymnasium Atari id, from its registration (others stop here).
     `{Game}NoFrameskip-v4` plays without sticky actions, `ALE/{Game}-v5` with probability 0.25."""
     gym.register_envs(ale_py)
+    given, example = f"--env-id {env_id}", "such as BreakoutNoFrameskip-v4"
     try:
         spec = gym.spec(env_id)
     except gym.error.Error as error:
-        fail(f"unknown --env-id {env_id!r} ({error}); pass an Atari game such as BreakoutNoFrameskip-v4")
+        fail(f"unknown --env-id {env_id!r} ({error}); pass an Atari game {example}")
     if spec.entry_point not in ("ale_py.env:AtariEnv", ale_py.env.AtariEnv):
-        fail(f"--env-id {env_id} is not an Atari game; {SCRIPT} trains ALE games such as BreakoutNoFrameskip-v4")
+        fail(f"{given} is not an Atari game; {SCRIPT} trains ALE games {example}")
     kwargs = spec.kwargs
     if kwargs.get("obs_type", "rgb") == "ram":
-        fail(f"--env-id {env_id} observes RAM; {SCRIPT} learns from pixels: use the id without '-ram'")
+        fail(f"{given} observes RAM; {SCRIPT} learns from pixels: use the id without '-ram'")
     if not isinstance(kwargs.get("frameskip", 1), int):
         fail(
-            f"--env-id {env_id} skips a random number of frames, which AtariVectorEnv cannot do; "
+            f"{given} skips a random number of frames, which AtariVectorEnv cannot do; "
             f"use the NoFrameskip-v4 or ALE/...-v5 id of the game"
         )
     return {
@@ -218,9 +221,9 @@ def atari_settings(env_id: str) -> dict:
 
 
 def make_env(settings: dict, num_envs: int, num_threads: int) -> AtariVectorEnv:
-    """This rank's envs (`settings` from atari_settings), C++ threads with the DQN preprocessing. Rewards stay raw
-    (the learner clips them), `life_loss_info` reports a lost life as a terminal but plays on, and same-step autoreset
-    makes every stored transition a real one, with an ended game's last observation in info["final_obs"]."""
+    """This rank's envs (`settings` from atari_settings), C++ threads with the DQN preprocessing.
+    Rewards stay raw: the learner clips them. `life_loss_info` makes a lost life a terminal that
+    plays on. Same-step autoreset keeps every transition real (final frames: info["final_obs"])."""
     return AtariVectorEnv(
         settings["game"],
         num_envs,
@@ -235,7 +238,8 @@ def make_env(settings: dict, num_envs: int, num_threads: int) -> AtariVectorEnv:
         img_height=84,
         img_width=84,
         grayscale=True,
-        noop_max=30,  # a reset presses FIRE for one frame, then plays 0-28 no-op frames (0-29 in games without FIRE)
+        # a reset presses FIRE for one frame, then plays 0-28 no-op frames (0-29 without FIRE)
+        noop_max=30,
         use_fire_reset=True,
         episodic_life=False,
         life_loss_info=True,
@@ -244,21 +248,21 @@ def make_env(settings: dict, num_envs: int, num_threads: int) -> AtariVectorEnv:
 
 
 def fire_action(envs: AtariVectorEnv) -> int | None:
-    """The index of FIRE among the game's actions, or None in games without it (CleanRL's FireResetEnv's test)."""
+    """The index of FIRE among the game's actions, None without it (FireResetEnv's test)."""
     action_set = list(envs.ale.get_action_set())
     return action_set.index(ale_py.Action.FIRE) if ale_py.Action.FIRE in action_set else None
 
 
 class GameTracker:
-    """Raw score and length (agent steps) of every env's current game, across its lives. A lost life lowers `lives`
-    while `episode_frame_number` runs on; a finished game is reset at once, restarting both."""
+    """Raw score and length (agent steps) of every env's current game, across its lives. A lost
+    life lowers `lives` while `episode_frame_number` runs on. A game over resets both at once."""
 
     def __init__(self, info: dict):
         self.lives, self.frames = info["lives"].copy(), info["episode_frame_number"].copy()
-        self.returns, self.lengths = np.zeros(len(self.lives)), np.zeros(len(self.lives), dtype=np.int64)
+        self.returns, self.lengths = np.zeros(len(self.lives)), np.zeros(len(self.lives), np.int64)
 
     def step(self, rewards: np.ndarray, terminated: np.ndarray, truncated: np.ndarray, info: dict):
-        """Count one step; returns (game_over mask, raw returns, lengths) of the games that ended at it."""
+        """One step: the mask of the games it ended, and their raw returns and lengths."""
         self.returns += rewards
         self.lengths += 1
         lives, frames = info["lives"], info["episode_frame_number"]
@@ -277,7 +281,7 @@ def layer_init(layer: nn.Module, std: float = np.sqrt(2), bias_const: float = 0.
 
 
 class Agent(nn.Module):
-    """Nature CNN trunk shared by a categorical policy head and a value head (CleanRL's Atari agent)."""
+    """CleanRL's Atari agent: a Nature CNN trunk, a categorical policy head and a value head."""
 
     def __init__(self, num_actions: int, bf16: bool = False):
         super().__init__()
@@ -297,9 +301,9 @@ class Agent(nn.Module):
         self.critic = layer_init(nn.Linear(512, 1), std=1)
 
     def policy_value(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Log-probabilities of every action and the value at uint8 frames `obs`: the one definition of the policy and
-        value function, which acting and learning share. With `bf16` the trunk runs under bfloat16 autocast; its
-        features come back in the weights' dtype, so the heads keep full precision."""
+        """The one policy and value function, for acting and learning: log-probabilities of every
+        action and the value at uint8 frames `obs`. With `bf16` the trunk runs under bfloat16
+        autocast. Its features come back in the weights' dtype, so the heads keep full precision."""
         x = obs.to(self.critic.weight.dtype) / 255.0
         with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=self.bf16):
             hidden = self.network(x)
@@ -314,28 +318,28 @@ class Agent(nn.Module):
         entropy = -(log_probs.exp() * log_probs).sum(-1)
         return log_probs.gather(-1, actions.long().unsqueeze(-1)).squeeze(-1), entropy, value
 
-    def forward(self, obs: torch.Tensor, actions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """log_prob_entropy_value: all the loss needs, in one call, as DDP syncs gradients only through forward."""
+    def forward(self, obs: torch.Tensor, actions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """log_prob_entropy_value, in one call: DDP syncs gradients only through forward."""
         return self.log_prob_entropy_value(obs, actions)
 
     def value(self, obs: torch.Tensor) -> torch.Tensor:
         return self.policy_value(obs)[1]
 
     def rollout_policy(self) -> "RolloutPolicy":
-        """The policy and value function as they are now, for a rollout (which never changes them)."""
+        """The policy and value as they are now, for a rollout (which never changes them)."""
         return RolloutPolicy(self)
 
 
 class RolloutPolicy:
-    """The Agent acting on a batch of frames: its own modules under inference mode (no autograd, no DDP hooks),
-    sampling the categorical distribution that Agent.log_prob_entropy_value scores."""
+    """The Agent acting on a batch of frames: its own modules under inference mode (no autograd, no
+    DDP hooks), sampling the categorical distribution that Agent.log_prob_entropy_value scores."""
 
     def __init__(self, agent: Agent):
         self.agent = agent
 
     @torch.inference_mode()
-    def act(self, obs: torch.Tensor, deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Sampled (or modal) actions, their log-probabilities and the values at `obs` [envs, 4, 84, 84]."""
+    def act(self, obs: torch.Tensor, deterministic: bool = False) -> tuple[torch.Tensor, ...]:
+        """Sampled (or modal) actions, their log-probabilities and the values at `obs`."""
         log_probs, value = self.agent.policy_value(obs)
         actions = log_probs.argmax(-1) if deterministic else torch.multinomial(log_probs.exp(), 1).squeeze(-1)
         return actions, log_probs.gather(-1, actions.unsqueeze(-1)).squeeze(-1), value
@@ -346,17 +350,12 @@ class RolloutPolicy:
 
 
 def compute_gae(
-    rewards: torch.Tensor,
-    values: torch.Tensor,
-    next_values: torch.Tensor,
-    terminations: torch.Tensor,
-    episode_ends: torch.Tensor,
-    gamma: float,
-    gae_lambda: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """GAE-lambda advantages and value targets (advantages + values) for [T, envs]. `next_values[t]` is V of the state
-    after step t in its own episode (V(final observation) where it was truncated: truncation is not termination),
-    zeroed where `terminations[t]`; `episode_ends[t]` (a lost life too) keeps the next episode's advantage out of t."""
+    rewards: torch.Tensor, values: torch.Tensor, next_values: torch.Tensor,
+    terminations: torch.Tensor, episode_ends: torch.Tensor, gamma: float, gae_lambda: float,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """GAE-lambda advantages and value targets, [T, envs]. `next_values[t]`: V after step t in its
+    episode (the final observation's if truncated, 0 if terminated). `episode_ends`, lost lives
+    included, cut the sum."""
     advantages = torch.zeros_like(rewards)
     next_advantage = torch.zeros_like(rewards[0])
     for t in reversed(range(len(rewards))):
@@ -368,7 +367,7 @@ def compute_gae(
 
 # --- gradient sync and the update ---------------------------------------------------------------------
 def group_size(group: Group = None) -> int:
-    """Ranks in `group` (the world by default); 1 where no process group exists, so helpers become no-ops."""
+    """Ranks in `group` (the world by default); 1 without a process group, so helpers do nothing."""
     return dist.get_world_size(group) if dist.is_initialized() else 1
 
 
