@@ -372,7 +372,7 @@ def group_size(group: Group = None) -> int:
 
 
 def allreduce_mean(tensor: torch.Tensor, group: Group = None) -> torch.Tensor:
-    """Average `tensor` over the ranks of `group`, in place (reduce_to_all: MPI's under mpirun, else torch's)."""
+    """Average `tensor` over the ranks of `group`, in place (through MPI under mpirun)."""
     if group_size(group) > 1:
         reduce_to_all(tensor, group=group)
         tensor /= group_size(group)
@@ -380,10 +380,10 @@ def allreduce_mean(tensor: torch.Tensor, group: Group = None) -> torch.Tensor:
 
 
 def global_moments(x: torch.Tensor | list[torch.Tensor], group: Group = None) -> tuple[torch.Tensor, ...]:
-    """Count, mean and M2 along the last dim of `x` (or of each 1-d piece in a list of unequal ones) over all ranks'
-    elements, as if concatenated (one all_gather)."""
+    """Count, mean, M2 of `x`'s last dim (or each list item) over all ranks, in one all_gather."""
     if isinstance(x, list):
-        local = torch.stack([torch.stack([p.new_tensor(len(p)), p.mean(), ((p - p.mean()) ** 2).sum()]) for p in x], 1)
+        moments = [(p.new_tensor(len(p)), p.mean(), ((p - p.mean()) ** 2).sum()) for p in x]
+        local = torch.stack([torch.stack(column) for column in zip(*moments, strict=True)])
     else:
         local_mean = x.mean(-1)
         local_m2 = ((x - local_mean.unsqueeze(-1)) ** 2).sum(-1)
@@ -398,7 +398,7 @@ def global_moments(x: torch.Tensor | list[torch.Tensor], group: Group = None) ->
 
 
 def global_mean_std(x: torch.Tensor | list[torch.Tensor], group: Group = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mean and unbiased std along the last dim of `x` over all ranks' elements, as if concatenated (one collective)."""
+    """Mean and unbiased std along the last dim of `x` over all ranks' elements (concatenated)."""
     count, mean, m2 = global_moments(x, group)
     return mean, torch.sqrt(m2 / (count - 1))
 
@@ -410,7 +410,7 @@ APPROX_KL, CLIPFRAC = LOSS_KEYS.index("approx_kl"), LOSS_KEYS.index("clipfrac")
 def minibatch_loss(
     model: nn.Module, mb: Batch, adv_mean: torch.Tensor | None, adv_std: torch.Tensor | None, args: Args
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """PPO's clipped loss on one minibatch and its LOSS_KEYS; advantages normalised with the global minibatch's."""
+    """PPO's clipped loss on one minibatch and its LOSS_KEYS, advantages normalised world-wide."""
     new_log_prob, entropy, new_value = model(mb["obs"], mb["actions"])
     logratio = new_log_prob - mb["log_probs"]
     ratio = logratio.exp()
@@ -418,13 +418,12 @@ def minibatch_loss(
         old_approx_kl = (-logratio).mean()
         approx_kl = ((ratio - 1) - logratio).mean()
         clipfrac = ((ratio - 1.0).abs() > args.clip_coef).to(ratio.dtype).mean()
-    mb_advantages = mb["advantages"] if adv_mean is None else (mb["advantages"] - adv_mean) / (adv_std + 1e-8)
-
+    advantages = mb["advantages"]
+    mb_advantages = advantages if adv_mean is None else (advantages - adv_mean) / (adv_std + 1e-8)
     # Policy loss
     pg_loss1 = -mb_advantages * ratio
     pg_loss2 = -mb_advantages * torch.clamp(ratio, 1 - args.clip_coef, 1 + args.clip_coef)
     pg_loss = torch.max(pg_loss1, pg_loss2).mean()
-
     # Value loss
     if args.clip_vloss:
         v_loss_unclipped = (new_value - mb["returns"]) ** 2
@@ -433,59 +432,54 @@ def minibatch_loss(
         v_loss = 0.5 * torch.max(v_loss_unclipped, v_loss_clipped).mean()
     else:
         v_loss = 0.5 * ((new_value - mb["returns"]) ** 2).mean()
-
     entropy_loss = entropy.mean()
     loss = pg_loss - args.ent_coef * entropy_loss + v_loss * args.vf_coef
-    return loss, torch.stack([pg_loss, v_loss, entropy_loss, old_approx_kl, approx_kl, clipfrac]).detach()  # LOSS_KEYS
+    losses = torch.stack([pg_loss, v_loss, entropy_loss, old_approx_kl, approx_kl, clipfrac])
+    return loss, losses.detach()
 
 
 def minibatch_sizes(sample_counts: list[int], num_minibatches: int) -> torch.Tensor:
-    """[ranks, num_minibatches]: the samples each rank gives each world minibatch (unequal after preemption only)."""
+    """[ranks, num_minibatches]: the samples each rank gives each world minibatch."""
     counts = torch.tensor(sample_counts)[:, None]
     return counts // num_minibatches + (torch.arange(num_minibatches) < counts % num_minibatches)
 
 
 def local_minibatches(sizes: torch.Tensor, group: Group = None) -> tuple[list[int], list[float] | None]:
-    """This rank's minibatch sizes (its row of `sizes`) and the weight of its loss in each world minibatch, its share
-    of the samples times the ranks, so that the average over ranks is the union's mean (None: all sizes equal)."""
+    """This rank's minibatch sizes (its row of `sizes`) and its loss's weight in each minibatch: its
+    share of the samples times the ranks, so the ranks' mean is the union's (None: all equal)."""
     local_sizes = sizes[dist.get_rank(group) if dist.is_initialized() else 0]
     weights = (local_sizes.double() * len(sizes) / sizes.sum(0)).tolist()
     return local_sizes.tolist(), None if bool((sizes == sizes[0, 0]).all()) else weights
 
 
 def update(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    batch: Batch,
-    args: Args,
-    orders: torch.Tensor,
+    model: nn.Module, optimizer: torch.optim.Optimizer, batch: Batch, args: Args, orders: torch.Tensor,
     sizes: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, float]:
-    """PPO's update epochs through `model` (the agent, DDP-wrapped over ranks): minibatch k of epoch e is the k-th slice
-    of `orders[e]` (this rank's batch permuted), `sizes[rank, k]` samples long (None: equal), the world's the union of
-    every rank's. Returns the world-averaged LOSS_KEYS (the last minibatch's; clipfrac over all) and the seconds in
-    backward and collectives (DDP's allreduce overlaps backward)."""
+) -> tuple[torch.Tensor, float]:  # fmt: skip
+    """PPO's epochs through `model`, the Agent (DDP-wrapped over ranks): minibatch k of epoch e is
+    slice k, `sizes[rank, k]` long, of `orders[e]`; the world's is the ranks' union. Returns the
+    world-averaged LOSS_KEYS and the seconds in backward (DDP's allreduce) and collectives."""
     parameters, sync_time = list(model.parameters()), 0.0
     if sizes is None:
         sizes = minibatch_sizes([orders.shape[1]] * group_size(), args.num_minibatches)
     local_sizes, weights = local_minibatches(sizes)
-    minibatches = [list(epoch_order.split(local_sizes)) for epoch_order in orders]  # [epoch][k]: sample indices
-    if args.norm_adv:  # the world-wide mean and std of every minibatch this update will see, in one collective
+    minibatches = [list(order.split(local_sizes)) for order in orders]  # [epoch][k]: sample indices
+    if args.norm_adv:  # every world minibatch's mean and std, in one collective
         start = time.perf_counter()
-        advantages = batch["advantages"]
+        advantages, epochs = batch["advantages"], len(orders)
         if weights is None:
-            adv_mean, adv_std = global_mean_std(advantages[orders.view(len(orders), args.num_minibatches, -1)])
-        else:
-            adv_mean, adv_std = global_mean_std([advantages[index] for epoch in minibatches for index in epoch])
-            adv_mean, adv_std = adv_mean.view(len(orders), -1), adv_std.view(len(orders), -1)
+            adv_mean, adv_std = global_mean_std(advantages[orders.view(epochs, args.num_minibatches, -1)])
+        else:  # unequal sizes (preemption): a list
+            pieces = [advantages[index] for epoch in minibatches for index in epoch]
+            adv_mean, adv_std = (moment.view(epochs, -1) for moment in global_mean_std(pieces))
         sync_time += time.perf_counter() - start
-    clipfracs, fused = [], optimizer.defaults.get("fused")
-    nonfinite = optimizer.found_inf = torch.zeros((), device=parameters[0].device) if fused else None
+    clipfracs, fused, device = [], optimizer.defaults.get("fused"), parameters[0].device
+    nonfinite = optimizer.found_inf = torch.zeros((), device=device) if fused else None
     for epoch, epoch_minibatches in enumerate(minibatches):
         for k, index in enumerate(epoch_minibatches):
             mb = {key: value[index] for key, value in batch.items()}
-            mb_mean, mb_std = (adv_mean[epoch, k], adv_std[epoch, k]) if args.norm_adv else (None, None)
-            loss, minibatch_losses = minibatch_loss(model, mb, mb_mean, mb_std, args)
+            moments = (adv_mean[epoch, k], adv_std[epoch, k]) if args.norm_adv else (None, None)
+            loss, minibatch_losses = minibatch_loss(model, mb, *moments, args)
             if weights is not None:
                 loss, minibatch_losses = loss * weights[k], minibatch_losses * weights[k]
             clipfracs.append(minibatch_losses[CLIPFRAC])
@@ -493,15 +487,15 @@ def update(
             start = time.perf_counter()
             loss.backward()  # DDP averages the (weighted) gradients over ranks here
             sync_time += time.perf_counter() - start
-            grad_norm = nn.utils.clip_grad_norm_(parameters, args.max_grad_norm)  # after the sync: alike everywhere
-            # a NaN or inf anywhere spread to every rank; fused Adam reads the flag on the GPU: no sync per minibatch
+            grad_norm = nn.utils.clip_grad_norm_(parameters, args.max_grad_norm)  # of the world's
+            # NaN or inf on any rank spread to all; fused Adam reads the flag on the GPU (no sync)
             if fused:
                 torch.maximum(nonfinite, (~grad_norm.isfinite()).float(), out=nonfinite)
             elif not torch.isfinite(grad_norm):
                 raise NonFiniteError("a non-finite loss or gradient")
             optimizer.step()
 
-        # one collective per epoch: world-averaged losses, which also decide target_kl alike on every rank
+        # one collective per epoch: the world-averaged losses decide target_kl alike on all ranks
         start = time.perf_counter()
         losses = minibatch_losses.clone()  # the last minibatch's, with clipfrac over all so far
         losses[CLIPFRAC] = torch.stack(clipfracs).mean()
