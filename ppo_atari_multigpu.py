@@ -509,112 +509,119 @@ def update(
 
 
 def main(args: Args) -> Agent | None:
-    """Train (or, with --eval-checkpoint, evaluate); returns this rank's trained agent (unwrapped)."""
+    """Train (or, with --eval-checkpoint, evaluate); returns this rank's trained agent."""
     run = Run(args)  # re-launches for --nprocs (mpirun or torchrun); reads the launcher's world
     if args.eval_checkpoint:
         return evaluate_checkpoint(args)
     check_args(args)
     derive_batch_sizes(args, run.world_size)
-    run.start(args.num_iterations * args.batch_size, batch_table(args))  # run folder, resume, same command everywhere
+    run.start(args.num_iterations * args.batch_size, batch_table(args))  # run folder, resume
     rank, device = run.rank, run.device
 
-    # --- set-up: envs, identical initial weights on every rank (built from `seed`; DDP broadcasts rank 0's) ---
-    index_offset = run.restarts * args.world_size * args.local_num_envs  # a resumed run: fresh games, unused seeds
+    # --- set-up: envs, initial weights (from `seed`, DDP broadcasts rank 0's), the rank's seeds ---
+    index_offset = run.restarts * args.world_size * args.local_num_envs  # resumed: new env seeds
     envs = make_env(atari_settings(args.env_id), args.local_num_envs, args.env_threads or run.cores)
-    next_obs, info = envs.reset(seed=np.array(env_seeds(args.seed, rank, args.local_num_envs, index_offset)))
+    seeds = env_seeds(args.seed, rank, args.local_num_envs, index_offset)
+    next_obs, info = envs.reset(seed=np.array(seeds))
     games = GameTracker(info)
     shape, obs_shape = (args.num_steps, args.local_num_envs), envs.single_observation_space.shape
-    fire, relaunch = fire_action(envs), np.zeros(args.local_num_envs, dtype=bool)  # relaunch: lost a life last step
+    fire = fire_action(envs)
+    relaunch = np.zeros(args.local_num_envs, dtype=bool)  # lost a life at the last step
     torch.manual_seed(args.seed)
     if args.bf16 and rank == 0 and not has_native_bf16(device):
-        print(f"{SCRIPT}: warning: this {device.type} emulates bfloat16, so --bf16 is slower here", file=sys.stderr)
-    # channels-last: oneDNN's fast convolution layout on CPU, and the layout tensor cores want
-    agent = Agent(int(envs.single_action_space.n), bf16=args.bf16).to(device, memory_format=torch.channels_last)
-    if args.compile:  # only the update's calls, agent(obs, actions); rollouts (RolloutPolicy) stay eager
-        agent.compile(fullgraph=True, dynamic=None if args.preempt_fraction else False)  # preemption varies shapes
-    model = DDP(agent, device_ids=[device.index] if device.type == "cuda" else None) if run.world_size > 1 else agent
-    optimizer = torch.optim.Adam(model.parameters(), lr=args.learning_rate, eps=1e-5, fused=device.type == "cuda")
-    check_rollout_policy(agent, rollout_probe(agent.rollout_policy(), obs_shape, device), "at start")
+        emulated = f"this {device.type} emulates bfloat16, so --bf16 is slower here"
+        print(f"{SCRIPT}: warning: {emulated}", file=sys.stderr)
+    agent = Agent(int(envs.single_action_space.n), bf16=args.bf16)
+    agent.to(device, memory_format=torch.channels_last)  # oneDNN's and tensor cores' layout
+    if args.compile:  # agent(obs, actions) in the update, not acting; preemption varies its shapes
+        agent.compile(fullgraph=True, dynamic=None if args.preempt_fraction else False)
+    gpu = device.type == "cuda"
+    model = DDP(agent, device_ids=[device.index] if gpu else None) if run.world_size > 1 else agent
+    optimizer = torch.optim.Adam(model.parameters(), lr=args.learning_rate, eps=1e-5, fused=gpu)
+    probe = rollout_probe(agent.rollout_policy(), obs_shape, device)
+    check_rollout_policy(agent, probe, "at start")
     random.seed(rank_seed(args.seed, rank))
     np.random.seed(rank_seed(args.seed, rank))
     torch.manual_seed(rank_seed(args.seed, rank))
     torch.backends.cudnn.deterministic = args.torch_deterministic
-    global_step = run.restore(model=agent, optimizer=optimizer)  # a resumed run's state, RNG streams included
+    global_step = run.restore(model=agent, optimizer=optimizer)  # a resumed run's state and RNG
 
-    # rollout storage, one row per step of the local envs, and the acting step that fills a row
-    rollout = Rollout(agent, shape, obs_shape, device, graph=args.cuda_graph and device.type == "cuda")
+    # rollout storage, a row per step of the local envs, and the acting step that fills a row
+    rollout = Rollout(agent, shape, obs_shape, device, graph=args.cuda_graph and gpu)
     final_values = torch.zeros(shape)  # V(final observation) where a game was truncated
-    rewards, terminations, episode_ends = (np.zeros(shape, np.float32) for _ in range(3))  # ends: also truncations
+    rewards, terminations, episode_ends = (np.zeros(shape, np.float32) for _ in range(3))
 
     with run.guard(nonfinite_fix="lower --learning-rate or check the env's observations and rewards"):
         for _iteration in run.iterations():
             if args.anneal_lr:  # linearly to zero over the run's env steps
-                optimizer.param_groups[0]["lr"] = args.learning_rate * (1.0 - global_step / run.total_steps)
+                frac = 1.0 - global_step / run.total_steps
+                optimizer.param_groups[0]["lr"] = frac * args.learning_rate
 
             # --- rollout (the unwrapped agent: no DDP hooks) ---
             rollout_start = time.perf_counter()
-            finished = {"episodes": 0, "episode_return": 0.0, "episode_length": 0}  # whole games, raw scores
+            policy = rollout.policy  # the Agent's modules, under inference mode
+            finished = {"episodes": 0, "episode_return": 0.0, "episode_length": 0}  # whole games
             for step in run.rollout_steps(args.num_steps, args.min_num_steps, args.preempt_fraction):
                 rollout.observe(step, next_obs)  # frames to the device
                 rollout.act(step)  # actions, log-probabilities and values into the step's row
                 env_action = rollout.actions_to_host()
-                if fire is not None:  # CleanRL's FireResetEnv: FIRE after a lost life; the env ignores `action` there
+                if fire is not None:  # FireResetEnv: FIRE after a lost life, not the sampled action
                     env_action = np.where(relaunch, fire, env_action)
                 next_obs, reward, terminated, truncated, info = envs.step(env_action)
-                rewards[step] = np.clip(reward, -1, 1)  # the learner sees clipped rewards, the log raw scores
+                rewards[step] = np.clip(reward, -1, 1)  # clipped for the learner; logged raw
                 terminations[step], episode_ends[step] = terminated, terminated | truncated
-                game_over, game_returns, game_lengths = games.step(reward, terminated, truncated, info)
+                game_over, scores, lengths = games.step(reward, terminated, truncated, info)
                 relaunch = terminated & ~game_over  # a lost life: the game goes on
                 if game_over.any():
-                    finished["episodes"] += len(game_returns)
-                    finished["episode_return"] += float(game_returns.sum())
-                    finished["episode_length"] += int(game_lengths.sum())
+                    finished["episodes"] += len(scores)
+                    finished["episode_return"] += float(scores.sum())
+                    finished["episode_length"] += int(lengths.sum())
                     cut = truncated & ~terminated
-                    if cut.any():  # truncation is not termination: bootstrap from V(final observation)
+                    if cut.any():  # truncated, not terminated: bootstrap from V(final observation)
                         final_obs = torch.from_numpy(info["final_obs"][cut]).to(device)
-                        final_values[step, torch.from_numpy(cut)] = rollout.policy.value(final_obs).cpu()
-            collected = step + 1  # steps per env: all of them, unless preemption cut the rollout short
-            last_values = rollout.policy.value(torch.from_numpy(next_obs).to(device))
+                        final_values[step, torch.from_numpy(cut)] = policy.value(final_obs).cpu()
+            collected = step + 1  # steps per env: all, unless preemption cut the rollout short
+            last_values = policy.value(torch.from_numpy(next_obs).to(device))
             rollout_time = time.perf_counter() - rollout_start
-            sample_counts = [args.local_batch_size] * args.world_size  # each rank's samples: one all_gather if cut
-            if args.preempt_fraction:
+            sample_counts = [args.local_batch_size] * args.world_size  # each rank's samples
+            if args.preempt_fraction:  # one all_gather
                 sample_counts = gather_ints_to_all([collected * args.local_num_envs], device)[:, 0].tolist()
             global_step += sum(sample_counts)
 
-            # --- GAE on the host, where its per-step recursion costs no kernel launches (a rollout cut at step t
-            # bootstraps from V(observation after t), as a full one does) ---
-            rows = slice(collected)  # the rollout's rows: all, unless preemption cut it short
-            ends, kept_values = torch.from_numpy(episode_ends[rows]), rollout.values[rows].cpu()
+            # --- GAE, on the host (no kernel launches): bootstrap from the next row's value ---
+            rows = slice(collected)  # the rollout's rows; a cut one bootstraps as a full one does
+            ends, terms = torch.from_numpy(episode_ends[rows]), torch.from_numpy(terminations[rows])
+            kept_values = rollout.values[rows].cpu()
             next_values = torch.cat([kept_values[1:], last_values.cpu().unsqueeze(0)])
             next_values = torch.where(ends > 0, final_values[rows], next_values)
-            gae_inputs = torch.from_numpy(rewards[rows]), kept_values, next_values, torch.from_numpy(terminations[rows])
-            advantages, returns = compute_gae(*gae_inputs, ends, args.gamma, args.gae_lambda)
+            gae_inputs = torch.from_numpy(rewards[rows]), kept_values, next_values, terms, ends
+            advantages, returns = compute_gae(*gae_inputs, args.gamma, args.gae_lambda)
             final_values.zero_()
-            batch = {key: vars(rollout)[key][rows].flatten(0, 1) for key in ("obs", "actions", "log_probs", "values")}
-            batch.update(advantages=advantages.flatten().to(device), returns=returns.flatten().to(device))
-            check_rollout_policy(agent, batch, f"at iteration {run.iteration}", args.local_num_envs)  # first ratios: 1
+            stored = ("obs", "actions", "log_probs", "values")  # the rollout's, a row per sample
+            batch = {key: vars(rollout)[key][rows].flatten(0, 1) for key in stored}
+            batch["advantages"] = advantages.flatten().to(device)
+            batch["returns"] = returns.flatten().to(device)
+            when = f"at iteration {run.iteration}"
+            check_rollout_policy(agent, batch, when, args.local_num_envs)  # first ratios: 1
 
             # --- update (through DDP) ---
             update_start = time.perf_counter()
-            orders = torch.stack([torch.randperm(returns.numel(), device=device) for _ in range(args.update_epochs)])
+            epochs = range(args.update_epochs)
+            orders = torch.stack([torch.randperm(returns.numel(), device=device) for _ in epochs])
             sizes = minibatch_sizes(sample_counts, args.num_minibatches)
             losses, sync_time = update(model, optimizer, batch, args, orders, sizes)
             update_time = time.perf_counter() - update_start
 
-            # --- logging: games ended on any rank, losses averaged over ranks, the world's explained variance ---
+            # --- logging: games ended on any rank, world-averaged losses, explained variance ---
             world = run.sum_over_ranks(**finished)
-            scalars = {
-                "charts/learning_rate": optimizer.param_groups[0]["lr"],
-                **{f"losses/{key}": value for key, value in zip(LOSS_KEYS, losses.tolist(), strict=True)},
-                "losses/explained_variance": explained_variance(batch["returns"], batch["values"]),
-                "perf/rollout_time": rollout_time,
-                "perf/update_time": update_time,
-                "perf/sync_time": sync_time,
-            }
+            scalars = {"charts/learning_rate": optimizer.param_groups[0]["lr"]}
+            scalars |= {f"losses/{k}": v for k, v in zip(LOSS_KEYS, losses.tolist(), strict=True)}
+            scalars["losses/explained_variance"] = explained_variance(batch["returns"], batch["values"])
+            perf = dict(rollout_time=rollout_time, update_time=update_time, sync_time=sync_time)
+            scalars |= {f"perf/{k}": v for k, v in perf.items()}
             run.log(global_step, world, scalars)
-            if run.end_iteration(global_step):  # weight check, checkpoint; every rank stops here on SIGTERM
+            if run.end_iteration(global_step):  # checkpoint, weight check; all stop on SIGTERM
                 break
-
         envs.close()
         run.finish(record_video=lambda folder: evaluate(agent, args.env_id, args, folder))
     return agent
