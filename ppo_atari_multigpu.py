@@ -2,20 +2,15 @@
 
 CleanRL's ppo_atari.py recipe: ale-py's vectorised `AtariVectorEnv` (C++ threads) with the DQN
 preprocessing, a Nature CNN trunk shared by policy and value heads, clipped losses, GAE-lambda, an
-annealed learning rate. The learner sees rewards clipped to [-1, 1] and a lost life as a terminal.
-TensorBoard gets the raw scores of whole games. FIRE starts a game and relaunches it after a lost
-life, as CleanRL's FireResetEnv does (README).
+annealed learning rate. The learner sees clipped rewards and a lost life as a terminal, TensorBoard
+whole games' raw scores. FIRE starts a game and follows a lost life, as in CleanRL (README).
 
     torchrun --standalone --nproc_per_node=2 ppo_atari_multigpu.py    # README: launchers, GPUs
 
 Distributed story: `--local-num-envs` and `--num-steps` are per rank. The world's minibatch k is the
 union of the ranks' minibatches k: advantages normalised with its mean and std, gradients averaged
 by DistributedDataParallel during backward. So every rank takes the step one process would take on
-the whole batch. `--preempt-fraction`: DD-PPO, each rank's loss weighed by its samples.
-
-Speed: channels-last weights, the layout of oneDNN and tensor cores. On a GPU a rollout step is one
-CUDA graph replay (Rollout) and Adam is fused. `--bf16` runs the trunk under bfloat16 autocast,
-`--compile` the update through torch.compile.
+the whole batch. `--preempt-fraction`: DD-PPO. On a GPU a rollout step is one CUDA graph replay.
 """
 
 import contextlib
@@ -186,15 +181,14 @@ def derive_batch_sizes(args: Args, world_size: int) -> None:
     args.min_num_steps = max(min_steps, math.ceil(args.num_minibatches / args.local_num_envs))
     if args.num_iterations < 1:
         fail(
-            f"--total-timesteps {args.total_timesteps} is less than one iteration's global batch "
-            f"of {args.batch_size} ({world_size} ranks x {args.local_batch_size}): zero "
-            "iterations; raise --total-timesteps"
+            f"--total-timesteps {args.total_timesteps} is less than one iteration's global batch of {args.batch_size} "
+            f"({world_size} ranks x {args.local_batch_size}): zero iterations; raise --total-timesteps"
         )
 
 
 # --- environment, agent, GAE --------------------------------------------------------------------------
 def atari_settings(env_id: str) -> dict:
-    """The game and protocol of a gymnasium Atari id, from its registration (others stop here).
+    """AtariVectorEnv's game and protocol arguments for a gymnasium Atari id (others stop here).
     `{Game}NoFrameskip-v4` plays without sticky actions, `ALE/{Game}-v5` with probability 0.25."""
     gym.register_envs(ale_py)
     given, example = f"--env-id {env_id}", "such as BreakoutNoFrameskip-v4"
@@ -221,30 +215,16 @@ def atari_settings(env_id: str) -> dict:
 
 
 def make_env(settings: dict, num_envs: int, num_threads: int) -> AtariVectorEnv:
-    """This rank's envs (`settings` from atari_settings), C++ threads with the DQN preprocessing.
-    Rewards stay raw: the learner clips them. `life_loss_info` makes a lost life a terminal that
-    plays on. Same-step autoreset keeps every transition real (final frames: info["final_obs"])."""
+    """This rank's envs, C++ threads with the DQN preprocessing; `settings` from atari_settings.
+    Rewards stay raw (the learner clips them). A lost life is a terminal, but the game plays on.
+    Same-step autoreset keeps every transition real (final frames: info["final_obs"])."""
     return AtariVectorEnv(
-        settings["game"],
-        num_envs,
-        num_threads=num_threads,
-        repeat_action_probability=settings["repeat_action_probability"],
-        full_action_space=settings["full_action_space"],
-        max_num_frames_per_episode=settings["max_num_frames_per_episode"],
-        autoreset_mode=gym.vector.AutoresetMode.SAME_STEP,
-        frameskip=4,
-        maxpool=True,
-        stack_num=4,
-        img_height=84,
-        img_width=84,
-        grayscale=True,
+        num_envs=num_envs, num_threads=num_threads, **settings, reward_clipping=False,
+        autoreset_mode=gym.vector.AutoresetMode.SAME_STEP, episodic_life=False, life_loss_info=True,
+        frameskip=4, maxpool=True, stack_num=4, img_height=84, img_width=84, grayscale=True,
         # a reset presses FIRE for one frame, then plays 0-28 no-op frames (0-29 without FIRE)
-        noop_max=30,
-        use_fire_reset=True,
-        episodic_life=False,
-        life_loss_info=True,
-        reward_clipping=False,
-    )
+        use_fire_reset=True, noop_max=30,
+    )  # fmt: skip
 
 
 def fire_action(envs: AtariVectorEnv) -> int | None:
@@ -287,23 +267,17 @@ class Agent(nn.Module):
         super().__init__()
         self.bf16 = bf16
         self.network = nn.Sequential(
-            layer_init(nn.Conv2d(4, 32, 8, stride=4)),
-            nn.ReLU(),
-            layer_init(nn.Conv2d(32, 64, 4, stride=2)),
-            nn.ReLU(),
-            layer_init(nn.Conv2d(64, 64, 3, stride=1)),
-            nn.ReLU(),
-            nn.Flatten(),
-            layer_init(nn.Linear(64 * 7 * 7, 512)),
-            nn.ReLU(),
-        )
+            layer_init(nn.Conv2d(4, 32, 8, stride=4)), nn.ReLU(),
+            layer_init(nn.Conv2d(32, 64, 4, stride=2)), nn.ReLU(),
+            layer_init(nn.Conv2d(64, 64, 3, stride=1)), nn.ReLU(),
+            nn.Flatten(), layer_init(nn.Linear(64 * 7 * 7, 512)), nn.ReLU(),
+        )  # fmt: skip
         self.actor = layer_init(nn.Linear(512, num_actions), std=0.01)
         self.critic = layer_init(nn.Linear(512, 1), std=1)
 
     def policy_value(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The one policy and value function, for acting and learning: log-probabilities of every
-        action and the value at uint8 frames `obs`. With `bf16` the trunk runs under bfloat16
-        autocast. Its features come back in the weights' dtype, so the heads keep full precision."""
+        """The policy's log-probabilities and the value at uint8 frames `obs`, acting and learning
+        alike. With `bf16` the trunk runs under bfloat16 autocast, the heads in full precision."""
         x = obs.to(self.critic.weight.dtype) / 255.0
         with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=self.bf16):
             hidden = self.network(x)
@@ -354,8 +328,7 @@ def compute_gae(
     terminations: torch.Tensor, episode_ends: torch.Tensor, gamma: float, gae_lambda: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """GAE-lambda advantages and value targets, [T, envs]. `next_values[t]`: V after step t in its
-    episode (the final observation's if truncated, 0 if terminated). `episode_ends`, lost lives
-    included, cut the sum."""
+    episode (the final observation's if truncated, 0 if terminated); `episode_ends` cut the sum."""
     advantages = torch.zeros_like(rewards)
     next_advantage = torch.zeros_like(rewards[0])
     for t in reversed(range(len(rewards))):
@@ -453,12 +426,11 @@ def local_minibatches(sizes: torch.Tensor, group: Group = None) -> tuple[list[in
 
 
 def update(
-    model: nn.Module, optimizer: torch.optim.Optimizer, batch: Batch, args: Args, orders: torch.Tensor,
-    sizes: torch.Tensor | None = None,
+    model: nn.Module, optimizer: torch.optim.Optimizer, batch: Batch, args: Args,
+    orders: torch.Tensor, sizes: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, float]:  # fmt: skip
-    """PPO's epochs through `model`, the Agent (DDP-wrapped over ranks): minibatch k of epoch e is
-    slice k, `sizes[rank, k]` long, of `orders[e]`; the world's is the ranks' union. Returns the
-    world-averaged LOSS_KEYS and the seconds in backward (DDP's allreduce) and collectives."""
+    """PPO's epochs through `model` (DDP's Agent): minibatch k of epoch e is slice k of `orders[e]`,
+    `sizes[rank, k]` long. Returns the world-averaged LOSS_KEYS and the backward and sync time."""
     parameters, sync_time = list(model.parameters()), 0.0
     if sizes is None:
         sizes = minibatch_sizes([orders.shape[1]] * group_size(), args.num_minibatches)
@@ -466,12 +438,12 @@ def update(
     minibatches = [list(order.split(local_sizes)) for order in orders]  # [epoch][k]: sample indices
     if args.norm_adv:  # every world minibatch's mean and std, in one collective
         start = time.perf_counter()
-        advantages, epochs = batch["advantages"], len(orders)
+        advantages, shape = batch["advantages"], (len(orders), args.num_minibatches)
         if weights is None:
-            adv_mean, adv_std = global_mean_std(advantages[orders.view(epochs, args.num_minibatches, -1)])
+            adv_mean, adv_std = global_mean_std(advantages[orders.view(*shape, -1)])
         else:  # unequal sizes (preemption): a list
             pieces = [advantages[index] for epoch in minibatches for index in epoch]
-            adv_mean, adv_std = (moment.view(epochs, -1) for moment in global_mean_std(pieces))
+            adv_mean, adv_std = (moment.view(shape) for moment in global_mean_std(pieces))
         sync_time += time.perf_counter() - start
     clipfracs, fused, device = [], optimizer.defaults.get("fused"), parameters[0].device
     nonfinite = optimizer.found_inf = torch.zeros((), device=device) if fused else None
@@ -494,7 +466,6 @@ def update(
             elif not torch.isfinite(grad_norm):
                 raise NonFiniteError("a non-finite loss or gradient")
             optimizer.step()
-
         # one collective per epoch: the world-averaged losses decide target_kl alike on all ranks
         start = time.perf_counter()
         losses = minibatch_losses.clone()  # the last minibatch's, with clipfrac over all so far
@@ -525,8 +496,7 @@ def main(args: Args) -> Agent | None:
     next_obs, info = envs.reset(seed=np.array(seeds))
     games = GameTracker(info)
     shape, obs_shape = (args.num_steps, args.local_num_envs), envs.single_observation_space.shape
-    fire = fire_action(envs)
-    relaunch = np.zeros(args.local_num_envs, dtype=bool)  # lost a life at the last step
+    fire, relaunch = fire_action(envs), np.zeros(args.local_num_envs, dtype=bool)
     torch.manual_seed(args.seed)
     if args.bf16 and rank == 0 and not has_native_bf16(device):
         emulated = f"this {device.type} emulates bfloat16, so --bf16 is slower here"
@@ -599,10 +569,8 @@ def main(args: Args) -> Agent | None:
             final_values.zero_()
             stored = ("obs", "actions", "log_probs", "values")  # the rollout's, a row per sample
             batch = {key: vars(rollout)[key][rows].flatten(0, 1) for key in stored}
-            batch["advantages"] = advantages.flatten().to(device)
-            batch["returns"] = returns.flatten().to(device)
-            when = f"at iteration {run.iteration}"
-            check_rollout_policy(agent, batch, when, args.local_num_envs)  # first ratios: 1
+            batch.update(advantages=advantages.flatten().to(device), returns=returns.flatten().to(device))
+            check_rollout_policy(agent, batch, f"at iteration {run.iteration}", args.local_num_envs)
 
             # --- update (through DDP) ---
             update_start = time.perf_counter()
@@ -629,40 +597,41 @@ def main(args: Args) -> Agent | None:
 
 # --- the parts main names: explained variance, seeds --------------------------------------------------
 def explained_variance(returns: torch.Tensor, values: torch.Tensor) -> float:
-    """1 - Var(returns - values) / Var(returns) over the world's batch in float64 (one collective; constant: NaN)."""
+    """1 - Var(returns - values) / Var(returns) over the world's batch (float64; constant: NaN)."""
     _, stds = global_mean_std(torch.stack([returns - values, returns]).double())
     return float("nan") if stds[1] == 0 else (1 - stds[0] ** 2 / stds[1] ** 2).item()
 
 
 def rank_seed(seed: int, rank: int) -> int:
-    """Seed of python, numpy and action sampling on `rank` (SpinningUp's stride: nearby seeds never collide)."""
+    """The seed of `rank`'s RNGs (SpinningUp's stride: nearby seeds never collide)."""
     return seed + 10_000 * rank
 
 
 def env_seeds(seed: int, rank: int, local_num_envs: int, index_offset: int = 0) -> list[int]:
-    """Seeds of this rank's envs: env j of rank r has global index g = index_offset + r * local_num_envs + j. A resumed
-    run passes `index_offset` = restarts x the world's envs, so its fresh episodes never replay a seed."""
+    """Env seeds by global index; a resumed run's `index_offset` (restarts x envs) replays none."""
     return [seed + 10_000 * (index_offset + rank * local_num_envs + j) for j in range(local_num_envs)]
 
 
 # --- the rollout's storage and acting step (a CUDA graph on GPUs), checked against the Agent ----------
 class Rollout:
-    """One rollout's storage, a row per step of the local envs (frames stay uint8 until a minibatch needs them), and the
-    acting step that fills a row: frames to the device, RolloutPolicy.act, actions to the host. With `graph` (CUDA), one
-    captured CUDA graph acts and writes the row: a step is a copy in from pinned memory, a replay and a copy out."""
+    """A rollout's storage (a row per step, frames in uint8) and the acting step that fills a row:
+    frames to the device, RolloutPolicy.act, actions to the host. With `graph` (CUDA), one captured
+    CUDA graph acts and writes the row: a copy in from pinned memory, a replay and a copy out."""
 
     def __init__(self, agent: Agent, shape: tuple[int, int], obs_shape: tuple, device: torch.device, graph: bool):
         self.obs = torch.zeros(shape + obs_shape, dtype=torch.uint8, device=device)
         self.actions = torch.zeros(shape, dtype=torch.long, device=device)
-        self.log_probs, self.values = torch.zeros(shape, device=device), torch.zeros(shape, device=device)
+        self.log_probs = torch.zeros(shape, device=device)
+        self.values = torch.zeros(shape, device=device)
         self.policy, self.graph = agent.rollout_policy(), None
         if graph:
             self.capture()
 
     def observe(self, step: int, frames: np.ndarray) -> None:
-        if self.graph is not None:  # pinned: the copy to the GPU runs ahead of the replay (numpy: no torch threads)
+        if self.graph is not None:  # pinned: copied ahead of the replay (numpy: no torch threads)
             np.copyto(self.frames_host.numpy(), frames)
-        self.obs[step].copy_(torch.from_numpy(frames) if self.graph is None else self.frames_host, non_blocking=True)
+        source = torch.from_numpy(frames) if self.graph is None else self.frames_host
+        self.obs[step].copy_(source, non_blocking=True)
 
     def act(self, step: int) -> None:
         if self.graph is not None:
@@ -675,17 +644,17 @@ class Rollout:
         if self.graph is None:
             return self.step_actions.cpu().numpy()
         self.actions_host.copy_(self.step_actions, non_blocking=True)
-        torch.cuda.current_stream().synchronize()  # the step's one sync: the envs wait for their actions
+        torch.cuda.current_stream().synchronize()  # the step's one sync: envs wait for actions
         return self.actions_host.numpy()
 
     def capture(self) -> None:
-        """Capture act on row `row` as torch's docs do (side-stream warm-up); replays draw fresh, seeded samples."""
+        """Capture act on row `row` as torch's docs do; every replay draws fresh, seeded samples."""
         self.frames_host = torch.empty(self.obs.shape[1:], dtype=torch.uint8, pin_memory=True)
         self.actions_host = torch.empty(self.obs.shape[1], dtype=torch.long, pin_memory=True)
         self.row = torch.zeros(1, dtype=torch.long, device=self.obs.device)
         (side := torch.cuda.Stream()).wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            for _ in range(3):  # cuDNN and cuBLAS choose their kernels and workspaces before the capture
+            for _ in range(3):  # cuDNN and cuBLAS pick kernels and workspaces before the capture
                 self.policy.act(self.obs[0])
         torch.cuda.current_stream().wait_stream(side)
         self.graph, stores = torch.cuda.CUDAGraph(), (self.actions, self.log_probs, self.values)
@@ -694,7 +663,7 @@ class Rollout:
                 outputs = self.policy.act(self.obs.index_select(0, self.row)[0])
                 for store, output in zip(stores, outputs, strict=True):
                     store.index_copy_(0, self.row, output.unsqueeze(0))
-        except RuntimeError as error:  # the error of the op that broke the capture, if any, came first
+        except RuntimeError as error:  # the error of the op that broke the capture, if any, is first
             cause = str(error.__context__ or error).strip().splitlines()[0]
             fail(
                 f"RolloutPolicy.act could not be captured as a CUDA graph ({cause}): an op in it or in "
@@ -707,30 +676,30 @@ ROLLOUT_CHECK_SAMPLES = 32  # frames: their forward costs well under 1% of an it
 
 
 def rollout_probe(policy: RolloutPolicy, obs_shape: tuple[int, ...], device: torch.device) -> Batch:
-    """What `policy` does on a batch of random frames: sampled actions, their log-probabilities and the values."""
-    obs = torch.randint(0, 256, (ROLLOUT_CHECK_SAMPLES, *obs_shape), dtype=torch.uint8, device=device)
-    return dict(zip(("obs", "actions", "log_probs", "values"), (obs, *policy.act(obs)), strict=True))
+    """What `policy` does on random frames: sampled actions, log-probabilities and values."""
+    size = (ROLLOUT_CHECK_SAMPLES, *obs_shape)
+    obs = torch.randint(0, 256, size, dtype=torch.uint8, device=device)
+    actions, log_probs, values = policy.act(obs)
+    return {"obs": obs, "actions": actions, "log_probs": log_probs, "values": values}
 
 
 def check_rollout_policy(agent: Agent, batch: Batch, when: str, count: int = ROLLOUT_CHECK_SAMPLES) -> None:
-    """Stop unless Agent.log_prob_entropy_value gives the log-probabilities and values that the rollout recorded in
-    `batch`'s first `count` rows (as many as it acted on at once: the same kernels, so bfloat16 rounds alike too)."""
+    """Stop unless Agent.log_prob_entropy_value gives `batch`'s log-probabilities and values, in
+    its first `count` rows: as many as one act saw, so the same kernels round bfloat16 alike."""
     rows = {key: batch[key][:count] for key in ("obs", "actions", "log_probs", "values")}
-    with torch.no_grad():
-        log_probs, _, values = agent.log_prob_entropy_value(rows["obs"], rows["actions"])  # eager, --compile or not
-    check_agreement(
-        when,
-        "RolloutPolicy.act and Agent.log_prob_entropy_value (both on Agent.policy_value)",
-        **{"log-probabilities": (log_probs, rows["log_probs"]), "values": (values, rows["values"])},
-    )
+    with torch.no_grad():  # eager, with --compile too
+        log_prob, _, value = agent.log_prob_entropy_value(rows["obs"], rows["actions"])
+    pairs = {"log-probabilities": (log_prob, rows["log_probs"]), "values": (value, rows["values"])}
+    both = "RolloutPolicy.act and Agent.log_prob_entropy_value"
+    check_agreement(when, f"{both} (both on Agent.policy_value)", **pairs)
 
 
 def check_agreement(when: str, must_agree: str, **pairs: tuple[torch.Tensor, torch.Tensor]) -> None:
-    """Stop every rank unless each pair (the Agent's numbers, the rollout's) agrees on every rank (one reduction)."""
-    tolerance = 1e-3  # relative: float32 rounding (actions rebuilt from a small std included) stays far below
+    """Stop every rank unless each pair (the Agent's numbers, the rollout's) agrees on all ranks."""
+    tolerance = 1e-3  # relative: float32 rounding stays far below
     with torch.no_grad():
-        gaps = torch.stack([((mine - theirs).abs() / (1 + theirs.abs())).max() for mine, theirs in pairs.values()])
-    gaps = gaps.double()
+        relative = [(mine - theirs).abs() / (1 + theirs.abs()) for mine, theirs in pairs.values()]
+        gaps = torch.stack([gap.max() for gap in relative]).double()
     if dist.is_initialized() and dist.get_world_size() > 1:
         reduce_to_all(gaps, "max")
     for name, gap in zip(pairs, gaps.tolist(), strict=True):
@@ -743,15 +712,16 @@ def check_agreement(when: str, must_agree: str, **pairs: tuple[torch.Tensor, tor
 
 # --- bfloat16 support, input checks, the batch table, evaluation --------------------------------------
 def has_native_bf16(device: torch.device) -> bool:
-    """Whether bfloat16 convolutions and matmuls run natively here (AVX512-BF16 or AMX CPUs, Ampere or newer GPUs)."""
+    """Whether bfloat16 runs natively here (AVX512-BF16 or AMX CPUs, Ampere or newer GPUs)."""
     if device.type == "cuda":
         return torch.cuda.is_bf16_supported(including_emulation=False)
     return torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 def check_args(args: Args) -> None:
-    """Refuse flags and envs that cannot run, with the fix, before any process group or rollout env exists."""
-    for name in ("total_timesteps", "local_num_envs", "num_steps", "num_minibatches", "update_epochs", "eval_episodes"):
+    """Refuse flags and envs that cannot run, naming the fix, before any process group exists."""
+    counts = ("total_timesteps", "local_num_envs", "num_steps", "num_minibatches", "update_epochs")
+    for name in (*counts, "eval_episodes"):
         if getattr(args, name) < 1:
             fail(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     if args.env_threads < 0:
@@ -763,7 +733,7 @@ def check_args(args: Args) -> None:
             f"--preempt-fraction must lie in [0, 1] (0 = off) and --min-rollout-fraction in (0, 1]; got "
             f"{args.preempt_fraction:g} and {args.min_rollout_fraction:g}"
         )
-    atari_settings(args.env_id)  # refuses ids that are not pixel Atari games AtariVectorEnv can play
+    atari_settings(args.env_id)  # refuses ids whose pixels AtariVectorEnv cannot play
     check_video_support(args, lambda: render_one_frame(args.env_id))
     compiler = os.environ.get("CXX", "g++")  # torch.compile builds C++ kernels on CPU
     if args.compile and not (args.cuda and torch.cuda.is_available()) and shutil.which(compiler) is None:
@@ -785,7 +755,7 @@ def batch_table(args: Args) -> list[tuple[str, object, object]]:
 
 
 def check_video_support(args, render_frame: Callable[[], object]) -> None:
-    """With --capture-video, render one frame now rather than fail after training (moviepy and the renderer work)."""
+    """With --capture-video, render one frame now rather than fail after training."""
     if not args.capture_video:
         return
     try:
@@ -811,8 +781,7 @@ def render_one_frame(env_id: str) -> None:
 
 
 def area_resize_matrix(source: int, target: int) -> np.ndarray:
-    """[target, source] weights averaging source pixels by their overlap with each target pixel: `rows @ image @
-    cols.T` is OpenCV's INTER_AREA downscaling (which AtariVectorEnv uses) without OpenCV."""
+    """[target, source] pixel overlaps: `rows @ image @ cols.T` is OpenCV's INTER_AREA resize."""
     edges = np.arange(target + 1) * source / target
     pixels = np.arange(source)
     overlap = np.minimum(edges[1:, None], pixels + 1) - np.maximum(edges[:-1, None], pixels)
@@ -820,10 +789,9 @@ def area_resize_matrix(source: int, target: int) -> np.ndarray:
 
 
 class TrainingProtocol(gym.Wrapper):
-    """The training env's protocol on one gymnasium ALE env (grayscale, frameskip=1), for evaluation: a reset presses
-    FIRE for one frame (in games with FIRE), then plays 0-28 no-op frames (0-29 without FIRE, as ale-py); each action
-    is repeated for 4 frames, the last two max-pooled, resized to 84x84 by area and stacked 4 deep (zeros at reset).
-    After a lost life the next action is FIRE, as in the training rollout. An episode is a whole game."""
+    """make_env's protocol on one gymnasium ALE env (grayscale, frameskip=1), for evaluation: its
+    resets, 4 frames per action (the last two max-pooled), 84x84 by area, 4 stacked, FIRE after a
+    lost life. An episode is a whole game."""
 
     def __init__(self, env: gym.Env, frameskip: int = 4, stack_num: int = 4, noop_max: int = 30, size: int = 84):
         super().__init__(env)
@@ -865,15 +833,17 @@ class TrainingProtocol(gym.Wrapper):
 
     def step(self, action: int):
         frame, reward, terminated, truncated, info = self._repeat(self.fire if self.relaunch else action)
-        self.relaunch = self.fire is not None and info["lives"] < self.lives and not (terminated or truncated)
+        lost_life = info["lives"] < self.lives and not (terminated or truncated)
+        self.relaunch = self.fire is not None and lost_life
         self.lives = info["lives"]
         return self._push(frame), reward, terminated, truncated, info
 
 
 def make_eval_env(env_id: str, video_folder: str | None = None) -> gym.Env:
-    """One gymnasium ALE env of `env_id` (same game and protocol) with the training preprocessing, whole games."""
+    """One gymnasium ALE env of `env_id` with the training preprocessing and protocol."""
     gym.register_envs(ale_py)
-    env = gym.make(env_id, obs_type="grayscale", frameskip=1, render_mode="rgb_array" if video_folder else None)
+    render_mode = "rgb_array" if video_folder else None
+    env = gym.make(env_id, obs_type="grayscale", frameskip=1, render_mode=render_mode)
     if video_folder:
         env = gym.wrappers.RecordVideo(env, video_folder, episode_trigger=lambda episode: True)
     return TrainingProtocol(env)
@@ -881,11 +851,13 @@ def make_eval_env(env_id: str, video_folder: str | None = None) -> gym.Env:
 
 def evaluate(agent: Agent, env_id: str, args: Args, video_folder: str | None = None) -> list[float]:
     """Play `args.eval_episodes` whole games with one env; returns their raw scores."""
-    env, policy, device = make_eval_env(env_id, video_folder), agent.rollout_policy(), next(agent.parameters()).device
+    env, policy = make_eval_env(env_id, video_folder), agent.rollout_policy()
+    device = next(agent.parameters()).device
     returns, episode_return = [], 0.0
     obs, _ = env.reset(seed=args.seed)
     while len(returns) < args.eval_episodes:
-        action, _, _ = policy.act(torch.as_tensor(obs, device=device).unsqueeze(0), args.eval_deterministic)
+        frames = torch.as_tensor(obs, device=device).unsqueeze(0)
+        action, _, _ = policy.act(frames, args.eval_deterministic)
         obs, reward, terminated, truncated, _ = env.step(int(action[0]))
         episode_return += reward
         if terminated or truncated:
@@ -902,7 +874,7 @@ def evaluate_checkpoint(args: Args) -> None:
     check_video_support(args, lambda: render_one_frame(checkpoint["env_id"]))
     if read_launcher_environment()[0] != 0:
         return
-    with contextlib.closing(gym.make(checkpoint["env_id"])) as env:  # its action set sizes the policy head
+    with contextlib.closing(gym.make(checkpoint["env_id"])) as env:  # its actions size the head
         agent = Agent(int(env.action_space.n), bf16=args.bf16).to(memory_format=torch.channels_last)
     load_weights(agent, checkpoint["model"], args.eval_checkpoint)
     torch.manual_seed(args.seed)  # the policy's sampling: the same --seed plays the same games
