@@ -181,8 +181,9 @@ def derive_batch_sizes(args: Args, world_size: int) -> None:
     args.min_num_steps = max(min_steps, math.ceil(args.num_minibatches / args.local_num_envs))
     if args.num_iterations < 1:
         fail(
-            f"--total-timesteps {args.total_timesteps} is less than one iteration's global batch of {args.batch_size} "
-            f"({world_size} ranks x {args.local_batch_size}): zero iterations; raise --total-timesteps"
+            f"--total-timesteps {args.total_timesteps} is less than one iteration's global "
+            f"batch of {args.batch_size} ({world_size} ranks x {args.local_batch_size}): zero "
+            "iterations; raise --total-timesteps"
         )
 
 
@@ -202,10 +203,8 @@ def atari_settings(env_id: str) -> dict:
     if kwargs.get("obs_type", "rgb") == "ram":
         fail(f"{given} observes RAM; {SCRIPT} learns from pixels: use the id without '-ram'")
     if not isinstance(kwargs.get("frameskip", 1), int):
-        fail(
-            f"{given} skips a random number of frames, which AtariVectorEnv cannot do; "
-            f"use the NoFrameskip-v4 or ALE/...-v5 id of the game"
-        )
+        fix = "use the NoFrameskip-v4 or ALE/...-v5 id of the game"
+        fail(f"{given} skips a random number of frames, which AtariVectorEnv cannot do; {fix}")
     return {
         "game": kwargs["game"],
         "repeat_action_probability": kwargs.get("repeat_action_probability", 0.25),
@@ -663,7 +662,7 @@ class Rollout:
                 outputs = self.policy.act(self.obs.index_select(0, self.row)[0])
                 for store, output in zip(stores, outputs, strict=True):
                     store.index_copy_(0, self.row, output.unsqueeze(0))
-        except RuntimeError as error:  # the error of the op that broke the capture, if any, is first
+        except RuntimeError as error:  # the breaking op's error, if any, came first
             cause = str(error.__context__ or error).strip().splitlines()[0]
             fail(
                 f"RolloutPolicy.act could not be captured as a CUDA graph ({cause}): an op in it or in "
@@ -675,10 +674,9 @@ class Rollout:
 ROLLOUT_CHECK_SAMPLES = 32  # frames: their forward costs well under 1% of an iteration
 
 
-def rollout_probe(policy: RolloutPolicy, obs_shape: tuple[int, ...], device: torch.device) -> Batch:
-    """What `policy` does on random frames: sampled actions, log-probabilities and values."""
-    size = (ROLLOUT_CHECK_SAMPLES, *obs_shape)
-    obs = torch.randint(0, 256, size, dtype=torch.uint8, device=device)
+def rollout_probe(policy: RolloutPolicy, shape: tuple[int, ...], device: torch.device) -> Batch:
+    """What `policy` does on random frames of `shape`: actions, log-probabilities and values."""
+    obs = torch.randint(0, 256, (ROLLOUT_CHECK_SAMPLES, *shape), dtype=torch.uint8, device=device)
     actions, log_probs, values = policy.act(obs)
     return {"obs": obs, "actions": actions, "log_probs": log_probs, "values": values}
 
@@ -810,16 +808,14 @@ class TrainingProtocol(gym.Wrapper):
         return self.stack.copy()
 
     def _repeat(self, action: int):
-        total, previous = 0.0, None
+        total, frames = 0.0, []
         for _ in range(self.frameskip):
-            current = previous
             frame, reward, terminated, truncated, info = self.env.step(action)
-            previous = frame
+            frames.append(frame)
             total += float(reward)
             if terminated or truncated:
                 break
-        pooled = frame if current is None else np.maximum(current, frame)
-        return pooled, total, terminated, truncated, info
+        return np.max(frames[-2:], axis=0), total, terminated, truncated, info
 
     def reset(self, *, seed: int | None = None, options: dict | None = None):
         frame, info = self.env.reset(seed=seed, options=options)
@@ -832,7 +828,8 @@ class TrainingProtocol(gym.Wrapper):
         return self._push(frame), info
 
     def step(self, action: int):
-        frame, reward, terminated, truncated, info = self._repeat(self.fire if self.relaunch else action)
+        action = self.fire if self.relaunch else action
+        frame, reward, terminated, truncated, info = self._repeat(action)
         lost_life = info["lives"] < self.lives and not (terminated or truncated)
         self.relaunch = self.fire is not None and lost_life
         self.lives = info["lives"]
