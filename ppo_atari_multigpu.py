@@ -2,8 +2,8 @@
 
 CleanRL's ppo_atari.py recipe: ale-py's vectorised `AtariVectorEnv` (C++ threads) with the DQN
 preprocessing, a Nature CNN trunk shared by policy and value heads, clipped losses, GAE-lambda, an
-annealed learning rate. The learner sees clipped rewards and a lost life as a terminal, TensorBoard
-whole games' raw scores. FIRE starts a game and follows a lost life, as in CleanRL (README).
+annealed learning rate. The learner sees clipped rewards and a lost life as a terminal. TensorBoard
+logs whole games' raw scores. FIRE starts a game and follows a lost life, as in CleanRL (README).
 
     torchrun --standalone --nproc_per_node=2 ppo_atari_multigpu.py    # README: launchers, GPUs
 
