@@ -1,20 +1,16 @@
 """PPO on Atari, data-parallel with torch DistributedDataParallel over any number of processes.
 
-CleanRL's ppo_atari.py recipe in one file: ale-py's native vectorised `AtariVectorEnv` (C++ threads) with the DQN
-preprocessing, a Nature CNN with policy and value heads on a shared trunk, GAE, clipped surrogate and value losses, an
-annealed learning rate. The learner sees rewards clipped to [-1, 1] and a lost life as a terminal; TensorBoard gets the
-raw score of whole games. Games start, and go on after a lost life, with FIRE as under CleanRL's FireResetEnv (README).
+CleanRL's ppo_atari.py recipe: ale-py's vectorised `AtariVectorEnv` (C++ threads) with the DQN
+preprocessing, a Nature CNN trunk shared by policy and value heads, clipped losses, GAE-lambda, an
+annealed learning rate. The learner sees clipped rewards and a lost life as a terminal. TensorBoard
+logs whole games' raw scores. FIRE starts a game and follows a lost life, as in CleanRL (README).
 
-    torchrun --standalone --nproc_per_node=2 ppo_atari_multigpu.py     # README: every launcher, GPUs, evaluation
+    torchrun --standalone --nproc_per_node=2 ppo_atari_multigpu.py    # README: launchers, GPUs
 
-Distributed story: `--local-num-envs` and `--num-steps` are per rank, so N ranks collect N times the batch of one.
-DistributedDataParallel averages the gradients while backward runs, so each rank applies the gradient of the world
-minibatch (the union of every rank's minibatch k, advantages normalised by its world-wide mean and std): the step one
-process would take on the concatenated batch. `--preempt-fraction` (DD-PPO) cuts stragglers' rollouts short, each
-rank's loss then weighed by its samples, so that the step stays the union's.
-
-Speed: channels-last weights (oneDNN's and tensor cores' layout); on a GPU, each rollout step is one CUDA graph replay
-(Rollout) and Adam is fused; `--bf16` runs the trunk under bfloat16 autocast, `--compile` the update via torch.compile.
+Distributed story: `--local-num-envs` and `--num-steps` are per rank. The world's minibatch k is the
+union of the ranks' minibatches k: advantages normalised with its mean and std, gradients averaged
+by DistributedDataParallel during backward. So every rank takes the step one process would take on
+the whole batch. `--preempt-fraction`: DD-PPO. On a GPU a rollout step is one CUDA graph replay.
 """
 
 import contextlib
@@ -57,7 +53,7 @@ class Args:
     torch_deterministic: bool = True
     """if toggled, `torch.backends.cudnn.deterministic=True`"""
     cuda: bool = True
-    """if toggled and CUDA is available, rank r uses cuda:LOCAL_RANK"""
+    """if toggled and CUDA exists, rank r uses cuda:LOCAL_RANK"""
     track: bool = False
     """if toggled, the run is also sent to Weights and Biases (needs `pip install wandb`)"""
     wandb_project_name: str = "ddrl"
@@ -65,7 +61,7 @@ class Args:
     wandb_entity: str | None = None
     """the Weights and Biases entity (team)"""
     capture_video: bool = False
-    """if toggled, rank 0 records evaluation games to `runs/{run_name}/videos` after training (needs moviepy)"""
+    """if toggled, rank 0 films evaluation games into `runs/{run_name}/videos` (needs moviepy)"""
     save_model: bool = False
     """if toggled, rank 0 writes `runs/{run_name}/model.pt` at the end of training"""
     eval_checkpoint: str = ""
@@ -75,25 +71,25 @@ class Args:
     eval_deterministic: bool = False
     """if toggled, evaluation takes the policy's mode instead of sampling"""
     bf16: bool = False
-    """if toggled, the CNN trunk computes in bfloat16 (autocast; weights, Adam and losses stay float32)"""
+    """if toggled, the CNN trunk runs under bfloat16 autocast (weights, Adam, losses: float32)"""
     compile: bool = False
-    """if toggled, the update's forward and backward run through torch.compile (on CPU: needs a C++ compiler)"""
+    """if toggled, the update's Agent calls run through torch.compile (CPU: needs a C++ compiler)"""
     cuda_graph: bool = True
-    """if toggled, on a GPU each rollout step acts through one captured CUDA graph (see Rollout); off: eagerly"""
+    """if toggled, a rollout step on a GPU is one CUDA graph replay (see Rollout), else eager"""
 
     # Algorithm specific arguments (names and defaults as in CleanRL's ppo_atari.py)
     env_id: str = "BreakoutNoFrameskip-v4"
     """the id of a gymnasium Atari game (`{Game}NoFrameskip-v4` or `ALE/{Game}-v5`)"""
     total_timesteps: int = 10_000_000
-    """global env steps (agent steps, 4 frames each) over all ranks; sets the number of iterations"""
+    """global env steps (4 frames each) over all ranks; sets the number of iterations"""
     learning_rate: float = 2.5e-4
     """the learning rate of the optimizer (Adam)"""
     local_num_envs: int = 8
-    """game environments stepped by each rank"""
+    """envs stepped by each rank"""
     num_steps: int = 128
     """steps per env per rollout"""
     env_threads: int = 0
-    """AtariVectorEnv threads per rank; 0 = the cores idle at start divided by the ranks on this node"""
+    """AtariVectorEnv threads per rank; 0 = the idle cores at start / the ranks on this node"""
     anneal_lr: bool = True
     """if toggled, the learning rate decays linearly to zero over the iterations"""
     gamma: float = 0.99
@@ -101,15 +97,15 @@ class Args:
     gae_lambda: float = 0.95
     """the lambda of generalized advantage estimation"""
     num_minibatches: int = 4
-    """minibatches per update epoch; the world's minibatch k is the union of every rank's minibatch k"""
+    """minibatches per update epoch; the world's minibatch k is every rank's minibatch k"""
     update_epochs: int = 4
     """passes over the batch per iteration"""
     norm_adv: bool = True
-    """if toggled, advantages are normalised with the world-wide mean and std of each global minibatch"""
+    """if toggled, advantages are normalised with each world minibatch's mean and std"""
     clip_coef: float = 0.1
     """the surrogate clipping coefficient"""
     clip_vloss: bool = True
-    """if toggled, the value loss is clipped around the rollout's values, as in the PPO paper's code"""
+    """if toggled, the value loss is clipped around the rollout's values (the PPO paper's code)"""
     ent_coef: float = 0.01
     """coefficient of the entropy bonus"""
     vf_coef: float = 0.5
@@ -119,9 +115,9 @@ class Args:
     target_kl: float | None = None
     """if set, stop the update epochs once the world-averaged approximate KL exceeds it"""
     preempt_fraction: float = 0.0
-    """DD-PPO: once this fraction of the ranks has finished its rollout, the others cut theirs short (0 = off)"""
+    """DD-PPO: once this share of the ranks ends its rollout, the rest cut theirs short (0 = off)"""
     min_rollout_fraction: float = 0.25
-    """with --preempt-fraction, the share of --num-steps every rollout collects before it may be cut short"""
+    """with --preempt-fraction, the share of --num-steps a rollout collects before any cut"""
 
     # Distributed runtime (the same flags in every ddrl script)
     run_name: str = ""
@@ -129,21 +125,19 @@ class Args:
     torch_threads: int = 0
     """torch threads per rank; 0 = the cores idle at start divided by the ranks on this node"""
     nprocs: int = 1
-    """if > 1 and not already launched, re-launch this script as that many ranks: under mpirun when --collectives
-    allows MPI and mpirun and mpi4py are installed, else under `torch.distributed.run --standalone`"""
+    """if > 1, re-launch as that many ranks: mpirun if --collectives allows MPI, else torchrun"""
     collectives: Literal["auto", "mpi", "torch"] = "auto"
-    """CPU collectives: `mpi` through mpi4py (ranks started by mpirun, mpiexec or `srun --mpi=pmix`), `torch` through
-    torch.distributed (gloo); auto = mpi where MPI started the ranks and mpi4py imports, else torch"""
+    """CPU collectives via mpi4py or gloo; auto: mpi if MPI started the ranks and mpi4py imports"""
     backend: str = ""
-    """torch.distributed backend; empty = NCCL for CUDA tensors (gloo for CPU ones) with --cuda, gloo otherwise"""
+    """torch.distributed backend; empty = gloo, and NCCL for CUDA tensors with --cuda"""
     dist_timeout: float = 1800.0
     """seconds a collective may wait for a peer before the run stops with an error"""
     checkpoint_every: int = 0
-    """write `runs/{run_name}/checkpoints/iter_{n:06d}.pt` every this many iterations (0 = only on SIGTERM)"""
+    """iterations between checkpoints, `runs/{run_name}/checkpoints/iter_{n:06d}.pt` (0: SIGTERM)"""
     resume: bool = False
-    """continue the run `--run-name` from its newest checkpoint (automatic when torchrun restarts the ranks)"""
+    """continue the run `--run-name` from its newest checkpoint (automatic on a torchrun restart)"""
     check_sync_every: int = 0
-    """compare a checksum of the weights across ranks every this many iterations and stop if they differ (0 = never)"""
+    """iterations between checks that all ranks hold the same weights (a checksum); 0 = never"""
 
     # to be filled in at run time
     world_size: int = 0
@@ -159,26 +153,25 @@ class Args:
     num_iterations: int = 0
     """number of iterations: total_timesteps // batch_size (computed at run time)"""
     min_num_steps: int = 0
-    """steps per env a rollout collects before --preempt-fraction may cut it short (computed at run time)"""
+    """steps per env before --preempt-fraction may cut a rollout short (computed at run time)"""
 
 
-Batch = dict[str, torch.Tensor]  # a rollout's tensors by name: obs, actions, log_probs, values, advantages, returns
+Batch = dict[str, torch.Tensor]  # obs, actions, log_probs, values, advantages, returns (by name)
 Group = dist.ProcessGroup | None  # None: the world
 
 
 # --- batch arithmetic ---------------------------------------------------------------------------------
-
-
 def derive_batch_sizes(args: Args, world_size: int) -> None:
-    """Per-rank and world batch sizes from the per-rank flags; sizes that do not divide or give no iteration stop."""
+    """The per-rank and world batch sizes; sizes that do not divide, or give no iteration, stop."""
     args.world_size = world_size
     args.local_batch_size = args.local_num_envs * args.num_steps
     args.batch_size = args.local_batch_size * world_size
     if args.local_batch_size % args.num_minibatches:
         fail(
-            f"the local batch of --local-num-envs {args.local_num_envs} x --num-steps {args.num_steps} = "
-            f"{args.local_batch_size} does not split into --num-minibatches {args.num_minibatches}; "
-            f"choose sizes whose product is a multiple of {args.num_minibatches}"
+            f"the local batch of --local-num-envs {args.local_num_envs} x --num-steps "
+            f"{args.num_steps} = {args.local_batch_size} does not split into --num-minibatches "
+            f"{args.num_minibatches}; choose sizes whose product is a multiple of "
+            f"{args.num_minibatches}"
         )
     args.local_minibatch_size = args.local_batch_size // args.num_minibatches
     args.minibatch_size = args.local_minibatch_size * world_size
@@ -188,44 +181,76 @@ def derive_batch_sizes(args: Args, world_size: int) -> None:
     args.min_num_steps = max(min_steps, math.ceil(args.num_minibatches / args.local_num_envs))
     if args.num_iterations < 1:
         fail(
-            f"--total-timesteps {args.total_timesteps} is less than one iteration's global batch of {args.batch_size} "
-            f"({world_size} ranks x {args.local_batch_size}): zero iterations; raise --total-timesteps"
+            f"--total-timesteps {args.total_timesteps} is less than one iteration's global "
+            f"batch of {args.batch_size} ({world_size} ranks x {args.local_batch_size}): zero "
+            "iterations; raise --total-timesteps"
         )
 
 
 # --- environment, agent, GAE --------------------------------------------------------------------------
+def atari_settings(env_id: str) -> dict:
+    """AtariVectorEnv's game and protocol arguments for a gymnasium Atari id (others stop here).
+    `{Game}NoFrameskip-v4` plays without sticky actions, `ALE/{Game}-v5` with probability 0.25."""
+    gym.register_envs(ale_py)
+    given, example = f"--env-id {env_id}", "such as BreakoutNoFrameskip-v4"
+    try:
+        spec = gym.spec(env_id)
+    except gym.error.Error as error:
+        fail(f"unknown --env-id {env_id!r} ({error}); pass an Atari game {example}")
+    if spec.entry_point not in ("ale_py.env:AtariEnv", ale_py.env.AtariEnv):
+        fail(f"{given} is not an Atari game; {SCRIPT} trains ALE games {example}")
+    kwargs = spec.kwargs
+    if kwargs.get("obs_type", "rgb") == "ram":
+        fail(f"{given} observes RAM; {SCRIPT} learns from pixels: use the id without '-ram'")
+    if not isinstance(kwargs.get("frameskip", 1), int):
+        fix = "use the NoFrameskip-v4 or ALE/...-v5 id of the game"
+        fail(f"{given} skips a random number of frames, which AtariVectorEnv cannot do; {fix}")
+    return {
+        "game": kwargs["game"],
+        "repeat_action_probability": kwargs.get("repeat_action_probability", 0.25),
+        "full_action_space": kwargs.get("full_action_space", False),
+        "max_num_frames_per_episode": kwargs.get("max_num_frames_per_episode") or 108_000,
+    }
 
 
 def make_env(settings: dict, num_envs: int, num_threads: int) -> AtariVectorEnv:
-    """This rank's envs (`settings` from atari_settings), C++ threads with the DQN preprocessing. Rewards stay raw
-    (the learner clips them), `life_loss_info` reports a lost life as a terminal but plays on, and same-step autoreset
-    makes every stored transition a real one, with an ended game's last observation in info["final_obs"]."""
+    """This rank's envs, C++ threads with the DQN preprocessing; `settings` from atari_settings.
+    Rewards stay raw (the learner clips them). A lost life is a terminal, but the game plays on.
+    Same-step autoreset keeps every transition real (final frames: info["final_obs"])."""
     return AtariVectorEnv(
-        settings["game"],
-        num_envs,
-        num_threads=num_threads,
-        repeat_action_probability=settings["repeat_action_probability"],
-        full_action_space=settings["full_action_space"],
-        max_num_frames_per_episode=settings["max_num_frames_per_episode"],
-        autoreset_mode=gym.vector.AutoresetMode.SAME_STEP,
-        frameskip=4,
-        maxpool=True,
-        stack_num=4,
-        img_height=84,
-        img_width=84,
-        grayscale=True,
-        noop_max=30,  # a reset presses FIRE for one frame, then plays 0-28 no-op frames (0-29 in games without FIRE)
-        use_fire_reset=True,
-        episodic_life=False,
-        life_loss_info=True,
-        reward_clipping=False,
-    )
+        num_envs=num_envs, num_threads=num_threads, **settings, reward_clipping=False,
+        autoreset_mode=gym.vector.AutoresetMode.SAME_STEP, episodic_life=False, life_loss_info=True,
+        frameskip=4, maxpool=True, stack_num=4, img_height=84, img_width=84, grayscale=True,
+        # a reset presses FIRE for one frame, then plays 0-28 no-op frames (0-29 without FIRE)
+        use_fire_reset=True, noop_max=30,
+    )  # fmt: skip
 
 
 def fire_action(envs: AtariVectorEnv) -> int | None:
-    """The index of FIRE among the game's actions, or None in games without it (CleanRL's FireResetEnv's test)."""
+    """The index of FIRE among the game's actions, None without it (FireResetEnv's test)."""
     action_set = list(envs.ale.get_action_set())
     return action_set.index(ale_py.Action.FIRE) if ale_py.Action.FIRE in action_set else None
+
+
+class GameTracker:
+    """Raw score and length (agent steps) of every env's current game, across its lives. A lost
+    life lowers `lives` while `episode_frame_number` runs on. A game over resets both at once."""
+
+    def __init__(self, info: dict):
+        self.lives, self.frames = info["lives"].copy(), info["episode_frame_number"].copy()
+        self.returns, self.lengths = np.zeros(len(self.lives)), np.zeros(len(self.lives), np.int64)
+
+    def step(self, rewards: np.ndarray, terminated: np.ndarray, truncated: np.ndarray, info: dict):
+        """One step: the mask of the games it ended, and their raw returns and lengths."""
+        self.returns += rewards
+        self.lengths += 1
+        lives, frames = info["lives"], info["episode_frame_number"]
+        lost_life = terminated & ~truncated & (lives < self.lives) & (frames > self.frames)
+        game_over = (terminated | truncated) & ~lost_life
+        returns, lengths = self.returns[game_over], self.lengths[game_over]
+        self.returns[game_over], self.lengths[game_over] = 0.0, 0
+        self.lives, self.frames = lives.copy(), frames.copy()
+        return game_over, returns, lengths
 
 
 def layer_init(layer: nn.Module, std: float = np.sqrt(2), bias_const: float = 0.0) -> nn.Module:
@@ -235,29 +260,23 @@ def layer_init(layer: nn.Module, std: float = np.sqrt(2), bias_const: float = 0.
 
 
 class Agent(nn.Module):
-    """Nature CNN trunk shared by a categorical policy head and a value head (CleanRL's Atari agent)."""
+    """CleanRL's Atari agent: a Nature CNN trunk, a categorical policy head and a value head."""
 
     def __init__(self, num_actions: int, bf16: bool = False):
         super().__init__()
         self.bf16 = bf16
         self.network = nn.Sequential(
-            layer_init(nn.Conv2d(4, 32, 8, stride=4)),
-            nn.ReLU(),
-            layer_init(nn.Conv2d(32, 64, 4, stride=2)),
-            nn.ReLU(),
-            layer_init(nn.Conv2d(64, 64, 3, stride=1)),
-            nn.ReLU(),
-            nn.Flatten(),
-            layer_init(nn.Linear(64 * 7 * 7, 512)),
-            nn.ReLU(),
-        )
+            layer_init(nn.Conv2d(4, 32, 8, stride=4)), nn.ReLU(),
+            layer_init(nn.Conv2d(32, 64, 4, stride=2)), nn.ReLU(),
+            layer_init(nn.Conv2d(64, 64, 3, stride=1)), nn.ReLU(),
+            nn.Flatten(), layer_init(nn.Linear(64 * 7 * 7, 512)), nn.ReLU(),
+        )  # fmt: skip
         self.actor = layer_init(nn.Linear(512, num_actions), std=0.01)
         self.critic = layer_init(nn.Linear(512, 1), std=1)
 
     def policy_value(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Log-probabilities of every action and the value at uint8 frames `obs`: the one definition of the policy and
-        value function, which acting and learning share. With `bf16` the trunk runs under bfloat16 autocast; its
-        features come back in the weights' dtype, so the heads keep full precision."""
+        """The policy's log-probabilities and the value at uint8 frames `obs`, acting and learning
+        alike. With `bf16` the trunk runs under bfloat16 autocast, the heads in full precision."""
         x = obs.to(self.critic.weight.dtype) / 255.0
         with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=self.bf16):
             hidden = self.network(x)
@@ -272,28 +291,28 @@ class Agent(nn.Module):
         entropy = -(log_probs.exp() * log_probs).sum(-1)
         return log_probs.gather(-1, actions.long().unsqueeze(-1)).squeeze(-1), entropy, value
 
-    def forward(self, obs: torch.Tensor, actions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """log_prob_entropy_value: all the loss needs, in one call, as DDP syncs gradients only through forward."""
+    def forward(self, obs: torch.Tensor, actions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """log_prob_entropy_value, in one call: DDP syncs gradients only through forward."""
         return self.log_prob_entropy_value(obs, actions)
 
     def value(self, obs: torch.Tensor) -> torch.Tensor:
         return self.policy_value(obs)[1]
 
     def rollout_policy(self) -> "RolloutPolicy":
-        """The policy and value function as they are now, for a rollout (which never changes them)."""
+        """The policy and value as they are now, for a rollout (which never changes them)."""
         return RolloutPolicy(self)
 
 
 class RolloutPolicy:
-    """The Agent acting on a batch of frames: its own modules under inference mode (no autograd, no DDP hooks),
-    sampling the categorical distribution that Agent.log_prob_entropy_value scores."""
+    """The Agent acting on a batch of frames: its own modules under inference mode (no autograd, no
+    DDP hooks), sampling the categorical distribution that Agent.log_prob_entropy_value scores."""
 
     def __init__(self, agent: Agent):
         self.agent = agent
 
     @torch.inference_mode()
-    def act(self, obs: torch.Tensor, deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Sampled (or modal) actions, their log-probabilities and the values at `obs` [envs, 4, 84, 84]."""
+    def act(self, obs: torch.Tensor, deterministic: bool = False) -> tuple[torch.Tensor, ...]:
+        """Sampled (or modal) actions, their log-probabilities and the values at `obs`."""
         log_probs, value = self.agent.policy_value(obs)
         actions = log_probs.argmax(-1) if deterministic else torch.multinomial(log_probs.exp(), 1).squeeze(-1)
         return actions, log_probs.gather(-1, actions.unsqueeze(-1)).squeeze(-1), value
@@ -304,17 +323,11 @@ class RolloutPolicy:
 
 
 def compute_gae(
-    rewards: torch.Tensor,
-    values: torch.Tensor,
-    next_values: torch.Tensor,
-    terminations: torch.Tensor,
-    episode_ends: torch.Tensor,
-    gamma: float,
-    gae_lambda: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """GAE-lambda advantages and value targets (advantages + values) for [T, envs]. `next_values[t]` is V of the state
-    after step t in its own episode (V(final observation) where it was truncated: truncation is not termination),
-    zeroed where `terminations[t]`; `episode_ends[t]` (a lost life too) keeps the next episode's advantage out of t."""
+    rewards: torch.Tensor, values: torch.Tensor, next_values: torch.Tensor,
+    terminations: torch.Tensor, episode_ends: torch.Tensor, gamma: float, gae_lambda: float,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """GAE-lambda advantages and value targets, [T, envs]. `next_values[t]`: V after step t in its
+    episode (the final observation's if truncated, 0 if terminated); `episode_ends` cut the sum."""
     advantages = torch.zeros_like(rewards)
     next_advantage = torch.zeros_like(rewards[0])
     for t in reversed(range(len(rewards))):
@@ -324,16 +337,14 @@ def compute_gae(
     return advantages, advantages + values
 
 
-# --- gradient sync (DDP averages the gradients; these carry the rest) and the update ------------------
-
-
+# --- gradient sync and the update ---------------------------------------------------------------------
 def group_size(group: Group = None) -> int:
-    """Ranks in `group` (the world by default); 1 where no process group exists, so helpers become no-ops."""
+    """Ranks in `group` (the world by default); 1 without a process group, so helpers do nothing."""
     return dist.get_world_size(group) if dist.is_initialized() else 1
 
 
 def allreduce_mean(tensor: torch.Tensor, group: Group = None) -> torch.Tensor:
-    """Average `tensor` over the ranks of `group`, in place (reduce_to_all: MPI's under mpirun, else torch's)."""
+    """Average `tensor` over the ranks of `group`, in place (through MPI under mpirun)."""
     if group_size(group) > 1:
         reduce_to_all(tensor, group=group)
         tensor /= group_size(group)
@@ -341,10 +352,10 @@ def allreduce_mean(tensor: torch.Tensor, group: Group = None) -> torch.Tensor:
 
 
 def global_moments(x: torch.Tensor | list[torch.Tensor], group: Group = None) -> tuple[torch.Tensor, ...]:
-    """Count, mean and M2 along the last dim of `x` (or of each 1-d piece in a list of unequal ones) over all ranks'
-    elements, as if concatenated (one all_gather)."""
+    """Count, mean, M2 of `x`'s last dim (or each list item) over all ranks, in one all_gather."""
     if isinstance(x, list):
-        local = torch.stack([torch.stack([p.new_tensor(len(p)), p.mean(), ((p - p.mean()) ** 2).sum()]) for p in x], 1)
+        moments = [(p.new_tensor(len(p)), p.mean(), ((p - p.mean()) ** 2).sum()) for p in x]
+        local = torch.stack([torch.stack(column) for column in zip(*moments, strict=True)])
     else:
         local_mean = x.mean(-1)
         local_m2 = ((x - local_mean.unsqueeze(-1)) ** 2).sum(-1)
@@ -359,7 +370,7 @@ def global_moments(x: torch.Tensor | list[torch.Tensor], group: Group = None) ->
 
 
 def global_mean_std(x: torch.Tensor | list[torch.Tensor], group: Group = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mean and unbiased std along the last dim of `x` over all ranks' elements, as if concatenated (one collective)."""
+    """Mean and unbiased std along the last dim of `x` over all ranks' elements (concatenated)."""
     count, mean, m2 = global_moments(x, group)
     return mean, torch.sqrt(m2 / (count - 1))
 
@@ -371,7 +382,7 @@ APPROX_KL, CLIPFRAC = LOSS_KEYS.index("approx_kl"), LOSS_KEYS.index("clipfrac")
 def minibatch_loss(
     model: nn.Module, mb: Batch, adv_mean: torch.Tensor | None, adv_std: torch.Tensor | None, args: Args
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """PPO's clipped loss on one minibatch and its LOSS_KEYS; advantages normalised with the global minibatch's."""
+    """PPO's clipped loss on one minibatch and its LOSS_KEYS, advantages normalised world-wide."""
     new_log_prob, entropy, new_value = model(mb["obs"], mb["actions"])
     logratio = new_log_prob - mb["log_probs"]
     ratio = logratio.exp()
@@ -379,13 +390,12 @@ def minibatch_loss(
         old_approx_kl = (-logratio).mean()
         approx_kl = ((ratio - 1) - logratio).mean()
         clipfrac = ((ratio - 1.0).abs() > args.clip_coef).to(ratio.dtype).mean()
-    mb_advantages = mb["advantages"] if adv_mean is None else (mb["advantages"] - adv_mean) / (adv_std + 1e-8)
-
+    advantages = mb["advantages"]
+    mb_advantages = advantages if adv_mean is None else (advantages - adv_mean) / (adv_std + 1e-8)
     # Policy loss
     pg_loss1 = -mb_advantages * ratio
     pg_loss2 = -mb_advantages * torch.clamp(ratio, 1 - args.clip_coef, 1 + args.clip_coef)
     pg_loss = torch.max(pg_loss1, pg_loss2).mean()
-
     # Value loss
     if args.clip_vloss:
         v_loss_unclipped = (new_value - mb["returns"]) ** 2
@@ -394,59 +404,53 @@ def minibatch_loss(
         v_loss = 0.5 * torch.max(v_loss_unclipped, v_loss_clipped).mean()
     else:
         v_loss = 0.5 * ((new_value - mb["returns"]) ** 2).mean()
-
     entropy_loss = entropy.mean()
     loss = pg_loss - args.ent_coef * entropy_loss + v_loss * args.vf_coef
-    return loss, torch.stack([pg_loss, v_loss, entropy_loss, old_approx_kl, approx_kl, clipfrac]).detach()  # LOSS_KEYS
+    losses = torch.stack([pg_loss, v_loss, entropy_loss, old_approx_kl, approx_kl, clipfrac])
+    return loss, losses.detach()
 
 
 def minibatch_sizes(sample_counts: list[int], num_minibatches: int) -> torch.Tensor:
-    """[ranks, num_minibatches]: the samples each rank gives each world minibatch (unequal after preemption only)."""
+    """[ranks, num_minibatches]: the samples each rank gives each world minibatch."""
     counts = torch.tensor(sample_counts)[:, None]
     return counts // num_minibatches + (torch.arange(num_minibatches) < counts % num_minibatches)
 
 
 def local_minibatches(sizes: torch.Tensor, group: Group = None) -> tuple[list[int], list[float] | None]:
-    """This rank's minibatch sizes (its row of `sizes`) and the weight of its loss in each world minibatch, its share
-    of the samples times the ranks, so that the average over ranks is the union's mean (None: all sizes equal)."""
+    """This rank's minibatch sizes (its row of `sizes`) and its loss's weight in each minibatch: its
+    share of the samples times the ranks, so the ranks' mean is the union's (None: all equal)."""
     local_sizes = sizes[dist.get_rank(group) if dist.is_initialized() else 0]
     weights = (local_sizes.double() * len(sizes) / sizes.sum(0)).tolist()
     return local_sizes.tolist(), None if bool((sizes == sizes[0, 0]).all()) else weights
 
 
 def update(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    batch: Batch,
-    args: Args,
-    orders: torch.Tensor,
-    sizes: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, float]:
-    """PPO's update epochs through `model` (the agent, DDP-wrapped over ranks): minibatch k of epoch e is the k-th slice
-    of `orders[e]` (this rank's batch permuted), `sizes[rank, k]` samples long (None: equal), the world's the union of
-    every rank's. Returns the world-averaged LOSS_KEYS (the last minibatch's; clipfrac over all) and the seconds in
-    backward and collectives (DDP's allreduce overlaps backward)."""
+    model: nn.Module, optimizer: torch.optim.Optimizer, batch: Batch, args: Args,
+    orders: torch.Tensor, sizes: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, float]:  # fmt: skip
+    """PPO's epochs through `model` (DDP's Agent): minibatch k of epoch e is slice k of `orders[e]`,
+    `sizes[rank, k]` long. Returns the world-averaged LOSS_KEYS and the backward and sync time."""
     parameters, sync_time = list(model.parameters()), 0.0
     if sizes is None:
         sizes = minibatch_sizes([orders.shape[1]] * group_size(), args.num_minibatches)
     local_sizes, weights = local_minibatches(sizes)
-    minibatches = [list(epoch_order.split(local_sizes)) for epoch_order in orders]  # [epoch][k]: sample indices
-    if args.norm_adv:  # the world-wide mean and std of every minibatch this update will see, in one collective
+    minibatches = [list(order.split(local_sizes)) for order in orders]  # [epoch][k]: sample indices
+    if args.norm_adv:  # every world minibatch's mean and std, in one collective
         start = time.perf_counter()
-        advantages = batch["advantages"]
+        advantages, shape = batch["advantages"], (len(orders), args.num_minibatches)
         if weights is None:
-            adv_mean, adv_std = global_mean_std(advantages[orders.view(len(orders), args.num_minibatches, -1)])
-        else:
-            adv_mean, adv_std = global_mean_std([advantages[index] for epoch in minibatches for index in epoch])
-            adv_mean, adv_std = adv_mean.view(len(orders), -1), adv_std.view(len(orders), -1)
+            adv_mean, adv_std = global_mean_std(advantages[orders.view(*shape, -1)])
+        else:  # unequal sizes (preemption): a list
+            pieces = [advantages[index] for epoch in minibatches for index in epoch]
+            adv_mean, adv_std = (moment.view(shape) for moment in global_mean_std(pieces))
         sync_time += time.perf_counter() - start
-    clipfracs, fused = [], optimizer.defaults.get("fused")
-    nonfinite = optimizer.found_inf = torch.zeros((), device=parameters[0].device) if fused else None
+    clipfracs, fused, device = [], optimizer.defaults.get("fused"), parameters[0].device
+    nonfinite = optimizer.found_inf = torch.zeros((), device=device) if fused else None
     for epoch, epoch_minibatches in enumerate(minibatches):
         for k, index in enumerate(epoch_minibatches):
             mb = {key: value[index] for key, value in batch.items()}
-            mb_mean, mb_std = (adv_mean[epoch, k], adv_std[epoch, k]) if args.norm_adv else (None, None)
-            loss, minibatch_losses = minibatch_loss(model, mb, mb_mean, mb_std, args)
+            moments = (adv_mean[epoch, k], adv_std[epoch, k]) if args.norm_adv else (None, None)
+            loss, minibatch_losses = minibatch_loss(model, mb, *moments, args)
             if weights is not None:
                 loss, minibatch_losses = loss * weights[k], minibatch_losses * weights[k]
             clipfracs.append(minibatch_losses[CLIPFRAC])
@@ -454,15 +458,14 @@ def update(
             start = time.perf_counter()
             loss.backward()  # DDP averages the (weighted) gradients over ranks here
             sync_time += time.perf_counter() - start
-            grad_norm = nn.utils.clip_grad_norm_(parameters, args.max_grad_norm)  # after the sync: alike everywhere
-            # a NaN or inf anywhere spread to every rank; fused Adam reads the flag on the GPU: no sync per minibatch
+            grad_norm = nn.utils.clip_grad_norm_(parameters, args.max_grad_norm)  # of the world's
+            # NaN or inf on any rank spread to all; fused Adam reads the flag on the GPU (no sync)
             if fused:
                 torch.maximum(nonfinite, (~grad_norm.isfinite()).float(), out=nonfinite)
             elif not torch.isfinite(grad_norm):
                 raise NonFiniteError("a non-finite loss or gradient")
             optimizer.step()
-
-        # one collective per epoch: world-averaged losses, which also decide target_kl alike on every rank
+        # one collective per epoch: the world-averaged losses decide target_kl alike on all ranks
         start = time.perf_counter()
         losses = minibatch_losses.clone()  # the last minibatch's, with clipfrac over all so far
         losses[CLIPFRAC] = torch.stack(clipfracs).mean()
@@ -476,172 +479,158 @@ def update(
 
 
 def main(args: Args) -> Agent | None:
-    """Train (or, with --eval-checkpoint, evaluate); returns this rank's trained agent (unwrapped)."""
+    """Train (or, with --eval-checkpoint, evaluate); returns this rank's trained agent."""
     run = Run(args)  # re-launches for --nprocs (mpirun or torchrun); reads the launcher's world
     if args.eval_checkpoint:
         return evaluate_checkpoint(args)
     check_args(args)
     derive_batch_sizes(args, run.world_size)
-    run.start(args.num_iterations * args.batch_size, batch_table(args))  # run folder, resume, same command everywhere
+    run.start(args.num_iterations * args.batch_size, batch_table(args))  # run folder, resume
     rank, device = run.rank, run.device
 
-    # --- set-up: envs, identical initial weights on every rank (built from `seed`; DDP broadcasts rank 0's) ---
-    index_offset = run.restarts * args.world_size * args.local_num_envs  # a resumed run: fresh games, unused seeds
+    # --- set-up: envs, initial weights (from `seed`, DDP broadcasts rank 0's), the rank's seeds ---
+    index_offset = run.restarts * args.world_size * args.local_num_envs  # resumed: new env seeds
     envs = make_env(atari_settings(args.env_id), args.local_num_envs, args.env_threads or run.cores)
-    next_obs, info = envs.reset(seed=np.array(env_seeds(args.seed, rank, args.local_num_envs, index_offset)))
+    seeds = env_seeds(args.seed, rank, args.local_num_envs, index_offset)
+    next_obs, info = envs.reset(seed=np.array(seeds))
     games = GameTracker(info)
     shape, obs_shape = (args.num_steps, args.local_num_envs), envs.single_observation_space.shape
-    fire, relaunch = fire_action(envs), np.zeros(args.local_num_envs, dtype=bool)  # relaunch: lost a life last step
+    fire, relaunch = fire_action(envs), np.zeros(args.local_num_envs, dtype=bool)
     torch.manual_seed(args.seed)
     if args.bf16 and rank == 0 and not has_native_bf16(device):
-        print(f"{SCRIPT}: warning: this {device.type} emulates bfloat16, so --bf16 is slower here", file=sys.stderr)
-    # channels-last: oneDNN's fast convolution layout on CPU, and the layout tensor cores want
-    agent = Agent(int(envs.single_action_space.n), bf16=args.bf16).to(device, memory_format=torch.channels_last)
-    if args.compile:  # only the update's calls, agent(obs, actions); rollouts (RolloutPolicy) stay eager
-        agent.compile(fullgraph=True, dynamic=None if args.preempt_fraction else False)  # preemption varies shapes
-    model = DDP(agent, device_ids=[device.index] if device.type == "cuda" else None) if run.world_size > 1 else agent
-    optimizer = torch.optim.Adam(model.parameters(), lr=args.learning_rate, eps=1e-5, fused=device.type == "cuda")
-    check_rollout_policy(agent, rollout_probe(agent.rollout_policy(), obs_shape, device), "at start")
+        emulated = f"this {device.type} emulates bfloat16, so --bf16 is slower here"
+        print(f"{SCRIPT}: warning: {emulated}", file=sys.stderr)
+    agent = Agent(int(envs.single_action_space.n), bf16=args.bf16)
+    agent.to(device, memory_format=torch.channels_last)  # oneDNN's and tensor cores' layout
+    if args.compile:  # agent(obs, actions) in the update, not acting; preemption varies its shapes
+        agent.compile(fullgraph=True, dynamic=None if args.preempt_fraction else False)
+    gpu = device.type == "cuda"
+    model = DDP(agent, device_ids=[device.index] if gpu else None) if run.world_size > 1 else agent
+    optimizer = torch.optim.Adam(model.parameters(), lr=args.learning_rate, eps=1e-5, fused=gpu)
+    probe = rollout_probe(agent.rollout_policy(), obs_shape, device)
+    check_rollout_policy(agent, probe, "at start")
     random.seed(rank_seed(args.seed, rank))
     np.random.seed(rank_seed(args.seed, rank))
     torch.manual_seed(rank_seed(args.seed, rank))
     torch.backends.cudnn.deterministic = args.torch_deterministic
-    global_step = run.restore(model=agent, optimizer=optimizer)  # a resumed run's state, RNG streams included
+    global_step = run.restore(model=agent, optimizer=optimizer)  # a resumed run's state and RNG
 
-    # rollout storage, one row per step of the local envs, and the acting step that fills a row
-    rollout = Rollout(agent, shape, obs_shape, device, graph=args.cuda_graph and device.type == "cuda")
+    # rollout storage, a row per step of the local envs, and the acting step that fills a row
+    rollout = Rollout(agent, shape, obs_shape, device, graph=args.cuda_graph and gpu)
     final_values = torch.zeros(shape)  # V(final observation) where a game was truncated
-    rewards, terminations, episode_ends = (np.zeros(shape, np.float32) for _ in range(3))  # ends: also truncations
+    rewards, terminations, episode_ends = (np.zeros(shape, np.float32) for _ in range(3))
 
     with run.guard(nonfinite_fix="lower --learning-rate or check the env's observations and rewards"):
         for _iteration in run.iterations():
             if args.anneal_lr:  # linearly to zero over the run's env steps
-                optimizer.param_groups[0]["lr"] = args.learning_rate * (1.0 - global_step / run.total_steps)
+                frac = 1.0 - global_step / run.total_steps
+                optimizer.param_groups[0]["lr"] = frac * args.learning_rate
 
             # --- rollout (the unwrapped agent: no DDP hooks) ---
             rollout_start = time.perf_counter()
-            finished = {"episodes": 0, "episode_return": 0.0, "episode_length": 0}  # whole games, raw scores
+            policy = rollout.policy  # the Agent's modules, under inference mode
+            finished = {"episodes": 0, "episode_return": 0.0, "episode_length": 0}  # whole games
             for step in run.rollout_steps(args.num_steps, args.min_num_steps, args.preempt_fraction):
                 rollout.observe(step, next_obs)  # frames to the device
                 rollout.act(step)  # actions, log-probabilities and values into the step's row
                 env_action = rollout.actions_to_host()
-                if fire is not None:  # CleanRL's FireResetEnv: FIRE after a lost life; the env ignores `action` there
+                if fire is not None:  # FireResetEnv: FIRE after a lost life, not the sampled action
                     env_action = np.where(relaunch, fire, env_action)
                 next_obs, reward, terminated, truncated, info = envs.step(env_action)
-                rewards[step] = np.clip(reward, -1, 1)  # the learner sees clipped rewards, the log raw scores
+                rewards[step] = np.clip(reward, -1, 1)  # clipped for the learner; logged raw
                 terminations[step], episode_ends[step] = terminated, terminated | truncated
-                game_over, game_returns, game_lengths = games.step(reward, terminated, truncated, info)
+                game_over, scores, lengths = games.step(reward, terminated, truncated, info)
                 relaunch = terminated & ~game_over  # a lost life: the game goes on
                 if game_over.any():
-                    finished["episodes"] += len(game_returns)
-                    finished["episode_return"] += float(game_returns.sum())
-                    finished["episode_length"] += int(game_lengths.sum())
+                    finished["episodes"] += len(scores)
+                    finished["episode_return"] += float(scores.sum())
+                    finished["episode_length"] += int(lengths.sum())
                     cut = truncated & ~terminated
-                    if cut.any():  # truncation is not termination: bootstrap from V(final observation)
+                    if cut.any():  # truncated, not terminated: bootstrap from V(final observation)
                         final_obs = torch.from_numpy(info["final_obs"][cut]).to(device)
-                        final_values[step, torch.from_numpy(cut)] = rollout.policy.value(final_obs).cpu()
-            collected = step + 1  # steps per env: all of them, unless preemption cut the rollout short
-            last_values = rollout.policy.value(torch.from_numpy(next_obs).to(device))
+                        final_values[step, torch.from_numpy(cut)] = policy.value(final_obs).cpu()
+            collected = step + 1  # steps per env: all, unless preemption cut the rollout short
+            last_values = policy.value(torch.from_numpy(next_obs).to(device))
             rollout_time = time.perf_counter() - rollout_start
-            sample_counts = [args.local_batch_size] * args.world_size  # each rank's samples: one all_gather if cut
-            if args.preempt_fraction:
+            sample_counts = [args.local_batch_size] * args.world_size  # each rank's samples
+            if args.preempt_fraction:  # one all_gather
                 sample_counts = gather_ints_to_all([collected * args.local_num_envs], device)[:, 0].tolist()
             global_step += sum(sample_counts)
 
-            # --- GAE on the host, where its per-step recursion costs no kernel launches (a rollout cut at step t
-            # bootstraps from V(observation after t), as a full one does) ---
-            rows = slice(collected)  # the rollout's rows: all, unless preemption cut it short
-            ends, kept_values = torch.from_numpy(episode_ends[rows]), rollout.values[rows].cpu()
+            # --- GAE, on the host (no kernel launches): bootstrap from the next row's value ---
+            rows = slice(collected)  # the rollout's rows; a cut one bootstraps as a full one does
+            ends, terms = torch.from_numpy(episode_ends[rows]), torch.from_numpy(terminations[rows])
+            kept_values = rollout.values[rows].cpu()
             next_values = torch.cat([kept_values[1:], last_values.cpu().unsqueeze(0)])
             next_values = torch.where(ends > 0, final_values[rows], next_values)
-            gae_inputs = torch.from_numpy(rewards[rows]), kept_values, next_values, torch.from_numpy(terminations[rows])
-            advantages, returns = compute_gae(*gae_inputs, ends, args.gamma, args.gae_lambda)
+            gae_inputs = torch.from_numpy(rewards[rows]), kept_values, next_values, terms, ends
+            advantages, returns = compute_gae(*gae_inputs, args.gamma, args.gae_lambda)
             final_values.zero_()
-            batch = {key: vars(rollout)[key][rows].flatten(0, 1) for key in ("obs", "actions", "log_probs", "values")}
+            stored = ("obs", "actions", "log_probs", "values")  # the rollout's, a row per sample
+            batch = {key: vars(rollout)[key][rows].flatten(0, 1) for key in stored}
             batch.update(advantages=advantages.flatten().to(device), returns=returns.flatten().to(device))
-            check_rollout_policy(agent, batch, f"at iteration {run.iteration}", args.local_num_envs)  # first ratios: 1
+            check_rollout_policy(agent, batch, f"at iteration {run.iteration}", args.local_num_envs)
 
             # --- update (through DDP) ---
             update_start = time.perf_counter()
-            orders = torch.stack([torch.randperm(returns.numel(), device=device) for _ in range(args.update_epochs)])
+            epochs = range(args.update_epochs)
+            orders = torch.stack([torch.randperm(returns.numel(), device=device) for _ in epochs])
             sizes = minibatch_sizes(sample_counts, args.num_minibatches)
             losses, sync_time = update(model, optimizer, batch, args, orders, sizes)
             update_time = time.perf_counter() - update_start
 
-            # --- logging: games ended on any rank, losses averaged over ranks, the world's explained variance ---
+            # --- logging: games ended on any rank, world-averaged losses, explained variance ---
             world = run.sum_over_ranks(**finished)
-            scalars = {
-                "charts/learning_rate": optimizer.param_groups[0]["lr"],
-                **{f"losses/{key}": value for key, value in zip(LOSS_KEYS, losses.tolist(), strict=True)},
-                "losses/explained_variance": explained_variance(batch["returns"], batch["values"]),
-                "perf/rollout_time": rollout_time,
-                "perf/update_time": update_time,
-                "perf/sync_time": sync_time,
-            }
+            scalars = {"charts/learning_rate": optimizer.param_groups[0]["lr"]}
+            scalars |= {f"losses/{k}": v for k, v in zip(LOSS_KEYS, losses.tolist(), strict=True)}
+            scalars["losses/explained_variance"] = explained_variance(batch["returns"], batch["values"])
+            perf = dict(rollout_time=rollout_time, update_time=update_time, sync_time=sync_time)
+            scalars |= {f"perf/{k}": v for k, v in perf.items()}
             run.log(global_step, world, scalars)
-            if run.end_iteration(global_step):  # weight check, checkpoint; every rank stops here on SIGTERM
+            if run.end_iteration(global_step):  # checkpoint, weight check; all stop on SIGTERM
                 break
-
         envs.close()
         run.finish(record_video=lambda folder: evaluate(agent, args.env_id, args, folder))
     return agent
 
 
+# --- the parts main names: explained variance, seeds --------------------------------------------------
 def explained_variance(returns: torch.Tensor, values: torch.Tensor) -> float:
-    """1 - Var(returns - values) / Var(returns) over the world's batch in float64 (one collective; constant: NaN)."""
+    """1 - Var(returns - values) / Var(returns) over the world's batch (float64; constant: NaN)."""
     _, stds = global_mean_std(torch.stack([returns - values, returns]).double())
     return float("nan") if stds[1] == 0 else (1 - stds[0] ** 2 / stds[1] ** 2).item()
 
 
 def rank_seed(seed: int, rank: int) -> int:
-    """Seed of python, numpy and action sampling on `rank` (SpinningUp's stride: nearby seeds never collide)."""
+    """The seed of `rank`'s RNGs (SpinningUp's stride: nearby seeds never collide)."""
     return seed + 10_000 * rank
 
 
 def env_seeds(seed: int, rank: int, local_num_envs: int, index_offset: int = 0) -> list[int]:
-    """Seeds of this rank's envs: env j of rank r has global index g = index_offset + r * local_num_envs + j. A resumed
-    run passes `index_offset` = restarts x the world's envs, so its fresh episodes never replay a seed."""
+    """Env seeds by global index; a resumed run's `index_offset` (restarts x envs) replays none."""
     return [seed + 10_000 * (index_offset + rank * local_num_envs + j) for j in range(local_num_envs)]
 
 
-class GameTracker:
-    """Raw score and length (agent steps) of every env's current game, across its lives. A lost life lowers `lives`
-    while `episode_frame_number` runs on; a finished game is reset at once, restarting both."""
-
-    def __init__(self, info: dict):
-        self.lives, self.frames = info["lives"].copy(), info["episode_frame_number"].copy()
-        self.returns, self.lengths = np.zeros(len(self.lives)), np.zeros(len(self.lives), dtype=np.int64)
-
-    def step(self, rewards: np.ndarray, terminated: np.ndarray, truncated: np.ndarray, info: dict):
-        """Count one step; returns (game_over mask, raw returns, lengths) of the games that ended at it."""
-        self.returns += rewards
-        self.lengths += 1
-        lives, frames = info["lives"], info["episode_frame_number"]
-        lost_life = terminated & ~truncated & (lives < self.lives) & (frames > self.frames)
-        game_over = (terminated | truncated) & ~lost_life
-        returns, lengths = self.returns[game_over], self.lengths[game_over]
-        self.returns[game_over], self.lengths[game_over] = 0.0, 0
-        self.lives, self.frames = lives.copy(), frames.copy()
-        return game_over, returns, lengths
-
-
+# --- the rollout's storage and acting step (a CUDA graph on GPUs), checked against the Agent ----------
 class Rollout:
-    """One rollout's storage, a row per step of the local envs (frames stay uint8 until a minibatch needs them), and the
-    acting step that fills a row: frames to the device, RolloutPolicy.act, actions to the host. With `graph` (CUDA), one
-    captured CUDA graph acts and writes the row: a step is a copy in from pinned memory, a replay and a copy out."""
+    """A rollout's storage (a row per step, frames in uint8) and the acting step that fills a row:
+    frames to the device, RolloutPolicy.act, actions to the host. With `graph` (CUDA), one captured
+    CUDA graph acts and writes the row: a copy in from pinned memory, a replay and a copy out."""
 
     def __init__(self, agent: Agent, shape: tuple[int, int], obs_shape: tuple, device: torch.device, graph: bool):
         self.obs = torch.zeros(shape + obs_shape, dtype=torch.uint8, device=device)
         self.actions = torch.zeros(shape, dtype=torch.long, device=device)
-        self.log_probs, self.values = torch.zeros(shape, device=device), torch.zeros(shape, device=device)
+        self.log_probs = torch.zeros(shape, device=device)
+        self.values = torch.zeros(shape, device=device)
         self.policy, self.graph = agent.rollout_policy(), None
         if graph:
             self.capture()
 
     def observe(self, step: int, frames: np.ndarray) -> None:
-        if self.graph is not None:  # pinned: the copy to the GPU runs ahead of the replay (numpy: no torch threads)
+        if self.graph is not None:  # pinned: copied ahead of the replay (numpy: no torch threads)
             np.copyto(self.frames_host.numpy(), frames)
-        self.obs[step].copy_(torch.from_numpy(frames) if self.graph is None else self.frames_host, non_blocking=True)
+        source = torch.from_numpy(frames) if self.graph is None else self.frames_host
+        self.obs[step].copy_(source, non_blocking=True)
 
     def act(self, step: int) -> None:
         if self.graph is not None:
@@ -654,17 +643,17 @@ class Rollout:
         if self.graph is None:
             return self.step_actions.cpu().numpy()
         self.actions_host.copy_(self.step_actions, non_blocking=True)
-        torch.cuda.current_stream().synchronize()  # the step's one sync: the envs wait for their actions
+        torch.cuda.current_stream().synchronize()  # the step's one sync: envs wait for actions
         return self.actions_host.numpy()
 
     def capture(self) -> None:
-        """Capture act on row `row` as torch's docs do (side-stream warm-up); replays draw fresh, seeded samples."""
+        """Capture act on row `row` as torch's docs do; every replay draws fresh, seeded samples."""
         self.frames_host = torch.empty(self.obs.shape[1:], dtype=torch.uint8, pin_memory=True)
         self.actions_host = torch.empty(self.obs.shape[1], dtype=torch.long, pin_memory=True)
         self.row = torch.zeros(1, dtype=torch.long, device=self.obs.device)
         (side := torch.cuda.Stream()).wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            for _ in range(3):  # cuDNN and cuBLAS choose their kernels and workspaces before the capture
+            for _ in range(3):  # cuDNN and cuBLAS pick kernels and workspaces before the capture
                 self.policy.act(self.obs[0])
         torch.cuda.current_stream().wait_stream(side)
         self.graph, stores = torch.cuda.CUDAGraph(), (self.actions, self.log_probs, self.values)
@@ -673,7 +662,7 @@ class Rollout:
                 outputs = self.policy.act(self.obs.index_select(0, self.row)[0])
                 for store, output in zip(stores, outputs, strict=True):
                     store.index_copy_(0, self.row, output.unsqueeze(0))
-        except RuntimeError as error:  # the error of the op that broke the capture, if any, came first
+        except RuntimeError as error:  # the breaking op's error, if any, came first
             cause = str(error.__context__ or error).strip().splitlines()[0]
             fail(
                 f"RolloutPolicy.act could not be captured as a CUDA graph ({cause}): an op in it or in "
@@ -682,36 +671,33 @@ class Rollout:
         self.step_actions = outputs[0]  # the graph's own output, rewritten by every replay
 
 
-# --- the check that acting (RolloutPolicy) and learning (Agent.log_prob_entropy_value) agree ----------
-
 ROLLOUT_CHECK_SAMPLES = 32  # frames: their forward costs well under 1% of an iteration
 
 
-def rollout_probe(policy: RolloutPolicy, obs_shape: tuple[int, ...], device: torch.device) -> Batch:
-    """What `policy` does on a batch of random frames: sampled actions, their log-probabilities and the values."""
-    obs = torch.randint(0, 256, (ROLLOUT_CHECK_SAMPLES, *obs_shape), dtype=torch.uint8, device=device)
-    return dict(zip(("obs", "actions", "log_probs", "values"), (obs, *policy.act(obs)), strict=True))
+def rollout_probe(policy: RolloutPolicy, shape: tuple[int, ...], device: torch.device) -> Batch:
+    """What `policy` does on random frames of `shape`: actions, log-probabilities and values."""
+    obs = torch.randint(0, 256, (ROLLOUT_CHECK_SAMPLES, *shape), dtype=torch.uint8, device=device)
+    actions, log_probs, values = policy.act(obs)
+    return {"obs": obs, "actions": actions, "log_probs": log_probs, "values": values}
 
 
 def check_rollout_policy(agent: Agent, batch: Batch, when: str, count: int = ROLLOUT_CHECK_SAMPLES) -> None:
-    """Stop unless Agent.log_prob_entropy_value gives the log-probabilities and values that the rollout recorded in
-    `batch`'s first `count` rows (as many as it acted on at once: the same kernels, so bfloat16 rounds alike too)."""
+    """Stop unless Agent.log_prob_entropy_value gives `batch`'s log-probabilities and values, in
+    its first `count` rows: as many as one act saw, so the same kernels round bfloat16 alike."""
     rows = {key: batch[key][:count] for key in ("obs", "actions", "log_probs", "values")}
-    with torch.no_grad():
-        log_probs, _, values = agent.log_prob_entropy_value(rows["obs"], rows["actions"])  # eager, --compile or not
-    check_agreement(
-        when,
-        "RolloutPolicy.act and Agent.log_prob_entropy_value (both on Agent.policy_value)",
-        **{"log-probabilities": (log_probs, rows["log_probs"]), "values": (values, rows["values"])},
-    )
+    with torch.no_grad():  # eager, with --compile too
+        log_prob, _, value = agent.log_prob_entropy_value(rows["obs"], rows["actions"])
+    pairs = {"log-probabilities": (log_prob, rows["log_probs"]), "values": (value, rows["values"])}
+    both = "RolloutPolicy.act and Agent.log_prob_entropy_value"
+    check_agreement(when, f"{both} (both on Agent.policy_value)", **pairs)
 
 
 def check_agreement(when: str, must_agree: str, **pairs: tuple[torch.Tensor, torch.Tensor]) -> None:
-    """Stop every rank unless each pair (the Agent's numbers, the rollout's) agrees on every rank (one reduction)."""
-    tolerance = 1e-3  # relative: float32 rounding (actions rebuilt from a small std included) stays far below
+    """Stop every rank unless each pair (the Agent's numbers, the rollout's) agrees on all ranks."""
+    tolerance = 1e-3  # relative: float32 rounding stays far below
     with torch.no_grad():
-        gaps = torch.stack([((mine - theirs).abs() / (1 + theirs.abs())).max() for mine, theirs in pairs.values()])
-    gaps = gaps.double()
+        relative = [(mine - theirs).abs() / (1 + theirs.abs()) for mine, theirs in pairs.values()]
+        gaps = torch.stack([gap.max() for gap in relative]).double()
     if dist.is_initialized() and dist.get_world_size() > 1:
         reduce_to_all(gaps, "max")
     for name, gap in zip(pairs, gaps.tolist(), strict=True):
@@ -722,38 +708,18 @@ def check_agreement(when: str, must_agree: str, **pairs: tuple[torch.Tensor, tor
             )
 
 
-# --- input checks, the batch table, evaluation (after training, --eval-checkpoint) --------------------
-
-
-def atari_settings(env_id: str) -> dict:
-    """The game and protocol of a gymnasium Atari id, read from its registration; a clear error for anything else.
-    `{Game}NoFrameskip-v4` plays without sticky actions, `ALE/{Game}-v5` with probability 0.25."""
-    gym.register_envs(ale_py)
-    try:
-        spec = gym.spec(env_id)
-    except gym.error.Error as error:
-        fail(f"unknown --env-id {env_id!r} ({error}); pass an Atari game such as BreakoutNoFrameskip-v4")
-    if spec.entry_point not in ("ale_py.env:AtariEnv", ale_py.env.AtariEnv):
-        fail(f"--env-id {env_id} is not an Atari game; {SCRIPT} trains ALE games such as BreakoutNoFrameskip-v4")
-    kwargs = spec.kwargs
-    if kwargs.get("obs_type", "rgb") == "ram":
-        fail(f"--env-id {env_id} observes RAM; {SCRIPT} learns from pixels: use the id without '-ram'")
-    if not isinstance(kwargs.get("frameskip", 1), int):
-        fail(
-            f"--env-id {env_id} skips a random number of frames, which AtariVectorEnv cannot do; "
-            f"use the NoFrameskip-v4 or ALE/...-v5 id of the game"
-        )
-    return {
-        "game": kwargs["game"],
-        "repeat_action_probability": kwargs.get("repeat_action_probability", 0.25),
-        "full_action_space": kwargs.get("full_action_space", False),
-        "max_num_frames_per_episode": kwargs.get("max_num_frames_per_episode") or 108_000,
-    }
+# --- bfloat16 support, input checks, the batch table, evaluation --------------------------------------
+def has_native_bf16(device: torch.device) -> bool:
+    """Whether bfloat16 runs natively here (AVX512-BF16 or AMX CPUs, Ampere or newer GPUs)."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported(including_emulation=False)
+    return torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 def check_args(args: Args) -> None:
-    """Refuse flags and envs that cannot run, with the fix, before any process group or rollout env exists."""
-    for name in ("total_timesteps", "local_num_envs", "num_steps", "num_minibatches", "update_epochs", "eval_episodes"):
+    """Refuse flags and envs that cannot run, naming the fix, before any process group exists."""
+    counts = ("total_timesteps", "local_num_envs", "num_steps", "num_minibatches", "update_epochs")
+    for name in (*counts, "eval_episodes"):
         if getattr(args, name) < 1:
             fail(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     if args.env_threads < 0:
@@ -765,7 +731,7 @@ def check_args(args: Args) -> None:
             f"--preempt-fraction must lie in [0, 1] (0 = off) and --min-rollout-fraction in (0, 1]; got "
             f"{args.preempt_fraction:g} and {args.min_rollout_fraction:g}"
         )
-    atari_settings(args.env_id)  # refuses ids that are not pixel Atari games AtariVectorEnv can play
+    atari_settings(args.env_id)  # refuses ids whose pixels AtariVectorEnv cannot play
     check_video_support(args, lambda: render_one_frame(args.env_id))
     compiler = os.environ.get("CXX", "g++")  # torch.compile builds C++ kernels on CPU
     if args.compile and not (args.cuda and torch.cuda.is_available()) and shutil.which(compiler) is None:
@@ -786,15 +752,8 @@ def batch_table(args: Args) -> list[tuple[str, object, object]]:
     ]
 
 
-def has_native_bf16(device: torch.device) -> bool:
-    """Whether bfloat16 convolutions and matmuls run natively here (AVX512-BF16 or AMX CPUs, Ampere or newer GPUs)."""
-    if device.type == "cuda":
-        return torch.cuda.is_bf16_supported(including_emulation=False)
-    return torch.ops.mkldnn._is_mkldnn_bf16_supported()
-
-
 def check_video_support(args, render_frame: Callable[[], object]) -> None:
-    """With --capture-video, render one frame now rather than fail after training (moviepy and the renderer work)."""
+    """With --capture-video, render one frame now rather than fail after training."""
     if not args.capture_video:
         return
     try:
@@ -820,8 +779,7 @@ def render_one_frame(env_id: str) -> None:
 
 
 def area_resize_matrix(source: int, target: int) -> np.ndarray:
-    """[target, source] weights averaging source pixels by their overlap with each target pixel: `rows @ image @
-    cols.T` is OpenCV's INTER_AREA downscaling (which AtariVectorEnv uses) without OpenCV."""
+    """[target, source] pixel overlaps: `rows @ image @ cols.T` is OpenCV's INTER_AREA resize."""
     edges = np.arange(target + 1) * source / target
     pixels = np.arange(source)
     overlap = np.minimum(edges[1:, None], pixels + 1) - np.maximum(edges[:-1, None], pixels)
@@ -829,10 +787,9 @@ def area_resize_matrix(source: int, target: int) -> np.ndarray:
 
 
 class TrainingProtocol(gym.Wrapper):
-    """The training env's protocol on one gymnasium ALE env (grayscale, frameskip=1), for evaluation: a reset presses
-    FIRE for one frame (in games with FIRE), then plays 0-28 no-op frames (0-29 without FIRE, as ale-py); each action
-    is repeated for 4 frames, the last two max-pooled, resized to 84x84 by area and stacked 4 deep (zeros at reset).
-    After a lost life the next action is FIRE, as in the training rollout. An episode is a whole game."""
+    """make_env's protocol on one gymnasium ALE env (grayscale, frameskip=1), for evaluation: its
+    resets, 4 frames per action (the last two max-pooled), 84x84 by area, 4 stacked, FIRE after a
+    lost life. An episode is a whole game."""
 
     def __init__(self, env: gym.Env, frameskip: int = 4, stack_num: int = 4, noop_max: int = 30, size: int = 84):
         super().__init__(env)
@@ -851,16 +808,14 @@ class TrainingProtocol(gym.Wrapper):
         return self.stack.copy()
 
     def _repeat(self, action: int):
-        total, previous = 0.0, None
+        total, frames = 0.0, []
         for _ in range(self.frameskip):
-            current = previous
             frame, reward, terminated, truncated, info = self.env.step(action)
-            previous = frame
+            frames.append(frame)
             total += float(reward)
             if terminated or truncated:
                 break
-        pooled = frame if current is None else np.maximum(current, frame)
-        return pooled, total, terminated, truncated, info
+        return np.max(frames[-2:], axis=0), total, terminated, truncated, info
 
     def reset(self, *, seed: int | None = None, options: dict | None = None):
         frame, info = self.env.reset(seed=seed, options=options)
@@ -873,16 +828,19 @@ class TrainingProtocol(gym.Wrapper):
         return self._push(frame), info
 
     def step(self, action: int):
-        frame, reward, terminated, truncated, info = self._repeat(self.fire if self.relaunch else action)
-        self.relaunch = self.fire is not None and info["lives"] < self.lives and not (terminated or truncated)
+        action = self.fire if self.relaunch else action
+        frame, reward, terminated, truncated, info = self._repeat(action)
+        lost_life = info["lives"] < self.lives and not (terminated or truncated)
+        self.relaunch = self.fire is not None and lost_life
         self.lives = info["lives"]
         return self._push(frame), reward, terminated, truncated, info
 
 
 def make_eval_env(env_id: str, video_folder: str | None = None) -> gym.Env:
-    """One gymnasium ALE env of `env_id` (same game and protocol) with the training preprocessing, whole games."""
+    """One gymnasium ALE env of `env_id` with the training preprocessing and protocol."""
     gym.register_envs(ale_py)
-    env = gym.make(env_id, obs_type="grayscale", frameskip=1, render_mode="rgb_array" if video_folder else None)
+    render_mode = "rgb_array" if video_folder else None
+    env = gym.make(env_id, obs_type="grayscale", frameskip=1, render_mode=render_mode)
     if video_folder:
         env = gym.wrappers.RecordVideo(env, video_folder, episode_trigger=lambda episode: True)
     return TrainingProtocol(env)
@@ -890,11 +848,13 @@ def make_eval_env(env_id: str, video_folder: str | None = None) -> gym.Env:
 
 def evaluate(agent: Agent, env_id: str, args: Args, video_folder: str | None = None) -> list[float]:
     """Play `args.eval_episodes` whole games with one env; returns their raw scores."""
-    env, policy, device = make_eval_env(env_id, video_folder), agent.rollout_policy(), next(agent.parameters()).device
+    env, policy = make_eval_env(env_id, video_folder), agent.rollout_policy()
+    device = next(agent.parameters()).device
     returns, episode_return = [], 0.0
     obs, _ = env.reset(seed=args.seed)
     while len(returns) < args.eval_episodes:
-        action, _, _ = policy.act(torch.as_tensor(obs, device=device).unsqueeze(0), args.eval_deterministic)
+        frames = torch.as_tensor(obs, device=device).unsqueeze(0)
+        action, _, _ = policy.act(frames, args.eval_deterministic)
         obs, reward, terminated, truncated, _ = env.step(int(action[0]))
         episode_return += reward
         if terminated or truncated:
@@ -911,7 +871,7 @@ def evaluate_checkpoint(args: Args) -> None:
     check_video_support(args, lambda: render_one_frame(checkpoint["env_id"]))
     if read_launcher_environment()[0] != 0:
         return
-    with contextlib.closing(gym.make(checkpoint["env_id"])) as env:  # its action set sizes the policy head
+    with contextlib.closing(gym.make(checkpoint["env_id"])) as env:  # its actions size the head
         agent = Agent(int(env.action_space.n), bf16=args.bf16).to(memory_format=torch.channels_last)
     load_weights(agent, checkpoint["model"], args.eval_checkpoint)
     torch.manual_seed(args.seed)  # the policy's sampling: the same --seed plays the same games
