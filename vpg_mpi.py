@@ -836,7 +836,7 @@ class NonFiniteError(Exception):
     """A non-finite loss or gradient, found alike on every rank (in numbers they all share) before it is applied."""
 
 
-# --- launch: this rank's place (per launcher: rank, world size, local rank, local world size), the process group
+# --- launch: this rank's place (rank, world and local sizes per launcher), the process group ----------
 LAUNCHER_VARIABLES = (
     ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"),
     ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
@@ -1032,7 +1032,7 @@ def gather_ints_to_all(values: list[int], device: torch.device) -> torch.Tensor:
     return gather_to_all(torch.tensor(values, dtype=torch.int64, device=device)).cpu()
 
 
-# --- agreement between ranks: the same weights ---------------------------------------------------------
+# --- agreement between ranks: the same weights --------------------------------------------------------
 def digest(data: bytes) -> int:
     """A 63-bit digest of `data`, to compare across ranks in an int64 tensor."""
     return int.from_bytes(hashlib.sha256(data).digest()[:8], "little") >> 1
@@ -1049,7 +1049,7 @@ def check_parameters_in_sync(module: nn.Module, iteration: int, unit: str = "ite
         )
 
 
-# --- checkpoints: tensors, numbers, strings, lists and dicts, read by torch's weights-only loader ------
+# --- checkpoints: tensors, numbers, strings, lists and dicts, read by torch's weights-only loader -----
 def read_checkpoint(path: str, fix: str, **entries: type) -> dict:
     """The checkpoint at `path`, its entries of their types, or one error naming the file, its fault and `fix`."""
     if not os.path.exists(path):  # only --eval-checkpoint names a file that may be missing
@@ -1178,7 +1178,7 @@ def clock(seconds: float) -> str:
     return f"{hours}:{rest // 60:02d}:{rest % 60:02d}" if hours else f"{rest // 60}:{rest % 60:02d}"
 
 
-# --- the training loop: each iteration, and what the ranks agree on in it --------------------------------
+# --- the training loop: each iteration, and what the ranks agree on in it -----------------------------
 class TrainingLoop(Launch):
     """The launch's side of the training loop: iterations, rollout steps, failures, sums over ranks, checkpoints."""
 
@@ -1259,7 +1259,7 @@ class TrainingLoop(Launch):
         return self.stopping
 
 
-# --- the run: what main calls, in the order it calls it -------------------------------------------------
+# --- the run: what main calls, in the order it calls it -----------------------------------------------
 class Run(TrainingLoop):
     """A training run, driven by main: `Run(args)`, `start`, `restore`, the loop (TrainingLoop, and `log`), `finish`."""
 
