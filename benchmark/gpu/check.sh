@@ -17,7 +17,7 @@
 # It writes OUT/summary.md (the machine, each step's exit status and time, then every table) and OUT/results.tar.gz
 # (the tables, every step's log and the TensorBoard runs, without checkpoints).
 #
-# Options: --out OUT (default $OUT, else /tmp/ddrl_gpu_check); --work DIR, where the runs and logs are made (default
+# Options: --out OUT (default /tmp/ddrl_gpu_check); --work DIR, where the runs and logs are made (default
 # /tmp/ddrl_gpu_check_work, emptied first); --seconds N, the budget of all steps (default 570: steps that would pass it
 # are cut short or skipped; give more for a whole Breakout run); --skip REGEX, skip the steps whose names match;
 # --wheels DIR, first install gymnasium, ale-py, mujoco, tyro and Open MPI offline from the wheels that
@@ -28,7 +28,7 @@
 set -u
 cd "$(dirname "$0")/../.."
 python=${PYTHON:-python3}
-repo=$PWD old="" out=${OUT:-/tmp/ddrl_gpu_check} work=/tmp/ddrl_gpu_check_work seconds=570 skip="" wheels="" dry=0
+repo=$PWD old="" out=/tmp/ddrl_gpu_check work=/tmp/ddrl_gpu_check_work seconds=570 skip="" wheels="" dry=0
 command_line="bash benchmark/gpu/check.sh $*"
 while [ $# -gt 0 ]; do
     case $1 in
