@@ -12,11 +12,13 @@ in one allreduce. So every rank takes the step one process would take on the who
 `--sync gather`: rank 0 runs that update alone. `--preempt-fraction`: DD-PPO.
 """
 
+import collections
 import contextlib
 import functools
 import gc
 import hashlib
 import importlib.util
+import io
 import math
 import os
 import pickle
@@ -25,9 +27,14 @@ import re
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
+import tempfile
 import time
+import types
+import typing
+import zipfile
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from datetime import timedelta
@@ -200,6 +207,19 @@ def make_env(env_id: str, video_folder: str | None = None) -> Callable[[], gym.E
     return thunk
 
 
+def refuse_impossible_statistics(module: nn.Module, state_dict: dict, prefix: str, *_) -> None:
+    """Before statistics load: refuse what no data gives (a count below 1, unless they are the empty statistics of an
+    untrained Agent; a negative variance)."""
+    count, mean, var = (state_dict.get(f"{prefix}{name}") for name in ("count", "mean", "var"))
+    if count is None or mean is None or var is None:  # load_state_dict names what is missing
+        return
+    empty = count == 0 and bool((mean == 0).all() and (var == 1).all())
+    if not (count >= 1 or empty):
+        raise ValueError(f"its {prefix}count is {count.item():g}, where statistics of data count at least 1 sample")
+    if not (var >= 0).all():
+        raise ValueError(f"its {prefix}var holds negative numbers, where a variance is at least 0")
+
+
 class RunningMeanStd(nn.Module):
     """Running mean and population variance in float64 buffers, empty at first (no pseudo-count)."""
 
@@ -208,6 +228,7 @@ class RunningMeanStd(nn.Module):
         self.register_buffer("mean", torch.zeros(shape, dtype=torch.float64))
         self.register_buffer("var", torch.ones(shape, dtype=torch.float64))
         self.register_buffer("count", torch.zeros((), dtype=torch.float64))
+        self.register_load_state_dict_pre_hook(refuse_impossible_statistics)
 
     @torch.no_grad()
     def update(self, count: torch.Tensor, mean: torch.Tensor, m2: torch.Tensor) -> None:
@@ -538,13 +559,15 @@ def update_one_learner(
 
 def main(args: Args) -> Agent | None:
     """Train (or, with --eval-checkpoint, evaluate); returns this rank's trained agent."""
+    check_args(args)  # every flag, before anything is launched or written
     run = Run(args)  # re-launches for --nprocs (mpirun or torchrun); reads the launcher's world
     silence_settotalmass_warning()  # before any env exists, for the input checks and evaluation too
     if args.eval_checkpoint:
         return evaluate_checkpoint(args)
-    check_args(args)
+    check_env(args.env_id)
+    check_video_support(args, lambda: render_one_frame(args.env_id))
     derive_batch_sizes(args, run.world_size)
-    run.start(args.num_iterations * args.batch_size, batch_table(args))  # run folder, resume
+    run.start(args.batch_size, args.num_iterations, batch_table(args), args_problem)  # run folder, resume
     rank, device = run.rank, run.device
 
     # --- set-up: envs, initial weights (from `seed`, broadcast to every rank), the rank's seeds ---
@@ -776,33 +799,55 @@ def silence_settotalmass_warning() -> None:
     mujoco.set_mju_user_warning(warn)
 
 
-def check_args(args: Args) -> None:
-    """Refuse flags and envs that cannot run, naming the fix, before any process group exists."""
-    counts = ("total_timesteps", "local_num_envs", "num_steps", "num_minibatches", "update_epochs")
-    for name in (*counts, "eval_episodes"):
-        if getattr(args, name) < 1:
-            fail(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
-    if args.target_kl is not None and args.target_kl <= 0:
-        fail(f"--target-kl must be positive (or left out to switch early stopping off), got {args.target_kl}")
+def args_problem(args: Args) -> str | None:
+    """The first flag whose value cannot run, as the message naming the fix; None if all can. A checkpoint's args
+    are read by the same rules."""
+    if problem := runtime_args_problem(args):
+        return problem
+    rules = (
+        ("at least 1", lambda value: value >= 1, ("total_timesteps", "local_num_envs", "num_steps", "num_minibatches")),
+        ("at least 1", lambda value: value >= 1, ("update_epochs",)),
+        ("finite and positive", lambda value: 0 < value < math.inf, ("learning_rate", "max_grad_norm")),
+        ("finite and at least 0", lambda value: 0 <= value < math.inf, ("clip_coef", "ent_coef", "vf_coef")),
+        ("in [0, 1]", lambda value: 0 <= value <= 1, ("gamma", "gae_lambda")),
+    )
+    for rule, holds, names in rules:
+        for name in names:
+            if not holds(getattr(args, name)):  # NaN too
+                return f"--{name.replace('_', '-')} must be {rule}, got {getattr(args, name)}"
+    if args.target_kl is not None and not 0 < args.target_kl < math.inf:
+        return f"--target-kl must be positive (or left out to switch early stopping off), got {args.target_kl}"
     if not (0 <= args.preempt_fraction <= 1 and 0 < args.min_rollout_fraction <= 1):
-        fail(
+        return (
             f"--preempt-fraction must lie in [0, 1] (0 = off) and --min-rollout-fraction in (0, 1]; got "
             f"{args.preempt_fraction:g} and {args.min_rollout_fraction:g}"
         )
-    try:
-        probe = gym.make(args.env_id)  # for its spaces; `module:EnvId` imports the module first
-    except Exception as error:  # an unknown id or module, or MUJOCO_GL naming a missing renderer
-        gl = os.environ.get("MUJOCO_GL")
-        renderer = f"; or MUJOCO_GL={gl} names a renderer this machine lacks (unset it, or install it)" if gl else ""
-        fail(f"unknown or unusable --env-id {args.env_id!r} ({type(error).__name__}: {error}){renderer}")
-    probe.close()
-    for kind, space in (("actions", probe.action_space), ("observations", probe.observation_space)):
-        if not isinstance(space, gym.spaces.Box):
-            fail(f"{args.env_id} has {type(space).__name__} {kind}; {SCRIPT} needs Box {kind}")
-    check_video_support(args, lambda: render_one_frame(args.env_id))
+    return None
+
+
+def check_args(args: Args) -> None:
+    """Refuse flags that cannot run, naming the fix, before anything is launched or written."""
+    if problem := args_problem(args):
+        fail(problem)
     compiler = os.environ.get("CXX", "g++")  # torch.compile builds C++ kernels on CPU
     if args.compile and not (args.cuda and torch.cuda.is_available()) and shutil.which(compiler) is None:
         fail(f"--compile on CPU needs a C++ compiler and {compiler!r} is not on PATH: install g++ or drop --compile")
+
+
+def check_env(env_id: str, given: str = "--env-id") -> tuple[int, int]:
+    """Refuse an env this script cannot train (Box observations and actions) with the fix; else its sizes (observation,
+    action). `given` says where the id comes from; `module:EnvId` imports the module first."""
+    try:
+        probe = gym.make(env_id)
+    except Exception as error:  # an unknown id or module, or MUJOCO_GL naming a missing renderer
+        gl = os.environ.get("MUJOCO_GL")
+        renderer = f"; or MUJOCO_GL={gl} names a renderer this machine lacks (unset it, or install it)" if gl else ""
+        fail(f"unknown or unusable {given} {env_id!r} ({type(error).__name__}: {error}){renderer}")
+    probe.close()
+    for kind, space in (("actions", probe.action_space), ("observations", probe.observation_space)):
+        if not isinstance(space, gym.spaces.Box):
+            fail(f"{given} {env_id} has {type(space).__name__} {kind}; {SCRIPT} needs Box {kind}")
+    return int(np.prod(probe.observation_space.shape)), int(np.prod(probe.action_space.shape))
 
 
 def batch_table(args: Args) -> list[tuple[str, object, object]]:
@@ -865,16 +910,18 @@ def evaluate(agent: Agent, env_id: str, args: Args, video_folder: str | None = N
 
 def evaluate_checkpoint(args: Args) -> None:
     """`--eval-checkpoint`: play a model.pt of this script on rank 0 and print one `eval:` line."""
-    checkpoint = read_checkpoint(args.eval_checkpoint, "pass the model.pt that --save-model wrote")
+    path = args.eval_checkpoint
+    checkpoint = read_checkpoint(path, "pass the model.pt that --save-model wrote", args.env_id)
+    if problem := args_problem(saved_args(checkpoint, Args, path)):
+        fail(f"{path} holds args that no command line gives ({problem}): it is damaged")
+    obs_dim, action_dim = check_env(checkpoint["env_id"], f"the env_id of {path}")
     check_video_support(args, lambda: render_one_frame(checkpoint["env_id"]))
     if read_launcher_environment()[0] != 0:
         return
-    env = gym.make(checkpoint["env_id"])
-    agent = Agent(int(np.prod(env.observation_space.shape)), int(np.prod(env.action_space.shape)))
-    env.close()
-    load_weights(agent, checkpoint["model"], args.eval_checkpoint)
+    agent = Agent(obs_dim, action_dim)
+    load_weights(agent, checkpoint["model"], path)
     np.random.seed(args.seed)  # sampling, like the env, follows --seed: repeatable evaluations
-    video_folder = os.path.join(os.path.dirname(args.eval_checkpoint), "videos") if args.capture_video else None
+    video_folder = os.path.join(os.path.dirname(path), "videos") if args.capture_video else None
     returns = evaluate(agent, checkpoint["env_id"], args, video_folder)
     print(f"eval: episodes={len(returns)} return_mean={np.mean(returns):.2f} return_std={np.std(returns):.2f}")
 
@@ -906,6 +953,71 @@ def fail(message: str, every_rank: bool = False) -> NoReturn:
 
 class NonFiniteError(Exception):
     """A non-finite loss or gradient, found alike on every rank (in numbers they all share) before it is applied."""
+
+
+# --- input: the flags every script shares, run folder names, a checkpoint's args read as flags ---------
+MAX_DIST_TIMEOUT = 10**7  # seconds (about 115 days); torch's timeout overflows far beyond
+
+
+def runtime_args_problem(args) -> str | None:
+    """The first flag every script shares whose value cannot run, as the message naming the fix; None if all can."""
+    for flag in ("nprocs", "eval_episodes"):
+        if getattr(args, flag) < 1:
+            return f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}"
+    if not 0 <= args.seed < 2**31:
+        return f"--seed must lie in [0, 2**31), got {args.seed}: rank r is seeded with seed + 10000 x r, env g alike"
+    if args.torch_threads < 0:
+        return f"--torch-threads must be >= 0 (0 = automatic), got {args.torch_threads}"
+    if not 0 < args.dist_timeout <= MAX_DIST_TIMEOUT:
+        return f"--dist-timeout must be a number of seconds in (0, {MAX_DIST_TIMEOUT:g}], got {args.dist_timeout}"
+    if args.checkpoint_every < 0 or args.check_sync_every < 0:
+        return "--checkpoint-every and --check-sync-every must be >= 0 (0 = off)"
+    known = dist.Backend.backend_list[1:]  # after "undefined"
+    if args.backend and any(pair.split(":")[-1] not in known for pair in args.backend.split(",")):
+        return (
+            f"--backend {args.backend!r} is not a torch.distributed backend: pass one of {', '.join(known)}, or "
+            "DEVICE:BACKEND pairs such as cpu:gloo,cuda:nccl (left out: gloo, with NCCL for CUDA tensors)"
+        )
+    for flag, name in (("--run-name", args.run_name), ("--exp-name", args.exp_name)):
+        if name and not name_is_one_folder(name):
+            return (
+                f"{flag} {name!r} is not one folder name below runs/: use printable characters without '/' or '\\', "
+                "not '.' or '..', at most 200 bytes"
+            )
+    return None
+
+
+def name_is_one_folder(name: str) -> bool:
+    """Whether `name` names one folder right below runs/, never a path elsewhere."""
+    separators = {"/", "\\", os.sep, os.altsep or "/"}
+    return name not in (".", "..") and name.isprintable() and len(name.encode()) <= 200 and not separators & set(name)
+
+
+def saved_args(checkpoint: dict, args_type: type, path: str):
+    """A checkpoint's args as `args_type` (the script's Args): each entry of the type its field declares, or one error
+    (entries it lacks take their defaults; others are ignored). The caller checks their values as it checks flags."""
+    hints = typing.get_type_hints(args_type)
+    saved = {name: value for name, value in checkpoint["args"].items() if name in hints}
+    for name, value in saved.items():
+        if not fits_type(value, hints[name]):
+            fail(f"{path} holds {value!r} as its args' {name}, which is no {hints[name]}: it is damaged")
+    return args_type(**saved)
+
+
+def fits_type(value, hint) -> bool:
+    """Whether `value` is of the annotated type `hint` (int, float, bool, str, None, a Literal, union or tuple)."""
+    origin, options = typing.get_origin(hint), typing.get_args(hint)
+    if origin is Literal:
+        return value in options
+    if origin in (types.UnionType, typing.Union):
+        return any(fits_type(value, option) for option in options)
+    if origin is tuple:
+        return isinstance(value, tuple | list) and all(fits_type(item, options[0]) for item in value)
+    if hint is float:
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return value is None if hint is type(None) else isinstance(value, hint)
 
 
 # --- launch: this rank's place (rank, world and local sizes per launcher), the process group ----------
@@ -951,15 +1063,14 @@ class Launch:
     """This rank's place in the launch, the process group it joins and what carries its CPU collectives."""
 
     def __init__(self, args):
-        for flag in ("nprocs", "eval_episodes"):
-            if getattr(args, flag) < 1:
-                fail(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
-        if args.torch_threads < 0 or args.dist_timeout <= 0:
-            fail("--torch-threads must be >= 0 (0 = automatic) and --dist-timeout > 0")
-        if args.checkpoint_every < 0 or args.check_sync_every < 0:
-            fail("--checkpoint-every and --check-sync-every must be >= 0 (0 = off)")
         self.args, self.device = args, torch.device("cpu")
         self.rank, self.world_size, self.local_rank, self.local_world_size = read_launcher_environment()
+        cores = len(os.sched_getaffinity(0))
+        if args.nprocs > cores and self.world_size == 1:
+            fail(
+                f"--nprocs {args.nprocs} asks for more ranks than the {cores} usable cores of this machine, where each "
+                f"rank would wait for a core: pass --nprocs {cores} or fewer"
+            )
         if args.nprocs > 1 and self.world_size == 1:  # SpinningUp's mpi_fork: this command as --nprocs ranks, under
             mpirun = shutil.which("mpirun")  # where --collectives allows and mpi4py exists; else torchrun
             command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nprocs}"]
@@ -1122,40 +1233,144 @@ def check_parameters_in_sync(module: nn.Module, iteration: int, unit: str = "ite
 
 
 # --- checkpoints: tensors, numbers, strings, lists and dicts, read by torch's weights-only loader -----
-def read_checkpoint(path: str, fix: str, **entries: type) -> dict:
-    """The checkpoint at `path`, its entries of their types, or one error naming the file, its fault and `fix`."""
+def read_checkpoint(path: str, fix: str, env_id: str, **entries: type) -> dict:
+    """The checkpoint at `path`, its entries of their types, or one error naming the file, its fault and `fix`. Only a
+    file torch.save could have written is read at all; an env id that names a module to import must be `env_id`."""
     if not os.path.exists(path):  # only --eval-checkpoint names a file that may be missing
         fail(f"--eval-checkpoint {path!r} does not exist; {fix}")
+    if problem := archive_problem(path):
+        fail(f"{path} {problem}; {fix}")
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError:  # the file needs pickle, which can run code: refused before any of it ran
-        with contextlib.suppress(Exception):  # a scan of the file's opcodes, which runs nothing
-            unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(path)
-            if unsafe and all(name.startswith("numpy.") for name in unsafe):  # earlier versions' random states
-                fail(
-                    f"{path} was written by an earlier version of {SCRIPT}, whose numpy random states need pickle to "
-                    "load (which can run code): resume or evaluate it with the version that wrote it"
-                )
-        fail(f"{path} carries code or objects that no checkpoint holds, which only pickle loads: refused, unread")
-    except Exception as error:  # a folder, a truncated file, not a torch.save file
+        fail(f"{path} {pickled_objects_problem(path)}")
+    except Exception as error:  # a damaged archive
         reason = (str(error) or type(error).__name__).splitlines()[0]
-        problem = "a folder" if os.path.isdir(path) else f"truncated or not a checkpoint ({reason})"
-        fail(f"{path} is {problem}; {fix}")
+        fail(f"{path} is truncated or not a checkpoint ({reason}); {fix}")
     if not isinstance(checkpoint, dict) or checkpoint.get("script") != SCRIPT:
         fail(f"{path} is not a {'training checkpoint' if entries else 'model'} of {SCRIPT}; use the one that wrote it")
     for key, kind in {"env_id": str, "args": dict, "model": dict, **entries}.items():
         if not isinstance(checkpoint.get(key), kind):
             found = type(checkpoint[key]).__name__ if key in checkpoint else "nothing"
             fail(f"{path} holds {found} as {key!r} where {SCRIPT} writes a {kind.__name__}: it is damaged; {fix}")
+    saved_env_id = checkpoint["env_id"]
+    if ":" in saved_env_id and saved_env_id != env_id:  # gymnasium imports `module` of `module:EnvId` to make it
+        fail(
+            f"{path} names its env {saved_env_id!r}, whose module gymnasium would import, running its code: refused; "
+            f"if you trust that module, pass --env-id {saved_env_id} yourself"
+        )
     return checkpoint
+
+
+def archive_problem(path: str) -> str | None:
+    """What makes `path` a file torch.save never writes, found before reading it: not a regular file, not a zip archive,
+    or entries that are compressed or claim more bytes than the file holds (what the loader would allocate)."""
+    try:
+        mode = os.stat(path).st_mode
+        size = os.path.getsize(path)
+        if stat.S_ISDIR(mode):
+            return "is a folder"
+        if not stat.S_ISREG(mode):
+            kinds = {stat.S_ISCHR: "character device", stat.S_ISBLK: "block device", stat.S_ISFIFO: "named pipe"}
+            kind = next((name for test, name in kinds.items() if test(mode)), "socket")
+            return f"is a {kind}, not a file: refused, unread"
+        with zipfile.ZipFile(path) as archive:
+            entries = archive.infolist()
+    except zipfile.BadZipFile as error:
+        return f"is truncated or not a checkpoint ({error})"
+    except OSError as error:
+        return f"cannot be read ({error.strerror})"
+    if compressed := [entry.filename for entry in entries if entry.compress_type != zipfile.ZIP_STORED]:
+        return f"holds compressed entries ({', '.join(compressed[:2])}), which torch.save never writes: refused, unread"
+    claimed = sum(max(entry.file_size, entry.compress_size) for entry in entries)
+    if claimed > size:
+        return f"claims {claimed} bytes in its entries, more than its own {size}: refused, unread"
+    return None
+
+
+def pickled_objects_problem(path: str) -> str:
+    """What a file that torch's weights-only loader refused holds instead of a checkpoint, found without building any
+    of it: objects only pickle builds (and from which version), or a malformed pickle."""
+    try:
+        names = torch.serialization.get_unsafe_globals_in_checkpoint(path)  # a scan of its opcodes, which runs nothing
+    except Exception:
+        names = []
+    if not names:
+        return "is not a checkpoint (its pickle is malformed): refused"
+    if holds_earlier_random_states(path):
+        return (
+            f"was written by an earlier version of {SCRIPT}, whose numpy random states need pickle to load (which can "
+            "run code): resume or evaluate it with the version that wrote it"
+        )
+    return (
+        f"carries code or objects that no checkpoint holds ({', '.join(sorted(names)[:3])}), which only pickle loads: "
+        "refused, unread"
+    )
+
+
+class PickleStandIn:
+    """What PickleScan puts where a pickle names an object: calling or building it runs nothing from the file."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __call__(self, *args) -> "PickleStandIn":
+        return PickleStandIn(self.name)
+
+    def __setstate__(self, state) -> None:
+        pass
+
+
+class PickleScan(pickle.Unpickler):
+    """Reads the shape of a pickle with a PickleStandIn for every object it names (a state dict's OrderedDict aside)."""
+
+    def find_class(self, module: str, name: str):
+        if (module, name) == ("collections", "OrderedDict"):
+            return collections.OrderedDict
+        return PickleStandIn(f"{module}.{name}")
+
+    def persistent_load(self, pid) -> None:  # torch's tensor data: not read
+        return None
+
+
+def holds_earlier_random_states(path: str) -> bool:
+    """Whether `path` is a training checkpoint of an earlier version: beyond torch's own objects, it holds nothing but
+    numpy random-state arrays at rng[rank]["numpy"][1], where those versions kept them."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            [pickled] = [name for name in archive.namelist() if name.endswith("/data.pkl")]
+            top = PickleScan(io.BytesIO(archive.read(pickled))).load()
+    except Exception:  # anything a stand-in cannot take (a class built by NEWOBJ, an item set on it): not that
+        return False
+    places, pending, seen = [], [((), top)], set()
+    while pending:
+        place, value = pending.pop()
+        if id(value) in seen:  # a pickle may hold a list inside itself
+            continue
+        seen.add(id(value))
+        if isinstance(value, PickleStandIn) and not value.name.startswith("torch."):
+            places.append(place)
+        elif isinstance(value, dict):
+            pending += [((*place, key), item) for key, item in value.items()]
+        elif isinstance(value, list | tuple):
+            pending += [((*place, index), item) for index, item in enumerate(value)]
+    in_rng = all(place[0] == "rng" and place[2:] == ("numpy", 1) for place in places)
+    return bool(places) and in_rng and isinstance(top, dict) and top.get("script") == SCRIPT
 
 
 def load_weights(module: nn.Module, weights: dict, path: str) -> None:
     """Load a checkpoint's `weights` into `module`, or stop naming the file and the first entries that do not fit."""
-    got = {key: tuple(value.shape) if torch.is_tensor(value) else "?" for key, value in weights.items()}
-    wanted = {key: tuple(value.shape) for key, value in module.state_dict().items()}
-    faults = [f"{key} {got.get(key, 'missing')}, not {shape}" for key, shape in wanted.items() if got.get(key) != shape]
-    faults += [f"{key} unknown" for key in got.keys() - wanted.keys()]
+    wanted = module.state_dict()
+    faults = []
+    for key, tensor in wanted.items():
+        value = weights.get(key)
+        if not torch.is_tensor(value):
+            faults.append(f"{key} {'missing' if key not in weights else type(value).__name__}")
+        elif value.shape != tensor.shape:
+            faults.append(f"{key} {tuple(value.shape)}, not {tuple(tensor.shape)}")
+        elif value.dtype != tensor.dtype:
+            faults.append(f"{key} {value.dtype}, not {tensor.dtype}")
+    faults += [f"{key} unknown" for key in weights.keys() - wanted.keys()]
     if faults:
         fail(
             f"{path}: its weights do not fit this {type(module).__name__} ({', '.join(faults[:3])}"
@@ -1163,14 +1378,56 @@ def load_weights(module: nn.Module, weights: dict, path: str) -> None:
         )
     if nonfinite := [key for key, value in weights.items() if not torch.isfinite(value).all()]:
         fail(f"{path}: its weights {', '.join(nonfinite[:3])} are not finite; use a checkpoint from before")
-    module.load_state_dict(weights)
+    try:
+        module.load_state_dict(weights)
+    except (RuntimeError, ValueError) as error:  # a module's own check of what it loads
+        fail(f"{path}: {str(error).splitlines()[0]}; use a checkpoint from before")
+
+
+def optimizer_state_problem(optimizer: torch.optim.Optimizer, state) -> str | None:
+    """What keeps a checkpoint's optimizer `state` from fitting `optimizer`, checked before loading it: another
+    optimizer's options, other parameter groups, per-parameter tensors unlike their parameter. None if it fits."""
+    if not (isinstance(state, dict) and isinstance(state.get("state"), dict)):
+        return "it is no optimizer's state"
+    groups, saved_groups = optimizer.param_groups, state.get("param_groups")
+    if not isinstance(saved_groups, list) or len(saved_groups) != len(groups):
+        return f"its parameter groups are not the {len(groups)} of this {type(optimizer).__name__}"
+    parameters = {}
+    for saved, group in zip(saved_groups, groups, strict=True):
+        if not isinstance(saved, dict) or not isinstance(saved.get("params"), list):
+            return "its parameter groups are damaged"
+        if others := sorted(map(str, saved.keys() - group.keys())):
+            options = ", ".join(others[:3])
+            return f"it is another optimizer's, with options ({options}) this {type(optimizer).__name__} lacks"
+        if len(saved["params"]) != len(group["params"]):
+            return f"it holds {len(saved['params'])} parameters in a group of {len(group['params'])}"
+        parameters.update(zip(saved["params"], group["params"], strict=True))
+    for index, entries in state["state"].items():
+        if index not in parameters or not isinstance(entries, dict):
+            return f"its state {index!r} belongs to no parameter"
+        parameter = parameters[index]
+        for key, value in entries.items():
+            if not (torch.is_tensor(value) or isinstance(value, int | float)):
+                return f"its {key!r} of parameter {index} is a {type(value).__name__}"
+            if not torch.is_tensor(value) or value.dim() == 0:  # a step count
+                continue
+            if (value.shape, value.dtype) != (parameter.shape, parameter.dtype):
+                found, wanted = f"{value.dtype} {tuple(value.shape)}", f"{parameter.dtype} {tuple(parameter.shape)}"
+                return f"its {key!r} of parameter {index} is {found}, where the parameter is {wanted}"
+    return None
 
 
 def write_checkpoint(path: str, args, **state) -> None:
-    """Write `state` with the script, env and args to `path` atomically: a kill at any moment leaves the old file."""
+    """Write `state` with the script, env and args to `path` atomically: a kill at any moment leaves the old file, and a
+    failed write (OSError, or torch's RuntimeError) leaves no part behind."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    torch.save({"script": SCRIPT, "env_id": args.env_id, "args": asdict(args), **state}, path + ".tmp")
-    os.replace(path + ".tmp", path)
+    try:
+        torch.save({"script": SCRIPT, "env_id": args.env_id, "args": asdict(args), **state}, path + ".tmp")
+        os.replace(path + ".tmp", path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(path + ".tmp")
+        raise
 
 
 def checkpoint_path(run_name: str, iteration: int) -> str:
@@ -1184,8 +1441,9 @@ def find_latest_checkpoint(run_name: str) -> str | None:
     return checkpoint_path(run_name, max(iterations)) if iterations else None
 
 
-def find_run_to_resume(args, world_size: int) -> tuple[str, dict | None]:
-    """The run folder restarted ranks must find again ('' if none) and its checkpoint to resume, checked up front."""
+def find_run_to_resume(args, world_size: int, steps_per_iteration: int, args_problem) -> tuple[str, dict | None]:
+    """The run folder restarted ranks must find again ('' if none) and its checkpoint to resume, checked up front (its
+    args by `args_problem`, the script's check of flags)."""
     name = args.run_name
     if not name and (args.resume or int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0):
         run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")  # `none` under static rendezvous
@@ -1197,17 +1455,98 @@ def find_run_to_resume(args, world_size: int) -> tuple[str, dict | None]:
     path = find_latest_checkpoint(name) if name else None
     if args.resume and path is None and not restarted:
         fail(f"--resume found no checkpoint in runs/{name}/checkpoints; check --run-name, or drop --resume")
-    if path and not (args.resume or restarted):
-        fail(f"runs/{name} already holds checkpoints: pass --resume to continue it, or choose another --run-name")
+    if name and not (args.resume or restarted) and os.path.lexists(os.path.join("runs", name)):
+        fail(f"runs/{name} already exists: pass --resume to continue it, or choose another --run-name")
     if path is None:
         return name, None
+    fix = "delete it to resume from the one before"
     progress = {"iteration": int, "global_step": int, "world_size": int, "restarts": int, "rng": list}
-    checkpoint = read_checkpoint(path, "delete it to resume from the one before", **progress)
+    checkpoint = read_checkpoint(path, fix, args.env_id, **progress)
     if checkpoint["env_id"] != args.env_id:
         fail(f"{path} trains {checkpoint['env_id']}, not --env-id {args.env_id}; pass that --env-id")
     if checkpoint["world_size"] != world_size:
         fail(f"{path} was written by {checkpoint['world_size']} ranks, not {world_size}; resume with as many")
+    if problem := args_problem(saved_args(checkpoint, type(args), path)):
+        fail(f"{path} holds args that no command line gives ({problem}): it is damaged; {fix}")
+    iteration, global_step, restarts = checkpoint["iteration"], checkpoint["global_step"], checkpoint["restarts"]
+    if not (1 <= iteration <= global_step <= iteration * steps_per_iteration and restarts >= 0):
+        fail(
+            f"{path} says {global_step} env steps in {iteration} iterations after {restarts} restarts, which no run of "
+            f"{steps_per_iteration} steps per iteration reaches: it is damaged, or was trained with other sizes; {fix}"
+        )
     return name, checkpoint
+
+
+def load_checkpoint(checkpoint: dict, path: str, rank: int, states: dict) -> None:
+    """Load the checkpoint to resume into `states` and this rank's random streams, each checked before it loads."""
+    load_weights(states["model"], checkpoint["model"], path)
+    try:
+        for entry, state in states.items():
+            if entry == "model":
+                continue
+            if problem := optimizer_state_problem(state, checkpoint.get(entry)):
+                fail(
+                    f"{path}: its {entry!r} does not fit this run's {type(state).__name__} ({problem}): resume "
+                    "with the optimizer that wrote it, or start a new run"
+                )
+            state.load_state_dict(checkpoint[entry])
+        entry = "rng"  # this rank's random streams, where the checkpoint left them
+        rng = checkpoint["rng"][rank]
+        random.setstate(rng["python"])
+        name, keys, *rest = rng["numpy"]
+        np.random.set_state((name, np.array(keys, dtype=np.uint32), *rest))
+        torch.set_rng_state(rng["torch"])
+        if "cuda" in rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(rng["cuda"])
+    except (LookupError, TypeError, ValueError, OverflowError, RuntimeError) as error:
+        reason = (str(error) or type(error).__name__).splitlines()[0]
+        fail(f"{path}: its {entry!r} does not fit this run ({reason}); delete it to resume from the one before")
+
+
+def create_run_folder(args, name: str, resumed: bool, rank: int, device: torch.device) -> str:
+    """The run's name, on every rank: `name`, or a default from rank 0's clock (suffixed where taken); rank 0 creates
+    its folder, and every rank stops with rank 0's one line if it could not."""
+    default_name = f"{args.env_id.replace('/', '-')}__{args.exp_name}__{args.seed}__"
+    start_time, suffix, problem = int(time.time()), 0, ""
+    if rank == 0:
+        resumed = resumed or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+        suffix, problem = make_run_folder(name or f"{default_name}{start_time}", not name, resumed)
+    start_time, suffix, failed = gather_ints_to_all([start_time, suffix, len(problem)], device)[0].tolist()
+    if failed:
+        fail(problem)
+    return (name or f"{default_name}{start_time}") + (f"-{suffix}" if suffix else "")
+
+
+def make_run_folder(name: str, suffixed: bool, resumed: bool) -> tuple[int, str]:
+    """Rank 0 creates runs/NAME: exclusively for a new run, so that no run writes into another's (`suffixed`: the first
+    free NAME-2, NAME-3, ... instead), or finds a resumed run's; then checks that it and its checkpoints can be written.
+    Returns the suffix taken (0: none) and what went wrong ('' if nothing)."""
+    try:
+        os.makedirs("runs", exist_ok=True)
+    except OSError as error:
+        return 0, f"cannot create the folder runs/ here ({error.strerror}): run from a folder you can write to"
+    suffix = 0
+    while True:
+        folder = os.path.join("runs", name + (f"-{suffix}" if suffix else ""))
+        try:
+            os.mkdir(folder)
+            break
+        except FileExistsError:
+            if resumed:
+                break
+            if not suffixed:
+                return 0, f"{folder} already exists: pass --resume to continue it, or choose another --run-name"
+            suffix = max(suffix, 1) + 1
+        except OSError as error:
+            return 0, f"cannot create the run folder {folder} ({error.strerror}): make runs/ writable, or run elsewhere"
+    for writable in (folder, os.path.join(folder, "checkpoints")):
+        try:
+            if os.path.lexists(writable) or writable == folder:
+                with tempfile.TemporaryFile(dir=writable):
+                    pass
+        except OSError as error:
+            return suffix, f"cannot write into {writable} ({error.strerror}): make it a writable folder"
+    return suffix, ""
 
 
 # --- logging: TensorBoard (and Weights & Biases), the console, the machine's load ---------------------
@@ -1308,6 +1647,13 @@ class TrainingLoop(Launch):
         self.stopping = sigterms > 0
         return dict(zip(values, sums, strict=True))
 
+    def stop_if_unwritten(self, problem: str, fix: str) -> None:
+        """Stop every rank, with one line naming the last good checkpoint, if rank 0 could not write a file."""
+        if gather_ints_to_all([len(problem)], self.device)[0, 0]:  # rank 0's outcome, on every rank
+            last = find_latest_checkpoint(self.name)
+            kept = f"the last good checkpoint is {last}" if last else "no checkpoint was written"
+            fail(f"{problem}: {kept}; {fix} --run-name {self.name}")
+
     def end_iteration(self, global_step: int) -> bool:
         """Compare weights (--check-sync-every), checkpoint (--checkpoint-every, or SIGTERM anywhere); True to stop."""
         args, iteration, self.global_step = self.args, self.iteration, global_step
@@ -1319,13 +1665,18 @@ class TrainingLoop(Launch):
             rng |= {"cuda": torch.cuda.get_rng_state_all()} if torch.cuda.is_initialized() else {}
             rngs = [None] * self.world_size if self.rank == 0 else None
             dist.gather_object(rng, rngs, dst=0)  # every rank's random streams, to rank 0, which writes them
+            problem = ""
             if self.rank == 0:
                 path = checkpoint_path(self.name, iteration)
                 states = {key: state.state_dict() for key, state in self.states.items()}
                 progress = {"world_size": self.world_size, "iteration": iteration, "global_step": global_step}
-                write_checkpoint(path, args, **states, rng=rngs, **progress, restarts=self.restarts)
-                self.writer.flush()  # the curves on disk reach the checkpoint, whatever happens next
-                print(f"checkpoint saved to {path}", flush=True)
+                try:
+                    write_checkpoint(path, args, **states, rng=rngs, **progress, restarts=self.restarts)
+                    self.writer.flush()  # the curves on disk reach the checkpoint, whatever happens next
+                    print(f"checkpoint saved to {path}", flush=True)
+                except (OSError, RuntimeError) as error:  # a full disk, a folder made unwritable
+                    problem = f"could not write {path} ({str(error).splitlines()[0]})"
+            self.stop_if_unwritten(problem, "free disk space or make the folder writable, then --resume")
         if self.stopping and self.rank == 0:
             print(f"stopped by SIGTERM at {self.unit} {iteration}; continue with --resume --run-name {self.name}")
         return self.stopping
@@ -1342,49 +1693,37 @@ class Run(TrainingLoop):
         self.unit, self.stopping = unit, False  # `unit`: what the progress line calls an iteration
         self.launched_at, self.last_return, self.oversubscribed = time.time(), "n/a", False  # the last line; said once
 
-    def start(self, total_steps: int, batch_table: list[tuple[str, object, object]]) -> None:
-        """Everything before the first env exists; train `total_steps`; `batch_table` rows: name, per rank, world."""
-        args, self.total_steps = self.args, total_steps
-        name, self.checkpoint = find_run_to_resume(args, self.world_size)
+    def start(
+        self, steps_per_iteration: int, num_iterations: int, batch_table: list[tuple[str, object, object]], args_problem
+    ) -> None:
+        """Everything before the first env exists; `batch_table` rows: name, per rank, world; `args_problem`: the
+        script's check of flags, which a resumed checkpoint's args pass too."""
+        args, self.total_steps = self.args, steps_per_iteration * num_iterations
+        name, self.checkpoint = find_run_to_resume(args, self.world_size, steps_per_iteration, args_problem)
         collectives = self.join_process_group()
         self.resumed_iteration = self.checkpoint["iteration"] if self.checkpoint else 0
         self.restarts = self.checkpoint["restarts"] + 1 if self.checkpoint else 0
         self.check_same_command(self.resumed_iteration)
-        start_time = gather_ints_to_all([int(time.time())], self.device)[0, 0].item()  # rank 0's clock names the run
-        self.name = name or f"{args.env_id.replace('/', '-')}__{args.exp_name}__{args.seed}__{start_time}"
+        self.name = name  # '' for a new run with a default name, found when its folder is made
         if self.rank != 0:
             return
         print(f"{'':18}{'per rank':>12}{'world':>12}")
         for row, local, world in batch_table:
             print(f"{row:18}{local!s:>12}{world!s:>12}")
         print(f"{'collectives':18}{collectives:>24}")
-        if self.checkpoint:
-            print(f"resuming from {checkpoint_path(self.name, self.resumed_iteration)}", flush=True)
-        self.writer, self.wandb_run = open_tensorboard(args, self.name, self.checkpoint)
 
     def restore(self, **states) -> int:
-        """Name what checkpoints hold (the agent as `model`, optimizers); load them to resume; returns the step."""
+        """Name what checkpoints hold (the agent as `model`, optimizers); load them to resume; then, all checked,
+        make the run folder and its TensorBoard. Returns the global step."""
         self.states, checkpoint = states, self.checkpoint
         self.start_step = self.global_step = checkpoint["global_step"] if checkpoint else 0
-        if not checkpoint:
-            return 0
-        path = checkpoint_path(self.name, self.resumed_iteration)
-        load_weights(states["model"], checkpoint["model"], path)
-        try:
-            for entry, state in states.items():
-                if entry != "model":
-                    state.load_state_dict(checkpoint[entry])
-            entry = "rng"  # this rank's random streams, where the checkpoint left them
-            rng = checkpoint["rng"][self.rank]
-            random.setstate(rng["python"])
-            name, keys, *rest = rng["numpy"]
-            np.random.set_state((name, np.array(keys, dtype=np.uint32), *rest))
-            torch.set_rng_state(rng["torch"])
-            if "cuda" in rng and torch.cuda.is_available():
-                torch.cuda.set_rng_state_all(rng["cuda"])
-        except (LookupError, TypeError, ValueError, OverflowError, RuntimeError) as error:
-            reason = (str(error) or type(error).__name__).splitlines()[0]
-            fail(f"{path}: its {entry!r} does not fit this run ({reason}); delete it to resume from the one before")
+        if checkpoint:
+            load_checkpoint(checkpoint, checkpoint_path(self.name, self.resumed_iteration), self.rank, states)
+        self.name = create_run_folder(self.args, self.name, checkpoint is not None, self.rank, self.device)
+        if self.rank == 0:
+            if checkpoint:
+                print(f"resuming from {checkpoint_path(self.name, self.resumed_iteration)}", flush=True)
+            self.writer, self.wandb_run = open_tensorboard(self.args, self.name, checkpoint)
         return self.start_step
 
     def log(self, global_step: int, world: dict[str, float], scalars: dict[str, float]) -> None:
@@ -1413,17 +1752,21 @@ class Run(TrainingLoop):
 
     def finish(self, record_video: Callable[[str], None], **model_extras) -> None:
         """Rank 0 writes model.pt and videos (unless SIGTERM stopped the run); all leave the group; rank 0 sums up."""
-        args, saved, folder = self.args, "", f"runs/{self.name}"
+        args, saved, folder, problem = self.args, "", f"runs/{self.name}", ""
         if self.rank == 0:
             if args.save_model and not self.stopping:
-                write_checkpoint(f"{folder}/model.pt", args, model=self.states["model"].state_dict(), **model_extras)
-                saved = f", model {folder}/model.pt"
+                weights = self.states["model"].state_dict()
+                try:
+                    write_checkpoint(f"{folder}/model.pt", args, model=weights, **model_extras)
+                    saved = f", model {folder}/model.pt"
+                except (OSError, RuntimeError) as error:
+                    problem = f"trained, but could not write {folder}/model.pt ({str(error).splitlines()[0]})"
             if args.capture_video and not self.stopping:
                 record_video(f"{folder}/videos")
             self.writer.close()
             if self.wandb_run:
                 self.wandb_run.finish()
-        dist.barrier()
+        self.stop_if_unwritten(problem, "free disk space, then write it with --resume --save-model")  # and a barrier
         dist.destroy_process_group()
         gc.collect()  # free gloo's worker threads now: left to interpreter shutdown they can abort the process
         if self.rank == 0:

@@ -9,6 +9,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+import torch
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -58,3 +59,26 @@ def pytest_runtest_protocol(item, nextitem):
     """Each test's setup (module fixtures too), call and teardown inside machine_share."""
     with machine_share(item.get_closest_marker("alone") is not None):
         yield
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """script -> (its training checkpoint of iteration 2, its model.pt) from a real one-rank run, read as torch's
+    weights-only loader reads them: that it can is the first check."""
+    from tests.helpers import train_ranks
+    from tests.test_reliability import flags
+
+    made = {}
+
+    def checkpoints(script: str) -> tuple[dict, dict]:
+        if script not in made:
+            cwd = tmp_path_factory.mktemp("saved")
+            train_ranks(script, flags(script, 2, "--checkpoint-every", "1", "--save-model"), cwd, nprocs=1)
+            [run_dir] = (cwd / "runs").iterdir()
+            made[script] = tuple(
+                torch.load(path, weights_only=True)
+                for path in (run_dir / "checkpoints/iter_000002.pt", run_dir / "model.pt")
+            )
+        return made[script]
+
+    return checkpoints

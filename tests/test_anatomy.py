@@ -1,5 +1,5 @@
-"""The three scripts read alike (docs/design.md, "Anatomy of a script"): the algorithm first, within its line
-budget, and one runtime block at the bottom that is the same text in every script."""
+"""The three scripts read alike (docs/design.md, "Anatomy of a script"): the algorithm first, and one runtime block
+at the bottom that is the same text in every script."""
 
 import ast
 import subprocess
@@ -16,9 +16,6 @@ from tests.helpers import ROOT
 SCRIPTS = ("ppo_continuous_mpi.py", "ppo_atari_multigpu.py", "vpg_mpi.py")
 RUNTIME_START = "# RUNTIME: "
 RUNTIME_END = "# END OF RUNTIME"
-# budgets: the first line to the end of `main`, and `main` itself
-ALGORITHM_LINES = {"ppo_continuous_mpi.py": 680, "ppo_atari_multigpu.py": 650, "vpg_mpi.py": 600}
-MAIN_LINES = 170
 # what a reader who knows CleanRL looks for, in this order, each piece before its first use; after `main`, what it
 # names and what is not the algorithm (input checks, the batch table, evaluation)
 ALGORITHM_ORDER = ("Args", "derive_batch_sizes", "make_env", "layer_init", "Agent", "compute_gae", "update", "main")
@@ -54,7 +51,7 @@ def test_the_runtime_block_is_the_same_text_in_every_script():
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
-def test_the_algorithm_comes_first_within_its_budget_and_the_runtime_last(script):
+def test_the_algorithm_comes_first_and_the_runtime_last(script):
     source = (ROOT / script).read_text()
     tree = ast.parse(source)
     definitions = {node.name: node for node in tree.body if isinstance(node, ast.FunctionDef | ast.ClassDef)}
@@ -64,8 +61,6 @@ def test_the_algorithm_comes_first_within_its_budget_and_the_runtime_last(script
     sizes = {name: node.end_lineno - node.lineno + 1 for name, node in definitions.items()}
     assert max(sizes, key=sizes.get) == "main", f"{script}: main is not its largest definition: {sizes}"
     main = definitions["main"]
-    assert main.end_lineno <= ALGORITHM_LINES[script], f"{script}: main ends at line {main.end_lineno}"
-    assert main.end_lineno - main.lineno + 1 <= MAIN_LINES
     runtime_line = source[: source.index(RUNTIME_START)].count("\n") + 1
     assert main.end_lineno < runtime_line
     # nothing of the algorithm after the runtime block: only the entry point

@@ -8,28 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from tests.helpers import refuse, train_ranks
+from tests.helpers import refuse
 from tests.test_reliability import SCRIPTS, flags, module
-
-
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory):
-    """script -> (its training checkpoint of iteration 2, its model.pt) from a real one-rank run, read as torch's
-    weights-only loader reads them: that it can is the first check."""
-    made = {}
-
-    def checkpoints(script: str) -> tuple[dict, dict]:
-        if script not in made:
-            cwd = tmp_path_factory.mktemp("saved")
-            train_ranks(script, flags(script, 2, "--checkpoint-every", "1", "--save-model"), cwd, nprocs=1)
-            [run_dir] = (cwd / "runs").iterdir()
-            made[script] = tuple(
-                torch.load(path, weights_only=True)
-                for path in (run_dir / "checkpoints/iter_000002.pt", run_dir / "model.pt")
-            )
-        return made[script]
-
-    return checkpoints
 
 
 class Mark:

@@ -323,7 +323,7 @@ BAD_INPUT = [
         "torchrun --max-restarts needs a run folder that every (re)started rank finds again: pass --run-name NAME",
     ),
     (["--resume", "--run-name", "new"], {}, None, "--resume found no checkpoint in runs/new/checkpoints"),
-    (["--run-name", "old"], {}, {}, "runs/old already holds checkpoints: pass --resume"),
+    (["--run-name", "old"], {}, {}, "runs/old already exists: pass --resume to continue it"),
     (["--dist-timeout", "0"], {}, None, "--dist-timeout"),
 ]
 
