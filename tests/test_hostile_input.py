@@ -1,0 +1,415 @@
+"""Input a careless or hostile user hands the scripts: flags, run names, folders and checkpoints. Nothing of it runs
+code, writes outside runs/, overwrites a run or ends in a traceback: each refusal is one line and exit code 2, before
+anything is written where it names a flag, and every file that was there before is as it was (compared by hash)."""
+
+import hashlib
+import os
+import sys
+import time
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import tyro
+
+from tests.helpers import ROOT, assert_ok, finish, refuse, run_dirs, start, train_ranks
+from tests.test_checkpoints import changed
+from tests.test_reliability import SCRIPTS, flags, module
+
+CONTINUOUS, ATARI, VPG = "ppo_continuous_mpi.py", "ppo_atari_multigpu.py", "vpg_mpi.py"
+ONE_ITERATION = {script: batch for script, (_, batch) in SCRIPTS.items()}  # global env steps of one iteration
+
+
+def tree(folder: Path) -> dict[str, str]:
+    """Every path below `folder`, relative, with its content's digest (folders: "folder")."""
+    return {
+        str(path.relative_to(folder)): "folder" if path.is_dir() else hashlib.sha256(path.read_bytes()).hexdigest()
+        for path in folder.rglob("*")
+        if not path.is_symlink() and (path.is_dir() or path.is_file())
+    }
+
+
+def refused(script: str, argv: list[str], cwd: Path, monkeypatch, capsys, nothing_new: bool = True, **env) -> str:
+    """`script`'s main on `argv` in `cwd` refuses as bad input must (exit 2, one stderr line, no traceback), leaving
+    every file and folder of `cwd` as it was; new paths only under runs/, or (`nothing_new`) none. Returns the line."""
+    monkeypatch.chdir(cwd)
+    before = tree(cwd)
+    message = refuse(module(script), argv, monkeypatch, capsys, **env)
+    after = tree(cwd)
+    assert {path: after.get(path) for path in before} == before, "a file that was there changed or went"
+    created = sorted(after.keys() - before.keys())
+    assert created == [] if nothing_new else all(path.startswith("runs") for path in created), created
+    return message
+
+
+# --- flags: each checked before anything is launched or written ------------------------------------------------------
+
+TOO_MANY_RANKS = str(len(os.sched_getaffinity(0)) + 1)
+FLAGS = [
+    (CONTINUOUS, "--learning-rate nan", "--learning-rate must be finite and positive, got nan"),
+    (CONTINUOUS, "--learning-rate -1", "--learning-rate must be finite and positive, got -1.0"),
+    (ATARI, "--learning-rate inf", "--learning-rate must be finite and positive, got inf"),
+    (VPG, "--pi-lr nan", "--pi-lr must be finite and positive, got nan"),
+    (VPG, "--vf-lr -1", "--vf-lr must be finite and positive, got -1.0"),
+    (CONTINUOUS, "--dist-timeout nan", "--dist-timeout must be a number of seconds in (0, 1e+07], got nan"),
+    (ATARI, "--dist-timeout inf", "--dist-timeout must be a number of seconds in (0, 1e+07], got inf"),
+    (VPG, "--backend junk", "--backend 'junk' is not a torch.distributed backend"),
+    (CONTINUOUS, "--backend cpu:gloo,cuda:junk", "is not a torch.distributed backend"),
+    (VPG, "--hidden-sizes -5", "--hidden-sizes must be at least 1 each, got -5"),
+    (VPG, "--hidden-sizes 1000000 1000000", "--hidden-sizes 1000000 1000000 make networks of 2e+12 weights"),
+    (VPG, "--max-ep-len -1", "--max-ep-len must be at least 1, got -1"),
+    (VPG, "--lam nan", "--lam must be in [0, 1], got nan"),
+    (CONTINUOUS, "--gamma 1.5", "--gamma must be in [0, 1], got 1.5"),
+    (ATARI, "--clip-coef nan", "--clip-coef must be finite and at least 0, got nan"),
+    (CONTINUOUS, "--max-grad-norm 0", "--max-grad-norm must be finite and positive, got 0.0"),
+    (ATARI, "--target-kl nan", "--target-kl must be positive (or left out to switch early stopping off), got nan"),
+    (ATARI, "--env-threads -1", "--env-threads must be at least 0 (0 = automatic), got -1"),
+    (VPG, "--seed -1", "--seed must lie in [0, 2**31), got -1"),
+    (CONTINUOUS, "--torch-threads -2", "--torch-threads must be >= 0 (0 = automatic), got -2"),
+    (ATARI, f"--nprocs {TOO_MANY_RANKS}", f"--nprocs {TOO_MANY_RANKS} asks for more ranks than the"),
+    (CONTINUOUS, "--run-name ../x", "--run-name '../x' is not one folder name below runs/"),
+    (VPG, "--run-name /tmp/elsewhere", "--run-name '/tmp/elsewhere' is not one folder name below runs/"),
+    (ATARI, "--run-name a/b", "--run-name 'a/b' is not one folder name below runs/"),
+    (VPG, "--run-name ..", "--run-name '..' is not one folder name below runs/"),
+    (CONTINUOUS, "--exp-name ../../x", "--exp-name '../../x' is not one folder name below runs/"),
+]
+
+
+@pytest.mark.parametrize(("script", "argv", "message"), FLAGS, ids=[f"{s[:-3]} {a}" for s, a, _ in FLAGS])
+def test_a_flag_that_cannot_run_is_one_line_before_anything_is_written(
+    script, argv, message, tmp_path, monkeypatch, capsys
+):
+    assert message in refused(script, [*flags(script, 2), *argv.split()], tmp_path, monkeypatch, capsys)
+    assert list(tmp_path.iterdir()) == []  # no runs/, no ../x, nothing
+
+
+# --- run folders: one name below runs/, created once, never shared ---------------------------------------------------
+
+
+@pytest.mark.parametrize("script", [VPG, CONTINUOUS])
+def test_a_run_name_that_exists_is_refused_and_the_run_in_it_is_kept(script, tmp_path, monkeypatch, capsys):
+    """Without checkpoints too: the first run's events and model.pt stay as they were."""
+    train_ranks(script, flags(script, 2, "--run-name", "same", "--save-model"), tmp_path, nprocs=1)
+    assert (tmp_path / "runs/same/model.pt").is_file()
+    message = refused(script, flags(script, 2, "--run-name", "same"), tmp_path, monkeypatch, capsys)
+    assert "runs/same already exists: pass --resume to continue it, or choose another --run-name" in message
+
+
+def test_a_default_name_taken_in_the_same_second_gains_a_suffix(tmp_path):
+    """The default name has the second the run starts in; runs that start in one second (a sweep launched at once)
+    must not share a folder. Those names taken for the next minutes, the run takes the first free suffix."""
+    taken = [tmp_path / "runs" / f"CartPole-v1__vpg_mpi__1__{int(time.time()) + second}" for second in range(-1, 300)]
+    for folder in taken:
+        folder.mkdir(parents=True)
+    train_ranks(VPG, flags(VPG, 2), tmp_path, nprocs=1)
+    new = [folder for folder in run_dirs(tmp_path) if folder not in taken]
+    assert len(new) == 1 and new[0].name.endswith("-2") and new[0].name[:-2] in {f.name for f in taken}, new
+    assert list(new[0].glob("events.out.tfevents.*")) and all(list(folder.iterdir()) == [] for folder in taken)
+
+
+def test_two_runs_started_at_once_with_one_default_name_write_two_folders(tmp_path):
+    command = [sys.executable, str(ROOT / VPG), *flags(VPG, 2)]
+    for run in [start(command, tmp_path, name) for name in ("first", "second")]:
+        assert_ok(finish(run, timeout=240))
+    folders = run_dirs(tmp_path)
+    assert len(folders) == 2 and all(len(list(folder.glob("events.out.tfevents.*"))) == 1 for folder in folders)
+
+
+@pytest.mark.parametrize("script", [CONTINUOUS, ATARI, VPG])
+def test_a_runs_folder_that_cannot_be_made_is_one_line_at_start(script, tmp_path, monkeypatch, capsys):
+    (tmp_path / "runs").write_text("a file where runs/ goes")
+    message = refused(script, flags(script, 2), tmp_path, monkeypatch, capsys)
+    assert "cannot create the folder runs/ here" in message
+
+
+def test_a_checkpoint_write_that_fails_later_stops_in_one_line_naming_the_last_good_one(tmp_path, monkeypatch, capsys):
+    train_ranks(VPG, flags(VPG, 2, "--run-name", "r", "--checkpoint-every", "1"), tmp_path, nprocs=1)
+    (tmp_path / "runs/r/checkpoints/iter_000004.pt.tmp").mkdir()  # where the fourth checkpoint is written first
+    argv = flags(VPG, 4, "--run-name", "r", "--checkpoint-every", "1", "--resume")
+    message = refused(VPG, argv, tmp_path, monkeypatch, capsys, nothing_new=False)
+    assert "could not write runs/r/checkpoints/iter_000004.pt" in message
+    assert "the last good checkpoint is runs/r/checkpoints/iter_000003.pt" in message and "--resume" in message
+    assert (tmp_path / "runs/r/checkpoints/iter_000003.pt").is_file()
+    assert not (tmp_path / "runs/r/checkpoints/iter_000004.pt").exists()
+
+
+# --- checkpoints: read like a command line, never running code ------------------------------------------------------
+
+MARK_MODULE = '''"""A module that leaves a mark when it is imported: the tests' proof that nothing imported it."""
+from pathlib import Path
+
+Path(__file__).with_suffix(".imported").touch()
+'''
+
+
+def mark_module(tmp_path, monkeypatch) -> tuple[str, Path]:
+    """A module of this test's own, importable by a name no other test uses, and the mark its import leaves."""
+    name = f"mark_{tmp_path.name.replace('-', '_')}"
+    folder = tmp_path / "modules"
+    folder.mkdir()
+    (folder / f"{name}.py").write_text(MARK_MODULE)
+    monkeypatch.syspath_prepend(str(folder))
+    return name, folder / f"{name}.imported"
+
+
+def env_of(script: str) -> str:
+    return SCRIPTS[script][0][1]
+
+
+def write(checkpoint: dict, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(checkpoint, path)
+    return path
+
+
+def resume_argv(script: str, checkpoint: dict, cwd: Path) -> list[str]:
+    """`checkpoint` as the newest of runs/old, and the flags that resume it."""
+    write(checkpoint, cwd / "runs/old/checkpoints/iter_000002.pt")
+    return flags(script, 3, "--resume", "--run-name", "old")
+
+
+def evaluate_argv(checkpoint: dict, cwd: Path) -> list[str]:
+    return ["--eval-checkpoint", str(write(checkpoint, cwd / "model.pt")), "--eval-episodes", "1"]
+
+
+@pytest.mark.parametrize("script", [CONTINUOUS, ATARI, VPG])
+@pytest.mark.parametrize("how", ["evaluate", "resume"])
+def test_a_checkpoint_naming_a_module_never_imports_it(script, how, saved, tmp_path, monkeypatch, capsys):
+    name, mark = mark_module(tmp_path, monkeypatch)
+    training, model = saved(script)
+    env_id = f"{name}:{env_of(script)}"
+    if how == "evaluate":
+        argv = evaluate_argv(changed(model, env_id=env_id), tmp_path)
+    else:
+        argv = resume_argv(script, changed(training, env_id=env_id), tmp_path)
+    message = refused(script, argv, tmp_path, monkeypatch, capsys)
+    assert f"names its env '{env_id}', whose module gymnasium would import" in message
+    assert f"pass --env-id {env_id} yourself" in message
+    assert not mark.exists()
+
+
+def test_a_module_the_user_names_with_env_id_is_imported(saved, tmp_path, monkeypatch, capsys):
+    """The refusal above is the only thing between the file and the import: given by the user, it happens."""
+    name, mark = mark_module(tmp_path, monkeypatch)
+    env_id = f"{name}:{env_of(CONTINUOUS)}"
+    argv = evaluate_argv(changed(saved(CONTINUOUS)[1], env_id=env_id), tmp_path)
+    monkeypatch.chdir(tmp_path)
+    module(CONTINUOUS).main(tyro.cli(module(CONTINUOUS).Args, args=[*argv, "--env-id", env_id]))
+    assert mark.exists() and capsys.readouterr().out.strip().splitlines()[-1].startswith("eval: episodes=1")
+
+
+ANOTHER_KIND = [
+    (ATARI, "Hopper-v5", "the env_id of {path} Hopper-v5 is not an Atari game"),
+    (ATARI, "ALE/Breakout-ram-v5", "unknown the env_id of {path} 'ALE/Breakout-ram-v5'"),
+    (CONTINUOUS, "ALE/Breakout-v5", "the env_id of {path}"),  # unknown unless ale_py is imported, else Discrete
+    (CONTINUOUS, "CartPole-v1", "the env_id of {path} CartPole-v1 has Discrete actions"),
+    (VPG, "ALE/Pong-v5", "{path}"),  # unknown, or pixels that no weights of CartPole's networks fit
+]
+
+
+@pytest.mark.parametrize(
+    ("script", "env_id", "message"), ANOTHER_KIND, ids=[f"{s[:-3]} {e}" for s, e, _ in ANOTHER_KIND]
+)
+def test_a_checkpoint_of_another_kind_of_env_is_one_line(
+    script,
+    env_id,
+    message,
+    saved,
+    tmp_path,
+    monkeypatch,
+    capsys,
+):
+    argv = evaluate_argv(changed(saved(script)[1], env_id=env_id), tmp_path)
+    assert message.format(path=tmp_path / "model.pt") in refused(script, argv, tmp_path, monkeypatch, capsys)
+
+
+SAVED_ARGS = [
+    (VPG, "evaluate", {"hidden_sizes": [10**6, 10**6]}, "--hidden-sizes 1000000 1000000 make networks of 2e+12"),
+    (VPG, "evaluate", {"hidden_sizes": [-5]}, "--hidden-sizes must be at least 1 each, got -5"),
+    (VPG, "evaluate", {"max_ep_len": -1}, "--max-ep-len must be at least 1, got -1"),
+    (VPG, "resume", {"pi_lr": float("nan")}, "--pi-lr must be finite and positive, got nan"),
+    (CONTINUOUS, "resume", {"learning_rate": -1.0}, "--learning-rate must be finite and positive, got -1.0"),
+    (CONTINUOUS, "evaluate", {"num_steps": "many"}, "holds 'many' as its args' num_steps, which is no <class 'int'>"),
+    (ATARI, "evaluate", {"gamma": float("inf")}, "--gamma must be in [0, 1], got inf"),
+    (ATARI, "resume", {"dist_timeout": float("nan")}, "--dist-timeout must be a number of seconds"),
+]
+
+
+@pytest.mark.parametrize(
+    ("script", "how", "args", "message"), SAVED_ARGS, ids=[f"{s[:-3]} {h} {list(a)[0]}" for s, h, a, _ in SAVED_ARGS]
+)
+def test_a_checkpoint_whose_args_no_command_line_gives_is_one_line(
+    script,
+    how,
+    args,
+    message,
+    saved,
+    tmp_path,
+    monkeypatch,
+    capsys,
+):
+    training, model = saved(script)
+    if how == "evaluate":
+        argv = evaluate_argv(changed(model, args={**model["args"], **args}), tmp_path)
+    else:
+        argv = resume_argv(script, changed(training, args={**training["args"], **args}), tmp_path)
+    assert message in refused(script, argv, tmp_path, monkeypatch, capsys)
+
+
+@pytest.mark.parametrize(("script", "dtype"), [(CONTINUOUS, torch.int32), (ATARI, torch.bool), (VPG, torch.complex64)])
+def test_weights_that_are_not_the_agents_floating_point_are_one_line(
+    script,
+    dtype,
+    saved,
+    tmp_path,
+    monkeypatch,
+    capsys,
+):
+    model = saved(script)[1]
+    key, value = next((key, value) for key, value in model["model"].items() if value.dtype == torch.float32)
+    argv = evaluate_argv(changed(model, model={**model["model"], key: value.to(dtype)}), tmp_path)
+    message = refused(script, argv, tmp_path, monkeypatch, capsys)
+    assert f"its weights do not fit this Agent ({key} {dtype}, not torch.float32" in message
+
+
+@pytest.mark.parametrize("how", ["evaluate", "resume"])
+@pytest.mark.parametrize(
+    ("entry", "value", "message"),
+    [
+        ("obs_rms.var", -1.0, "its obs_rms.var holds negative numbers, where a variance is at least 0"),
+        ("obs_rms.count", -1.0, "its obs_rms.count is -1, where statistics of data count at least 1 sample"),
+        ("return_rms.count", 0.5, "its return_rms.count is 0.5, where statistics of data count at least 1 sample"),
+    ],
+)
+def test_normalisation_statistics_no_data_gives_are_one_line(
+    how,
+    entry,
+    value,
+    message,
+    saved,
+    tmp_path,
+    monkeypatch,
+    capsys,
+):
+    checkpoint = saved(CONTINUOUS)[0 if how == "resume" else 1]
+    weights = {**checkpoint["model"], entry: torch.full_like(checkpoint["model"][entry], value)}
+    if how == "evaluate":
+        argv = evaluate_argv(changed(checkpoint, model=weights), tmp_path)
+    else:
+        argv = resume_argv(CONTINUOUS, changed(checkpoint, model=weights), tmp_path)
+    assert message in refused(CONTINUOUS, argv, tmp_path, monkeypatch, capsys)
+
+
+@pytest.mark.parametrize("script", [CONTINUOUS, ATARI, VPG])
+@pytest.mark.parametrize(
+    "progress",
+    [{"iteration": -5, "global_step": -1000}, {"iteration": 2, "global_step": 10**9}, {"restarts": -1}],
+    ids=["negative", "more-steps-than-iterations-hold", "negative-restarts"],
+)
+def test_a_resumed_progress_no_run_reaches_is_one_line(script, progress, saved, tmp_path, monkeypatch, capsys):
+    argv = resume_argv(script, changed(saved(script)[0], **progress), tmp_path)
+    message = refused(script, argv, tmp_path, monkeypatch, capsys)
+    assert "which no run of" in message and "steps per iteration reaches: it is damaged" in message
+
+
+def optimizer_entries(checkpoint: dict) -> list[str]:
+    return [key for key in checkpoint if key.endswith("optimizer")]
+
+
+@pytest.mark.parametrize("script", [CONTINUOUS, ATARI, VPG])
+def test_optimizer_state_whose_tensors_do_not_fit_is_one_line_never_a_crash(
+    script,
+    saved,
+    tmp_path,
+    monkeypatch,
+    capsys,
+):
+    training = saved(script)[0]
+    entry = optimizer_entries(training)[0]
+    state = training[entry]
+    index = next(iter(state["state"]))
+    moments = {key: value[..., :1] if value.dim() else value for key, value in state["state"][index].items()}
+    broken = {**state, "state": {**state["state"], index: moments}}
+    argv = resume_argv(script, changed(training, **{entry: broken}), tmp_path)
+    message = refused(script, argv, tmp_path, monkeypatch, capsys)
+    assert (
+        f"its '{entry}' does not fit this run's Adam" in message and f"of parameter {index} is torch.float32" in message
+    )
+
+
+def test_another_optimizers_state_is_one_line(saved, tmp_path, monkeypatch, capsys):
+    """Adam's state resumed by a copy that trains with RMSprop, and RMSprop's by this Adam script."""
+    training = saved(CONTINUOUS)[0]
+    parameter = torch.nn.Parameter(torch.zeros(3))
+    rmsprop = torch.optim.RMSprop([parameter])
+    parameter.grad = torch.ones(3)
+    rmsprop.step()
+    state = rmsprop.state_dict()
+    state["param_groups"] = [{**state["param_groups"][0], "params": training["optimizer"]["param_groups"][0]["params"]}]
+    state["state"] = {}
+    argv = resume_argv(CONTINUOUS, changed(training, optimizer=state), tmp_path)
+    message = refused(CONTINUOUS, argv, tmp_path, monkeypatch, capsys)
+    assert (
+        "its 'optimizer' does not fit this run's Adam (it is another optimizer's, with options (alpha, centered"
+        in message
+    )
+    assert "resume with the optimizer that wrote it" in message
+
+
+# --- reading a file: nothing it claims is allocated, nothing it names is built ----------------------------------------
+
+
+def compressed_copy(path: Path, out: Path) -> Path:
+    """`path`'s archive rewritten with every entry deflated: a small file that claims far more once inflated."""
+    with zipfile.ZipFile(path) as source, zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED) as target:
+        for entry in source.infolist():
+            target.writestr(
+                entry.filename, source.read(entry.filename) + b"\0" * 10**7 * (entry.filename.endswith("/0"))
+            )
+    return out
+
+
+def claiming_copy(path: Path, out: Path) -> Path:
+    """`path` with its central directory claiming 2 GB for its first entry (sizes in the directory only)."""
+    data = bytearray(path.read_bytes())
+    at = data.index(b"PK\x01\x02")  # the central directory's first record: sizes at +20 (compressed), +24
+    data[at + 20 : at + 28] = (2 * 10**9).to_bytes(4, "little") * 2
+    out.write_bytes(bytes(data))
+    return out
+
+
+@pytest.mark.parametrize("script", [CONTINUOUS, ATARI, VPG])
+@pytest.mark.parametrize("fault", ["compressed", "claims-more", "dev-zero", "named-pipe", "numpy-array"])
+def test_a_file_torch_never_writes_is_refused_unread_and_named_for_what_it_holds(
+    script,
+    fault,
+    saved,
+    tmp_path,
+    monkeypatch,
+    capsys,
+):
+    model = saved(script)[1]
+    source = write(model, tmp_path / "source" / "model.pt")
+    path = tmp_path / "model.pt"
+    if fault == "compressed":
+        compressed_copy(source, path)
+        expected = "holds compressed entries (model/data.pkl"
+    elif fault == "claims-more":
+        claiming_copy(source, path)
+        expected = "claims 20"
+    elif fault == "dev-zero":
+        path.symlink_to("/dev/zero")
+        expected = "is a character device, not a file: refused, unread"
+    elif fault == "named-pipe":
+        os.mkfifo(path)
+        expected = "is a named pipe, not a file: refused, unread"
+    else:
+        key = next(iter(model["model"]))
+        write(changed(model, model={**model["model"], key: np.zeros(3)}), path)
+        expected = "carries code or objects that no checkpoint holds (numpy."
+    argv = ["--eval-checkpoint", str(path), "--eval-episodes", "1"]
+    message = refused(script, argv, tmp_path, monkeypatch, capsys)
+    assert message.startswith(f"{script}: error: {path} ") and expected in message, message
+    assert "earlier version" not in message
