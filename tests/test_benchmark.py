@@ -153,11 +153,11 @@ def test_bootstrap_interval_of_the_mean_and_from_five_seeds_of_the_iqm():
 
 
 def test_atari_step_splits_a_step_into_parts_beside_the_env_only_rate_and_each_scripts_own_run(tmp_path):
-    """Tiny, on CPU: this checkout's acting step (Rollout) beside an older script's (a copy without Rollout, acting as
+    """Tiny, on CPU: this checkout's acting step (acting_step) beside an older script's (a copy without it, acting as
     main once did inline), the parts adding up to the step, each script's own run beside its row."""
     old = tmp_path / "old" / common.ATARI
     old.parent.mkdir()
-    old.write_text((ROOT / common.ATARI).read_text().replace("Rollout:", "Acting:").replace("= Rollout(", "= Acting("))
+    old.write_text((ROOT / common.ATARI).read_text().replace("acting_step(", "acting_step_renamed("))
     work = tmp_path / "work"
     argv = ["--envs", "2", "3", "--steps", "4", "--env-seconds", "0.05", "--iterations", "2", "--num-steps", "8"]
     argv += [
@@ -178,32 +178,32 @@ def test_atari_step_splits_a_step_into_parts_beside_the_env_only_rate_and_each_s
     labels = ("baseline", "this checkout")
     assert [row[:3] for row in rows] == [[f"{n} envs", label, "cpu"] for n in (2, 3) for label in labels]
     for row in rows:
-        parts = [float(cell.split()[0]) for cell in row[3:8]]
-        shares = [int(cell.split("(")[1].rstrip("%)")) for cell in row[3:8]]
-        assert float(row[8]) == pytest.approx(sum(parts), abs=0.003) and abs(sum(shares) - 100) <= 3
-        num_envs, step_ms = int(row[0].split()[0]), float(row[9])
-        assert float(row[10].replace(",", "")) == pytest.approx(num_envs / step_ms * 1e3, rel=0.01)
-        assert row[11] == rows[rows.index(row) // 2 * 2][11]  # one env-only rate per env count
+        parts = [float(cell.split()[0]) for cell in row[3:6]]
+        shares = [int(cell.split("(")[1].rstrip("%)")) for cell in row[3:6]]
+        assert float(row[6]) == pytest.approx(sum(parts), abs=0.003) and abs(sum(shares) - 100) <= 3
+        num_envs, step_ms = int(row[0].split()[0]), float(row[7])
+        assert float(row[8].replace(",", "")) == pytest.approx(num_envs / step_ms * 1e3, rel=0.01)
+        assert row[9] == rows[rows.index(row) // 2 * 2][9]  # one env-only rate per env count
         run_dir = work / "runs" / f"atari_step__{row[1].split()[0]}__cpu__{num_envs}envs"
         measured = common.measure(run_dir, common.ATARI, "cpu", 1)
         hyperparameters = common.read_hyperparameters(run_dir)
         assert (hyperparameters["local_num_envs"], hyperparameters["torch_threads"]) == (str(num_envs), "1")
         run_sps[num_envs, row[1]] = measured.sps
-        assert row[12] == f"{measured.sps:,.0f}" and row[14] == f"{measured.rollout / 8 * 1e3:.3f}"
-        sps, env_only = (float(cell.replace(",", "")) for cell in (row[12], row[11]))
-        assert float(row[13]) == pytest.approx(sps / env_only, abs=0.006)
+        assert row[10] == f"{measured.sps:,.0f}" and row[12] == f"{measured.rollout / 8 * 1e3:.3f}"
+        sps, env_only = (float(cell.replace(",", "")) for cell in (row[10], row[9]))
+        assert float(row[11]) == pytest.approx(sps / env_only, abs=0.006)
     for n in (2, 3):  # one round: its ratio is the median
         ratio = f"{run_sps[n, 'this checkout'] / run_sps[n, 'baseline']:.3f}"
         assert f"- {n} envs, cpu: this checkout's SPS / the baseline's, each round: {ratio}; median {ratio}\n" in text
-    # the older script acts through the inline twin, this one through Rollout; both record what the Agent computes
-    for path, acting in ((old, "InlineActing"), (ROOT / common.ATARI, "Rollout")):
+    # the older script acts through the inline step, this one through acting_step; both record what the Agent computes
+    for path, acting in ((old, "act_inline"), (ROOT / common.ATARI, "act_eagerly")):
         module = common.load_script(path.name, path.parent)
         stepper = atari_step.Stepper(module, torch.device("cpu"), 2, 1, 4)
-        assert type(stepper.acting).__name__ == acting
+        assert stepper.act.__name__ == acting
         stepper.run(4, synced=True)
         stepper.close()
-        batch = {key: vars(stepper.acting)[key].flatten(0, 1) for key in ("obs", "actions", "log_probs", "values")}
-        module.check_rollout_policy(stepper.acting.policy.agent, batch, "in the test", 8)  # exits unless they agree
+        batch = {key: value.flatten(0, 1) for key, value in stepper.storage.items()}
+        module.check_rollout_policy(stepper.policy.agent, batch, "in the test", 8)  # exits unless they agree
 
 
 def test_scaling_builds_pinned_one_thread_commands_for_every_script_and_mode():

@@ -60,7 +60,7 @@ def test_atari_seeded_gpu_runs_repeat_bit_for_bit(tmp_path):
 
 @pytest.mark.parametrize("graph", [True, False], ids=["graph", "eager"])
 def test_atari_rollout_acts_as_the_agent_on_the_gpu_with_fresh_draws_every_step(graph):
-    """Rollout on the same frames every step: the host gets the actions its rows hold, the rows hold what
+    """The acting step on the same frames every step: the host gets the actions its rows hold, the rows hold what
     Agent.log_prob_entropy_value computes for them, every replay draws anew from the policy's probabilities, and the
     same CUDA seed draws the same actions."""
     device, steps, envs = torch.device("cuda"), 40, 64
@@ -70,21 +70,23 @@ def test_atari_rollout_acts_as_the_agent_on_the_gpu_with_fresh_draws_every_step(
     draws = []
     for _ in range(2):
         torch.cuda.manual_seed(7)
-        rollout = ppo.Rollout(agent, (steps, envs), (4, 84, 84), device, graph)
-        assert (rollout.graph is not None) == graph
-        sent = []
-        for step in range(steps):
-            rollout.observe(step, frames.numpy())
-            rollout.act(step)
-            sent.append(rollout.actions_to_host().copy())
-        draws.append(np.stack(sent))
-        assert np.array_equal(draws[-1], rollout.actions.cpu().numpy()) and bool((rollout.obs.cpu() == frames).all())
-        batch = {key: vars(rollout)[key].flatten(0, 1) for key in ("obs", "actions", "log_probs", "values")}
+        storage = {
+            "obs": torch.zeros((steps, envs, 4, 84, 84), dtype=torch.uint8, device=device),
+            "actions": torch.zeros((steps, envs), dtype=torch.long, device=device),
+            "log_probs": torch.zeros((steps, envs), device=device),
+            "values": torch.zeros((steps, envs), device=device),
+        }
+        act = ppo.acting_step(agent.rollout_policy(), *storage.values(), graph=graph)
+        assert act.__name__ == ("act_by_graph_replay" if graph else "act_eagerly")
+        draws.append(np.stack([act(step, frames.numpy()).copy() for step in range(steps)]))
+        assert np.array_equal(draws[-1], storage["actions"].cpu().numpy())
+        assert bool((storage["obs"].cpu() == frames).all())
+        batch = {key: value.flatten(0, 1) for key, value in storage.items()}
         ppo.check_rollout_policy(agent, batch, "in the test", len(batch["obs"]))  # exits unless they agree
     assert np.array_equal(draws[0], draws[1])  # seeded
     assert (draws[0] != draws[0][0]).any(0).all()  # every env's action varies: no replay repeats a frozen draw
     with torch.no_grad():
-        probs = agent.policy_value(frames.to(device))[0].exp().mean(0).cpu().numpy()
+        probs = agent.policy_value(frames.to(device))[0].log_probs.exp().mean(0).cpu().numpy()
     frequencies = np.bincount(draws[0].ravel(), minlength=4) / draws[0].size
     assert np.abs(frequencies - probs).max() < 0.035  # 2,560 draws: about 4 standard deviations
 

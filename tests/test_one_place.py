@@ -16,9 +16,34 @@ FLAGS = {
     "ppo_atari_multigpu.py": ["--env-id", "BreakoutNoFrameskip-v4", "--num-steps", "32", "--total-timesteps", "512"],
 }
 PPO_TANH_MLP = "        nn.Tanh(),\n        layer_init(nn.Linear(64, 64)),\n        nn.Tanh(),\n"
-ATARI_SAMPLING = "actions = log_probs.argmax(-1) if deterministic"
 VPG_HIDDEN_LAYER = "layers += [layer_init(nn.Linear(size, hidden)), nn.Tanh()]"
-# edits that a researcher makes in the Agent's modules alone: the rollout follows them and both runs train
+PPO_GAUSSIAN_HEADS = (
+    "        self.actor_mean = mlp(obs_dim, action_dim, out_std=0.01)\n"
+    "        self.actor_logstd = nn.Parameter(torch.zeros(action_dim))  # or a module (state-dependent)\n"
+)
+PPO_GAUSSIAN_POLICY = (
+    "        log_std = self.actor_logstd  # state-dependent: self.actor_logstd(obs)\n"
+    "        return GaussianActions(self.actor_mean(obs), log_std)\n"
+)
+BETA_ACTIONS = """class BetaActions:
+    def __init__(self, alpha, beta):
+        self.alpha = alpha
+        self.beta = beta
+
+    def sample(self, deterministic: bool = False):
+        distribution = torch.distributions.Beta(torch.as_tensor(self.alpha), torch.as_tensor(self.beta))
+        actions = distribution.mean if deterministic else distribution.sample()
+        actions = actions.clamp(1e-6, 1 - 1e-6)
+        return actions.numpy(), distribution.log_prob(actions).sum(-1).numpy()
+
+    def log_prob_entropy(self, actions):
+        distribution = torch.distributions.Beta(self.alpha, self.beta)
+        return distribution.log_prob(actions).sum(-1), distribution.entropy().sum(-1)
+
+
+class Agent(nn.Module):"""
+VPG_SOFTMAX = "return GaussianActions(out, self.log_std) if self.continuous else CategoricalActions(out)"
+# edits that a researcher makes in the Agent alone: the rollout follows them and both runs train
 EDITS = {
     ("ppo_continuous_mpi.py", "tanh to ReLU"): [(PPO_TANH_MLP, PPO_TANH_MLP.replace("Tanh", "ReLU"))],
     ("ppo_continuous_mpi.py", "an extra hidden layer"): [
@@ -32,6 +57,18 @@ EDITS = {
         ),
         ("log_std = self.actor_logstd  #", "log_std = self.actor_logstd(obs)  #"),
     ],
+    ("ppo_continuous_mpi.py", "a wider Gaussian, in the Agent alone"): [
+        ("log_std = self.actor_logstd  #", "log_std = self.actor_logstd + 0.5  #")
+    ],
+    ("ppo_continuous_mpi.py", "a Beta distribution"): [
+        ("class Agent(nn.Module):", BETA_ACTIONS),
+        (
+            PPO_GAUSSIAN_HEADS,
+            "        self.actor_alpha = nn.Sequential(mlp(obs_dim, action_dim, out_std=0.01), nn.Softplus())\n"
+            "        self.actor_beta = nn.Sequential(mlp(obs_dim, action_dim, out_std=0.01), nn.Softplus())\n",
+        ),
+        (PPO_GAUSSIAN_POLICY, "        return BetaActions(self.actor_alpha(obs) + 1, self.actor_beta(obs) + 1)\n"),
+    ],
     ("vpg_mpi.py", "tanh to ReLU"): [(VPG_HIDDEN_LAYER, VPG_HIDDEN_LAYER.replace("Tanh", "ReLU"))],
     ("vpg_mpi.py", "an extra hidden layer"): [
         ("self.actor = mlp(obs_dim, hidden_sizes,", "self.actor = mlp(obs_dim, (*hidden_sizes, 32),")
@@ -39,34 +76,52 @@ EDITS = {
     ("vpg_mpi.py", "a LayerNorm"): [
         (VPG_HIDDEN_LAYER, VPG_HIDDEN_LAYER.replace("nn.Tanh()", "nn.LayerNorm(hidden), nn.Tanh()"))
     ],
-    ("vpg_mpi.py", "a softmax temperature, in the Agent and the rollout alike"): [
-        ("log_probs = torch.log_softmax(out, dim=-1)", "log_probs = torch.log_softmax(out / 2, dim=-1)"),
-        ("shifted = out - out.max(-1, keepdims=True)", "shifted = out / 2 - (out / 2).max(-1, keepdims=True)"),
+    ("vpg_mpi.py", "a softmax temperature, in the Agent alone"): [
+        (VPG_SOFTMAX, VPG_SOFTMAX.replace("CategoricalActions(out)", "CategoricalActions(out / 2)"))
     ],
 }
 # edits to one side only: the agreement check must stop the run before its first step, naming what differs (any
 # quantity: "") and the functions that must agree
 ONE_SIDED = {
-    ("ppo_continuous_mpi.py", "the Agent's log-std, not the rollout's"): (
-        [("log_std = self.actor_logstd  #", "log_std = self.actor_logstd + 0.5  #")],
+    ("ppo_continuous_mpi.py", "the Gaussian's scoring alone"): (
+        [
+            (
+                "- log_std - LOG_SQRT_2PI).sum(-1)\n        entropy",
+                "- log_std - LOG_SQRT_2PI + 0.5).sum(-1)\n        entropy",
+            )
+        ],
         "log-probabilities",
-        "RolloutPolicy.act",
+        "GaussianActions.sample (on numpy_module's copies of the networks) and GaussianActions.log_prob_entropy",
     ),
     ("ppo_continuous_mpi.py", "the numpy tanh alone"): (
         [("nn.Tanh: np.tanh,", "nn.Tanh: np.sin,")],
         "",
-        "RolloutPolicy.act",
+        "GaussianActions.sample (on numpy_module's copies of the networks)",
     ),
-    ("vpg_mpi.py", "a softmax temperature in the Agent alone"): (
-        [("log_probs = torch.log_softmax(out, dim=-1)", "log_probs = torch.log_softmax(out / 2, dim=-1)")],
+    ("vpg_mpi.py", "a softmax temperature in the scoring alone"): (
+        [
+            (
+                "log_probs = torch.log_softmax(self.logits, dim=-1)",
+                "log_probs = torch.log_softmax(self.logits / 2, dim=-1)",
+            )
+        ],
         "log-probabilities",
-        "Agent.log_prob_entropy",
+        "CategoricalActions.sample (on numpy_module's copies of the networks) and CategoricalActions.log_prob_entropy",
     ),
-    ("vpg_mpi.py", "the numpy tanh alone"): ([("nn.Tanh: np.tanh,", "nn.Tanh: np.sin,")], "", "RolloutPolicy.act"),
-    ("ppo_atari_multigpu.py", "a softmax temperature in act alone"): (
-        [(ATARI_SAMPLING, "log_probs = torch.log_softmax(log_probs / 2, dim=-1)\n        " + ATARI_SAMPLING)],
+    ("vpg_mpi.py", "the numpy tanh alone"): (
+        [("nn.Tanh: np.tanh,", "nn.Tanh: np.sin,")],
+        "",
+        "CategoricalActions.sample",
+    ),
+    ("ppo_atari_multigpu.py", "a softmax temperature in the sampling alone"): (
+        [
+            (
+                "return actions, self.log_probs.gather(-1, actions.unsqueeze(-1)).squeeze(-1)",
+                "return actions, torch.log_softmax(self.log_probs / 2, -1).gather(-1, actions[:, None])[:, 0]",
+            )
+        ],
         "log-probabilities",
-        "RolloutPolicy.act and Agent.log_prob_entropy_value",
+        "CategoricalActions.sample (in RolloutPolicy.act) and CategoricalActions.log_prob_entropy",
     ),
 }
 
@@ -141,3 +196,30 @@ def test_a_layer_without_a_numpy_version_is_named_and_runs_with_no_numpy_rollout
     assert not (tmp_path / "runs").exists()  # refused before its run folder was made
     assert_ok(train(copy, "--no-numpy-rollout"))
     assert losses(tmp_path)["losses/value_loss"] != unmodified_losses[script]["losses/value_loss"]
+
+
+@pytest.mark.parametrize(
+    ("script", "edit", "message"),
+    [
+        (
+            "ppo_continuous_mpi.py",
+            (
+                "return GaussianActions(self.actor_mean(obs), log_std)",
+                "return GaussianActions(torch.tanh(self.actor_mean(obs)), log_std)",
+            ),
+            "the rollout cannot run Agent.policy or Agent.value on numpy rows (TypeError: tanh(): argument 'input'",
+        ),
+        (
+            "vpg_mpi.py",
+            ("return self.critic(obs).squeeze(-1)", "return self.critic(obs)"),
+            "RolloutPolicy.act gives values of shape (256, 1) for 256 observations",
+        ),
+    ],
+    ids=["a torch function in the Agent's policy", "a value per row forgotten"],
+)
+def test_an_agent_the_rollout_cannot_run_stops_at_start_in_one_line(script, edit, message, tmp_path):
+    result = train(edited_copy(tmp_path, script, [edit]))
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    [line] = [line for line in result.stderr.splitlines() if "error:" in line]
+    assert message in line
+    assert not (tmp_path / "runs").exists()

@@ -159,8 +159,9 @@ def never_fire_rank(rank: int, world_size: int, folder: str) -> dict[str, np.nda
 
     @torch.inference_mode()
     def never_fire(self, obs, deterministic=False):  # NOOP, with its log-probability (the agreement check reads it)
-        log_probs, values = self.agent.policy_value(obs)
-        return torch.zeros(len(obs), dtype=torch.long, device=obs.device), log_probs[:, 0], values
+        policy, values = self.agent.policy_value(obs)
+        noop = torch.zeros(len(obs), dtype=torch.long, device=obs.device)
+        return noop, policy.log_prob_entropy(noop)[0], values
 
     make_env = ppo.make_env
     ppo.make_env, ppo.RolloutPolicy.act = recording_make_env, never_fire

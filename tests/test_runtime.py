@@ -39,9 +39,9 @@ def test_a_gpu_run_forms_a_group_that_serves_both_cpu_and_cuda_tensors(script, g
         raise RuntimeError("no network in this test")
 
     monkeypatch.setattr(dist, "init_process_group", init_process_group)
-    run = module.Run(module.Args(cuda=True))
+    run = module.launch(module.Args(cuda=True), "iteration")
     with pytest.raises(SystemExit):
-        run.join_process_group()
+        module.join_process_group(run)
     assert formed == [backend]
     assert run.device == torch.device("cuda", 0)
     assert f"with {backend}:" in capsys.readouterr().err
@@ -91,7 +91,7 @@ def test_capture_video_on_a_headless_machine_renders_with_egl(display, chosen, m
     monkeypatch.setenv("MUJOCO_GL", "unset below")  # so that monkeypatch restores the variable afterwards
     monkeypatch.delenv("MUJOCO_GL")
     monkeypatch.setenv("DISPLAY", display)
-    ppo_continuous_mpi.Run(ppo_continuous_mpi.Args(capture_video=True))
+    ppo_continuous_mpi.launch(ppo_continuous_mpi.Args(capture_video=True), "iteration")
     assert os.environ.get("MUJOCO_GL") == chosen
 
 
