@@ -539,7 +539,7 @@ def minibatch_loss(
         fail(
             f"Agent.log_prob_entropy_value gives {tuple(new_log_prob.shape)} log-probabilities and "
             f"{tuple(new_value.shape)} values for a minibatch of {tuple(mb['log_probs'].shape)}: it and "
-            "minibatch_indices() must agree on what a minibatch holds"
+            "minibatches() must agree on what a minibatch holds"
         )
     logratio = new_log_prob - mb["log_probs"]
     ratio = logratio.exp()
@@ -581,29 +581,34 @@ def local_minibatches(sizes: torch.Tensor, group: Group = None) -> tuple[list[in
     return local_sizes.tolist(), None if bool((sizes == sizes[0, 0]).all()) else weights
 
 
-def minibatch_indices(orders: torch.Tensor, local_sizes: list[int]) -> list[list[torch.Tensor]]:
-    """[epoch][k]: the batch rows of this rank's minibatch k in epoch e, slice k (`local_sizes[k]` long) of
-    `orders[e]`. The one place minibatches are cut: a recurrent core cuts whole envs' sequences here instead."""
-    return [list(order.split(local_sizes)) for order in orders]
+def minibatches(batch: Batch, order: torch.Tensor, local_sizes: list[int]) -> list[Batch]:
+    """One epoch's minibatches of this rank: `batch` in the order `order` (one gather per tensor), cut into pieces
+    `local_sizes` long. The one place minibatches are made: a recurrent core takes whole envs' sequences here."""
+    shuffled = {key: value[order] for key, value in batch.items()}
+    starts = np.cumsum([0, *local_sizes]).tolist()
+    return [
+        {key: value[start:end] for key, value in shuffled.items()}
+        for start, end in zip(starts[:-1], starts[1:], strict=True)
+    ]
 
 
 def update(
     model: nn.Module, optimizer: torch.optim.Optimizer, batch: Batch, args: Args,
     orders: torch.Tensor, sizes: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, float]:  # fmt: skip
-    """PPO's epochs through `model` (DDP's Agent) on minibatch_indices' minibatches; the world's minibatch k is the
-    ranks' minibatches k, whose sizes are `sizes[rank, k]`. Returns the world-averaged LOSS_KEYS and the backward
-    and sync time."""
+    """PPO's epochs through `model` (DDP's Agent): minibatch k of epoch e is piece k, `sizes[rank, k]` long, of
+    minibatches(batch, orders[e]); the world's is the ranks' union. Returns the world-averaged LOSS_KEYS and the
+    backward and sync time."""
     parameters = list(model.parameters())
     sync_time = 0.0
     if sizes is None:
         sizes = minibatch_sizes([orders.shape[1]] * group_size(), args.num_minibatches)
     local_sizes, weights = local_minibatches(sizes)
-    minibatches = minibatch_indices(orders, local_sizes)
-    if args.norm_adv:  # every world minibatch's mean and std, in one collective
+    if args.norm_adv:  # every world minibatch's mean and std, of all epochs, in one collective
         start = time.perf_counter()
-        pieces = [batch["advantages"][index] for epoch in minibatches for index in epoch]
-        shape = (len(minibatches), args.num_minibatches)
+        advantages = {"advantages": batch["advantages"]}
+        pieces = [mb["advantages"] for order in orders for mb in minibatches(advantages, order, local_sizes)]
+        shape = (len(orders), args.num_minibatches)
         if weights is None:
             adv_mean, adv_std = global_mean_std(torch.stack(pieces).view(*shape, -1))
         else:  # unequal sizes (preemption): a list
@@ -613,9 +618,8 @@ def update(
     fused = optimizer.defaults.get("fused")
     nonfinite = torch.zeros((), device=parameters[0].device) if fused else None
     optimizer.found_inf = nonfinite  # fused Adam skips a step whose flag is set
-    for epoch, epoch_minibatches in enumerate(minibatches):
-        for k, index in enumerate(epoch_minibatches):
-            mb = {key: value[index] for key, value in batch.items()}
+    for epoch, order in enumerate(orders):
+        for k, mb in enumerate(minibatches(batch, order, local_sizes)):
             adv_moments = (adv_mean[epoch, k], adv_std[epoch, k]) if args.norm_adv else (None, None)
             loss, minibatch_losses = minibatch_loss(model, mb, *adv_moments, args)
             if weights is not None:

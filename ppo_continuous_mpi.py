@@ -557,7 +557,7 @@ def minibatch_loss(
         fail(
             f"Agent.log_prob_entropy_value gives {tuple(new_log_prob.shape)} log-probabilities and "
             f"{tuple(new_value.shape)} values for a minibatch of {tuple(mb['log_probs'].shape)}: it and "
-            "minibatch_indices() must agree on what a minibatch holds"
+            "minibatches() must agree on what a minibatch holds"
         )
     logratio = new_log_prob - mb["log_probs"]
     ratio = logratio.exp()
@@ -605,18 +605,23 @@ def local_minibatches(sizes: torch.Tensor, group: Group = None) -> tuple[list[in
     return local_sizes.tolist(), None if bool((sizes == sizes[0, 0]).all()) else weights
 
 
-def minibatch_indices(orders: torch.Tensor, local_sizes: list[int]) -> list[list[torch.Tensor]]:
-    """[epoch][k]: the batch rows of this rank's minibatch k in epoch e, slice k (`local_sizes[k]` long) of
-    `orders[e]`. The one place minibatches are cut: a recurrent core cuts whole envs' sequences here instead."""
-    return [list(order.split(local_sizes)) for order in orders]
+def minibatches(batch: Batch, order: torch.Tensor, local_sizes: list[int]) -> list[Batch]:
+    """One epoch's minibatches of this rank: `batch` in the order `order` (one gather per tensor), cut into pieces
+    `local_sizes` long. The one place minibatches are made: a recurrent core takes whole envs' sequences here."""
+    shuffled = {key: value[order] for key, value in batch.items()}
+    starts = np.cumsum([0, *local_sizes]).tolist()
+    return [
+        {key: value[start:end] for key, value in shuffled.items()}
+        for start, end in zip(starts[:-1], starts[1:], strict=True)
+    ]
 
 
 def update(
     agent: Agent, optimizer: torch.optim.Optimizer, batch: Batch, args: Args, orders: torch.Tensor,
     sizes: torch.Tensor | None = None, loss_fn: Callable = minibatch_loss, group: Group = None,
 ) -> tuple[torch.Tensor, float]:  # fmt: skip
-    """PPO's epochs on minibatch_indices' minibatches; the world's minibatch k is the ranks' minibatches k, whose
-    sizes are `sizes[rank, k]`. Returns the world-averaged LOSS_KEYS and the collectives' time."""
+    """PPO's epochs: minibatch k of epoch e is piece k, `sizes[rank, k]` long, of minibatches(batch, orders[e]); the
+    world's is the ranks' union. Returns the world-averaged LOSS_KEYS and the collectives' time."""
     flat = flat_gradient_buffer(list(agent.parameters()), num_extras=len(LOSS_KEYS))
     gradients = flat[: -len(LOSS_KEYS)]
     losses = flat[-len(LOSS_KEYS) :]
@@ -625,16 +630,16 @@ def update(
     local_sizes, weights = local_minibatches(sizes, group)
     sync_time = 0.0
     clipfrac_sum = flat.new_zeros(())
-    for epoch, indices in enumerate(minibatch_indices(orders[: args.update_epochs], local_sizes)):
+    for epoch in range(args.update_epochs):
+        epoch_minibatches = minibatches(batch, orders[epoch], local_sizes)
         adv_mean = adv_std = [None] * args.num_minibatches
         if args.norm_adv:  # every world minibatch's mean and std in one collective per epoch
             start = time.perf_counter()
-            advantages = [batch["advantages"][index] for index in indices]  # this rank's part of each
+            advantages = [mb["advantages"] for mb in epoch_minibatches]  # this rank's part of each
             advantages = torch.stack(advantages) if weights is None else advantages
             adv_mean, adv_std = global_mean_std(advantages, group)
             sync_time += time.perf_counter() - start
-        for k, index in enumerate(indices):
-            mb = {key: value[index] for key, value in batch.items()}
+        for k, mb in enumerate(epoch_minibatches):
             loss, minibatch_losses = loss_fn(agent, mb, adv_mean[k], adv_std[k], args)
             if weights is not None:
                 loss = loss * weights[k]
