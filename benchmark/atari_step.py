@@ -207,7 +207,8 @@ def idle_cores(script) -> int:
 
 
 def main(argv: list[str] | None = None) -> Path:
-    """Measure every (device, env count, script), write OUT.md; returns its path."""
+    """Measure every (device, env count, script), write OUT.md after each configuration (so that a run stopped
+    early keeps what it measured, marked partial); returns its path."""
     args, argv, extra = common.cli(Args, argv, script_args=True)
     scripts = {"this checkout": common.ROOT / common.ATARI}
     if args.baseline is not None:
@@ -218,10 +219,32 @@ def main(argv: list[str] | None = None) -> Path:
     extra = [*(["--torch-threads", str(threads), "--env-threads", str(threads)] if args.threads else []), *extra]
     torch.set_num_threads(threads)
     torch.backends.cudnn.deterministic = True  # the script's --torch-deterministic default
-    load = common.check_load(args.max_load)
+    load, load_warning = common.check_load(args.max_load)
+    rule = "--threads" if args.threads else "the script's rule at one rank"
+    facts = [f"{ENV_ID}; torch and env threads: {threads} ({rule}); {args.steps} steps timed"]
+    if "cuda" in args.devices:
+        facts.append(f"GPU: {torch.cuda.get_device_name()}, CUDA {torch.version.cuda}")
+    for label, path in scripts.items():
+        facts.append(f"{label}: {path} (sha256 {hashlib.sha256(path.read_bytes()).hexdigest()[:12]})")
+    headers = "configuration | script | device | " + " | ".join(f"{part} ms" for part in PARTS)
+    headers += " | step ms (sum) | step ms (unsynchronised) | rollout-only SPS | env-only SPS"
+    headers += " | script SPS | script / env-only | script rollout ms / step" if args.iterations else ""
+    configurations = [(num_envs, device) for num_envs in args.envs for device in args.devices]
     rows, ratios = [], ""
+
+    def write(measured: int) -> Path:
+        """OUT.md with the rows of the first `measured` configurations."""
+        partial = None
+        if measured < len(configurations):
+            partial = f"PARTIAL: {measured} of {len(configurations)} configurations measured when this was written"
+        body = "\n" + common.markdown_table(headers, rows) + "\n" + (ratios and ratios + "\n")
+        body += TABLE_MEANS.format(num_steps=args.num_steps) + "\n"
+        title = "Where a rollout step of ppo_atari_multigpu.py spends its time"
+        warning = " ".join(filter(None, [partial, load_warning])) or None
+        return common.write_results(args, argv, title, facts, body, load, warning)
+
     with common.work_folder(args.out_dir, "ddrl_atari_step_") as work_dir:
-        for num_envs, device in ((num_envs, device) for num_envs in args.envs for device in args.devices):
+        for measured, (num_envs, device) in enumerate(configurations, start=1):
             if device == args.devices[0]:
                 env_rate = env_only_rate(this, num_envs, threads, args.env_seconds)
                 print(f"{num_envs} envs: env-only {env_rate:,.0f} steps/s", flush=True)
@@ -229,8 +252,8 @@ def main(argv: list[str] | None = None) -> Path:
                 label: step_row(modules[label], label, device, num_envs, threads, env_rate, args) for label in modules
             }
             runs = script_runs(args, scripts, device, num_envs, extra, work_dir)
-            for label, measured in runs.items() if args.iterations else ():
-                run = sorted(measured, key=lambda m: m.sps)[(args.rounds - 1) // 2]  # the median run
+            for label, measured_runs in runs.items() if args.iterations else ():
+                run = sorted(measured_runs, key=lambda m: m.sps)[(args.rounds - 1) // 2]  # the median run
                 rollout_ms = run.rollout / args.num_steps * 1e3
                 found[label] += [f"{run.sps:,.0f}", f"{run.sps / env_rate:.2f}", f"{rollout_ms:.3f}"]
             if args.iterations and len(scripts) > 1:
@@ -239,19 +262,8 @@ def main(argv: list[str] | None = None) -> Path:
                 ratios += f"{', '.join(f'{ratio:.3f}' for ratio in each)}; median {statistics.median(each):.3f}\n"
             rows += found.values()
             print("\n".join(f"  {device}, {label}: {' | '.join(row[3:])}" for label, row in found.items()), flush=True)
-    headers = "configuration | script | device | " + " | ".join(f"{part} ms" for part in PARTS)
-    headers += " | step ms (sum) | step ms (unsynchronised) | rollout-only SPS | env-only SPS"
-    headers += " | script SPS | script / env-only | script rollout ms / step" if args.iterations else ""
-    body = "\n" + common.markdown_table(headers, rows) + "\n" + (ratios and ratios + "\n")
-    body += TABLE_MEANS.format(num_steps=args.num_steps) + "\n"
-    rule = "--threads" if args.threads else "the script's rule at one rank"
-    facts = [f"{ENV_ID}; torch and env threads: {threads} ({rule}); {args.steps} steps timed"]
-    if "cuda" in args.devices:
-        facts.append(f"GPU: {torch.cuda.get_device_name()}, CUDA {torch.version.cuda}")
-    for label, path in scripts.items():
-        facts.append(f"{label}: {path} (sha256 {hashlib.sha256(path.read_bytes()).hexdigest()[:12]})")
-    title = "Where a rollout step of ppo_atari_multigpu.py spends its time"
-    return common.write_results(args, argv, title, facts, body, *load)
+            path = write(measured)
+    return path
 
 
 TABLE_MEANS = (

@@ -109,9 +109,11 @@ def base_mode(mode: str) -> str:
 def scaling_table(measurements: list[common.Measurement]) -> str:
     """One script's rows: SPS, speedup and efficiency against the mode's 1-rank row, seconds per iteration."""
     baselines = {m.mode: m for m in measurements if m.ranks == 1}
+    first_mode = next((m.mode for m in measurements if m.mode != INDEPENDENT), None)  # the ceiling's baseline
     rows = []
     for m in measurements:
-        speedup = m.sps / baselines.get(base_mode(m.mode), measurements[0]).sps  # the ceiling's: the first mode's
+        baseline = baselines.get(first_mode if m.mode == INDEPENDENT else base_mode(m.mode))
+        speedup = m.sps / baseline.sps if baseline else float("nan")  # nan: its baseline not measured yet
         numbers = [f"{m.global_batch:,}", f"{m.sps:,.0f}", f"{m.script_sps:,.0f}", f"{speedup:.2f}"]
         seconds = [f"{m.rollout:.3f}", f"{m.update:.3f}", f"{m.sync:.3f}"]
         rows.append([m.mode, m.ranks, *numbers, f"{speedup / m.ranks:.0%}", *seconds])
@@ -121,10 +123,11 @@ def scaling_table(measurements: list[common.Measurement]) -> str:
 def round_speedups(rounds: dict[tuple[str, str, int], list[common.Measurement]]) -> str:
     """One line per (mode, N ranks): each round's SPS(N ranks) / SPS(1 rank), both of that round, and their median."""
     lines = []
-    first_mode = next(iter(rounds))[1]
+    first_mode = next((mode for _, mode, _ in rounds if mode != INDEPENDENT), None)
     for (_, mode, ranks), measurements in rounds.items():
-        if ranks > 1:
-            baselines = rounds[measurements[0].script, first_mode if mode == INDEPENDENT else base_mode(mode), 1]
+        key = (measurements[0].script, first_mode if mode == INDEPENDENT else base_mode(mode), 1)
+        if ranks > 1 and key in rounds and len(rounds[key]) == len(measurements):
+            baselines = rounds[key]
             speedups = [m.sps / base.sps for m, base in zip(measurements, baselines, strict=True)]
             each = ", ".join(f"{speedup:.2f}" for speedup in speedups)
             lines.append(f"- {mode}, {ranks} ranks: speedup per round {each}; median {statistics.median(speedups):.2f}")
@@ -173,10 +176,11 @@ def plot(results: dict[tuple[str, str], list[common.Measurement]], path: Path) -
 def jobs(args: Args, script: str, ranks_to_run: list[int]) -> list[tuple[str, int, str]]:
     """(row mode, ranks, launcher) of every run of `script` in a round (mpirun: the MLP scripts only)."""
     modes = script_modes(script, args.sync_modes)
-    found = [(mode, ranks, args.launchers[0]) for mode in modes for ranks in ranks_to_run]
+    # the machine's ceiling first: the row that says most about the host, should the rest be cut short
+    found = [(INDEPENDENT, ranks, "") for ranks in ranks_to_run if ranks > 1 and args.independent]
+    found += [(mode, ranks, args.launchers[0]) for mode in modes for ranks in ranks_to_run]
     for launcher in args.launchers[1:] if script != common.ATARI else ():
         found += [(f"{mode} {launcher}", ranks, launcher) for mode in modes for ranks in ranks_to_run if ranks > 1]
-    found += [(INDEPENDENT, ranks, "") for ranks in ranks_to_run if ranks > 1 and args.independent]
     return found
 
 
@@ -201,22 +205,38 @@ def run_job(args: Args, extra: list[str], script: str, job: tuple[str, int, str]
 
 
 def main(argv: list[str] | None = None) -> tuple[Path, Path]:
-    """Run every (script, mode, ranks), write OUT.md and OUT.png; returns their paths."""
+    """Run every (script, mode, ranks), write OUT.md and OUT.png after each run (so that a run stopped early keeps
+    what it measured, marked partial); returns their paths."""
     args, argv, extra = common.cli(Args, argv, script_args=True)
     if args.rounds < 1:
         raise SystemExit("benchmark.scaling: error: --rounds must be at least 1")
     cores = common.usable_cores()
     ranks_to_run = rank_counts(args.ranks, len(cores))
-    load = common.check_load(args.max_load)
+    load, load_warning = common.check_load(args.max_load)
+    schedule = [
+        (r, script, job)
+        for r in range(args.rounds)
+        for script in args.scripts
+        for job in jobs(args, script, ranks_to_run)
+    ]
     rounds: dict[tuple[str, str, int], list[common.Measurement]] = {}  # (script, mode, ranks): one per round
     with common.work_folder(args.out_dir, "ddrl_scaling_") as work_dir:
-        for round_index, script in ((r, script) for r in range(args.rounds) for script in args.scripts):
-            for job in jobs(args, script, ranks_to_run):
-                name = f"scaling__{Path(script).stem}__{job[0].replace(' ', '_')}__{job[1]}ranks"
-                name += f"__round{round_index + 1}" if args.rounds > 1 else ""
-                rounds.setdefault((script, *job[:2]), []).append(run_job(args, extra, script, job, name, work_dir))
+        for done, (round_index, script, job) in enumerate(schedule, start=1):
+            name = f"scaling__{Path(script).stem}__{job[0].replace(' ', '_')}__{job[1]}ranks"
+            name += f"__round{round_index + 1}" if args.rounds > 1 else ""
+            rounds.setdefault((script, *job[:2]), []).append(run_job(args, extra, script, job, name, work_dir))
+            partial = (
+                None if done == len(schedule) else f"PARTIAL: {done} of {len(schedule)} runs when this was written"
+            )
+            paths = write_tables(args, argv, rounds, ranks_to_run, cores, load, partial or load_warning)
+    return paths
+
+
+def write_tables(args: Args, argv, rounds: dict, ranks_to_run: list[int], cores: list[int], load: str, warning):
+    """OUT.md and OUT.png of the runs in `rounds` so far (the median run of each (script, mode, ranks))."""
     results: dict[tuple[str, str], list[common.Measurement]] = {}
-    for (script, mode, _), measurements in rounds.items():
+    in_order = sorted(rounds.items(), key=lambda item: item[0][1] == INDEPENDENT)  # the ceiling's rows last
+    for (script, mode, _), measurements in in_order:
         results.setdefault((script, mode), []).append(sorted(measurements, key=lambda m: m.sps)[(args.rounds - 1) // 2])
     png_path, image = common.draw(args, lambda path: plot(results, path), "scaling")
     facts = ["weak scaling: each rank keeps its batch, the world's grows with N", *pinned_facts(args, cores)]
@@ -232,7 +252,7 @@ def main(argv: list[str] | None = None) -> tuple[Path, Path]:
         if args.independent and len(ranks_to_run) > 1:
             body += f"{INDEPENDENT} means {INDEPENDENT_MEANS}.\n\n"
     body += "## Reference: mpi_util\n\n" + reference_table()
-    return common.write_results(args, argv, "Scaling: N ranks on N cores", facts, body, *load), png_path
+    return common.write_results(args, argv, "Scaling: N ranks on N cores", facts, body, load, warning), png_path
 
 
 if __name__ == "__main__":

