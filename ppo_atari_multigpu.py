@@ -82,7 +82,8 @@ class Args:
     compile: bool = False
     """if toggled, the update's Agent calls run through torch.compile (CPU: needs a C++ compiler)"""
     cuda_graph: bool = True
-    """if toggled, a rollout step on a GPU is one CUDA graph replay (see Rollout), else eager"""
+    """if toggled, on a GPU a rollout step is one CUDA graph replay and the update's minibatch step a compiled region
+    replayed as CUDA graphs (see acting_step, loss_function); else both eager"""
 
     # Algorithm specific arguments (names and defaults as in CleanRL's ppo_atari.py)
     env_id: str = "BreakoutNoFrameskip-v4"
@@ -96,7 +97,7 @@ class Args:
     num_steps: int = 128
     """steps per env per rollout"""
     env_threads: int = 0
-    """AtariVectorEnv threads per rank; 0 = the idle cores at start / the ranks on this node"""
+    """AtariVectorEnv threads per rank; 0 = one per env, at most the cores idle at start per rank on this node"""
     anneal_lr: bool = True
     """if toggled, the learning rate decays linearly to zero over the iterations"""
     gamma: float = 0.99
@@ -130,7 +131,7 @@ class Args:
     run_name: str = ""
     """the run folder under runs/; default `{env_id}__{exp_name}__{seed}__{unix_time}`"""
     torch_threads: int = 0
-    """torch threads per rank; 0 = the cores idle at start divided by the ranks on this node"""
+    """torch threads per rank; 0 = the cores idle at start divided by the ranks on this node (1 on a GPU)"""
     nprocs: int = 1
     """if > 1, re-launch as that many ranks: mpirun if --collectives allows MPI, else torchrun"""
     collectives: Literal["auto", "mpi", "torch"] = "auto"
@@ -567,6 +568,15 @@ def minibatch_loss(
     return loss, losses.detach()
 
 
+def loss_function(args: Args, device: torch.device) -> Callable:
+    """minibatch_loss as the update calls it: eager on the CPU (where --compile compiles the Agent); on a GPU with
+    --cuda-graph, one compiled region (the Agent's forward, the loss and, through autograd, the backward) of static
+    shapes unless preempted, replayed as CUDA graphs: a minibatch step is then a few launches, not hundreds."""
+    if device.type != "cuda" or not args.cuda_graph:
+        return minibatch_loss
+    return torch.compile(minibatch_loss, mode="reduce-overhead", dynamic=None if args.preempt_fraction else False)
+
+
 def minibatch_sizes(sample_counts: list[int], num_minibatches: int) -> torch.Tensor:
     """[ranks, num_minibatches]: the samples each rank gives each world minibatch."""
     counts = torch.tensor(sample_counts)[:, None]
@@ -594,7 +604,7 @@ def minibatches(batch: Batch, order: torch.Tensor, local_sizes: list[int]) -> li
 
 def update(
     model: nn.Module, optimizer: torch.optim.Optimizer, batch: Batch, args: Args,
-    orders: torch.Tensor, sizes: torch.Tensor | None = None,
+    orders: torch.Tensor, sizes: torch.Tensor | None = None, loss_fn: Callable = minibatch_loss,
 ) -> tuple[torch.Tensor, float]:  # fmt: skip
     """PPO's epochs through `model` (DDP's Agent): minibatch k of epoch e is piece k, `sizes[rank, k]` long, of
     minibatches(batch, orders[e]); the world's is the ranks' union. Returns the world-averaged LOSS_KEYS and the
@@ -621,11 +631,12 @@ def update(
     for epoch, order in enumerate(orders):
         for k, mb in enumerate(minibatches(batch, order, local_sizes)):
             adv_moments = (adv_mean[epoch, k], adv_std[epoch, k]) if args.norm_adv else (None, None)
-            loss, minibatch_losses = minibatch_loss(model, mb, *adv_moments, args)
+            torch.compiler.cudagraph_mark_step_begin()  # a new step: a CUDA graph may reuse the last one's outputs
+            loss, minibatch_losses = loss_fn(model, mb, *adv_moments, args)
             if weights is not None:
                 loss = loss * weights[k]
                 minibatch_losses = minibatch_losses * weights[k]
-            clipfracs.append(minibatch_losses[CLIPFRAC])
+            clipfracs.append(minibatch_losses[CLIPFRAC].clone())  # kept past the next step
             optimizer.zero_grad()
             start = time.perf_counter()
             loss.backward()  # DDP averages the (weighted) gradients over ranks here
@@ -880,7 +891,7 @@ def main(args: Args) -> Agent | None:
 
     # --- set-up: envs, initial weights (from `seed`, DDP broadcasts rank 0's), the rank's seeds ---
     index_offset = run.restarts * args.world_size * args.local_num_envs  # resumed: new env seeds
-    envs = make_env(settings, args.local_num_envs, args.env_threads or run.cores)
+    envs = make_env(settings, args.local_num_envs, args.env_threads or min(run.cores, args.local_num_envs))
     seeds = env_seeds(args.seed, run.rank, args.local_num_envs, index_offset)
     next_obs, info = envs.reset(seed=np.array(seeds))
     games = GameTracker(info)
@@ -896,6 +907,7 @@ def main(args: Args) -> Agent | None:
         agent.compile(fullgraph=True, dynamic=None if args.preempt_fraction else False)
     model = DDP(agent, device_ids=[device.index] if gpu else None) if run.world_size > 1 else agent
     optimizer = torch.optim.Adam(model.parameters(), lr=args.learning_rate, eps=1e-5, fused=gpu)
+    loss_fn = loss_function(args, device)
     policy = agent.rollout_policy()  # the Agent's modules under inference mode (no DDP hooks)
     check_rollout_policy(agent, rollout_probe(policy, obs_shape, device), "at start")
     random.seed(rank_seed(args.seed, run.rank))
@@ -983,7 +995,7 @@ def main(args: Args) -> Agent | None:
             update_start = time.perf_counter()
             orders = torch.stack([torch.randperm(returns.numel(), device=device) for _ in range(args.update_epochs)])
             sizes = minibatch_sizes(sample_counts, args.num_minibatches)
-            losses, sync_time = update(model, optimizer, batch, args, orders, sizes)
+            losses, sync_time = update(model, optimizer, batch, args, orders, sizes, loss_fn)
             update_time = time.perf_counter() - update_start
 
             # --- logging: games ended on any rank, world-averaged losses, explained variance ---
@@ -1285,7 +1297,8 @@ def join_process_group(run: Run) -> str:
     time.sleep(0.2)
     busy, total, _, _ = load_sample() - before
     run.cores = max(1, round(len(os.sched_getaffinity(0)) * (1 - busy / max(total, 1))) // run.local_world_size)
-    torch.set_num_threads(args.torch_threads or run.cores)
+    # a GPU run computes on its GPU: one torch thread per rank leaves the cores to the envs
+    torch.set_num_threads(args.torch_threads or (1 if run.device.type == "cuda" else run.cores))
     choice = args.collectives  # MPI if --collectives and the launch allow
     MPIWorld.mpi, MPIWorld.comm = None, None
     try:

@@ -115,7 +115,7 @@ class Args:
     run_name: str = ""
     """the run folder under runs/; default `{env_id}__{exp_name}__{seed}__{unix_time}`"""
     torch_threads: int = 0
-    """torch threads per rank; 0 = the cores idle at start divided by the ranks on this node"""
+    """torch threads per rank; 0 = the cores idle at start divided by the ranks on this node (1 on a GPU)"""
     nprocs: int = 1
     """if > 1, re-launch as that many ranks: mpirun if --collectives allows MPI, else torchrun"""
     collectives: Literal["auto", "mpi", "torch"] = "auto"
@@ -1203,7 +1203,8 @@ def join_process_group(run: Run) -> str:
     time.sleep(0.2)
     busy, total, _, _ = load_sample() - before
     run.cores = max(1, round(len(os.sched_getaffinity(0)) * (1 - busy / max(total, 1))) // run.local_world_size)
-    torch.set_num_threads(args.torch_threads or run.cores)
+    # a GPU run computes on its GPU: one torch thread per rank leaves the cores to the envs
+    torch.set_num_threads(args.torch_threads or (1 if run.device.type == "cuda" else run.cores))
     choice = args.collectives  # MPI if --collectives and the launch allow
     MPIWorld.mpi, MPIWorld.comm = None, None
     try:

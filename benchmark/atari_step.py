@@ -41,6 +41,8 @@ class Args(common.TimingArgs):
     at one rank (the cores idle at start)"""
     env_seconds: float = 3.0
     """seconds of env-only stepping per env count"""
+    thread_counts: tuple[int, ...] = ()
+    """also the env-only rate of each env count at each of these env thread counts (a table of its own)"""
     baseline: Path | None = None
     """another ppo_atari_multigpu.py (e.g. `git show REV:ppo_atari_multigpu.py > /tmp/old/ppo_atari_multigpu.py`),
     measured beside this checkout's"""
@@ -57,6 +59,8 @@ class Args(common.TimingArgs):
     def __post_init__(self):
         if min(self.envs) < 1 or min(self.steps, self.num_steps, self.rounds) < 1 or self.iterations == 1:
             raise SystemExit("benchmark.atari_step: error: need --envs, --steps, --rounds >= 1, --iterations 0 or >= 2")
+        if self.thread_counts and min(self.thread_counts) < 1:
+            raise SystemExit("benchmark.atari_step: error: --thread-counts must be at least 1 each")
         if "cuda" in self.devices and not torch.cuda.is_available():
             raise SystemExit("benchmark.atari_step: error: --devices cuda needs a GPU that torch sees")
         if self.baseline is not None and not self.baseline.is_file():
@@ -231,6 +235,7 @@ def main(argv: list[str] | None = None) -> Path:
     headers += " | script SPS | script / env-only | script rollout ms / step" if args.iterations else ""
     configurations = [(num_envs, device) for num_envs in args.envs for device in args.devices]
     rows, ratios = [], ""
+    thread_rows = []  # the env-only rate by env threads, per env count
 
     def write(measured: int) -> Path:
         """OUT.md with the rows of the first `measured` configurations."""
@@ -239,6 +244,9 @@ def main(argv: list[str] | None = None) -> Path:
             partial = f"PARTIAL: {measured} of {len(configurations)} configurations measured when this was written"
         body = "\n" + common.markdown_table(headers, rows) + "\n" + (ratios and ratios + "\n")
         body += TABLE_MEANS.format(num_steps=args.num_steps) + "\n"
+        if thread_rows:
+            counts = " | ".join(f"{count} threads" for count in args.thread_counts)
+            body += "\n## Env-only steps/s by env threads\n\n" + common.markdown_table(f"envs | {counts}", thread_rows)
         title = "Where a rollout step of ppo_atari_multigpu.py spends its time"
         warning = " ".join(filter(None, [partial, load_warning])) or None
         return common.write_results(args, argv, title, facts, body, load, warning)
@@ -248,6 +256,9 @@ def main(argv: list[str] | None = None) -> Path:
             if device == args.devices[0]:
                 env_rate = env_only_rate(this, num_envs, threads, args.env_seconds)
                 print(f"{num_envs} envs: env-only {env_rate:,.0f} steps/s", flush=True)
+                by_threads = [env_only_rate(this, num_envs, count, args.env_seconds) for count in args.thread_counts]
+                if by_threads:
+                    thread_rows.append([num_envs, *(f"{rate:,.0f}" for rate in by_threads)])
             found = {
                 label: step_row(modules[label], label, device, num_envs, threads, env_rate, args) for label in modules
             }

@@ -115,6 +115,34 @@ def test_atari_update_on_the_gpu_applies_no_step_once_a_gradient_is_not_finite()
     assert any(not torch.equal(p, b) for p, b in zip(agent.parameters(), before, strict=True))
 
 
+def test_atari_update_on_the_gpu_is_one_compiled_region_that_takes_the_eager_steps():
+    """The default on a GPU (--cuda-graph): the minibatch step's forward, loss and backward as a compiled region
+    replayed as CUDA graphs, over several minibatches and epochs, ends where the eager update ends, to float32
+    rounding, with the same losses (clipfrac too, which the update keeps across replays)."""
+    device = torch.device("cuda")
+    args = ppo.Args(num_minibatches=4, update_epochs=3)
+    torch.manual_seed(2)
+    obs = torch.randint(0, 256, (256, 4, 84, 84), dtype=torch.uint8, device=device)
+    actions = torch.randint(0, 4, (256,), device=device)
+    batch = {"obs": obs, "actions": actions, "log_probs": torch.full((256,), -1.4, device=device)}
+    batch |= {"values": torch.randn(256, device=device), "advantages": torch.randn(256, device=device)}
+    batch["returns"] = torch.randn(256, device=device)
+    orders = torch.stack([torch.randperm(256, device=device) for _ in range(args.update_epochs)])
+    assert ppo.loss_function(args, device) is not ppo.minibatch_loss
+    ends = []
+    for loss_fn in (ppo.minibatch_loss, ppo.loss_function(args, device)):
+        torch.manual_seed(1)
+        agent = ppo.Agent(4).to(device, memory_format=torch.channels_last)
+        optimizer = torch.optim.Adam(agent.parameters(), lr=2.5e-4, eps=1e-5, fused=True)
+        losses, _ = ppo.update(agent, optimizer, batch, args, orders, loss_fn=loss_fn)
+        ends.append(({key: value.clone() for key, value in agent.state_dict().items()}, losses))
+    (eager, eager_losses), (captured, captured_losses) = ends
+    for key in eager:
+        torch.testing.assert_close(captured[key], eager[key], rtol=1e-4, atol=1e-5, msg=key)
+    torch.testing.assert_close(captured_losses, eager_losses, rtol=1e-3, atol=1e-5)
+    assert 0 < eager_losses[ppo.CLIPFRAC] < 1  # some ratios clipped: a stale clipfrac would show
+
+
 @pytest.mark.parametrize("script", list(GPU_RUNS))
 def test_one_rank_trains_on_the_gpu_with_nccl_beside_gloo(script, tmp_path):
     stdout, _ = train_on_gpu(script, 1, [], tmp_path)

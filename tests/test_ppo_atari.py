@@ -495,3 +495,25 @@ def test_breakout_two_ranks_compiled_train_identically_log_and_evaluate(tmp_path
     assert scalars["charts/episodic_return"] and all(length > 100 for _, length in scalars["charts/episodic_length"])
 
     evaluate_one_episode("ppo_atari_multigpu.py", run_dir / "model.pt", tmp_path)
+
+
+def test_the_update_takes_the_eager_steps_through_a_compiled_region_replayed_as_on_a_gpu():
+    """What a GPU's --cuda-graph runs (loss_function: the minibatch step compiled, mode reduce-overhead), on the CPU,
+    where no CUDA graph replays it (tests/test_cuda.py checks the replays): the same steps as the eager update, to
+    float32 rounding, with the same losses."""
+    args = ppo.Args(num_minibatches=4, update_epochs=2)
+    torch.manual_seed(2)
+    batch = {key: value.float() if value.is_floating_point() else value for key, value in atari_batch().items()}
+    orders = torch.stack([torch.randperm(BATCH) for _ in range(args.update_epochs)])
+    compiled = torch.compile(ppo.minibatch_loss, mode="reduce-overhead", dynamic=False)
+    ends = []
+    for loss_fn in (ppo.minibatch_loss, compiled):
+        torch.manual_seed(1)
+        agent = ppo.Agent(4).to(memory_format=torch.channels_last)
+        optimizer = torch.optim.Adam(agent.parameters(), lr=2.5e-4, eps=1e-5)
+        losses, _ = ppo.update(agent, optimizer, batch, args, orders, loss_fn=loss_fn)
+        ends.append((agent.state_dict(), losses))
+    (eager, eager_losses), (replayed, replayed_losses) = ends
+    for key in eager:
+        torch.testing.assert_close(replayed[key], eager[key], rtol=1e-4, atol=1e-6, msg=key)
+    torch.testing.assert_close(replayed_losses, eager_losses, rtol=1e-3, atol=1e-6)

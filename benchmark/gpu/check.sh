@@ -117,12 +117,16 @@ step() { # step NAME SECONDS COMMAND...: the command in the repository root, its
 
 # sizes: the measurement, or tiny ones on the CPU for --dry-run
 cores=$(nproc)
+thread_counts=() # env threads 1, 2, 4, ... and all the cores
+for ((count = 1; count < cores; count *= 2)); do thread_counts+=("$count"); done
+thread_counts+=("$cores")
 if [ "$dry" = 0 ]; then
-    atari_step=(--envs 8 32 128 --steps 50 --env-seconds 2 --iterations 3)
+    atari_step=(--envs 8 32 128 --steps 50 --env-seconds 2 --iterations 3 --thread-counts "${thread_counts[@]}")
     cuda=(--devices cuda) cpu_step=(--envs 8 32 128 --steps 30 --env-seconds 1) scaling=(--ranks "$cores" --iterations 3)
     beside_cleanrl=(--iterations 4) breakout=()
 else
-    atari_step=(--envs 2 4 --steps 5 --env-seconds 0.2 --iterations 2 --num-steps 8 -- --num-minibatches 2)
+    atari_step=(--envs 2 4 --steps 5 --env-seconds 0.2 --iterations 2 --num-steps 8 --thread-counts "${thread_counts[@]}"
+        -- --num-minibatches 2)
     cuda=(--devices cpu) cpu_step=(--envs 2 --steps 5 --env-seconds 0.2) scaling=(--ranks 2 --iterations 2 --local-steps 256)
     beside_cleanrl=(--iterations 2 --local-steps 128 --env-seconds 0.2)
     breakout=(--no-cuda --local-num-envs 2 --num-steps 64 --num-minibatches 2)
