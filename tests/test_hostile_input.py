@@ -66,6 +66,7 @@ FLAGS = [
     (CONTINUOUS, "--max-grad-norm 0", "--max-grad-norm must be finite and positive, got 0.0"),
     (ATARI, "--target-kl nan", "--target-kl must be positive (or left out to switch early stopping off), got nan"),
     (ATARI, "--env-threads -1", "--env-threads must be at least 0 (0 = automatic), got -1"),
+    (ATARI, "--env-groups 3", "--local-num-envs 2 does not split into --env-groups 3"),
     (VPG, "--seed -1", "--seed must lie in [0, 2**31), got -1"),
     (CONTINUOUS, "--torch-threads -2", "--torch-threads must be >= 0 (0 = automatic), got -2"),
     (ATARI, f"--nprocs {TOO_MANY_RANKS}", f"--nprocs {TOO_MANY_RANKS} asks for more ranks than the"),
@@ -127,7 +128,8 @@ def test_a_runs_folder_that_cannot_be_made_is_one_line_at_start(script, tmp_path
 def test_a_checkpoint_write_that_fails_later_stops_in_one_line_naming_the_last_good_one(tmp_path, monkeypatch, capsys):
     train_ranks(VPG, flags(VPG, 2, "--run-name", "r", "--checkpoint-every", "1"), tmp_path, nprocs=1)
     (tmp_path / "runs/r/checkpoints/iter_000004.pt.tmp").mkdir()  # where the fourth checkpoint is written first
-    argv = flags(VPG, 4, "--run-name", "r", "--checkpoint-every", "1", "--resume")
+    # one torch thread: a busy machine would otherwise add the oversubscription warning's line before the error
+    argv = flags(VPG, 4, "--run-name", "r", "--checkpoint-every", "1", "--resume", "--torch-threads", "1")
     message = refused(VPG, argv, tmp_path, monkeypatch, capsys, nothing_new=False)
     assert "could not write runs/r/checkpoints/iter_000004.pt" in message
     assert "the last good checkpoint is runs/r/checkpoints/iter_000003.pt" in message and "--resume" in message
