@@ -1774,9 +1774,9 @@ def save_checkpoint(run: Run, iteration: int, global_step: int, **states) -> Non
     rng |= {"cuda": torch.cuda.get_rng_state_all()} if torch.cuda.is_initialized() else {}
     rngs = [None] * run.world_size if run.rank == 0 else None
     dist.gather_object(rng, rngs, dst=0)
+    path = checkpoint_path(run.name, iteration)
     problem = ""
     if run.rank == 0:
-        path = checkpoint_path(run.name, iteration)
         weights = {entry: state.state_dict() for entry, state in states.items()}
         progress = {"world_size": run.world_size, "iteration": iteration, "global_step": global_step}
         try:
@@ -1785,12 +1785,18 @@ def save_checkpoint(run: Run, iteration: int, global_step: int, **states) -> Non
             print(f"checkpoint saved to {path}", flush=True)
         except (OSError, RuntimeError) as error:  # a full disk, a folder made unwritable
             problem = f"could not write {path} ({str(error).splitlines()[0]})"
-    stop_if_unwritten(run, problem, "free disk space or make the folder writable, then --resume")
+    stop_if_unwritten(run, path, problem, "free disk space or make the folder writable, then --resume")
 
 
-def stop_if_unwritten(run: Run, problem: str, fix: str) -> None:
-    """Stop every rank, in one line naming the last good checkpoint, if rank 0 could not write a file (`problem`)."""
-    if gather_ints_to_all([len(problem)], run.device)[0, 0]:  # rank 0's outcome, on every rank
+def stop_if_unwritten(run: Run, path: str, problem: str, fix: str) -> None:
+    """Stop every rank, in one line naming the last good checkpoint, if rank 0 could not write `path` (`problem`).
+    Rank 0's outcome reaches the others through the store, not a gather: a gather left as the group's last work
+    can deadlock its teardown (gloo's thread frees it needing the GIL the destroying thread holds)."""
+    if run.world_size > 1:
+        if run.rank == 0:
+            run.store.set(f"written/{path}", problem)
+        problem = run.store.get(f"written/{path}").decode()
+    if problem:
         last = find_latest_checkpoint(run.name)
         kept = f"the last good checkpoint is {last}" if last else "no checkpoint was written"
         fail(f"{problem}: {kept}; {fix} --run-name {run.name}")
@@ -1913,7 +1919,8 @@ def finish(
         run.writer.close()
         if run.wandb_run:
             run.wandb_run.finish()
-    stop_if_unwritten(run, problem, "free disk space, then write it with --resume --save-model")  # and a barrier
+    stop_if_unwritten(run, f"{folder}/model.pt", problem, "free disk space, then write it with --resume --save-model")
+    dist.barrier()  # every rank leaves the group together
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     dist.destroy_process_group()
     gc.collect()  # free gloo's worker threads now: left to interpreter shutdown they can abort the process
