@@ -98,6 +98,9 @@ class Args:
     """steps per env per rollout"""
     env_threads: int = 0
     """AtariVectorEnv threads per rank; 0 = one per env, at most the cores idle at start per rank on this node"""
+    env_groups: int = 0
+    """the envs step in this many groups in turn, the acting for one group overlapping the others' env step; 0 = 2
+    on a GPU (where the envs split evenly), 1 on a CPU"""
     anneal_lr: bool = True
     """if toggled, the learning rate decays linearly to zero over the iterations"""
     gamma: float = 0.99
@@ -235,6 +238,13 @@ def make_env(settings: dict, num_envs: int, num_threads: int) -> AtariVectorEnv:
     )  # fmt: skip
 
 
+def env_groups(num_envs: int, groups: int) -> list[slice]:
+    """The envs of a rank as `groups` equal slices, which step in turn: while one group steps, the acting for the
+    next one runs (on a GPU, the env step then hides the acting; on a CPU one group computes as it always did)."""
+    size = num_envs // groups
+    return [slice(start, start + size) for start in range(0, num_envs, size)]
+
+
 def fire_action(envs: AtariVectorEnv) -> int | None:
     """The index of FIRE among the game's actions, None without it (FireResetEnv's test)."""
     action_set = list(envs.ale.get_action_set())
@@ -367,58 +377,65 @@ class RolloutPolicy:
 
 def acting_step(
     policy: RolloutPolicy, obs: torch.Tensor, actions: torch.Tensor, log_probs: torch.Tensor, values: torch.Tensor,
-    graph: bool,
-) -> Callable[[int, np.ndarray], np.ndarray]:  # fmt: skip
-    """One rollout step's acting, as a function of the step and the envs' frames: the frames into row `step` of `obs`,
-    RolloutPolicy.act on them into that row of `actions`, `log_probs` and `values`, the actions back to the host for
-    the envs. With `graph` (a GPU), a CUDA graph captured from RolloutPolicy.act does it (captured_acting_step)."""
+    groups: list[slice], graph: bool,
+) -> Callable[[int, np.ndarray, slice], np.ndarray]:  # fmt: skip
+    """One rollout step's acting for one group of envs, as a function of the step, their frames and the group: the
+    frames into row `step` of `obs`, RolloutPolicy.act on them into that row of `actions`, `log_probs` and `values`,
+    the actions back to the host for the envs. With `graph` (a GPU), a CUDA graph per group captured from
+    RolloutPolicy.act does it (captured_acting_step)."""
     if graph:
-        return captured_acting_step(policy, obs, actions, log_probs, values)
+        return captured_acting_step(policy, obs, actions, log_probs, values, groups)
 
-    def act_eagerly(step: int, frames: np.ndarray) -> np.ndarray:
-        obs[step].copy_(torch.from_numpy(frames), non_blocking=True)
-        step_actions, log_probs[step], values[step] = policy.act(obs[step])
-        actions[step] = step_actions
+    def act_eagerly(step: int, frames: np.ndarray, group: slice) -> np.ndarray:
+        obs[step, group].copy_(torch.from_numpy(frames), non_blocking=True)
+        step_actions, log_probs[step, group], values[step, group] = policy.act(obs[step, group])
+        actions[step, group] = step_actions
         return step_actions.cpu().numpy()
 
     return act_eagerly
 
 
 def captured_acting_step(
-    policy: RolloutPolicy, obs: torch.Tensor, actions: torch.Tensor, log_probs: torch.Tensor, values: torch.Tensor
-) -> Callable[[int, np.ndarray], np.ndarray]:
-    """acting_step as one CUDA graph, captured from RolloutPolicy.act as torch's docs do (every replay draws fresh,
-    seeded samples): a copy in from pinned memory, a replay that reads and writes row `step`, a copy out."""
-    frames_host = torch.empty(obs.shape[1:], dtype=torch.uint8, pin_memory=True)
-    actions_host = torch.empty(obs.shape[1], dtype=torch.long, pin_memory=True)
-    row = torch.zeros(1, dtype=torch.long, device=obs.device)  # the row the graph reads and writes
+    policy: RolloutPolicy, obs: torch.Tensor, actions: torch.Tensor, log_probs: torch.Tensor, values: torch.Tensor,
+    groups: list[slice],
+) -> Callable[[int, np.ndarray, slice], np.ndarray]:  # fmt: skip
+    """acting_step as CUDA graphs, one per group, captured from RolloutPolicy.act as torch's docs do (every replay draws
+    fresh, seeded samples): a copy in from pinned memory, a replay that reads and writes the group's part of row
+    `step`, a copy out."""
+    row = torch.zeros(1, dtype=torch.long, device=obs.device)  # the row the graphs read and write
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         for _ in range(3):  # cuDNN and cuBLAS pick kernels and workspaces before the capture
-            policy.act(obs[0])
+            for group in groups:
+                policy.act(obs[0, group])
     torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    try:  # thread_local: NCCL's watchdog thread may query its CUDA events during the capture
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            outputs = policy.act(obs.index_select(0, row)[0])
-            for store, output in zip((actions, log_probs, values), outputs, strict=True):
-                store.index_copy_(0, row, output.unsqueeze(0))
-    except RuntimeError as error:  # the breaking op's error, if any, came first
-        cause = str(error.__context__ or error).strip().splitlines()[0]
-        fail(
-            f"RolloutPolicy.act could not be captured as a CUDA graph ({cause}): an op in it or in "
-            "Agent.policy_value syncs with the host; remove that op, or pass --no-cuda-graph"
-        )
-    step_actions = outputs[0]  # the graph's own output, rewritten by every replay
+    captured = {}  # group start: (graph, its pinned frames and actions, its actions on the device)
+    for group in groups:
+        graph = torch.cuda.CUDAGraph()
+        try:  # thread_local: NCCL's watchdog thread may query its CUDA events during the capture
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                outputs = policy.act(obs.index_select(0, row)[0, group])
+                for store, output in zip((actions, log_probs, values), outputs, strict=True):
+                    store[:, group].index_copy_(0, row, output.unsqueeze(0))
+        except RuntimeError as error:  # the breaking op's error, if any, came first
+            cause = str(error.__context__ or error).strip().splitlines()[0]
+            fail(
+                f"RolloutPolicy.act could not be captured as a CUDA graph ({cause}): an op in it or in "
+                "Agent.policy_value syncs with the host; remove that op, or pass --no-cuda-graph"
+            )
+        frames_host = torch.empty(obs[0, group].shape, dtype=torch.uint8, pin_memory=True)
+        actions_host = torch.empty(outputs[0].shape, dtype=torch.long, pin_memory=True)
+        captured[group.start] = (graph, frames_host, actions_host, outputs[0])  # rewritten by every replay
 
-    def act_by_graph_replay(step: int, frames: np.ndarray) -> np.ndarray:
+    def act_by_graph_replay(step: int, frames: np.ndarray, group: slice) -> np.ndarray:
+        graph, frames_host, actions_host, step_actions = captured[group.start]
         np.copyto(frames_host.numpy(), frames)  # pinned: copied ahead of the replay (numpy: no torch threads)
-        obs[step].copy_(frames_host, non_blocking=True)
+        obs[step, group].copy_(frames_host, non_blocking=True)
         row.fill_(step)
         graph.replay()
         actions_host.copy_(step_actions, non_blocking=True)
-        torch.cuda.current_stream().synchronize()  # the step's one sync: envs wait for actions
+        torch.cuda.current_stream().synchronize()  # the group's one sync: its envs wait for actions
         return actions_host.numpy()
 
     return act_by_graph_replay
@@ -694,7 +711,7 @@ def args_problem(args: Args) -> str | None:
     rules = (
         ("at least 1", lambda value: value >= 1, ("total_timesteps", "local_num_envs", "num_steps", "num_minibatches")),
         ("at least 1", lambda value: value >= 1, ("update_epochs",)),
-        ("at least 0 (0 = automatic)", lambda value: value >= 0, ("env_threads",)),
+        ("at least 0 (0 = automatic)", lambda value: value >= 0, ("env_threads", "env_groups")),
         ("finite and positive", lambda value: 0 < value < math.inf, ("learning_rate", "max_grad_norm")),
         ("finite and at least 0", lambda value: 0 <= value < math.inf, ("clip_coef", "ent_coef", "vf_coef")),
         ("in [0, 1]", lambda value: 0 <= value <= 1, ("gamma", "gae_lambda")),
@@ -705,6 +722,8 @@ def args_problem(args: Args) -> str | None:
                 return f"--{name.replace('_', '-')} must be {rule}, got {getattr(args, name)}"
     if args.target_kl is not None and not 0 < args.target_kl < math.inf:
         return f"--target-kl must be positive (or left out to switch early stopping off), got {args.target_kl}"
+    if args.env_groups and args.local_num_envs % args.env_groups:
+        return f"--local-num-envs {args.local_num_envs} does not split into --env-groups {args.env_groups}"
     if not (0 <= args.preempt_fraction <= 1 and 0 < args.min_rollout_fraction <= 1):
         return (
             f"--preempt-fraction must lie in [0, 1] (0 = off) and --min-rollout-fraction in (0, 1]; got "
@@ -891,17 +910,20 @@ def main(args: Args) -> Agent | None:
 
     # --- set-up: envs, initial weights (from `seed`, DDP broadcasts rank 0's), the rank's seeds ---
     index_offset = run.restarts * args.world_size * args.local_num_envs  # resumed: new env seeds
-    envs = make_env(settings, args.local_num_envs, args.env_threads or min(run.cores, args.local_num_envs))
-    seeds = env_seeds(args.seed, run.rank, args.local_num_envs, index_offset)
-    next_obs, info = envs.reset(seed=np.array(seeds))
-    games = GameTracker(info)
-    obs_shape = envs.single_observation_space.shape
-    fire = fire_action(envs)
+    seeds = np.array(env_seeds(args.seed, run.rank, args.local_num_envs, index_offset))
+    groups = env_groups(args.local_num_envs, args.env_groups or (2 if gpu and args.local_num_envs % 2 == 0 else 1))
+    threads = max(1, (args.env_threads or min(run.cores, args.local_num_envs)) // len(groups))
+    envs = [make_env(settings, group.stop - group.start, threads) for group in groups]
+    resets = [group_envs.reset(seed=seeds[group]) for group, group_envs in zip(groups, envs, strict=True)]
+    next_obs = np.concatenate([frames for frames, _ in resets])
+    trackers = [GameTracker(info) for _, info in resets]  # each group's games
+    obs_shape = envs[0].single_observation_space.shape
+    fire = fire_action(envs[0])
     relaunch = np.zeros(args.local_num_envs, dtype=bool)  # a life was lost: FIRE next
     torch.manual_seed(args.seed)
     if args.bf16 and run.rank == 0 and not has_native_bf16(device):
         print(f"{SCRIPT}: warning: this {device.type} emulates bfloat16, so --bf16 is slower here", file=sys.stderr)
-    agent = Agent(int(envs.single_action_space.n), bf16=args.bf16)
+    agent = Agent(int(envs[0].single_action_space.n), bf16=args.bf16)
     agent.to(device, memory_format=torch.channels_last)  # oneDNN's and tensor cores' layout
     if args.compile:  # agent(obs, actions) in the update, not acting; preemption varies its shapes
         agent.compile(fullgraph=True, dynamic=None if args.preempt_fraction else False)
@@ -923,7 +945,7 @@ def main(args: Args) -> Agent | None:
     actions = torch.zeros(shape, dtype=torch.long, device=device)
     logprobs = torch.zeros(shape, device=device)
     values = torch.zeros(shape, device=device)
-    act = acting_step(policy, obs, actions, logprobs, values, graph=args.cuda_graph and gpu)
+    act = acting_step(policy, obs, actions, logprobs, values, groups, graph=args.cuda_graph and gpu)
     final_values = torch.zeros(shape)  # V(final observation) where a game was truncated
     rewards = np.zeros(shape, np.float32)  # GAE's inputs, on the host with the envs
     terminations = np.zeros(shape, np.float32)
@@ -940,28 +962,34 @@ def main(args: Args) -> Agent | None:
             # --- rollout (the unwrapped agent: no DDP hooks) ---
             rollout_start = time.perf_counter()
             finished = {"episodes": 0, "episode_return": 0.0, "episode_length": 0}  # whole games
-            collected = args.num_steps  # steps per env: all, unless preemption cuts the rollout short
-            for step in range(args.num_steps):
-                if rollout_preempted(run, iteration, step):  # DD-PPO: most ranks are done
-                    collected = step
+            for step in range(args.num_steps + 1):  # each group: its last step's results in, then this step's acting
+                acting = step < args.num_steps and not rollout_preempted(run, iteration, step)  # DD-PPO: most are done
+                for group, group_envs, games in zip(groups, envs, trackers, strict=True):
+                    if step > 0:  # the group's envs stepped while the groups after it acted
+                        row = step - 1
+                        frames, reward, terminated, truncated, info = group_envs.recv()
+                        next_obs[group] = frames
+                        rewards[row, group] = np.clip(reward, -1, 1)  # clipped for the learner; logged raw
+                        terminations[row, group] = terminated
+                        episode_ends[row, group] = terminated | truncated
+                        game_over, scores, lengths = games.step(reward, terminated, truncated, info)
+                        relaunch[group] = terminated & ~game_over  # a lost life: the game goes on
+                        if game_over.any():
+                            finished["episodes"] += len(scores)
+                            finished["episode_return"] += float(scores.sum())
+                            finished["episode_length"] += int(lengths.sum())
+                            cut = truncated & ~terminated
+                            if cut.any():  # truncated, not terminated: bootstrap from V(final observation)
+                                final_obs = torch.from_numpy(info["final_obs"][cut]).to(device)
+                                final_values[row, group][torch.from_numpy(cut)] = policy.value(final_obs).cpu()
+                    if acting:
+                        env_action = act(step, next_obs[group], group)  # actions, log-probabilities, values stored
+                        if fire is not None:  # FireResetEnv: FIRE after a lost life, not the sampled action
+                            env_action = np.where(relaunch[group], fire, env_action)
+                        group_envs.send(env_action)  # the envs step while the next group acts
+                if not acting:
+                    collected = step  # steps per env: all, unless preemption cut the rollout short
                     break
-                env_action = act(step, next_obs)  # the frames in; actions, log-probabilities and values stored
-                if fire is not None:  # FireResetEnv: FIRE after a lost life, not the sampled action
-                    env_action = np.where(relaunch, fire, env_action)
-                next_obs, reward, terminated, truncated, info = envs.step(env_action)
-                rewards[step] = np.clip(reward, -1, 1)  # clipped for the learner; logged raw
-                terminations[step] = terminated
-                episode_ends[step] = terminated | truncated
-                game_over, scores, lengths = games.step(reward, terminated, truncated, info)
-                relaunch = terminated & ~game_over  # a lost life: the game goes on
-                if game_over.any():
-                    finished["episodes"] += len(scores)
-                    finished["episode_return"] += float(scores.sum())
-                    finished["episode_length"] += int(lengths.sum())
-                    cut = truncated & ~terminated
-                    if cut.any():  # truncated, not terminated: bootstrap from V(final observation)
-                        final_obs = torch.from_numpy(info["final_obs"][cut]).to(device)
-                        final_values[step, torch.from_numpy(cut)] = policy.value(final_obs).cpu()
             rollout_finished(run, iteration)
             last_values = policy.value(torch.from_numpy(next_obs).to(device))
             rollout_time = time.perf_counter() - rollout_start
@@ -989,7 +1017,7 @@ def main(args: Args) -> Agent | None:
                 "advantages": advantages.flatten().to(device),
                 "returns": returns.flatten().to(device),
             }
-            check_rollout_policy(agent, batch, f"at iteration {iteration}", args.local_num_envs)
+            check_rollout_policy(agent, batch, f"at iteration {iteration}", groups[0].stop)  # as one act saw
 
             # --- update (through DDP) ---
             update_start = time.perf_counter()
@@ -1015,7 +1043,8 @@ def main(args: Args) -> Agent | None:
                 save_checkpoint(run, iteration, global_step, model=agent, optimizer=optimizer)
             if stopping:
                 break
-        envs.close()
+        for group_envs in envs:
+            group_envs.close()
         finish(run, agent, iteration, global_step, stopping, lambda folder: evaluate(agent, args.env_id, args, folder))
     except (NonFiniteError, RuntimeError) as error:  # found alike on every rank: one line, never a hang
         stop_training(run, iteration, error, "lower --learning-rate or check the env's observations and rewards")

@@ -12,6 +12,7 @@ the script's SPS in a run of its own (iterations 2..) and its rollout time per s
 """
 
 import hashlib
+import inspect
 import os
 import statistics
 import time
@@ -68,9 +69,9 @@ class Args(common.TimingArgs):
 
 
 def acting_of(module, agent, num_steps: int, num_envs: int, obs_shape: tuple, device: torch.device):
-    """A script's acting step as `act(row, frames) -> the envs' actions`, its RolloutPolicy and the storage the step
-    fills (obs, actions, log_probs, values): its acting_step; an older script's Rollout; or, older still, the step
-    its main wrote inline."""
+    """A script's acting step as `act(row, frames) -> the envs' actions` for all its envs at once, its RolloutPolicy,
+    the storage the step fills (obs, actions, log_probs, values) and what made the step: the script's acting_step
+    (in one group of envs); an older script's Rollout; or, older still, the step its main wrote inline."""
     shape = (num_steps, num_envs)
     storage = {
         "obs": torch.zeros(shape + obs_shape, dtype=torch.uint8, device=device),
@@ -79,17 +80,22 @@ def acting_of(module, agent, num_steps: int, num_envs: int, obs_shape: tuple, de
         "values": torch.zeros(shape, device=device),
     }
     policy = agent.rollout_policy()
+    graph = device.type == "cuda"
     if hasattr(module, "acting_step"):
-        return module.acting_step(policy, *storage.values(), graph=device.type == "cuda"), policy, storage
+        if "groups" not in inspect.signature(module.acting_step).parameters:  # before env groups
+            return module.acting_step(policy, *storage.values(), graph=graph), policy, storage, "acting_step"
+        every_env = slice(0, num_envs)
+        act = module.acting_step(policy, *storage.values(), [every_env], graph=graph)
+        return lambda row, frames: act(row, frames, every_env), policy, storage, "acting_step"
     if hasattr(module, "Rollout"):
-        rollout = module.Rollout(agent, shape, obs_shape, device, device.type == "cuda")
+        rollout = module.Rollout(agent, shape, obs_shape, device, graph)
 
         def act_through_rollout(row: int, frames: np.ndarray) -> np.ndarray:
             rollout.observe(row, frames)
             rollout.act(row)
             return rollout.actions_to_host()
 
-        return act_through_rollout, rollout.policy, {key: getattr(rollout, key) for key in storage}
+        return act_through_rollout, rollout.policy, {key: getattr(rollout, key) for key in storage}, "Rollout"
 
     def act_inline(row: int, frames: np.ndarray) -> np.ndarray:
         storage["obs"][row] = torch.from_numpy(frames).to(device)
@@ -97,7 +103,7 @@ def acting_of(module, agent, num_steps: int, num_envs: int, obs_shape: tuple, de
         storage["actions"][row] = step_actions
         return step_actions.cpu().numpy()
 
-    return act_inline, policy, storage
+    return act_inline, policy, storage, "inline"
 
 
 class Stepper:
@@ -116,7 +122,7 @@ class Stepper:
         torch.manual_seed(1)
         agent = module.Agent(int(self.envs.single_action_space.n)).to(device, memory_format=torch.channels_last)
         shape = self.envs.single_observation_space.shape
-        self.act, self.policy, self.storage = acting_of(module, agent, num_steps, num_envs, shape, device)
+        self.act, self.policy, self.storage, self.acting = acting_of(module, agent, num_steps, num_envs, shape, device)
         self.step = 0
 
     def sync(self) -> float:

@@ -196,10 +196,10 @@ def test_atari_step_splits_a_step_into_parts_beside_the_env_only_rate_and_each_s
         ratio = f"{run_sps[n, 'this checkout'] / run_sps[n, 'baseline']:.3f}"
         assert f"- {n} envs, cpu: this checkout's SPS / the baseline's, each round: {ratio}; median {ratio}\n" in text
     # the older script acts through the inline step, this one through acting_step; both record what the Agent computes
-    for path, acting in ((old, "act_inline"), (ROOT / common.ATARI, "act_eagerly")):
+    for path, acting in ((old, "inline"), (ROOT / common.ATARI, "acting_step")):
         module = common.load_script(path.name, path.parent)
         stepper = atari_step.Stepper(module, torch.device("cpu"), 2, 1, 4)
-        assert stepper.act.__name__ == acting
+        assert stepper.acting == acting
         stepper.run(4, synced=True)
         stepper.close()
         batch = {key: value.flatten(0, 1) for key, value in stepper.storage.items()}

@@ -60,9 +60,9 @@ def test_atari_seeded_gpu_runs_repeat_bit_for_bit(tmp_path):
 
 @pytest.mark.parametrize("graph", [True, False], ids=["graph", "eager"])
 def test_atari_rollout_acts_as_the_agent_on_the_gpu_with_fresh_draws_every_step(graph):
-    """The acting step on the same frames every step: the host gets the actions its rows hold, the rows hold what
-    Agent.log_prob_entropy_value computes for them, every replay draws anew from the policy's probabilities, and the
-    same CUDA seed draws the same actions."""
+    """The acting step, in two groups of envs, on the same frames every step: the host gets the actions its rows hold,
+    the rows hold what Agent.log_prob_entropy_value computes for them, every replay draws anew from the policy's
+    probabilities, and the same CUDA seed draws the same actions."""
     device, steps, envs = torch.device("cuda"), 40, 64
     torch.manual_seed(1)
     agent = ppo.Agent(4).to(device, memory_format=torch.channels_last)
@@ -76,9 +76,11 @@ def test_atari_rollout_acts_as_the_agent_on_the_gpu_with_fresh_draws_every_step(
             "log_probs": torch.zeros((steps, envs), device=device),
             "values": torch.zeros((steps, envs), device=device),
         }
-        act = ppo.acting_step(agent.rollout_policy(), *storage.values(), graph=graph)
+        groups = ppo.env_groups(envs, 2)  # as a GPU run steps them: in turn
+        act = ppo.acting_step(agent.rollout_policy(), *storage.values(), groups, graph=graph)
         assert act.__name__ == ("act_by_graph_replay" if graph else "act_eagerly")
-        draws.append(np.stack([act(step, frames.numpy()).copy() for step in range(steps)]))
+        sent = [np.concatenate([act(step, frames[group].numpy(), group) for group in groups]) for step in range(steps)]
+        draws.append(np.stack(sent))
         assert np.array_equal(draws[-1], storage["actions"].cpu().numpy())
         assert bool((storage["obs"].cpu() == frames).all())
         batch = {key: value.flatten(0, 1) for key, value in storage.items()}

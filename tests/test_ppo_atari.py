@@ -12,13 +12,17 @@ import torch
 import ppo_atari_multigpu as ppo
 from tests.helpers import (
     LOG_KEYS,
+    ROOT,
+    assert_ok,
     assert_same_loss_and_gradients,
     assert_same_parameters,
     cleanrl_ppo_loss,
     compiled_files,
     evaluate_one_episode,
+    progress_lines,
     read_scalars,
     run_dirs,
+    run_python,
     run_ranks,
     train_ranks,
     union_orders,
@@ -118,17 +122,24 @@ def test_evaluation_preprocessing_resizes_as_the_vector_env():
 
 
 class RecordingVectorEnv:
-    """The training envs, recording the actions each step sends and the terminations and lives it returns."""
+    """The training envs, recording the actions each step sends and the terminations and lives it receives."""
 
     def __init__(self, envs: ppo.AtariVectorEnv):
-        self.envs, self.actions, self.terminated, self.truncated, self.lives = envs, [], [], [], []
+        self.envs = envs
+        self.actions = []
+        self.terminated = []
+        self.truncated = []
+        self.lives = []
 
     def __getattr__(self, name: str):
         return getattr(self.envs, name)
 
-    def step(self, actions: np.ndarray):
-        obs, reward, terminated, truncated, info = self.envs.step(actions)
+    def send(self, actions: np.ndarray) -> None:
         self.actions.append(np.array(actions))
+        self.envs.send(actions)
+
+    def recv(self):
+        obs, reward, terminated, truncated, info = self.envs.recv()
         self.terminated.append(terminated.copy())
         self.truncated.append(truncated.copy())
         self.lives.append(info["lives"].copy())
@@ -517,3 +528,31 @@ def test_the_update_takes_the_eager_steps_through_a_compiled_region_replayed_as_
     for key in eager:
         torch.testing.assert_close(replayed[key], eager[key], rtol=1e-4, atol=1e-6, msg=key)
     torch.testing.assert_close(replayed_losses, eager_losses, rtol=1e-3, atol=1e-6)
+
+
+def test_envs_in_two_groups_stepping_in_turn_log_what_one_group_logs(tmp_path):
+    """--env-groups 2 (a GPU's default, where the acting for one group hides behind the other group's env step): every
+    env still steps once per rollout step with this iteration's policy, in the same rows of the batch, seeded alike.
+    On the CPU, whose sampling draws row by row, a seeded run plays the same games (the same actions) and logs the same
+    losses, but for the rounding of a forward pass on half the frames."""
+    flags = ["--local-num-envs", "4", "--num-steps", "64", "--num-minibatches", "2", "--total-timesteps", "512"]
+    flags += ["--update-epochs", "1", "--torch-threads", "1", "--seed", "3"]
+    logged = []
+    for name, groups in (("one", ["--env-threads", "1"]), ("two", ["--env-groups", "2", "--env-threads", "2"])):
+        (tmp_path / name).mkdir()
+        result = run_python(ROOT / "ppo_atari_multigpu.py", [*flags, *groups, "--no-cuda"], tmp_path / name)
+        assert_ok(result)
+        assert progress_lines(result.stdout) == [1, 2]
+        [run_dir] = run_dirs(tmp_path / name)
+        logged.append(
+            {key: value for key, value in read_scalars(run_dir).items() if key.startswith(("losses/", "charts/e"))}
+        )
+    one, two = logged
+    assert one.keys() == two.keys() and "charts/episodic_return" in one and "losses/value_loss" in one
+    for key in one:
+        if key.startswith("charts/"):
+            assert one[key] == two[key], key
+        else:
+            np.testing.assert_allclose(
+                [v for _, v in one[key]], [v for _, v in two[key]], rtol=1e-4, atol=1e-6, err_msg=key
+            )

@@ -41,7 +41,7 @@ class SlowEnv(gym.Wrapper):
 
 
 class SlowVectorEnv:
-    """AtariVectorEnv, each step first sleeping."""
+    """AtariVectorEnv whose every step (the script sends actions, then receives the results) first sleeps."""
 
     def __init__(self, envs, delay: float):
         self.envs, self.delay = envs, delay
@@ -49,9 +49,9 @@ class SlowVectorEnv:
     def __getattr__(self, name: str):
         return getattr(self.envs, name)
 
-    def step(self, actions):
+    def send(self, actions):
         time.sleep(self.delay)
-        return self.envs.step(actions)
+        return self.envs.send(actions)
 
 
 def straggler_rank(rank: int, world_size: int, folder: str, script: str, flags: list[str]) -> dict:
