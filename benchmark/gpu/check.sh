@@ -12,7 +12,8 @@
 #                    env-only rate of those envs and each script's own SPS (benchmark.atari_step)
 #   cuda_tests       tests/test_cuda.py, one test at a time
 #   cleanrl          with --cleanrl: CleanRL's ppo_atari.py beside this checkout's script at CleanRL's defaults, on the
-#                    GPU, alternating (benchmark.throughput's "Beside CleanRL" table)
+#                    GPU, alternating (benchmark.throughput's "Beside CleanRL" table), and ours with its envs in one
+#                    group (--env-groups 1: acting not behind the envs) beside its GPU default of two
 #   scaling          the host's ceiling first, as many independent one-rank copies as cores, then that many ranks
 #                    under mpirun: ppo_continuous_mpi.py and vpg_mpi.py with --sync allreduce (benchmark.scaling)
 #   atari_step_cpu   the step's time on the CPU, for comparison (no training runs)
@@ -136,8 +137,8 @@ step atari_step_cuda 210 "$python" -m benchmark.atari_step --baseline "$old" --o
     --out-dir "$work/atari_step" "${cuda[@]}" "${atari_step[@]}"
 step cuda_tests 150 "$python" -m pytest -o addopts= -p no:cacheprovider -v -rs tests/test_cuda.py
 if [ -n "$cleanrl" ]; then
-    step cleanrl 90 "$python" -m benchmark.throughput --scripts ppo_atari_multigpu.py --cleanrl "$cleanrl" --variants \
-        --max-load 1000 --out "$work/tables/cleanrl" --out-dir "$work/cleanrl" "${beside_cleanrl[@]}"
+    step cleanrl 90 "$python" -m benchmark.throughput --scripts ppo_atari_multigpu.py --cleanrl "$cleanrl" \
+        --variants "ppo_atari_multigpu.py --env-groups 1" --max-load 1000 --out "$work/tables/cleanrl" --out-dir "$work/cleanrl" "${beside_cleanrl[@]}"
 fi
 step scaling 75 "$python" -m benchmark.scaling --scripts ppo_continuous_mpi.py vpg_mpi.py --sync-modes allreduce \
     --launchers mpirun --out "$work/tables/scaling" --out-dir "$work/scaling" "${scaling[@]}"
