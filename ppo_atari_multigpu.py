@@ -631,6 +631,12 @@ def update(
     if sizes is None:
         sizes = minibatch_sizes([orders.shape[1]] * group_size(), args.num_minibatches)
     local_sizes, weights = local_minibatches(sizes)
+    if sum(local_sizes) != orders.shape[1] or min(local_sizes) < 1:
+        fail(
+            f"this rank's minibatch sizes {local_sizes} do not cut an epoch's order of {orders.shape[1]} into "
+            "non-empty pieces: main's orders and minibatch_sizes must count the same things (samples, or whole "
+            "envs for minibatches of sequences)"
+        )
     if args.norm_adv:  # every world minibatch's mean and std, of all epochs, in one collective
         start = time.perf_counter()
         advantages = {"advantages": batch["advantages"]}

@@ -628,6 +628,12 @@ def update(
     if sizes is None:
         sizes = minibatch_sizes([orders.shape[1]] * group_size(group), args.num_minibatches)
     local_sizes, weights = local_minibatches(sizes, group)
+    if sum(local_sizes) != orders.shape[1] or min(local_sizes) < 1:
+        fail(
+            f"this rank's minibatch sizes {local_sizes} do not cut an epoch's order of {orders.shape[1]} into "
+            "non-empty pieces: main's orders and minibatch_sizes must count the same things (samples, or whole "
+            "envs for minibatches of sequences)"
+        )
     sync_time = 0.0
     clipfrac_sum = flat.new_zeros(())
     for epoch in range(args.update_epochs):

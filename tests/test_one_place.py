@@ -223,3 +223,21 @@ def test_an_agent_the_rollout_cannot_run_stops_at_start_in_one_line(script, edit
     [line] = [line for line in result.stderr.splitlines() if "error:" in line]
     assert message in line
     assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize(
+    ("script", "edit", "order"),
+    [
+        ("ppo_continuous_mpi.py", ("torch.randperm(returns.size, ", "torch.randperm(returns.shape[-1], "), 1),
+        ("ppo_atari_multigpu.py", ("torch.randperm(returns.numel(), ", "torch.randperm(returns.shape[-1], "), 8),
+    ],
+    ids=["continuous", "atari"],
+)
+def test_minibatches_over_envs_with_sizes_in_samples_stop_in_one_line(script, edit, order, tmp_path):
+    """Half of a recurrent edit: main's orders rank envs while minibatch_sizes still counts samples. The update stops
+    in one line naming the two places that must agree, not in a traceback from an empty minibatch."""
+    result = train(edited_copy(tmp_path, script, [edit]))
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    [line] = [line for line in result.stderr.splitlines() if "error:" in line]
+    assert f"do not cut an epoch's order of {order} into non-empty pieces" in line
+    assert "main's orders and minibatch_sizes must count the same things" in line
