@@ -10,7 +10,7 @@ logs whole games' raw scores. FIRE starts a game and follows a lost life, as in 
 Distributed story: `--local-num-envs` and `--num-steps` are per rank. The world's minibatch k is the
 union of the ranks' minibatches k: advantages normalised with its mean and std, gradients averaged
 by DistributedDataParallel during backward. So every rank takes the step one process would take on
-the whole batch. `--preempt-fraction`: DD-PPO. On a GPU a rollout step is one CUDA graph replay.
+the whole batch. `--preempt-fraction`: DD-PPO. On a GPU a rollout step is a CUDA graph replay per group of envs.
 """
 
 import collections
@@ -715,8 +715,11 @@ def args_problem(args: Args) -> str | None:
     if problem := runtime_args_problem(args):
         return problem
     rules = (
-        ("at least 1", lambda value: value >= 1, ("total_timesteps", "local_num_envs", "num_steps", "num_minibatches")),
-        ("at least 1", lambda value: value >= 1, ("update_epochs",)),
+        (
+            "at least 1",
+            lambda value: value >= 1,
+            ("total_timesteps", "local_num_envs", "num_steps", "num_minibatches", "update_epochs"),
+        ),
         ("at least 0 (0 = automatic)", lambda value: value >= 0, ("env_threads", "env_groups")),
         ("finite and positive", lambda value: 0 < value < math.inf, ("learning_rate", "max_grad_norm")),
         ("finite and at least 0", lambda value: 0 <= value < math.inf, ("clip_coef", "ent_coef", "vf_coef")),
@@ -1091,11 +1094,9 @@ def stop_training(run: "Run", iteration: int, error: Exception, nonfinite_fix: s
     """End training on an error every rank met alike, in one line: a non-finite loss or gradient (no rank applied that
     step; `nonfinite_fix` says what to try) or a lost peer (each rank says so). Anything else is a bug: raised as is."""
     if isinstance(error, NonFiniteError):
-        last = find_latest_checkpoint(run.name)
-        kept = f"the last good checkpoint is {last}" if last else "no checkpoint was written"
         fail(
             f"non-finite loss or gradient at {run.unit} {iteration}: every rank stopped before applying that step, "
-            f"earlier steps of the {run.unit} stand ({kept}); {nonfinite_fix}, then --resume"
+            f"earlier steps of the {run.unit} stand ({last_good_checkpoint(run.name)}); {nonfinite_fix}, then --resume"
         )
     lost_peer = ("gloo", "NCCL", "Connection closed", "Connection reset", "Timed out", "timed out")
     if not (isinstance(error, dist.DistError) or any(word in str(error) for word in lost_peer)):
@@ -1327,11 +1328,7 @@ def join_process_group(run: Run) -> str:
     except (RuntimeError, ValueError) as error:
         address = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
         fail(f"could not form a process group of {world_size} ranks at {address} with {backend}: {error}")
-    # the cores idle over 0.2 s, per rank of this node: a torch thread on a busy core stalls every op
-    before = load_sample()
-    time.sleep(0.2)
-    busy, total, _, _ = load_sample() - before
-    run.cores = max(1, round(len(os.sched_getaffinity(0)) * (1 - busy / max(total, 1))) // run.local_world_size)
+    run.cores = idle_cores(run.local_world_size)
     # a GPU run computes on its GPU: one torch thread per rank leaves the cores to the envs
     torch.set_num_threads(args.torch_threads or (1 if run.device.type == "cuda" else run.cores))
     choice = args.collectives  # MPI if --collectives and the launch allow
@@ -1355,6 +1352,15 @@ def join_process_group(run: Run) -> str:
         )
     MPIWorld.mpi, MPIWorld.comm = MPI, comm
     return f"MPI ({MPI.Get_library_version().split(',')[0].strip()})"
+
+
+def idle_cores(local_world_size: int) -> int:
+    """The usable cores idle over 0.2 s, shared out among the ranks of this node (at least 1 each): the default torch
+    and env threads, as a torch thread on a busy core stalls every op."""
+    before = load_sample()
+    time.sleep(0.2)
+    busy, total, _, _ = load_sample() - before
+    return max(1, round(len(os.sched_getaffinity(0)) * (1 - busy / max(total, 1))) // local_world_size)
 
 
 def check_same_command(run: Run) -> None:
@@ -1657,6 +1663,12 @@ def find_latest_checkpoint(run_name: str) -> str | None:
     return checkpoint_path(run_name, max(iterations)) if iterations else None
 
 
+def last_good_checkpoint(run_name: str) -> str:
+    """What a message that stops training says of the run's checkpoints: the newest one, or that there is none."""
+    last = find_latest_checkpoint(run_name)
+    return f"the last good checkpoint is {last}" if last else "no checkpoint was written"
+
+
 def find_run_to_resume(args, world_size: int, steps_per_iteration: int, args_problem) -> tuple[str, dict | None]:
     """The run folder restarted ranks must find again ('' if none) and its checkpoint to resume, checked up front (its
     args by `args_problem`, the script's check of flags)."""
@@ -1819,9 +1831,7 @@ def stop_if_unwritten(run: Run, path: str, problem: str, fix: str) -> None:
             run.store.set(f"written/{path}", problem)
         problem = run.store.get(f"written/{path}").decode()
     if problem:
-        last = find_latest_checkpoint(run.name)
-        kept = f"the last good checkpoint is {last}" if last else "no checkpoint was written"
-        fail(f"{problem}: {kept}; {fix} --run-name {run.name}")
+        fail(f"{problem}: {last_good_checkpoint(run.name)}; {fix} --run-name {run.name}")
 
 
 # --- the training loop: preempted rollouts, sums over ranks, the progress line, the end of the run ----

@@ -13,7 +13,6 @@ the script's SPS in a run of its own (iterations 2..) and its rollout time per s
 
 import hashlib
 import inspect
-import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -208,14 +207,6 @@ def script_runs(args: Args, scripts: dict[str, Path], device: str, num_envs: int
     return runs
 
 
-def idle_cores(script) -> int:
-    """The script's `--torch-threads 0` and `--env-threads 0` rule at one rank: its usable cores idle over 0.2 s."""
-    before = script.load_sample()
-    time.sleep(0.2)
-    busy, total, _, _ = script.load_sample() - before
-    return max(1, round(len(os.sched_getaffinity(0)) * (1 - busy / max(total, 1))))
-
-
 def main(argv: list[str] | None = None) -> Path:
     """Measure every (device, env count, script), write OUT.md after each configuration (so that a run stopped
     early keeps what it measured, marked partial); returns its path."""
@@ -225,7 +216,7 @@ def main(argv: list[str] | None = None) -> Path:
         scripts = {"baseline": args.baseline.resolve(), **scripts}
     modules = {label: common.load_script(path.name, path.parent) for label, path in scripts.items()}
     this = modules["this checkout"]
-    threads = args.threads or idle_cores(this)
+    threads = args.threads or this.idle_cores(1)  # the script's rule at one rank
     extra = [*(["--torch-threads", str(threads), "--env-threads", str(threads)] if args.threads else []), *extra]
     torch.set_num_threads(threads)
     torch.backends.cudnn.deterministic = True  # the script's --torch-deterministic default
