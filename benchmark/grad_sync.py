@@ -3,7 +3,8 @@
     python -m benchmark.grad_sync --nprocs 2 --repeats 50 --out benchmark/results/grad_sync
 
 Each script's Agent for its default env, with a local batch of the script's default size. Methods: per-parameter
-(SpinningUp's mpi_avg_grads), flat (the MLP scripts' `average_gradients`), DDP (the Atari script's, as forward+backward
+(SpinningUp's mpi_avg_grads), flat (the MLP scripts' `average_gradients`: the gradients flattened, one allreduce, the
+mean written back), DDP (the Atari script's, as forward+backward
 through DDP minus the same without), gather+broadcast (vpg_mpi.py's --sync gather); with `--mpi` the scripts' methods
 again through MPI. Every method's result is checked against an all_gather reference first.
 """
@@ -27,6 +28,7 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 
 from benchmark import common
+from ddrl import collectives
 
 SCRIPT_OF = {"vpg": "vpg_mpi.py", "ppo_continuous": "ppo_continuous_mpi.py", "atari": common.ATARI}
 """the models: each script's Agent"""
@@ -99,9 +101,14 @@ def build(name: str, args: Args, rank: int) -> tuple[LossOf, tuple[torch.Tensor,
 
 
 def backward(module: nn.Module, inputs: tuple[torch.Tensor, ...]) -> None:
-    """Zero the gradients in place (they stay views of the flat buffer), then forward and backward through `module`."""
-    module.zero_grad(set_to_none=False)
+    """Zero the gradients, then forward and backward through `module`."""
+    module.zero_grad()
     module(*inputs).backward()
+
+
+def gradients(parameters: list[nn.Parameter]) -> torch.Tensor:
+    """Every parameter's gradient, in one flat tensor."""
+    return torch.cat([parameter.grad.reshape(-1) for parameter in parameters])
 
 
 def world_gather(tensor: torch.Tensor) -> list[torch.Tensor]:
@@ -143,13 +150,13 @@ def gather_method(rank: int, agent: nn.Module, inputs: tuple[torch.Tensor, ...])
             for parameter in agent.parameters():
                 parameter.add_(float(rank))
         union = vpg_mpi.gather_to_learner(batch)
-        vpg_mpi.broadcast_parameters(agent)
+        collectives.broadcast_parameters(agent)
         weights = torch.cat([parameter.detach().reshape(-1) for parameter in agent.parameters()])
         broadcast = all(torch.equal(piece, weights) for piece in world_gather(weights))
         return broadcast and (union is None or all(torch.equal(union[k], v) for k, v in expected.items()))
 
     what = f"gather_to_learner of {n}x{sum(widths.values())} floats per rank + broadcast_parameters"
-    return what, lambda: (vpg_mpi.gather_to_learner(batch), vpg_mpi.broadcast_parameters(agent)), check
+    return what, lambda: (vpg_mpi.gather_to_learner(batch), collectives.broadcast_parameters(agent)), check
 
 
 def measure_model(name: str, args: Args, rank: int) -> list[dict]:
@@ -159,49 +166,55 @@ def measure_model(name: str, args: Args, rank: int) -> list[dict]:
     module, inputs, batch = build(name, args, rank)
     parameters = list(module.parameters())
     script = common.load_script(SCRIPT_OF[name])
-    if not hasattr(script, "flat_gradient_buffer"):  # the Atari script: the MLP scripts' flat allreduce on its model
+    if not hasattr(script, "average_gradients"):  # the Atari script: the MLP scripts' flat allreduce on its model
         script = common.load_script("ppo_continuous_mpi.py")
-    flat = script.flat_gradient_buffer(parameters, len(script.LOSS_KEYS))
+    logged = torch.zeros(6)  # the numbers PPO's minibatch_loss logs, which ride in the same allreduce
     ddp = DDP(module, broadcast_buffers=False)
     backward(module, inputs)
-    local = flat.clone()
-    reference = torch.stack(world_gather(local)).double().mean(0).float()
+    local = [parameter.grad.clone() for parameter in parameters]
+    reference = torch.stack(world_gather(gradients(parameters))).double().mean(0).float()
+
+    def restore() -> None:
+        """This rank's own gradients again (the methods average them in place)."""
+        for parameter, gradient in zip(parameters, local, strict=True):
+            parameter.grad = gradient.clone()
 
     def averages(function: Callable[[], object]) -> bool:
         """Whether `function` turns every rank's gradients into their average (the reference)."""
-        flat.copy_(local)
+        restore()
         function()
-        return torch.allclose(flat, reference, rtol=1e-4, atol=1e-6)
+        return torch.allclose(gradients(parameters), reference, rtol=1e-4, atol=1e-6)
 
     def per_parameter() -> None:  # SpinningUp's mpi_avg_grads: one all_reduce per tensor
         for parameter in parameters:
             dist.all_reduce(parameter.grad)
             parameter.grad /= dist.get_world_size()
 
-    average = f"{Path(script.__file__).stem}.average_gradients of its flat_gradient_buffer: one allreduce"
-    methods = {  # method: (what is timed, the sync, the script whose collectives its MPI row routes through MPI)
-        "per-parameter": (f"{len(parameters)} all_reduce calls", per_parameter, None),
-        "flat": (average, lambda: script.average_gradients(flat), script),
+    average = f"{Path(script.__file__).stem}.average_gradients: the gradients flattened, one allreduce, written back"
+    methods = {  # method: (what is timed, the sync, whether its MPI row routes the scripts' collectives through MPI)
+        "per-parameter": (f"{len(parameters)} all_reduce calls", per_parameter, False),
+        "flat": (average, lambda: script.average_gradients(parameters, logged), True),
     }
     if name == "vpg":
         what, function, gather_works = gather_method(rank, module.agent, inputs)
-        methods["gather+broadcast"] = (what, function, common.load_script("vpg_mpi.py"))
+        methods["gather+broadcast"] = (what, function, True)
     backward(ddp, inputs)
-    checks = {"DDP": torch.allclose(flat, reference, rtol=1e-4, atol=1e-6)}
+    checks = {"DDP": torch.allclose(gradients(parameters), reference, rtol=1e-4, atol=1e-6)}
     rows = []
     for method, (what, function, routed) in methods.items():
         for mpi in (False, True) if MPI and routed else (False,):
             label, times = method + ", MPI" * mpi, []
-            if routed:  # the MPI row: the script's CPU collectives through MPI, as --collectives mpi routes them
-                routed.MPIWorld.mpi, routed.MPIWorld.comm = (MPI, MPI.COMM_WORLD) if mpi else (None, None)
+            if routed:  # the MPI row: the scripts' CPU collectives through MPI, as --collectives mpi routes them
+                collectives.MPIWorld.mpi = MPI if mpi else None
+                collectives.MPIWorld.comm = MPI.COMM_WORLD if mpi else None
             checks[label] = gather_works() if method == "gather+broadcast" else averages(function)
             for _ in range(args.warmup + args.repeats):
-                flat.copy_(local)  # keep the buffer's values bounded and realistic between repetitions
+                restore()  # keep the gradients' values bounded and realistic between repetitions
                 times.append(timed(function, mpi))
             what = "the same through MPI (mpi4py, in place on numpy views), as --collectives mpi" if mpi else what
             rows.append({"method": label, "what": what, **summary(times[args.warmup :])})
-        if routed:
-            routed.MPIWorld.mpi = routed.MPIWorld.comm = None
+        collectives.MPIWorld.mpi = None
+        collectives.MPIWorld.comm = None
     # DDP: forward+backward with and without it, interleaved so that both see the same machine
     plain, wrapped = [], []
     for _ in range(args.warmup + args.repeats):

@@ -2,6 +2,7 @@
 
 import gc
 import importlib
+import importlib.util
 import os
 import runpy
 import socket
@@ -53,7 +54,7 @@ def clean_env(**extra: str) -> dict[str, str]:
     env = {key: value for key, value in os.environ.items() if not key.startswith(launcher_prefixes)}
     # the repository first, the caller's PYTHONPATH kept (packages installed with `pip --target` live there)
     python_path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-    env.update(PYTHONPATH=python_path, PYTHONUNBUFFERED="1", **extra)
+    env.update({"PYTHONPATH": python_path, "PYTHONUNBUFFERED": "1", **extra})
     return env
 
 
@@ -208,9 +209,15 @@ def _rank_main(
 
 def train_rank(rank: int, world_size: int, script: str, cwd: str, flags: list[str]) -> dict[str, torch.Tensor]:
     """One rank of a launch by run_ranks(..., join_group=False): the script's whole `main` on `flags` in `cwd`, as
-    torchrun would run it; returns the trained agent's state dict."""
+    torchrun would run it (`script`: a file of the repository, or the path of a copy); returns the trained agent's
+    state dict."""
     os.chdir(cwd)
-    module = importlib.import_module(Path(script).stem)
+    if Path(script).is_absolute():  # a copy, imported from its file under a name of its own
+        spec = importlib.util.spec_from_file_location(f"copy_{rank}_{Path(script).stem}", script)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    else:
+        module = importlib.import_module(Path(script).stem)
     return module.main(tyro.cli(module.Args, args=flags)).state_dict()
 
 
@@ -438,12 +445,16 @@ def cleanrl_ppo_loss(
 
 
 def assert_same_loss_and_gradients(
-    agent: torch.nn.Module, loss: torch.Tensor, stats: torch.Tensor, expected_loss: torch.Tensor, expected_stats: list
+    agent: torch.nn.Module, loss: torch.Tensor, stats: dict, expected_loss: torch.Tensor, expected_stats: list
 ) -> None:
-    """A script's minibatch loss, its six logged statistics and its gradients on `agent` equal those of the
-    written-out reference (cleanrl_ppo_loss), float64 to rounding."""
+    """A script's minibatch loss, its six logged statistics (by name, in cleanrl_ppo_loss's order) and its gradients
+    on `agent` equal those of the written-out reference (cleanrl_ppo_loss), float64 to rounding."""
     torch.testing.assert_close(loss, expected_loss, rtol=0, atol=1e-10)
-    torch.testing.assert_close(stats, torch.stack(expected_stats).detach(), rtol=0, atol=1e-10)
+    names = ["policy_loss", "value_loss", "entropy", "old_approx_kl", "approx_kl", "clipfrac"]
+    assert list(stats) == names
+    torch.testing.assert_close(
+        torch.stack(list(stats.values())), torch.stack(expected_stats).detach(), rtol=0, atol=1e-10
+    )
     gradients = torch.autograd.grad(loss, list(agent.parameters()))
     expected_gradients = torch.autograd.grad(expected_loss, list(agent.parameters()))
     for gradient, expected_gradient in zip(gradients, expected_gradients, strict=True):

@@ -2,11 +2,13 @@
 stop the run at start with a message: never a run that acts with one network and learns with another."""
 
 import re
+import shutil
+import sys
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import ROOT, assert_ok, read_scalars, run_dirs, run_python
+from tests.helpers import ROOT, assert_ok, read_scalars, run_command, run_dirs, run_python
 
 FLAGS = {
     "ppo_continuous_mpi.py": ["--env-id", "InvertedPendulum-v5", "--num-steps", "256", "--total-timesteps", "512"]
@@ -91,12 +93,12 @@ ONE_SIDED = {
             )
         ],
         "log-probabilities",
-        "GaussianActions.sample (on numpy_module's copies of the networks) and GaussianActions.log_prob_entropy",
+        "GaussianActions.sample (on numpy copies of the Agent's networks) and GaussianActions.log_prob_entropy",
     ),
     ("ppo_continuous_mpi.py", "the numpy tanh alone"): (
-        [("nn.Tanh: np.tanh,", "nn.Tanh: np.sin,")],
+        [("ddrl/numpy_rollout.py", "nn.Tanh: np.tanh,", "nn.Tanh: np.sin,")],
         "",
-        "GaussianActions.sample (on numpy_module's copies of the networks)",
+        "GaussianActions.sample (on numpy copies of the Agent's networks)",
     ),
     ("vpg_mpi.py", "a softmax temperature in the scoring alone"): (
         [
@@ -106,10 +108,10 @@ ONE_SIDED = {
             )
         ],
         "log-probabilities",
-        "CategoricalActions.sample (on numpy_module's copies of the networks) and CategoricalActions.log_prob_entropy",
+        "CategoricalActions.sample (on numpy copies of the Agent's networks) and CategoricalActions.log_prob_entropy",
     ),
     ("vpg_mpi.py", "the numpy tanh alone"): (
-        [("nn.Tanh: np.tanh,", "nn.Tanh: np.sin,")],
+        [("ddrl/numpy_rollout.py", "nn.Tanh: np.tanh,", "nn.Tanh: np.sin,")],
         "",
         "CategoricalActions.sample",
     ),
@@ -126,21 +128,31 @@ ONE_SIDED = {
 }
 
 
-def edited_copy(directory: Path, script: str, edits: list[tuple[str, str]]) -> Path:
-    """`script` copied into `directory` with every (old, new) edit applied; each `old` must occur exactly once, so an
-    edit that no longer applies fails here instead of testing the unmodified script."""
-    source = (ROOT / script).read_text()
-    for old, new in edits:
-        assert source.count(old) == 1, f"{script}: expected {old!r} once"
-        source = source.replace(old, new)
+def edited_copy(directory: Path, script: str, edits: list[tuple[str, ...]]) -> Path:
+    """`script` copied into `directory` with every (old, new) edit applied, and (FILE, old, new) to the copy of ddrl's
+    FILE beside it (which the copy then imports); each `old` must occur exactly once, so an edit that no longer
+    applies fails here instead of testing the unmodified script."""
     directory.mkdir(parents=True, exist_ok=True)
-    (directory / script).write_text(source)
+    sources = {script: (ROOT / script).read_text()}
+    for *file, old, new in edits:
+        name = file[0] if file else script
+        if name not in sources:
+            shutil.copytree(ROOT / "ddrl", directory / "ddrl", ignore=shutil.ignore_patterns("__pycache__"))
+            sources[name] = (ROOT / name).read_text()
+        assert sources[name].count(old) == 1, f"{name}: expected {old!r} once"
+        sources[name] = sources[name].replace(old, new)
+    for name, source in sources.items():
+        (directory / name).write_text(source)
     return directory / script
 
 
 def train(copy: Path, *extra: str):
-    """Two iterations of the copy at seed 1 with one rank, in its own folder."""
-    return run_python(copy, [*FLAGS[copy.name], "--seed", "1", *extra], copy.parent)
+    """Two iterations of the copy at seed 1 with one rank, in its own folder; in a new process where ddrl was copied
+    beside it (run_python's processes have imported the repository's)."""
+    args = [*FLAGS[copy.name], "--seed", "1", *extra]
+    if (copy.parent / "ddrl").exists():
+        return run_command([sys.executable, str(copy), *args], copy.parent)
+    return run_python(copy, args, copy.parent)
 
 
 def losses(directory: Path) -> dict[str, list[tuple[int, float]]]:
@@ -192,7 +204,7 @@ def test_a_layer_without_a_numpy_version_is_named_and_runs_with_no_numpy_rollout
     refused = train(copy)
     assert refused.returncode == 2 and "Traceback" not in refused.stderr
     assert "no numpy version of the Agent's layer GELU" in refused.stderr
-    assert "add one to numpy_module(), or pass --no-numpy-rollout" in refused.stderr
+    assert "add one to ddrl/numpy_rollout.py's numpy_module(), or pass --no-numpy-rollout" in refused.stderr
     assert not (tmp_path / "runs").exists()  # refused before its run folder was made
     assert_ok(train(copy, "--no-numpy-rollout"))
     assert losses(tmp_path)["losses/value_loss"] != unmodified_losses[script]["losses/value_loss"]
@@ -212,7 +224,7 @@ def test_a_layer_without_a_numpy_version_is_named_and_runs_with_no_numpy_rollout
         (
             "vpg_mpi.py",
             ("return self.critic(obs).squeeze(-1)", "return self.critic(obs)"),
-            "RolloutPolicy.act gives values of shape (256, 1) for 256 observations",
+            "the rollout's act gives values of shape (256, 1) for 256 observations",
         ),
     ],
     ids=["a torch function in the Agent's policy", "a value per row forgotten"],

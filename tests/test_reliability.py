@@ -12,6 +12,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from ddrl import checks
+from ddrl.failures import NonFiniteError
 from tests.helpers import (
     ROOT,
     assert_ok,
@@ -231,17 +233,16 @@ def module(script: str):
 
 
 def disagreement_rank(rank: int, world_size: int, script: str) -> dict:
-    """A non-finite loss on rank 1 in update(); then check_parameters_in_sync on equal, then unequal weights."""
+    """A non-finite loss on rank 1 in update(); then check_weights_in_sync on equal, then unequal weights."""
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    ddrl = module(script)
-    outcome = dict(zip(("nonfinite", "unchanged"), nonfinite_update(ddrl, script, rank), strict=True))
+    outcome = dict(zip(("nonfinite", "unchanged"), nonfinite_update(module(script), script, rank), strict=True))
     torch.manual_seed(0)
     layer = torch.nn.Linear(3, 2)
-    ddrl.check_parameters_in_sync(layer, 1)  # equal: passes on every rank
+    checks.check_weights_in_sync(layer, 1)  # equal: passes on every rank
     with torch.no_grad():
         layer.bias[0] += 1e-6 * rank  # a few ulps apart on rank 1
     try:
-        ddrl.check_parameters_in_sync(layer, 2)
+        checks.check_weights_in_sync(layer, 2)
     except SystemExit as stop:
         outcome["sync"] = stop.code
     if dist.is_initialized():
@@ -249,7 +250,7 @@ def disagreement_rank(rank: int, world_size: int, script: str) -> dict:
     return outcome
 
 
-def nonfinite_update(ddrl, script: str, rank: int) -> tuple[str, bool]:
+def nonfinite_update(algorithm, script: str, rank: int) -> tuple[str, bool]:
     """Run the script's update on a batch that is NaN on rank 1 only (observations for VPG, whose policy step comes
     first; value targets for PPO); who raises, and were the weights left alone (no rank stepped)?"""
     torch.manual_seed(1)
@@ -263,33 +264,33 @@ def nonfinite_update(ddrl, script: str, rank: int) -> tuple[str, bool]:
         "returns": torch.randn(16),
     }
     if script == "vpg_mpi.py":
-        agent = ddrl.Agent(4, gym.spaces.Box(-1.0, 1.0, (2,)), (8,))
+        agent = algorithm.Agent(4, gym.spaces.Box(-1.0, 1.0, (2,)), (8,))
         batch["obs"][3] += poison
         pi_optimizer = torch.optim.Adam(agent.policy_parameters(), lr=0.01)
         vf_optimizer = torch.optim.Adam(agent.critic.parameters(), lr=0.01)
-        step = lambda: ddrl.update(agent, pi_optimizer, vf_optimizer, batch, ddrl.Args(train_v_iters=2))  # noqa: E731
+        step = lambda: algorithm.update(agent, pi_optimizer, vf_optimizer, batch, algorithm.Args(train_v_iters=2))  # noqa: E731
     else:
         if script == "ppo_continuous_mpi.py":
-            agent = ddrl.Agent(4, 2)
+            agent = algorithm.Agent(4, 2)
         else:
-            agent = ddrl.Agent(4)
+            agent = algorithm.Agent(4)
             batch["obs"] = torch.randint(0, 255, (16, 4, 84, 84), dtype=torch.uint8)
             batch["actions"] = torch.randint(0, 4, (16,))
         batch["returns"] += poison  # every minibatch: the first step must already be refused
-        args = ddrl.Args(num_minibatches=2, update_epochs=2)
+        args = algorithm.Args(num_minibatches=2, update_epochs=2)
         args.local_batch_size, args.local_minibatch_size = 16, 8
         optimizer = torch.optim.Adam(agent.parameters(), lr=0.01)
         order = torch.stack([torch.randperm(16), torch.randperm(16)])
         if script == "ppo_continuous_mpi.py":
-            step = lambda: ddrl.update(agent, optimizer, batch, args, order)  # noqa: E731
+            step = lambda: algorithm.update(agent, optimizer, batch, args, order)  # noqa: E731
         else:
             model = torch.nn.parallel.DistributedDataParallel(agent)
-            step = lambda: ddrl.update(model, optimizer, batch, args, order)  # noqa: E731
+            step = lambda: algorithm.update(model, optimizer, batch, args, order)  # noqa: E731
     before = {key: value.clone() for key, value in agent.state_dict().items()}
     try:
         step()
         raised = "no"
-    except ddrl.NonFiniteError:
+    except NonFiniteError:
         raised = "NonFiniteError"
     unchanged = all(torch.equal(before[key], value) for key, value in agent.state_dict().items())
     return raised, unchanged

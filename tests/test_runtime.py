@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from ddrl import env_support, launching
 from tests.helpers import ROOT, assert_no_settotalmass_warning, refuse, run_python
 
 SCRIPTS = ("ppo_continuous_mpi.py", "ppo_atari_multigpu.py", "vpg_mpi.py")
@@ -39,9 +40,9 @@ def test_a_gpu_run_forms_a_group_that_serves_both_cpu_and_cuda_tensors(script, g
         raise RuntimeError("no network in this test")
 
     monkeypatch.setattr(dist, "init_process_group", init_process_group)
-    run = module.launch(module.Args(cuda=True), "iteration")
+    run = launching.launch(module.Args(cuda=True), module.__file__, "iteration", module.args_problem)
     with pytest.raises(SystemExit):
-        module.join_process_group(run)
+        launching.join_process_group(run)
     assert formed == [backend]
     assert run.device == torch.device("cuda", 0)
     assert f"with {backend}:" in capsys.readouterr().err
@@ -76,7 +77,7 @@ def test_capture_video_that_cannot_render_stops_before_training(script, env_id, 
     def no_opengl(env_id: str) -> None:
         raise RuntimeError("an OpenGL platform library has not been loaded into this process")
 
-    monkeypatch.setattr(module, "render_one_frame", no_opengl)
+    monkeypatch.setattr(env_support, "render_one_frame", no_opengl)
     flags = ["--capture-video", *(["--env-id", env_id] if env_id else [])]
     message = refuse(module, flags, monkeypatch, capsys)
     assert "--capture-video cannot render a frame (an OpenGL platform library has not been loaded" in message
@@ -91,7 +92,8 @@ def test_capture_video_on_a_headless_machine_renders_with_egl(display, chosen, m
     monkeypatch.setenv("MUJOCO_GL", "unset below")  # so that monkeypatch restores the variable afterwards
     monkeypatch.delenv("MUJOCO_GL")
     monkeypatch.setenv("DISPLAY", display)
-    ppo_continuous_mpi.launch(ppo_continuous_mpi.Args(capture_video=True), "iteration")
+    args = ppo_continuous_mpi.Args(capture_video=True)
+    launching.launch(args, ppo_continuous_mpi.__file__, "iteration", ppo_continuous_mpi.args_problem)
     assert os.environ.get("MUJOCO_GL") == chosen
 
 

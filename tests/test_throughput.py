@@ -174,8 +174,8 @@ def test_bad_arguments_are_refused(tmp_path):
     [("vpg_mpi.py", "HalfCheetah-v5"), ("vpg_mpi.py", "CartPole-v1"), ("ppo_continuous_mpi.py", "HalfCheetah-v5")],
 )
 def test_numpy_rollout_policy_acts_as_the_torch_modules_and_follows_updates_and_loads(script, env_id):
-    """RolloutPolicy (numpy views of the parameters) against the nn.Sequential modules and the log-probabilities the
-    update computes, after an optimizer step and a load_state_dict made with the policy already built."""
+    """The numpy rollout policy (numpy views of the parameters) against the nn.Sequential modules and the
+    log-probabilities the update computes, after an optimizer step and a load_state_dict made with the policy built."""
     import gymnasium as gym
 
     module = common.load_script(script)

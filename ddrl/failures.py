@@ -1,0 +1,78 @@
+"""Failures: one line that names the fix and exit code 2, never a traceback; warnings in the same form."""
+
+import gc
+import os
+import sys
+from typing import NoReturn
+
+import torch.distributed as dist
+
+script = os.path.basename(sys.argv[0]) or "ddrl"
+"""the running script's file name, which starts every message (launching.launch sets it)"""
+
+MAX_VALUE_CHARS = 200  # a value quoted in a message longer than this is cut, its length said
+
+
+def fail(message: str, every_rank: bool = False) -> NoReturn:
+    """Stop with one line naming the fix, exit code 2: printed by rank 0, or with `every_rank` (lost peer) by each."""
+    rank = this_rank()
+    if every_rank or rank == 0:  # said first: a launcher may end the job once another rank has left
+        who = f"rank {rank}: " if every_rank and dist_world_size() > 1 else ""
+        say(f"{script}: error: {who}{message}")
+    if dist.is_initialized() and not every_rank:  # every rank stops here together: leave the group cleanly
+        dist.destroy_process_group()
+        gc.collect()
+    if every_rank:
+        quietly(sys.stdout.flush)
+        os._exit(2)  # at once: the broken group's threads can abort an orderly interpreter exit (SIGABRT)
+    raise SystemExit(2)
+
+
+def warn(message: str) -> None:
+    """One warning line on stderr, `SCRIPT: warning: MESSAGE`."""
+    say(f"{script}: warning: {message}")
+
+
+def say(line: str) -> None:
+    """`line` on stderr; a reader that went away (a closed pipe) makes it print nothing."""
+    quietly(lambda: print(line, file=sys.stderr, flush=True))
+
+
+def quietly(write) -> None:
+    """Call `write`, which prints or flushes; an output whose reader went away (a closed pipe) takes nothing."""
+    try:
+        write()
+    except (OSError, ValueError):  # BrokenPipeError; ValueError: the stream was closed
+        pass
+
+
+def shown(value: object) -> str:
+    """`value` as a message quotes it (repr), cut to MAX_VALUE_CHARS with its length said."""
+    text = repr(value)
+    if len(text) <= MAX_VALUE_CHARS:
+        return text
+    return f"{text[:MAX_VALUE_CHARS]}... ({len(text)} characters)"
+
+
+def this_rank() -> int:
+    """This process's rank as the process group or the launcher has it (0 when neither says, or says nonsense)."""
+    if dist.is_initialized():
+        return dist.get_rank()
+    try:
+        return int(os.environ.get("RANK", "0"))
+    except ValueError:
+        return 0
+
+
+def dist_world_size() -> int:
+    """The process group's size, else the launcher's WORLD_SIZE (1 when neither says)."""
+    if dist.is_initialized():
+        return dist.get_world_size()
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        return 1
+
+
+class NonFiniteError(Exception):
+    """A non-finite loss or gradient, found alike on every rank (in numbers they all share) before it is applied."""

