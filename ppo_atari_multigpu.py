@@ -59,9 +59,9 @@ class Args:
     capture_video: bool = False
     """if toggled, rank 0 films evaluation games into `runs/{run_name}/videos` (needs moviepy)"""
     save_model: bool = False
-    """if toggled, rank 0 writes `runs/{run_name}/model.pt` at the end of training"""
+    """if toggled, rank 0 writes `runs/{run_name}/model.safetensors` at the end of training"""
     eval_checkpoint: str = ""
-    """if set, load this model.pt, play `--eval-episodes` games on rank 0 and exit"""
+    """if set, load this model file (or a training checkpoint), play `--eval-episodes` games on rank 0 and exit"""
     eval_episodes: int = 10
     """games played by `--eval-checkpoint` and after training with `--capture-video`"""
     eval_deterministic: bool = False
@@ -133,7 +133,7 @@ class Args:
     dist_timeout: float = 1800.0
     """seconds a collective may wait for a peer before the run stops with an error"""
     checkpoint_every: int = 0
-    """iterations between checkpoints, `runs/{run_name}/checkpoints/iter_{n:06d}.pt` (0: SIGTERM)"""
+    """iterations between checkpoints, `runs/{run_name}/checkpoints/iter_{n:06d}.safetensors` (0: SIGTERM)"""
     resume: bool = False
     """continue the run `--run-name` from its newest checkpoint (automatic on a torchrun restart)"""
     check_sync_every: int = 10
@@ -684,7 +684,7 @@ def evaluate(agent: Agent, env_id: str, args: Args, video_folder: str | None = N
 
 
 def evaluate_checkpoint(args: Args, run: launching.Run) -> None:
-    """`--eval-checkpoint`: play a model.pt of this script on rank 0 and print one `eval:` line."""
+    """`--eval-checkpoint`: play a model file (or training checkpoint) on rank 0 and print one `eval:` line."""
     path = args.eval_checkpoint
     model, _ = checkpoints.read_model(path, Args, args_problem, args.env_id)
     env_id = model["env_id"]
@@ -694,7 +694,7 @@ def evaluate_checkpoint(args: Args, run: launching.Run) -> None:
         return
     with contextlib.closing(gym.make(env_id)) as env:  # its actions size the head
         agent = Agent(int(env.action_space.n), bf16=args.bf16).to(memory_format=torch.channels_last)
-    checkpoints.load_weights(agent, model["model"], path)
+    checkpoints.load_weights(agent, path, model)
     torch.manual_seed(args.seed)  # the policy's sampling: the same --seed plays the same games
     video_folder = os.path.join(os.path.dirname(path), "videos") if args.capture_video else None
     returns = evaluate(agent, env_id, args, video_folder)

@@ -12,7 +12,7 @@ own envs and computes GAE on its share; advantages are normalised with the world
 `--sync allreduce` (default) averages the gradients in one flat allreduce per optimizer step, so
 every rank takes the step one process would take on the concatenated batch. `--sync gather` (one
 learner) gathers the rollouts to rank 0, which updates alone and broadcasts the weights. An epoch is
-one iteration of the ddrl runtime, the package beside this file (checkpoints `iter_{epoch:06d}.pt`).
+one iteration of the ddrl runtime, the package beside this file (checkpoints `iter_{epoch:06d}.safetensors`).
 
 SpinningUp's defaults: PyTorch's initialisation, a log-std starting at -0.5, hidden sizes (64, 64)
 (its benchmark's net is (64, 32)), advantages normalised by the population std (+ 1e-8, so that a
@@ -60,9 +60,9 @@ class Args:
     capture_video: bool = False
     """if toggled, rank 0 films evaluation episodes into `runs/{run_name}/videos` (needs moviepy)"""
     save_model: bool = False
-    """if toggled, rank 0 writes `runs/{run_name}/model.pt` at the end of training"""
+    """if toggled, rank 0 writes `runs/{run_name}/model.safetensors` at the end of training"""
     eval_checkpoint: str = ""
-    """if set, load this model.pt, play `--eval-episodes` episodes on rank 0 and exit"""
+    """if set, load this model file (or a training checkpoint), play `--eval-episodes` episodes on rank 0 and exit"""
     eval_episodes: int = 10
     """episodes played by `--eval-checkpoint` and after training with `--capture-video`"""
     eval_deterministic: bool = False
@@ -110,7 +110,7 @@ class Args:
     dist_timeout: float = 1800.0
     """seconds a collective may wait for a peer before the run stops with an error"""
     checkpoint_every: int = 0
-    """iterations between checkpoints, `runs/{run_name}/checkpoints/iter_{n:06d}.pt` (0: SIGTERM)"""
+    """iterations between checkpoints, `runs/{run_name}/checkpoints/iter_{n:06d}.safetensors` (0: SIGTERM)"""
     resume: bool = False
     """continue the run `--run-name` from its newest checkpoint (automatic on a torchrun restart)"""
     check_sync_every: int = 10
@@ -556,8 +556,8 @@ def evaluate(agent: Agent, env_id: str, args: Args, video_folder: str | None = N
 
 
 def evaluate_checkpoint(args: Args, run: launching.Run) -> None:
-    """`--eval-checkpoint`: play a model.pt of this script on rank 0, with the network and episode length it was
-    trained with, and print one `eval:` line."""
+    """`--eval-checkpoint`: play a model file (or training checkpoint) on rank 0, with the network and episode length
+    it was trained with, and print one `eval:` line."""
     path = args.eval_checkpoint
     model, saved = checkpoints.read_model(path, Args, args_problem, args.env_id)  # its network sizes, episode length
     env_id = model["env_id"]
@@ -566,7 +566,7 @@ def evaluate_checkpoint(args: Args, run: launching.Run) -> None:
     if run.rank != 0:
         return
     agent = Agent(obs_dim, action_space, tuple(saved.hidden_sizes))
-    checkpoints.load_weights(agent, model["model"], path)
+    checkpoints.load_weights(agent, path, model)
     args.max_ep_len = saved.max_ep_len
     # the rollout policy's sampling, like the env, follows --seed: repeatable evaluations
     np.random.seed(args.seed)

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from safetensors import SafetensorError
 
 from ddrl import checkpoints, failures, machine
 from ddrl.failures import NonFiniteError, fail
@@ -75,32 +76,30 @@ def clock(seconds: float) -> str:
 
 
 def finish(
-    run: Run, model: nn.Module, iteration: int, global_step: int, stopped: bool, record_video: Callable[[str], None],
-    **model_extras,
-) -> None:  # fmt: skip
-    """The end of training on every rank: unless SIGTERM `stopped` it, rank 0 writes model.pt (--save-model) and
+    run: Run, model: nn.Module, iteration: int, global_step: int, stopped: bool, record_video: Callable[[str], None]
+) -> None:
+    """The end of training on every rank: unless SIGTERM `stopped` it, rank 0 writes the model file (--save-model) and
     videos (--capture-video); every rank leaves the process group; rank 0 sums the run up in one line."""
     args = run.args
     folder = f"runs/{run.name}"
-    saved = ""  # the summary's mention of model.pt
+    path = checkpoints.model_path(run.name)
+    saved = ""  # the summary's mention of the model file
     problem = ""
     if run.rank == 0 and stopped:
         print(f"stopped by SIGTERM at {run.unit} {iteration}; continue with --resume --run-name {run.name}")
     if run.rank == 0:
         if args.save_model and not stopped:
             try:
-                checkpoints.write_checkpoint(f"{folder}/model.pt", args, model=model.state_dict(), **model_extras)
-                saved = f", model {folder}/model.pt"
-            except (OSError, RuntimeError) as error:
-                problem = f"trained, but could not write {folder}/model.pt ({str(error).splitlines()[0]})"
+                checkpoints.write_model(path, args, model)
+                saved = f", model {path}"
+            except (OSError, RuntimeError, SafetensorError) as error:
+                problem = f"trained, but could not write {path} ({str(error).splitlines()[0]})"
         if args.capture_video and not stopped:
             record_video(f"{folder}/videos")
         run.writer.close()
         if run.wandb_run:
             run.wandb_run.finish()
-    checkpoints.stop_if_unwritten(
-        run, f"{folder}/model.pt", problem, "free disk space, then write it with --resume --save-model"
-    )
+    checkpoints.stop_if_unwritten(run, path, problem, "free disk space, then write it with --resume --save-model")
     dist.barrier()  # every rank leaves the group together
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     dist.destroy_process_group()

@@ -9,7 +9,6 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-import torch
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -63,9 +62,9 @@ def pytest_runtest_protocol(item, nextitem):
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
-    """script -> (its training checkpoint of iteration 2, its model.pt) from a real one-rank run, read as torch's
-    weights-only loader reads them: that it can is the first check."""
-    from tests.helpers import train_ranks
+    """script -> (its training checkpoint of iteration 2, its model file) from a real one-rank run, each as
+    tests.helpers.read_checkpoint reads it: the header, its tensors under "tensors"."""
+    from tests.helpers import read_checkpoint, train_ranks
     from tests.test_reliability import flags
 
     made = {}
@@ -76,8 +75,8 @@ def saved(tmp_path_factory):
             train_ranks(script, flags(script, 2, "--checkpoint-every", "1", "--save-model"), cwd, nprocs=1)
             [run_dir] = (cwd / "runs").iterdir()
             made[script] = tuple(
-                torch.load(path, weights_only=True)
-                for path in (run_dir / "checkpoints/iter_000002.pt", run_dir / "model.pt")
+                read_checkpoint(path)
+                for path in (run_dir / "checkpoints/iter_000002.safetensors", run_dir / "model.safetensors")
             )
         return made[script]
 

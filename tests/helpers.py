@@ -3,6 +3,7 @@
 import gc
 import importlib
 import importlib.util
+import json
 import os
 import runpy
 import socket
@@ -18,6 +19,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import tyro
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from benchmark.common import read_scalars  # noqa: F401 (the tests import it from here)
 
@@ -131,6 +134,21 @@ def torchrun(
     if save_ranks:
         script, args = str(RANK_ENTRY.relative_to(ROOT)), [script, *args]
     return run_command(torchrun_with(["--standalone"], script, args, nprocs), cwd, timeout, **env)
+
+
+def read_checkpoint(path: Path) -> dict:
+    """A checkpoint or model file as the scripts write it: its JSON header, with its tensors by name under "tensors"."""
+    with safe_open(str(path), framework="pt") as opened:
+        header = json.loads(opened.metadata()["ddrl"])
+        return {**header, "tensors": {name: opened.get_tensor(name) for name in opened.keys()}}
+
+
+def write_checkpoint(checkpoint: dict, path: Path) -> Path:
+    """`checkpoint` (read_checkpoint's form, changed as a test likes) written at `path` as a safetensors file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    header = {key: value for key, value in checkpoint.items() if key != "tensors"}
+    save_file(checkpoint["tensors"], str(path), metadata={"ddrl": json.dumps(header)})
+    return path
 
 
 def compiled_files() -> set[Path]:

@@ -3,7 +3,9 @@ code, writes outside runs/, overwrites a run or ends in a traceback: each refusa
 anything is written where it names a flag, and every file that was there before is as it was (compared by hash)."""
 
 import hashlib
+import json
 import os
+import pickle
 import sys
 import time
 import zipfile
@@ -13,8 +15,9 @@ import numpy as np
 import pytest
 import torch
 import tyro
+from safetensors.torch import save_file
 
-from tests.helpers import ROOT, assert_ok, finish, refuse, run_dirs, start, train_ranks
+from tests.helpers import ROOT, assert_ok, finish, refuse, run_command, run_dirs, start, train_ranks, write_checkpoint
 from tests.test_checkpoints import changed
 from tests.test_reliability import SCRIPTS, flags, module
 
@@ -91,9 +94,9 @@ def test_a_flag_that_cannot_run_is_one_line_before_anything_is_written(
 
 @pytest.mark.parametrize("script", [VPG, CONTINUOUS])
 def test_a_run_name_that_exists_is_refused_and_the_run_in_it_is_kept(script, tmp_path, monkeypatch, capsys):
-    """Without checkpoints too: the first run's events and model.pt stay as they were."""
+    """Without checkpoints too: the first run's events and model file stay as they were."""
     train_ranks(script, flags(script, 2, "--run-name", "same", "--save-model"), tmp_path, nprocs=1)
-    assert (tmp_path / "runs/same/model.pt").is_file()
+    assert (tmp_path / "runs/same/model.safetensors").is_file()
     message = refused(script, flags(script, 2, "--run-name", "same"), tmp_path, monkeypatch, capsys)
     assert "runs/same already exists: pass --resume to continue it, or choose another --run-name" in message
 
@@ -127,14 +130,15 @@ def test_a_runs_folder_that_cannot_be_made_is_one_line_at_start(script, tmp_path
 
 def test_a_checkpoint_write_that_fails_later_stops_in_one_line_naming_the_last_good_one(tmp_path, monkeypatch, capsys):
     train_ranks(VPG, flags(VPG, 2, "--run-name", "r", "--checkpoint-every", "1"), tmp_path, nprocs=1)
-    (tmp_path / "runs/r/checkpoints/iter_000004.pt.tmp").mkdir()  # where the fourth checkpoint is written first
+    (tmp_path / "runs/r/checkpoints/iter_000004.safetensors.tmp").mkdir()  # where the fourth is written first
     # one torch thread: a busy machine would otherwise add the oversubscription warning's line before the error
     argv = flags(VPG, 4, "--run-name", "r", "--checkpoint-every", "1", "--resume", "--torch-threads", "1")
     message = refused(VPG, argv, tmp_path, monkeypatch, capsys, nothing_new=False)
-    assert "could not write runs/r/checkpoints/iter_000004.pt" in message
-    assert "the last good checkpoint is runs/r/checkpoints/iter_000003.pt" in message and "--resume" in message
-    assert (tmp_path / "runs/r/checkpoints/iter_000003.pt").is_file()
-    assert not (tmp_path / "runs/r/checkpoints/iter_000004.pt").exists()
+    assert "could not write runs/r/checkpoints/iter_000004.safetensors" in message
+    last = "runs/r/checkpoints/iter_000003.safetensors"
+    assert f"the last good checkpoint is {last}" in message and "--resume" in message
+    assert (tmp_path / last).is_file()
+    assert not (tmp_path / "runs/r/checkpoints/iter_000004.safetensors").exists()
 
 
 # --- checkpoints: read like a command line, never running code ------------------------------------------------------
@@ -160,20 +164,14 @@ def env_of(script: str) -> str:
     return SCRIPTS[script][0][1]
 
 
-def write(checkpoint: dict, path: Path) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save(checkpoint, path)
-    return path
-
-
 def resume_argv(script: str, checkpoint: dict, cwd: Path) -> list[str]:
     """`checkpoint` as the newest of runs/old, and the flags that resume it."""
-    write(checkpoint, cwd / "runs/old/checkpoints/iter_000002.pt")
+    write_checkpoint(checkpoint, cwd / "runs/old/checkpoints/iter_000002.safetensors")
     return flags(script, 3, "--resume", "--run-name", "old")
 
 
 def evaluate_argv(checkpoint: dict, cwd: Path) -> list[str]:
-    return ["--eval-checkpoint", str(write(checkpoint, cwd / "model.pt")), "--eval-episodes", "1"]
+    return ["--eval-checkpoint", str(write_checkpoint(checkpoint, cwd / "model.safetensors")), "--eval-episodes", "1"]
 
 
 @pytest.mark.parametrize("script", [CONTINUOUS, ATARI, VPG])
@@ -224,7 +222,7 @@ def test_a_checkpoint_of_another_kind_of_env_is_one_line(
     capsys,
 ):
     argv = evaluate_argv(changed(saved(script)[1], env_id=env_id), tmp_path)
-    assert message.format(path=tmp_path / "model.pt") in refused(script, argv, tmp_path, monkeypatch, capsys)
+    assert message.format(path=tmp_path / "model.safetensors") in refused(script, argv, tmp_path, monkeypatch, capsys)
 
 
 SAVED_ARGS = [
@@ -260,22 +258,6 @@ def test_a_checkpoint_whose_args_no_command_line_gives_is_one_line(
     assert message in refused(script, argv, tmp_path, monkeypatch, capsys)
 
 
-@pytest.mark.parametrize(("script", "dtype"), [(CONTINUOUS, torch.int32), (ATARI, torch.bool), (VPG, torch.complex64)])
-def test_weights_that_are_not_the_agents_floating_point_are_one_line(
-    script,
-    dtype,
-    saved,
-    tmp_path,
-    monkeypatch,
-    capsys,
-):
-    model = saved(script)[1]
-    key, value = next((key, value) for key, value in model["model"].items() if value.dtype == torch.float32)
-    argv = evaluate_argv(changed(model, model={**model["model"], key: value.to(dtype)}), tmp_path)
-    message = refused(script, argv, tmp_path, monkeypatch, capsys)
-    assert f"its weights do not fit this Agent ({key} {dtype}, not torch.float32" in message
-
-
 @pytest.mark.parametrize("how", ["evaluate", "resume"])
 @pytest.mark.parametrize(
     ("entry", "value", "message"),
@@ -296,11 +278,12 @@ def test_normalisation_statistics_no_data_gives_are_one_line(
     capsys,
 ):
     checkpoint = saved(CONTINUOUS)[0 if how == "resume" else 1]
-    weights = {**checkpoint["model"], entry: torch.full_like(checkpoint["model"][entry], value)}
+    name = f"model.{entry}"
+    tensors = {**checkpoint["tensors"], name: torch.full_like(checkpoint["tensors"][name], value)}
     if how == "evaluate":
-        argv = evaluate_argv(changed(checkpoint, model=weights), tmp_path)
+        argv = evaluate_argv({**checkpoint, "tensors": tensors}, tmp_path)
     else:
-        argv = resume_argv(CONTINUOUS, changed(checkpoint, model=weights), tmp_path)
+        argv = resume_argv(CONTINUOUS, {**checkpoint, "tensors": tensors}, tmp_path)
     assert message in refused(CONTINUOUS, argv, tmp_path, monkeypatch, capsys)
 
 
@@ -316,10 +299,6 @@ def test_a_resumed_progress_no_run_reaches_is_one_line(script, progress, saved, 
     assert "which no run of" in message and "steps per iteration reaches: it is damaged" in message
 
 
-def optimizer_entries(checkpoint: dict) -> list[str]:
-    return [key for key in checkpoint if key.endswith("optimizer")]
-
-
 @pytest.mark.parametrize("script", [CONTINUOUS, ATARI, VPG])
 def test_optimizer_state_whose_tensors_do_not_fit_is_one_line_never_a_crash(
     script,
@@ -329,89 +308,142 @@ def test_optimizer_state_whose_tensors_do_not_fit_is_one_line_never_a_crash(
     capsys,
 ):
     training = saved(script)[0]
-    entry = optimizer_entries(training)[0]
-    state = training[entry]
-    index = next(iter(state["state"]))
-    moments = {key: value[..., :1] if value.dim() else value for key, value in state["state"][index].items()}
-    broken = {**state, "state": {**state["state"], index: moments}}
-    argv = resume_argv(script, changed(training, **{entry: broken}), tmp_path)
+    name = next(name for name in training["tensors"] if ".state." in name and name.endswith("exp_avg"))
+    tensors = {**training["tensors"], name: training["tensors"][name][..., :1].clone()}
+    argv = resume_argv(script, {**training, "tensors": tensors}, tmp_path)
     message = refused(script, argv, tmp_path, monkeypatch, capsys)
-    assert (
-        f"its '{entry}' does not fit this run's Adam" in message and f"of parameter {index} is torch.float32" in message
-    )
-
-
-def test_another_optimizers_state_is_one_line(saved, tmp_path, monkeypatch, capsys):
-    """Adam's state resumed by a copy that trains with RMSprop, and RMSprop's by this Adam script."""
-    training = saved(CONTINUOUS)[0]
-    parameter = torch.nn.Parameter(torch.zeros(3))
-    rmsprop = torch.optim.RMSprop([parameter])
-    parameter.grad = torch.ones(3)
-    rmsprop.step()
-    state = rmsprop.state_dict()
-    state["param_groups"] = [{**state["param_groups"][0], "params": training["optimizer"]["param_groups"][0]["params"]}]
-    state["state"] = {}
-    argv = resume_argv(CONTINUOUS, changed(training, optimizer=state), tmp_path)
-    message = refused(CONTINUOUS, argv, tmp_path, monkeypatch, capsys)
-    assert (
-        "its 'optimizer' does not fit this run's Adam (it is another optimizer's, with options (alpha, centered"
-        in message
-    )
-    assert "resume with the optimizer that wrote it" in message
+    entry, rest = name.split(".state.")
+    assert f"its '{entry}' holds Adam's state ({rest} (" in message and "which does not fit this run's Adam" in message
 
 
 # --- reading a file: nothing it claims is allocated, nothing it names is built ----------------------------------------
 
 
-def compressed_copy(path: Path, out: Path) -> Path:
-    """`path`'s archive rewritten with every entry deflated: a small file that claims far more once inflated."""
-    with zipfile.ZipFile(path) as source, zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED) as target:
-        for entry in source.infolist():
-            target.writestr(
-                entry.filename, source.read(entry.filename) + b"\0" * 10**7 * (entry.filename.endswith("/0"))
-            )
-    return out
+class Mark:
+    """A pickled call of os.mkdir(path): a file that carries code, which leaves a folder behind if it ever runs."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return os.mkdir, (self.path,)
 
 
-def claiming_copy(path: Path, out: Path) -> Path:
-    """`path` with its central directory claiming 2 GB for its first entry (sizes in the directory only)."""
-    data = bytearray(path.read_bytes())
-    at = data.index(b"PK\x01\x02")  # the central directory's first record: sizes at +20 (compressed), +24
-    data[at + 20 : at + 28] = (2 * 10**9).to_bytes(4, "little") * 2
-    out.write_bytes(bytes(data))
-    return out
+FILE_KINDS = {
+    "folder": "is a folder",
+    "named-pipe": "is a named pipe, not a file: refused, unread",
+    "dev-zero": "is a character device, not a file: refused, unread",
+    "truncated": "is truncated or no safetensors file (Error while deserializing header",
+    "huge-header": "declares a header of 4,294,967,296 bytes, more than the 100,000,000 bytes ddrl reads",
+    "pickle": "is a pickle, which can run code: refused, unread",
+    "earlier-version": "is a zip archive, as torch.save wrote an earlier version's checkpoints (.pt)",
+    "zip-bomb": "is a zip archive, as torch.save wrote an earlier version's checkpoints (.pt)",
+    "numpy-pickle": "is a pickle, which can run code: refused, unread",
+    "no-header": "is a safetensors file without ddrl's header",
+}
+
+
+def hand_in(fault: str, saved_file: Path, path: Path, mark: Path) -> None:
+    """Put at `path` what a careless or hostile user hands in as a checkpoint: `fault` of FILE_KINDS."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if fault == "folder":
+        path.mkdir()
+    elif fault == "named-pipe":
+        os.mkfifo(path)
+    elif fault == "dev-zero":
+        path.symlink_to("/dev/zero")
+    elif fault == "truncated":
+        path.write_bytes(saved_file.read_bytes()[: saved_file.stat().st_size // 2])
+    elif fault == "huge-header":
+        path.write_bytes((2**32).to_bytes(8, "little") + b"{}")
+    elif fault == "pickle":
+        path.write_bytes(pickle.dumps({"model": Mark(mark)}))
+    elif fault == "earlier-version":
+        torch.save({"script": "ppo_continuous_mpi.py", "model": {"x": torch.zeros(3)}, "mark": Mark(mark)}, path)
+    elif fault == "zip-bomb":
+        with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as archive:
+            archive.writestr("model/data.pkl", b"\0" * 10**8)
+    elif fault == "numpy-pickle":
+        path.write_bytes(pickle.dumps(np.zeros(3)))
+    else:
+        save_file({"x": torch.zeros(3)}, str(path))
 
 
 @pytest.mark.parametrize("script", [CONTINUOUS, ATARI, VPG])
-@pytest.mark.parametrize("fault", ["compressed", "claims-more", "dev-zero", "named-pipe", "numpy-array"])
-def test_a_file_torch_never_writes_is_refused_unread_and_named_for_what_it_holds(
-    script,
-    fault,
-    saved,
-    tmp_path,
-    monkeypatch,
-    capsys,
+@pytest.mark.parametrize("how", ["evaluate", "resume"])
+@pytest.mark.parametrize("fault", list(FILE_KINDS))
+def test_a_file_that_is_no_checkpoint_is_refused_in_one_line_and_nothing_in_it_runs(
+    script, how, fault, saved, tmp_path, monkeypatch, capsys
 ):
-    model = saved(script)[1]
-    source = write(model, tmp_path / "source" / "model.pt")
-    path = tmp_path / "model.pt"
-    if fault == "compressed":
-        compressed_copy(source, path)
-        expected = "holds compressed entries (model/data.pkl"
-    elif fault == "claims-more":
-        claiming_copy(source, path)
-        expected = "claims 20"
-    elif fault == "dev-zero":
-        path.symlink_to("/dev/zero")
-        expected = "is a character device, not a file: refused, unread"
-    elif fault == "named-pipe":
-        os.mkfifo(path)
-        expected = "is a named pipe, not a file: refused, unread"
+    source = write_checkpoint(saved(script)[0 if how == "resume" else 1], tmp_path / "source" / "file.safetensors")
+    mark = tmp_path / "mark"
+    if how == "evaluate":
+        path = tmp_path / "model.safetensors"
+        argv = ["--eval-checkpoint", str(path), "--eval-episodes", "1"]
+        shown = str(path)
     else:
-        key = next(iter(model["model"]))
-        write(changed(model, model={**model["model"], key: np.zeros(3)}), path)
-        expected = "carries code or objects that no checkpoint holds (numpy."
-    argv = ["--eval-checkpoint", str(path), "--eval-episodes", "1"]
+        path = tmp_path / "runs/old/checkpoints/iter_000002.safetensors"
+        argv = flags(script, 3, "--resume", "--run-name", "old")
+        shown = "runs/old/checkpoints/iter_000002.safetensors"
+    hand_in(fault, source, path, mark)
     message = refused(script, argv, tmp_path, monkeypatch, capsys)
-    assert message.startswith(f"{script}: error: {path} ") and expected in message, message
-    assert "earlier version" not in message
+    assert message.startswith(f"{script}: error: {shown} ") and FILE_KINDS[fault] in message, message
+    assert not mark.exists()
+
+
+def test_an_earlier_versions_checkpoint_in_a_run_folder_says_so_on_resume(tmp_path, monkeypatch, capsys):
+    """A run trained by an earlier version has iter_N.pt files: --resume finds the newest and says what it is."""
+    (tmp_path / "runs/old/checkpoints").mkdir(parents=True)
+    torch.save({"script": VPG, "iteration": 2}, tmp_path / "runs/old/checkpoints/iter_000002.pt")
+    message = refused(VPG, flags(VPG, 3, "--resume", "--run-name", "old"), tmp_path, monkeypatch, capsys)
+    assert "runs/old/checkpoints/iter_000002.pt is a zip archive, as torch.save wrote an earlier version's" in message
+    assert "resume or evaluate it with the version that wrote it" in message
+
+
+PEAK_MEMORY = """
+import resource, sys, tyro
+sys.path.insert(0, {root!r})
+import {module} as script
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+try:
+    script.main(tyro.cli(script.Args, args=["--eval-checkpoint", {path!r}, "--eval-episodes", "1"]))
+except SystemExit as stop:
+    print("exit", stop.code)
+print("peak grew by KiB", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before)
+"""
+
+
+@pytest.mark.parametrize("size", ["claimed", "sparse"])
+def test_a_file_declaring_a_4_gib_tensor_is_refused_without_allocating_it(size, tmp_path):
+    """A header declaring 4 GiB for the Agent's first weight: in a small file (claimed), safetensors refuses it for
+    holding fewer bytes; in a file really that long but sparse (no byte of it on disk), its shape fits no Agent, which
+    is checked before any tensor loads. Either way the process's peak memory grows by under 100 MB."""
+    gib = 4 * 2**30
+    declared = {"model.actor.0.weight": {"dtype": "F32", "shape": [2**30], "data_offsets": [0, gib]}}
+    text = json.dumps({"__metadata__": {"ddrl": json.dumps(vpg_header())}, **declared}).encode()
+    path = tmp_path / "model.safetensors"
+    with open(path, "wb") as file:
+        file.write(len(text).to_bytes(8, "little") + text)
+        file.truncate(8 + len(text) + (gib if size == "sparse" else 16))
+    code = PEAK_MEMORY.format(root=str(ROOT), module="vpg_mpi", path=str(path))
+    result = run_command([sys.executable, "-c", code], tmp_path)
+    assert "exit 2" in result.stdout, result.stdout + result.stderr
+    grew = int(result.stdout.split("peak grew by KiB")[1])
+    assert grew < 100 * 1024, grew
+    if size == "claimed":
+        assert "is truncated or no safetensors file (Error while deserializing header" in result.stderr
+    else:
+        assert "its weights do not fit this Agent (actor.0.weight (1073741824,), not (64, 4)" in result.stderr
+
+
+def vpg_header() -> dict:
+    """The header of a VPG model file on CartPole-v1 at the default args."""
+    return {
+        "format": "ddrl",
+        "version": 1,
+        "kind": "model",
+        "script": VPG,
+        "algorithm": "Vanilla policy gradient (VPG) with GAE-lambda, data-parallel over any number of processes.",
+        "env_id": "CartPole-v1",
+        "args": {"env_id": "CartPole-v1"},
+    }

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from tests.helpers import ROOT, assert_ok, clean_env, mpirun, run_command, run_python, train_ranks
+from tests.helpers import ROOT, assert_ok, clean_env, mpirun, read_checkpoint, run_command, run_python, train_ranks
 
 PENDULUM = ["--env-id", "InvertedPendulum-v5", "--num-steps", "128", "--seed", "1"]
 
@@ -27,7 +27,7 @@ def test_nprocs_runs_mpirun_with_mpi_collectives_and_trains_gloos_weights(tmp_pa
     for name, output in (("mpi", result.stdout), ("gloo", gloo.stdout)):
         [row] = [line for line in output.splitlines() if line.startswith("collectives")]
         assert ("MPI (Open MPI" in row) == (name == "mpi") and "iteration 2/2" in output, row
-        models[name] = torch.load(tmp_path / "runs" / name / "model.pt", weights_only=False)["model"]
+        models[name] = read_checkpoint(tmp_path / "runs" / name / "model.safetensors")["tensors"]
     for key, value in models["gloo"].items():
         assert torch.equal(models["mpi"][key], value), key
 

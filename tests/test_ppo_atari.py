@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import ppo_atari_multigpu as ppo
-from ddrl import checkpoints, env_support, failures
+from ddrl import checkpoints, env_support
 from tests.helpers import (
     LOG_KEYS,
     ROOT,
@@ -441,8 +441,8 @@ def test_bf16_computes_the_trunk_in_bfloat16_with_float32_outputs_and_the_float3
 
 
 def policy_checkpoint(path, preferred: int | None) -> str:
-    """A Breakout model.pt whose policy ignores the frames: zero actor weights and a bias of 20 on action `preferred`
-    (which it then plays with probability 1 - 6e-9), or on none (uniformly random)."""
+    """A Breakout model file whose policy ignores the frames: zero actor weights and a bias of 20 on action
+    `preferred` (which it then plays with probability 1 - 6e-9), or on none (uniformly random)."""
     torch.manual_seed(0)
     agent = ppo.Agent(4)
     with torch.no_grad():
@@ -450,8 +450,7 @@ def policy_checkpoint(path, preferred: int | None) -> str:
         agent.actor.bias.zero_()
         if preferred is not None:
             agent.actor.bias[preferred] = 20.0
-    failures.script = "ppo_atari_multigpu.py"  # the writer a model file names
-    checkpoints.write_checkpoint(str(path), ppo.Args(env_id="BreakoutNoFrameskip-v4"), model=agent.state_dict())
+    checkpoints.write_model(str(path), ppo.Args(env_id="BreakoutNoFrameskip-v4"), agent)
     return str(path)
 
 
@@ -474,14 +473,14 @@ def evaluate_in_process(monkeypatch, checkpoint: str, **flags) -> list[int]:
 
 def test_eval_checkpoint_plays_the_policy_its_weights_hold(tmp_path, monkeypatch, capsys):
     for preferred in (2, 3):  # RIGHT, LEFT: the paddle stays at one wall until the game is lost
-        checkpoint = policy_checkpoint(tmp_path / f"prefers{preferred}.pt", preferred)
+        checkpoint = policy_checkpoint(tmp_path / f"prefers{preferred}.safetensors", preferred)
         actions = evaluate_in_process(monkeypatch, checkpoint, eval_deterministic=True)
         assert len(actions) > 50 and set(actions) == {preferred}
         assert capsys.readouterr().out.strip().splitlines()[-1].startswith("eval: episodes=1 return_mean=")
 
 
 def test_eval_checkpoint_samples_its_actions_from_seed(tmp_path, monkeypatch):
-    checkpoint = policy_checkpoint(tmp_path / "uniform.pt", None)
+    checkpoint = policy_checkpoint(tmp_path / "uniform.safetensors", None)
     first = evaluate_in_process(monkeypatch, checkpoint, seed=1)
     assert len(set(first)) == 4  # sampled, uniformly
     assert evaluate_in_process(monkeypatch, checkpoint, seed=1) == first  # the same --seed, the same game
@@ -507,7 +506,7 @@ def test_breakout_two_ranks_compiled_train_identically_log_and_evaluate(tmp_path
     # whole games of a near-random agent: 5 lives last far longer than one learner episode
     assert scalars["charts/episodic_return"] and all(length > 100 for _, length in scalars["charts/episodic_length"])
 
-    evaluate_one_episode("ppo_atari_multigpu.py", run_dir / "model.pt", tmp_path)
+    evaluate_one_episode("ppo_atari_multigpu.py", run_dir / "model.safetensors", tmp_path)
 
 
 def test_the_update_takes_the_eager_steps_through_a_compiled_region_replayed_as_on_a_gpu():

@@ -24,12 +24,14 @@ from tests.helpers import (
     cleanrl_ppo_loss,
     compiled_files,
     evaluate_one_episode,
+    read_checkpoint,
     read_scalars,
     run_dirs,
     run_ranks,
     train_rank,
     train_ranks,
     union_orders,
+    write_checkpoint,
 )
 
 # --- GAE ---------------------------------------------------------------------------------------------
@@ -363,12 +365,13 @@ def test_halfcheetah_two_ranks_compiled_train_identically_stop_on_their_world_kl
     for key in ("losses/value_loss", "losses/policy_loss", "losses/explained_variance"):
         assert all(np.isfinite(value) for _, value in scalars[key]), key
 
-    checkpoint = torch.load(run_dir / "model.pt", weights_only=False)
-    assert checkpoint["env_id"] == "HalfCheetah-v5"
-    assert_same_parameters([states[0], checkpoint["model"]])  # weights and normalisation statistics
-    assert checkpoint["model"]["obs_rms.count"].item() == 2048  # every rank's observations of both iterations
+    checkpoint = read_checkpoint(run_dir / "model.safetensors")
+    assert checkpoint["env_id"] == "HalfCheetah-v5" and checkpoint["script"] == "ppo_continuous_mpi.py"
+    weights = {name.removeprefix("model."): value for name, value in checkpoint["tensors"].items()}
+    assert_same_parameters([states[0], weights])  # weights and normalisation statistics
+    assert weights["obs_rms.count"].item() == 2048  # every rank's observations of both iterations
 
-    evaluation = evaluate_one_episode("ppo_continuous_mpi.py", run_dir / "model.pt", tmp_path)
+    evaluation = evaluate_one_episode("ppo_continuous_mpi.py", run_dir / "model.safetensors", tmp_path)
     assert_no_settotalmass_warning(evaluation.stdout + evaluation.stderr, tmp_path)
 
 
@@ -392,13 +395,13 @@ def test_a_trained_model_evaluates_to_its_return_and_needs_its_statistics(tmp_pa
     training = read_scalars(run_dir)["charts/episodic_return"]
     assert len(read_scalars(run_dir)["charts/SPS"]) == 16 and training[-1][1] > 200  # it learned
     monkeypatch.chdir(tmp_path)
-    trained = evaluation_return(run_dir / "model.pt", monkeypatch, capsys)
+    trained = evaluation_return(run_dir / "model.safetensors", monkeypatch, capsys)
     assert trained >= 0.8 * training[-1][1]
-    checkpoint = torch.load(run_dir / "model.pt", weights_only=False)
-    checkpoint["model"]["obs_rms.mean"].zero_()
-    checkpoint["model"]["obs_rms.var"].fill_(1.0)
-    torch.save(checkpoint, tmp_path / "without_statistics.pt")
-    assert evaluation_return(tmp_path / "without_statistics.pt", monkeypatch, capsys) < 0.5 * trained
+    checkpoint = read_checkpoint(run_dir / "model.safetensors")
+    checkpoint["tensors"]["model.obs_rms.mean"].zero_()
+    checkpoint["tensors"]["model.obs_rms.var"].fill_(1.0)
+    write_checkpoint(checkpoint, tmp_path / "without_statistics.safetensors")
+    assert evaluation_return(tmp_path / "without_statistics.safetensors", monkeypatch, capsys) < 0.5 * trained
 
 
 def test_evaluation_normalises_observations_with_the_frozen_statistics(monkeypatch):

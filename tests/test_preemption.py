@@ -88,8 +88,8 @@ def test_a_straggler_is_cut_short_and_a_preempted_run_checkpoints_and_resumes(sc
     assert len(steps) > 2 and steps[-2] < 4 * full <= steps[-1]
 
     # resumed with a larger budget, from the last checkpoint: the curve goes on from its step
-    checkpoint = sorted(run_dir.glob("checkpoints/iter_*.pt"))[-1]
-    assert checkpoint.name == f"iter_{len(steps):06d}.pt"
+    checkpoint = sorted(run_dir.glob("checkpoints/iter_*.safetensors"))[-1]
+    assert checkpoint.name == f"iter_{len(steps):06d}.safetensors"
     second = [*run_flags, "--total-timesteps", str(2 * 4 * full), "--resume", "--save-model"]
     states = run_ranks(straggler_rank, 2, tmp_path, str(tmp_path), script, second, join_group=False, timeout=180)
     assert_same_parameters(states)
@@ -97,4 +97,4 @@ def test_a_straggler_is_cut_short_and_a_preempted_run_checkpoints_and_resumes(sc
     assert resumed[: len(steps)] == steps and len(resumed) > len(steps)
     assert all(full + minimum <= now - before < 2 * full for before, now in zip(resumed, resumed[1:], strict=False))
     assert resumed[-2] < 8 * full <= resumed[-1]
-    assert (run_dir / "model.pt").exists()
+    assert (run_dir / "model.safetensors").exists()

@@ -21,6 +21,7 @@ from tests.helpers import (
     free_port,
     output,
     progress_lines,
+    read_checkpoint,
     read_scalars,
     refuse,
     run_dirs,
@@ -30,6 +31,7 @@ from tests.helpers import (
     torchrun_with,
     train_ranks,
     wait_for,
+    write_checkpoint,
 )
 
 # tiny runs on 2 ranks: (flags, global env steps of one iteration)
@@ -61,12 +63,8 @@ def logged_steps(run_dir) -> list[int]:
     return [step for step, _ in read_scalars(run_dir)["charts/SPS"]]
 
 
-def load(path) -> dict:
-    return torch.load(path, weights_only=True)  # all a checkpoint holds loads without pickle
-
-
 def checkpoints(cwd) -> list:
-    return sorted(cwd.glob("runs/*/checkpoints/iter_*.pt"))
+    return sorted(cwd.glob("runs/*/checkpoints/iter_*.safetensors"))
 
 
 # --- checkpoints, elastic restart, SIGTERM -------------------------------------------------------------
@@ -85,7 +83,7 @@ def uninterrupted(tmp_path_factory):
             cwd = tmp_path_factory.mktemp("uninterrupted")
             run_flags = flags(script, ITERATIONS, "--checkpoint-every", str(ITERATIONS), *mode)
             train_ranks(script, run_flags, cwd)
-            finals[script, mode] = load(checkpoints(cwd)[-1])
+            finals[script, mode] = read_checkpoint(checkpoints(cwd)[-1])
         return finals[script, mode]
 
     return final_checkpoint
@@ -97,8 +95,10 @@ def assert_random_streams_went_on(final: dict, uninterrupted: dict, restarts: in
     assert final["iteration"] == uninterrupted["iteration"] == ITERATIONS and final["restarts"] == restarts
     assert final["global_step"] == uninterrupted["global_step"]
     for rank in range(2):
-        assert torch.equal(final["rng"][rank]["torch"], uninterrupted["rng"][rank]["torch"]), rank
-    assert not torch.equal(final["rng"][0]["torch"], final["rng"][1]["torch"])
+        torch_stream = f"rng.{rank}.torch"
+        assert torch.equal(final["tensors"][torch_stream], uninterrupted["tensors"][torch_stream]), rank
+        assert final["rng"][rank] == uninterrupted["rng"][rank], rank  # Python's and numpy's
+    assert not torch.equal(final["tensors"]["rng.0.torch"], final["tensors"]["rng.1.torch"])
 
 
 @pytest.mark.parametrize(("script", "mode"), CASES, ids=CASE_IDS)
@@ -108,7 +108,7 @@ def test_a_killed_worker_restarts_the_group_which_resumes_from_its_checkpoint(sc
     run_flags = flags(script, iterations, "--checkpoint-every", "1", "--save-model", *mode)
     launcher = start(torchrun_with(["--standalone", "--max-restarts", "1"], script, run_flags), killed)
     signal_rank_when(
-        launcher, 1, signal.SIGKILL, lambda: any(path.name == "iter_000002.pt" for path in checkpoints(killed))
+        launcher, 1, signal.SIGKILL, lambda: any(path.name == "iter_000002.safetensors" for path in checkpoints(killed))
     )
     result = finish(launcher, 240)
     assert_ok(result)
@@ -117,16 +117,16 @@ def test_a_killed_worker_restarts_the_group_which_resumes_from_its_checkpoint(sc
     [run_dir] = run_dirs(killed)
     resumed = [line for line in result.stdout.splitlines() if line.startswith("resuming from ")]
     assert len(resumed) == 1, result.stdout
-    resumed_at = int(resumed[0].split("iter_")[1].split(".pt")[0])
+    resumed_at = int(resumed[0].split("iter_")[1].split(".safetensors")[0])
     lines = progress_lines(result.stdout)
     assert 2 <= resumed_at < iterations and lines.count(1) == 1 and lines[-1] == iterations, result.stdout
     # at most one iteration (--checkpoint-every 1) was trained twice
     assert sorted(set(lines)) == list(range(1, iterations + 1)) and len(lines) - iterations <= 1, lines
     # TensorBoard continues at the restored step: every iteration logged once, none from the lost attempt
     assert logged_steps(run_dir) == [batch * i for i in range(1, iterations + 1)]
-    assert (run_dir / "model.pt").exists()
+    assert (run_dir / "model.safetensors").exists()
 
-    final = load(checkpoints(killed)[-1])
+    final = read_checkpoint(checkpoints(killed)[-1])
     assert final["global_step"] == iterations * batch
     assert_random_streams_went_on(final, uninterrupted(script, mode), restarts=1)
 
@@ -144,8 +144,8 @@ def test_sigterm_checkpoints_and_stops_every_rank_and_resume_finishes_the_run(sc
     stopped_at = int(stopped[0])
     assert 1 <= stopped_at < iterations and progress_lines(result.stdout)[-1] == stopped_at
     run_dir = tmp_path / "runs" / "preempted"
-    assert [path.name for path in checkpoints(tmp_path)] == [f"iter_{stopped_at:06d}.pt"]
-    assert not (run_dir / "model.pt").exists()
+    assert [path.name for path in checkpoints(tmp_path)] == [f"iter_{stopped_at:06d}.safetensors"]
+    assert not (run_dir / "model.safetensors").exists()
     summary = f"stopped: {batch * stopped_at} env steps in "  # the last line sums the run up and says how on
     assert result.stdout.splitlines()[-1].startswith(summary), result.stdout[-500:]
     assert "; TensorBoard run runs/preempted; continue with --resume --run-name preempted" in result.stdout
@@ -154,7 +154,7 @@ def test_sigterm_checkpoints_and_stops_every_rank_and_resume_finishes_the_run(sc
     _, result = train_ranks(script, resume_flags, tmp_path)  # a resume needs no torchrun: the ranks run main alike
     assert progress_lines(result.stdout) == list(range(stopped_at + 1, iterations + 1))
     assert logged_steps(run_dir) == [batch * i for i in range(1, iterations + 1)]
-    assert load(run_dir / "model.pt")["script"] == script
+    assert read_checkpoint(run_dir / "model.safetensors")["script"] == script
     summary = re.fullmatch(
         r"done: (\d+) env steps in \d+:\d\d, last return (\S+); TensorBoard run (\S+), model (\S+)",
         result.stdout.splitlines()[-1],
@@ -162,8 +162,8 @@ def test_sigterm_checkpoints_and_stops_every_rank_and_resume_finishes_the_run(sc
     assert summary and int(summary[1]) == batch * iterations, result.stdout[-500:]
     returns = re.findall(r"^(?:epoch|iteration) \d+/\d+ step \d+ SPS \d+ return (\S+) ", result.stdout, re.MULTILINE)
     assert summary[2] == ([value for value in returns if value != "n/a"] or ["n/a"])[-1]  # the last one logged
-    assert (tmp_path / summary[3]) == run_dir and (tmp_path / summary[4]) == run_dir / "model.pt"
-    assert_random_streams_went_on(load(checkpoints(tmp_path)[-1]), uninterrupted(script, mode), restarts=1)
+    assert (tmp_path / summary[3]) == run_dir and (tmp_path / summary[4]) == run_dir / "model.safetensors"
+    assert_random_streams_went_on(read_checkpoint(checkpoints(tmp_path)[-1]), uninterrupted(script, mode), restarts=1)
 
 
 # --- a dead or silent peer never hangs the others ------------------------------------------------------
@@ -307,10 +307,8 @@ def test_weights_out_of_sync_or_a_non_finite_loss_on_one_rank_stop_every_rank(sc
 
 def foreign_checkpoint(tmp_path, script: str, changes: dict) -> None:
     """A file in runs/old/checkpoints named as `script` names its checkpoints (what it holds: test_checkpoints.py)."""
-    folder = tmp_path / "runs" / "old" / "checkpoints"
-    folder.mkdir(parents=True)
-    payload = {"script": script, "env_id": SCRIPTS[script][0][1], "iteration": 1, "world_size": 1, **changes}
-    torch.save(payload, folder / "iter_000001.pt")
+    header = {"script": script, "env_id": SCRIPTS[script][0][1], "iteration": 1, "world_size": 1, **changes}
+    write_checkpoint({**header, "tensors": {}}, tmp_path / "runs" / "old" / "checkpoints" / "iter_000001.safetensors")
 
 
 BAD_INPUT = [
@@ -339,4 +337,4 @@ def test_bad_reliability_input_is_one_clear_message(
         foreign_checkpoint(tmp_path, script, checkpoint)
     assert message in refuse(module(script), [*flags(script, 2), *extra], monkeypatch, capsys, **env)
     written = sorted(path.name for path in tmp_path.glob("runs/**/*") if path.is_file())
-    assert written == (["iter_000001.pt"] if checkpoint is not None else []), written
+    assert written == (["iter_000001.safetensors"] if checkpoint is not None else []), written

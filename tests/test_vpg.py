@@ -23,6 +23,7 @@ from tests.helpers import (
     finish,
     free_port,
     rank_parameters,
+    read_checkpoint,
     read_scalars,
     refuse,
     run_command,
@@ -33,6 +34,7 @@ from tests.helpers import (
     torchrun,
     torchrun_with,
     train_ranks,
+    write_checkpoint,
 )
 
 # one torch thread per rank, whatever the launch: a node of one rank would otherwise take two threads where a node of
@@ -320,7 +322,7 @@ def cartpole(tmp_path_factory) -> dict:
     assert_ok(torchrun("vpg_mpi.py", [*CARTPOLE, "--save-model"], cwd, save_ranks=True))
     assert_same_parameters(rank_parameters(cwd, 2))
     [run_dir] = run_dirs(cwd)
-    assert (run_dir / "model.pt").is_file()
+    assert (run_dir / "model.safetensors").is_file()
     return read_scalars(run_dir)
 
 
@@ -357,7 +359,7 @@ def evaluate_model(path, capsys) -> float:
 
 
 def test_evaluating_a_trained_cartpole_model_earns_its_training_return(tmp_path, capsys):
-    """A short CartPole run learns (pi-lr 0.01: from ~20 to over 100 in 8 epochs); evaluating its model.pt earns at
+    """A short CartPole run learns (pi-lr 0.01: from ~20 to over 100 in 8 epochs); evaluating its model file earns at
     least what training last logged, and the same checkpoint holding a fresh agent's weights does far worse."""
     flags = ["--env-id", "CartPole-v1", "--pi-lr", "0.01", "--steps-per-epoch", "2000", "--total-timesteps", "16000"]
     result = run_python(ROOT / "vpg_mpi.py", [*flags, "--train-v-iters", "20", "--save-model"], tmp_path)
@@ -366,15 +368,16 @@ def test_evaluating_a_trained_cartpole_model_earns_its_training_return(tmp_path,
     returns = read_scalars(run_dir)["charts/episodic_return"]
     assert len(returns) == 8 and returns[-1][1] > 3 * returns[0][1], returns  # training learned
 
-    trained = evaluate_model(run_dir / "model.pt", capsys)
+    trained = evaluate_model(run_dir / "model.safetensors", capsys)
     assert trained >= max(0.8 * returns[-1][1], 80), (trained, returns[-1])  # a random policy earns ~20
 
-    checkpoint = torch.load(run_dir / "model.pt", weights_only=False)
+    checkpoint = read_checkpoint(run_dir / "model.safetensors")
     torch.manual_seed(0)
     hidden_sizes = tuple(checkpoint["args"]["hidden_sizes"])
-    checkpoint["model"] = vpg_mpi.Agent(4, gym.spaces.Discrete(2), hidden_sizes).state_dict()
-    torch.save(checkpoint, tmp_path / "fresh.pt")
-    assert evaluate_model(tmp_path / "fresh.pt", capsys) < 0.4 * trained
+    fresh = vpg_mpi.Agent(4, gym.spaces.Discrete(2), hidden_sizes).state_dict()
+    checkpoint["tensors"] = {f"model.{name}": value for name, value in fresh.items()}
+    write_checkpoint(checkpoint, tmp_path / "fresh.safetensors")
+    assert evaluate_model(tmp_path / "fresh.safetensors", capsys) < 0.4 * trained
 
 
 def test_halfcheetah_two_ranks_gather_mode_trains_and_evaluates_quietly(tmp_path):
@@ -389,7 +392,7 @@ def test_halfcheetah_two_ranks_gather_mode_trains_and_evaluates_quietly(tmp_path
     assert len(scalars["charts/episodic_return"]) == 2  # 1000-step episodes: one per env per epoch
     assert scalars["charts/episodic_length"][0][1] == 1000
 
-    evaluation = evaluate_one_episode("vpg_mpi.py", run_dir / "model.pt", tmp_path)
+    evaluation = evaluate_one_episode("vpg_mpi.py", run_dir / "model.safetensors", tmp_path)
     assert_no_settotalmass_warning(evaluation.stdout + evaluation.stderr, tmp_path)
 
 
