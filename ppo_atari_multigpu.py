@@ -60,7 +60,7 @@ class Args:
     """if toggled, rank 0 films evaluation games into `runs/{run_name}/videos` (needs moviepy)"""
     save_model: bool = False
     """if toggled, rank 0 writes `runs/{run_name}/model.safetensors` at the end of training"""
-    eval_checkpoint: str = ""
+    eval_checkpoint: str | None = None
     """if set, load this model file (or a training checkpoint), play `--eval-episodes` games on rank 0 and exit"""
     eval_episodes: int = 10
     """games played by `--eval-checkpoint` and after training with `--capture-video`"""
@@ -71,8 +71,10 @@ class Args:
     compile: bool = False
     """if toggled, the update's Agent calls run through torch.compile (CPU: needs a C++ compiler)"""
     cuda_graph: bool = True
-    """if toggled, on a GPU a rollout step is one CUDA graph replay and the update's minibatch step a compiled region
-    replayed as CUDA graphs (see acting_step, loss_function); else both eager"""
+    """if toggled, on a GPU a rollout step is one CUDA graph replay per group of envs (see acting_step); else eager"""
+    capture_update: bool = False
+    """if toggled, on a GPU the update's minibatch step is one compiled region replayed as CUDA graphs (see
+    loss_function; not yet measured on a GPU: docs/gpus.md); else eager"""
 
     # Algorithm specific arguments (names and defaults as in CleanRL's ppo_atari.py)
     env_id: str = "BreakoutNoFrameskip-v4"
@@ -87,9 +89,9 @@ class Args:
     """steps per env per rollout"""
     env_threads: int = 0
     """AtariVectorEnv threads per rank; 0 = one per env, at most the cores idle at start per rank on this node"""
-    env_groups: int = 0
-    """the envs step in this many groups in turn, the acting for one group overlapping the others' env step; 0 = 2
-    on a GPU (where the envs split evenly), 1 on a CPU"""
+    env_groups: int = 1
+    """the envs step in this many groups in turn, the acting for one group overlapping the others' env step (2 hides
+    a GPU's acting behind the envs; not yet measured on a GPU: docs/gpus.md)"""
     anneal_lr: bool = True
     """if toggled, the learning rate decays linearly to zero over the iterations"""
     gamma: float = 0.99
@@ -185,6 +187,20 @@ def derive_batch_sizes(args: Args, world_size: int) -> None:
             f"batch of {args.batch_size} ({world_size} ranks x {args.local_batch_size}): zero "
             "iterations; raise --total-timesteps"
         )
+
+
+ENV_MEMORY = 4 * 2**20  # bytes one env takes, at most (an ALE game in AtariVectorEnv: 1.7 MiB)
+ACTIVATION_MEMORY = 256 * 2**10  # bytes of the Nature CNN's activations per minibatch sample, forward and backward
+SIZED_BY = "--local-num-envs x --num-steps (the batch per rank), --update-epochs or --num-minibatches"
+
+
+def rollout_memory(args: Args, frame_bytes: int) -> tuple[int, str]:
+    """What one rank holds for an iteration, in bytes, and the flags that size it: the rollout's frames (on the GPU
+    there, counted here alike), an epoch's shuffled copy of the batch and the epochs' orders and advantages, per
+    sample; a minibatch's activations through the Nature CNN, forward and backward; and its envs."""
+    per_sample = 2 * frame_bytes + 100 + 12 * args.update_epochs
+    activations = ACTIVATION_MEMORY * args.local_minibatch_size
+    return args.local_batch_size * per_sample + activations + args.local_num_envs * ENV_MEMORY, SIZED_BY
 
 
 # --- environment, agent, GAE --------------------------------------------------------------------------
@@ -493,10 +509,10 @@ def minibatch_loss(
 
 
 def loss_function(args: Args, device: torch.device) -> Callable:
-    """minibatch_loss as the update calls it: eager on the CPU (where --compile compiles the Agent); on a GPU with
-    --cuda-graph, one compiled region (the Agent's forward, the loss and, through autograd, the backward) of static
+    """minibatch_loss as the update calls it: eager (on the CPU --compile compiles the Agent); on a GPU with
+    --capture-update, one compiled region (the Agent's forward, the loss and, through autograd, the backward) of static
     shapes unless preempted, replayed as CUDA graphs: a minibatch step is then a few launches, not hundreds."""
-    if device.type != "cuda" or not args.cuda_graph:
+    if device.type != "cuda" or not args.capture_update:
         return minibatch_loss
     return torch.compile(minibatch_loss, mode="reduce-overhead", dynamic=None if args.preempt_fraction else False)
 
@@ -625,9 +641,12 @@ def args_problem(args: Args) -> str | None:
         (
             "at least 1",
             lambda value: value >= 1,
-            ("total_timesteps", "local_num_envs", "num_steps", "num_minibatches", "update_epochs"),
+            ("total_timesteps", "local_num_envs", "num_steps", "num_minibatches", "update_epochs", "env_groups"),
         ),
-        ("at least 0 (0 = automatic)", lambda value: value >= 0, ("env_threads", "env_groups")),
+        ("at least 0 (0 = automatic)", lambda value: value >= 0, ("env_threads",)),
+        ("at most 65536 (envs per rank)", lambda value: value <= 2**16, ("local_num_envs", "env_threads")),
+        ("at most 10000000 (steps per env and rollout)", lambda value: value <= 10**7, ("num_steps",)),
+        ("at most 10000", lambda value: value <= 10**4, ("update_epochs",)),
         ("finite and positive", lambda value: 0 < value < math.inf, ("learning_rate", "max_grad_norm")),
         ("finite and at least 0", lambda value: 0 <= value < math.inf, ("clip_coef", "ent_coef", "vf_coef")),
         ("in [0, 1]", lambda value: 0 <= value <= 1, ("gamma", "gae_lambda")),
@@ -638,7 +657,7 @@ def args_problem(args: Args) -> str | None:
                 return f"--{name.replace('_', '-')} must be {rule}, got {getattr(args, name)}"
     if args.target_kl is not None and not 0 < args.target_kl < math.inf:
         return f"--target-kl must be positive (or left out to switch early stopping off), got {args.target_kl}"
-    if args.env_groups and args.local_num_envs % args.env_groups:
+    if args.local_num_envs % args.env_groups:
         return f"--local-num-envs {args.local_num_envs} does not split into --env-groups {args.env_groups}"
     if not (0 <= args.preempt_fraction <= 1 and 0 < args.min_rollout_fraction <= 1):
         return (
@@ -705,20 +724,21 @@ def main(args: Args) -> Agent | None:
     """Train (or, with --eval-checkpoint, evaluate); returns this rank's trained agent."""
     # every flag checked before anything is launched or written; --nprocs N: this command again as N ranks, then exit
     run = launching.launch(args, __file__, "iteration", args_problem)
-    if args.eval_checkpoint:
+    if args.eval_checkpoint is not None:
         return evaluate_checkpoint(args, run)
     settings = atari_settings(args.env_id)  # refuses ids whose pixels AtariVectorEnv cannot play
     checks.check_video_support(args.capture_video, lambda: env_support.render_one_frame(args.env_id))
     derive_batch_sizes(args, run.world_size)
     # the process group, and a checkpoint to resume (checked like the flags)
-    launching.start_run(run, args.batch_size, args.num_iterations, batch_table(args), args_problem)
+    memory = rollout_memory(args, 4 * 84 * 84)  # a step's 4 stacked 84x84 frames, one byte a pixel
+    launching.start_run(run, args.batch_size, args.num_iterations, batch_table(args), args_problem, memory)
     device = run.device
     gpu = device.type == "cuda"
 
     # --- set-up: envs, initial weights (from `seed`, DDP broadcasts rank 0's), the rank's seeds ---
     index_offset = run.restarts * args.world_size * args.local_num_envs  # resumed: new env seeds
     seeds = np.array(env_seeds(args.seed, run.rank, args.local_num_envs, index_offset))
-    groups = env_groups(args.local_num_envs, args.env_groups or (2 if gpu and args.local_num_envs % 2 == 0 else 1))
+    groups = env_groups(args.local_num_envs, args.env_groups)
     threads = max(1, (args.env_threads or min(run.cores, args.local_num_envs)) // len(groups))
     envs = [make_env(settings, group.stop - group.start, threads) for group in groups]
     resets = [group_envs.reset(seed=seeds[group]) for group, group_envs in zip(groups, envs, strict=True)]
@@ -836,7 +856,7 @@ def main(args: Args) -> Agent | None:
             update_time = time.perf_counter() - update_start
 
             # --- logging: games ended on any rank, world-averaged losses, explained variance ---
-            totals = collectives.sum_over_ranks(device, **finished, sigterms=float(run.sigterm_received))
+            totals = collectives.sum_over_ranks(device, **finished, stops=float(bool(run.stop_requested)))
             scalars = {"charts/learning_rate": optimizer.param_groups[0]["lr"]}
             scalars |= {f"losses/{name}": value for name, value in losses.items()}
             scalars["losses/explained_variance"] = explained_variance(batch["returns"], batch["values"])
@@ -844,10 +864,10 @@ def main(args: Args) -> Agent | None:
             scalars |= {f"perf/{k}": v for k, v in perf.items()}
             progress.log_iteration(run, iteration, global_step, totals, scalars)
 
-            # --- checkpoint and stop: SIGTERM on any rank stops every rank after this iteration ---
+            # --- checkpoint and stop: SIGTERM or Ctrl-C on any rank stops every rank after this iteration ---
             if args.check_sync_every and (iteration - 1) % args.check_sync_every == 0:  # an edit that broke the sync
                 checks.check_weights_in_sync(agent, iteration)
-            stopping = totals["sigterms"] > 0
+            stopping = totals["stops"] > 0
             if stopping or args.checkpoint_every and iteration % args.checkpoint_every == 0:
                 checkpoints.save(run, iteration, global_step, model=agent, optimizer=optimizer)
             if stopping:

@@ -55,7 +55,7 @@ class Args:
     """if toggled, rank 0 films evaluation episodes into `runs/{run_name}/videos` (needs moviepy)"""
     save_model: bool = False
     """if toggled, rank 0 writes `runs/{run_name}/model.safetensors` (weights, normalisation statistics)"""
-    eval_checkpoint: str = ""
+    eval_checkpoint: str | None = None
     """if set, load this model file (or a training checkpoint), play `--eval-episodes` episodes on rank 0 and exit"""
     eval_episodes: int = 10
     """episodes played by `--eval-checkpoint` and after training with `--capture-video`"""
@@ -173,6 +173,18 @@ def derive_batch_sizes(args: Args, world_size: int) -> None:
             f"{args.batch_size} steps ({world_size} ranks x {args.local_num_envs} envs x "
             f"{args.num_steps} steps): raise --total-timesteps"
         )
+
+
+ENV_MEMORY = 4 * 2**20  # bytes one env takes, at most (MuJoCo's Humanoid-v5: 2.5 MiB)
+SIZED_BY = "--local-num-envs x --num-steps (the batch per rank) or --update-epochs"
+
+
+def rollout_memory(args: Args, obs_dim: int, action_dim: int) -> tuple[int, str]:
+    """What one rank holds for an iteration, in bytes, and the flags that size it: the rollout's numpy storage (raw
+    observations in float64 for the statistics), their merge's copy, an epoch's shuffled copy of the batch and the
+    epochs' orders, per sample; and its envs."""
+    per_sample = 24 * obs_dim + 8 * action_dim + 64 + 8 * args.update_epochs
+    return args.local_batch_size * per_sample + args.local_num_envs * ENV_MEMORY, SIZED_BY
 
 
 # --- environment, normalisation, agent ----------------------------------------------------------------
@@ -598,6 +610,9 @@ def args_problem(args: Args) -> str | None:
             lambda value: value >= 1,
             ("total_timesteps", "local_num_envs", "num_steps", "num_minibatches", "update_epochs"),
         ),
+        ("at most 65536 (envs per rank)", lambda value: value <= 2**16, ("local_num_envs",)),
+        ("at most 10000000 (steps per env and rollout)", lambda value: value <= 10**7, ("num_steps",)),
+        ("at most 10000", lambda value: value <= 10**4, ("update_epochs",)),
         ("finite and positive", lambda value: 0 < value < math.inf, ("learning_rate", "max_grad_norm")),
         ("finite and at least 0", lambda value: 0 <= value < math.inf, ("clip_coef", "ent_coef", "vf_coef")),
         ("in [0, 1]", lambda value: 0 <= value <= 1, ("gamma", "gae_lambda")),
@@ -687,13 +702,14 @@ def main(args: Args) -> Agent | None:
     # every flag checked before anything is launched or written; --nprocs N: this command again as N ranks, then exit
     run = launching.launch(args, __file__, "iteration", args_problem)
     env_support.silence_settotalmass_warning()  # before any env exists, for the input checks and evaluation too
-    if args.eval_checkpoint:
+    if args.eval_checkpoint is not None:
         return evaluate_checkpoint(args, run)
     obs_dim, action_dim = check_env(args.env_id)
     checks.check_video_support(args.capture_video, lambda: env_support.render_one_frame(args.env_id))
     derive_batch_sizes(args, run.world_size)
     # the process group, and a checkpoint to resume (checked like the flags)
-    launching.start_run(run, args.batch_size, args.num_iterations, batch_table(args), args_problem)
+    memory = rollout_memory(args, obs_dim, action_dim)
+    launching.start_run(run, args.batch_size, args.num_iterations, batch_table(args), args_problem, memory)
     device = run.device
 
     # --- set-up: envs, initial weights (from `seed`, broadcast to every rank), the rank's seeds ---
@@ -826,7 +842,7 @@ def main(args: Args) -> Agent | None:
             update_time = time.perf_counter() - update_start
 
             # --- logging: episodes ended on any rank, world-averaged losses, explained variance ---
-            totals = collectives.sum_over_ranks(device, **finished, sigterms=float(run.sigterm_received))
+            totals = collectives.sum_over_ranks(device, **finished, stops=float(bool(run.stop_requested)))
             scalars = {"charts/learning_rate": optimizer.param_groups[0]["lr"]}
             scalars |= {f"losses/{name}": value for name, value in losses.items()}
             scalars["losses/explained_variance"] = explained_variance(batch["returns"], batch["values"])
@@ -834,10 +850,10 @@ def main(args: Args) -> Agent | None:
             scalars |= {f"perf/{k}": v for k, v in perf.items()}
             progress.log_iteration(run, iteration, global_step, totals, scalars)
 
-            # --- checkpoint and stop: SIGTERM on any rank stops every rank after this iteration ---
+            # --- checkpoint and stop: SIGTERM or Ctrl-C on any rank stops every rank after this iteration ---
             if args.check_sync_every and (iteration - 1) % args.check_sync_every == 0:  # an edit that broke the sync
                 checks.check_weights_in_sync(agent, iteration)
-            stopping = totals["sigterms"] > 0
+            stopping = totals["stops"] > 0
             if stopping or args.checkpoint_every and iteration % args.checkpoint_every == 0:
                 checkpoints.save(run, iteration, global_step, model=agent, optimizer=optimizer)
             if stopping:

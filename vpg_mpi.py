@@ -61,7 +61,7 @@ class Args:
     """if toggled, rank 0 films evaluation episodes into `runs/{run_name}/videos` (needs moviepy)"""
     save_model: bool = False
     """if toggled, rank 0 writes `runs/{run_name}/model.safetensors` at the end of training"""
-    eval_checkpoint: str = ""
+    eval_checkpoint: str | None = None
     """if set, load this model file (or a training checkpoint), play `--eval-episodes` episodes on rank 0 and exit"""
     eval_episodes: int = 10
     """episodes played by `--eval-checkpoint` and after training with `--capture-video`"""
@@ -152,6 +152,17 @@ def derive_batch_sizes(args: Args, world_size: int) -> None:
             f"--total-timesteps {args.total_timesteps} is less than one epoch of --steps-per-epoch "
             f"{args.steps_per_epoch}: zero epochs to train; raise --total-timesteps"
         )
+
+
+ENV_MEMORY = 4 * 2**20  # bytes one env takes, at most (MuJoCo's Humanoid-v5: 2.5 MiB)
+SIZED_BY = "--steps-per-epoch (split over the ranks) or --hidden-sizes"
+
+
+def rollout_memory(args: Args, obs_dim: int, action_dim: int) -> tuple[int, str]:
+    """What one rank holds for an epoch, in bytes, and the flags that size it: the rollout's numpy storage and the
+    two networks' activations on the whole batch, forward and backward, per sample; and its envs."""
+    per_sample = 4 * obs_dim + 4 * action_dim + 32 + 2 * 3 * 4 * sum(args.hidden_sizes)
+    return args.local_steps_per_epoch * per_sample + args.local_num_envs * ENV_MEMORY, SIZED_BY
 
 
 # --- environment, agent -------------------------------------------------------------------------------
@@ -476,6 +487,9 @@ def args_problem(args: Args) -> str | None:
             lambda value: value >= 1,
             ("total_timesteps", "steps_per_epoch", "local_num_envs", "train_v_iters", "max_ep_len"),
         ),
+        ("at most 65536 (envs per rank)", lambda value: value <= 2**16, ("local_num_envs",)),
+        ("at most 1000000000", lambda value: value <= 10**9, ("steps_per_epoch",)),
+        ("at most 100000", lambda value: value <= 10**5, ("train_v_iters",)),
         ("finite and positive", lambda value: 0 < value < math.inf, ("pi_lr", "vf_lr")),
         ("in [0, 1]", lambda value: 0 <= value <= 1, ("gamma", "lam")),
     )
@@ -580,13 +594,14 @@ def main(args: Args) -> Agent | None:
     # every flag checked before anything is launched or written; --nprocs N: this command again as N ranks, then exit
     run = launching.launch(args, __file__, "epoch", args_problem)
     env_support.silence_settotalmass_warning()  # before any env: the input checks' probe and evaluation too
-    if args.eval_checkpoint:
+    if args.eval_checkpoint is not None:
         return evaluate_checkpoint(args, run)
     obs_dim, action_space = check_env(args.env_id)
     checks.check_video_support(args.capture_video, lambda: env_support.render_one_frame(args.env_id))
     derive_batch_sizes(args, run.world_size)
     # the process group, and a checkpoint to resume (checked like the flags)
-    launching.start_run(run, args.steps_per_epoch, args.num_epochs, batch_table(args), args_problem)
+    memory = rollout_memory(args, obs_dim, int(np.prod(action_space.shape)) or 1)
+    launching.start_run(run, args.steps_per_epoch, args.num_epochs, batch_table(args), args_problem, memory)
     device = run.device
 
     # --- set-up: envs, identical weights on every rank (from `seed`, broadcast), rank seeds ---
@@ -691,7 +706,7 @@ def main(args: Args) -> Agent | None:
             update_time = time.perf_counter() - update_start
 
             # --- logging: episodes ended on any rank, rank-averaged losses, explained variance ---
-            totals = collectives.sum_over_ranks(device, **finished, sigterms=float(run.sigterm_received))
+            totals = collectives.sum_over_ranks(device, **finished, stops=float(bool(run.stop_requested)))
             scalars = {"charts/learning_rate": pi_optimizer.param_groups[0]["lr"]}
             scalars |= {f"losses/{name}": value for name, value in losses.items()}
             scalars["losses/explained_variance"] = explained_variance(batch["returns"], batch["values"])
@@ -699,10 +714,10 @@ def main(args: Args) -> Agent | None:
             scalars["perf/sync_time"] = sync_time
             progress.log_iteration(run, epoch, global_step, totals, scalars)
 
-            # --- checkpoint and stop: SIGTERM on any rank stops every rank after this epoch ---
+            # --- checkpoint and stop: SIGTERM or Ctrl-C on any rank stops every rank after this epoch ---
             if args.check_sync_every and (epoch - 1) % args.check_sync_every == 0:  # an edit that broke the sync
                 checks.check_weights_in_sync(agent, epoch, "epoch")
-            stopping = totals["sigterms"] > 0
+            stopping = totals["stops"] > 0
             if stopping or args.checkpoint_every and epoch % args.checkpoint_every == 0:
                 checkpoints.save(
                     run, epoch, global_step, model=agent, pi_optimizer=pi_optimizer, vf_optimizer=vf_optimizer

@@ -256,7 +256,7 @@ def cleanrl_rows(runs: Runs, env_ids: dict[str, str]) -> list[list[str]]:
     rows = []
     for (script, contender, load, cores), theirs in runs.items():
         if contender.kind == "cleanrl":
-            ours = ours_by_setting[script, load, cores]
+            ours = ours_by_setting[script, load, cores][: len(theirs)]  # rounds that ran both (all, once done)
             per_round = [mine.sps / their.sps for mine, their in zip(ours, theirs, strict=True)]
             ours_sps, their_sps = (statistics.median(m.sps for m in ms) for ms in (ours, theirs))
             place = setting(load, cores)[2:] or "all usable cores (the defaults)"
@@ -294,6 +294,14 @@ def main(argv: list[str] | None = None) -> Path:
     runs: Runs = {}
     others: dict[tuple[str, Contender, str, str], list[float]] = {}  # cores other processes used, per round
     settings = [(index, load, cores) for index in range(args.repeats) for load in args.loads for cores in args.cores]
+    done = 0
+    total = sum(
+        1
+        for _, _, cores in settings
+        for script in args.scripts
+        for contender in programs[script]
+        if not (contender.kind == "variant" and cores == "one")
+    )
     with common.work_folder(args.out_dir, "ddrl_throughput_") as work_dir:
         for round_index, load, cores in settings:
             core = common.usable_cores()[0] if cores == "one" else None
@@ -316,6 +324,21 @@ def main(argv: list[str] | None = None) -> Path:
                         others.setdefault(row, []).append(common.other_cores(clock))
                         runs.setdefault(row, []).append(common.measure(run_dir, script, "default", 1))
                         print(f"  {contender.label}{setting(load, cores)}: SPS {runs[row][-1].sps:,.0f}", flush=True)
+                        done += 1
+                        partial = f"PARTIAL: {done} of {total} runs when this was written" if done < total else None
+                        measured = (runs, bounds, others, atari_parts)
+                        path = write_tables(args, argv, facts, measured, env_ids, cleanrl, load_before, partial)
+    return path
+
+
+def write_tables(
+    args: Args, argv, facts: list[str], measured: tuple, env_ids: dict, cleanrl: dict, load_before: tuple,
+    partial: str | None,
+) -> Path:  # fmt: skip
+    """OUT.md as the runs so far make it (`measured`: the runs, the bounds, the others' cores and Atari's compute
+    parts; `partial`: what a benchmark cut short leaves, said at the top; None once every run ran)."""
+    runs, bounds, others, atari_parts = measured
+    facts = list(facts)
     runs = dict(sorted(runs.items(), key=lambda item: args.scripts.index(item[0][0])))  # by script, else as run
     headers = (
         "script | checkout | env | bound (steps/s) | script SPS (iterations 2..) | ratio | target | met | "
@@ -356,7 +379,9 @@ def main(argv: list[str] | None = None) -> Path:
         shared = f"SHARED CPU: other processes kept up to {most:.2f} cores busy during a run (column others, less the"
         shared += f" busy core's process); rows above {MAX_OTHERS} are distorted."
         warning = " ".join(filter(None, [warning, shared]))
-    return common.write_results(args, argv, title, facts, body, load, warning)
+    return common.write_results(
+        args, argv, title, facts, body, load, " ".join(filter(None, [partial, warning])) or None
+    )
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ import json
 import os
 import random
 import re
-import signal
 import stat
 import sys
 import time
@@ -27,7 +26,7 @@ import torch.nn as nn
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from ddrl import failures, machine, run_folders
+from ddrl import checks, failures, machine, run_folders, stopping
 from ddrl.failures import fail, shown
 
 if TYPE_CHECKING:
@@ -162,7 +161,7 @@ def save(run: Run, iteration: int, global_step: int, **states) -> None:
         try:
             write(path, tensors, header)
             run.writer.flush()  # the curves on disk reach the checkpoint, whatever happens next
-            print(f"checkpoint saved to {path}", flush=True)
+            failures.tell(f"checkpoint saved to {path}")
         except (OSError, RuntimeError, SafetensorError) as error:  # a full disk, a folder made unwritable
             problem = f"could not write {path} ({str(error).splitlines()[0]})"
     stop_if_unwritten(run, path, problem, "free disk space or make the folder writable, then --resume")
@@ -314,6 +313,11 @@ def read_model(path: str, args_type: type, args_problem, env_id: str) -> tuple[d
         fail(f"--eval-checkpoint {shown(path)} does not exist; pass the model{SUFFIX} that --save-model wrote")
     header, _ = read(path, f"pass the model{SUFFIX} that --save-model wrote")
     refuse_imported_env(path, header, env_id)
+    if env_id not in (args_type().env_id, header["env_id"]):  # --env-id given, and another than the file's
+        fail(
+            f"--env-id {shown(env_id)} is not the env of {path} ({shown(header['env_id'])}), which it plays: "
+            "drop --env-id"
+        )
     saved = saved_args(header, args_type, path)
     if problem := args_problem(saved):
         fail(f"{path} holds args that no command line gives ({problem}): it is damaged")
@@ -347,7 +351,7 @@ def load_weights(model: nn.Module, path: str, header: dict) -> None:
     except (RuntimeError, ValueError) as error:  # a module's own check of what it loads
         fail(f"{path}: {str(error).splitlines()[0]}; use a checkpoint from before")
     if header["script"] != failures.script and failures.this_rank() == 0:
-        print(f"{path} was written by {writer_of(header)}; its weights fit this {failures.script}", flush=True)
+        failures.tell(f"{path} was written by {writer_of(header)}; its weights fit this {failures.script}")
 
 
 def misfits(found: dict[str, tuple], wanted: dict[str, tuple], prefix: str) -> str:
@@ -403,20 +407,18 @@ def expected_optimizer_state(optimizer: torch.optim.Optimizer, name: str) -> dic
 def resume(run: Run, **states) -> tuple[int, int]:
     """The last step before training: load the checkpoint start_run found into `states` (the Agent as `model`, the
     optimizers by name; this rank's random streams too), each compared with what this run built before any of it
-    loads; then make the run folder, open rank 0's TensorBoard, and from here on let SIGTERM set run.sigterm_received.
-    Returns the iteration and env step reached."""
+    loads; then make and lock the run folder, open rank 0's TensorBoard, and from here on let SIGTERM and Ctrl-C ask
+    every rank to stop after the iteration (run.stop_requested). Returns the iteration and env step reached."""
     header = run.checkpoint
     if header:
-        path = header["path"]
-        load_training_state(path, header, run.rank, states)
-    run.name = run_folders.create_run_folder(run.args, run.name, header is not None, run.rank, run.device)
+        load_training_state(header["path"], header, run.rank, states)
+    run_folders.create_run_folder(run, resumed=header is not None or checks.restart_count() > 0)
     if run.rank == 0:
         if header:
-            print(f"resuming from {header['path']}", flush=True)
-        run.writer, run.wandb_run = run_folders.open_tensorboard(
-            run.args, run.name, header["global_step"] if header else None
-        )
-    signal.signal(signal.SIGTERM, lambda signum, frame: setattr(run, "sigterm_received", True))
+            failures.tell(f"resuming from {header['path']}")
+        resumed_step = header["global_step"] if header else None
+        run.writer, run.wandb_run = run_folders.open_tensorboard(run.args, run.name, resumed_step)
+    stopping.arm(run)
     run.start_step = header["global_step"] if header else 0
     run.train_start = time.time()
     run.load_since = machine.load_sample()
@@ -470,7 +472,9 @@ def say_changed_options(path: str, name: str, optimizer: torch.optim.Optimizer, 
         changes += [f"{key} {before.get(key)} -> {now.get(key)}" for key in keys if now.get(key) != before.get(key)]
     if changes or saved.get("type") != type(optimizer).__name__:
         names = f"{saved.get('type')} -> {type(optimizer).__name__}"
-        print(f"{path}: its {name!r} state loads into this run's {names}, with the command line's {', '.join(changes)}")
+        failures.tell(
+            f"{path}: its {name!r} state loads into this run's {names}, with the command line's {', '.join(changes)}"
+        )
 
 
 def load_random_streams(path: str, header: dict, rank: int) -> None:
@@ -498,20 +502,37 @@ def load_random_streams(path: str, header: dict, rank: int) -> None:
 def find_run_to_resume(args, world_size: int, steps_per_iteration: int, args_problem) -> tuple[str, dict | None]:
     """The run folder restarted ranks must find again ('' if none) and the header of its checkpoint to resume (its
     path under "path"), checked up front: the file, its env, its world, its args by `args_problem` (the script's check
-    of flags), its progress."""
+    of flags), its progress. A restart count (torchrun's) resumes a run of this launch, never a finished one."""
     name = args.run_name
-    if not name and (args.resume or int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0):
+    if not name and (args.resume or checks.max_restarts() > 0):
         run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")  # `none` under static rendezvous
         if run_id in ("", "none"):
             flag = "--resume" if args.resume else "torchrun --max-restarts"
             fail(f"{flag} needs a run folder that every (re)started rank finds again: pass --run-name NAME")
         name = f"{args.env_id.replace('/', '-')}__{args.exp_name}__{args.seed}__{run_id}"
-    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+        if not run_folders.is_one_folder(name):
+            fail(
+                f"the launcher's variable TORCHELASTIC_RUN_ID={shown(run_id)} makes no folder name below runs/: "
+                "unset it, or pass --run-name NAME",
+                any_rank=True,
+            )
+    restarted = checks.restart_count() > 0
     path = find_latest_checkpoint(name) if name else None
+    exists = bool(name) and os.path.lexists(os.path.join("runs", name))
     if args.resume and path is None and not restarted:
         fail(f"--resume found no checkpoint in runs/{name}/checkpoints; check --run-name, or drop --resume")
-    if name and not (args.resume or restarted) and os.path.lexists(os.path.join("runs", name)):
+    if exists and not (args.resume or restarted):
         fail(f"runs/{name} already exists: pass --resume to continue it, or choose another --run-name")
+    if exists and restarted and not args.resume:
+        record = run_folders.lock_record(name)
+        this_launch = os.environ.get("TORCHELASTIC_RUN_ID", "") not in ("", "none")
+        same_launch = this_launch and record.get("launch") == os.environ["TORCHELASTIC_RUN_ID"]
+        if record.get("finished") or not same_launch:
+            count = os.environ["TORCHELASTIC_RESTART_COUNT"]
+            fail(
+                f"runs/{name} already exists, and TORCHELASTIC_RESTART_COUNT={count} is no restart of the launch that "
+                "made it (finished, or another torchrun's): pass --resume to continue it, or choose another --run-name"
+            )
     if path is None:
         return name, None
     fix = "delete it to resume from the one before"

@@ -3,7 +3,9 @@ needs of this machine, the rollout's numbers against the Agent's, the ranks' wei
 support, each ending in one line that names the fix."""
 
 import hashlib
+import importlib.util
 import os
+import re
 import shutil
 from collections.abc import Callable
 
@@ -12,13 +14,17 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ddrl import collectives, run_folders
-from ddrl.failures import fail
+from ddrl.failures import fail, shown
 
-MAX_DIST_TIMEOUT = 10**7  # seconds (about 115 days); torch's timeout overflows far beyond
+DIST_TIMEOUTS = (5, 10**7)  # seconds: ranks that start seconds apart must meet; torch's timeout overflows far beyond
+TRAINING_ONLY = ("resume", "run_name", "checkpoint_every", "save_model", "track")  # what --eval-checkpoint never does
+BACKENDS = {"gloo": dist.is_gloo_available, "nccl": dist.is_nccl_available, "mpi": dist.is_mpi_available}
+BACKENDS |= {"ucc": dist.is_ucc_available}  # torch.distributed's backends, and whether this build has each
 
 
 def runtime_args_problem(args) -> str | None:
-    """The first flag every script shares whose value cannot run, as the message naming the fix; None if all can."""
+    """The first flag every script shares whose value cannot run, as the message naming the fix; None if all can. A
+    checkpoint's args pass the same rules, so none of them depends on this machine (machine_problem does)."""
     for flag in ("nprocs", "eval_episodes"):
         if getattr(args, flag) < 1:
             return f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}"
@@ -26,23 +32,82 @@ def runtime_args_problem(args) -> str | None:
         return f"--seed must lie in [0, 2**31), got {args.seed}: rank r is seeded with seed + 10000 x r, env g alike"
     if args.torch_threads < 0:
         return f"--torch-threads must be >= 0 (0 = automatic), got {args.torch_threads}"
-    if not 0 < args.dist_timeout <= MAX_DIST_TIMEOUT:
-        return f"--dist-timeout must be a number of seconds in (0, {MAX_DIST_TIMEOUT:g}], got {args.dist_timeout}"
+    low, high = DIST_TIMEOUTS
+    if not low <= args.dist_timeout <= high:
+        return (
+            f"--dist-timeout must be a number of seconds in [{low}, {high:g}], got {args.dist_timeout}: ranks that "
+            "start seconds apart must meet within it"
+        )
     if args.checkpoint_every < 0 or args.check_sync_every < 0:
         return "--checkpoint-every and --check-sync-every must be >= 0 (0 = off)"
-    known = dist.Backend.backend_list[1:]  # after "undefined"
-    if args.backend and any(pair.split(":")[-1] not in known for pair in args.backend.split(",")):
-        return (
-            f"--backend {args.backend!r} is not a torch.distributed backend: pass one of {', '.join(known)}, or "
-            "DEVICE:BACKEND pairs such as cpu:gloo,cuda:nccl (left out: gloo, with NCCL for CUDA tensors)"
-        )
+    if problem := backend_problem(args.backend):
+        return problem
     for flag, name in (("--run-name", args.run_name), ("--exp-name", args.exp_name)):
         if name and not run_folders.is_one_folder(name):
             return (
-                f"{flag} {name!r} is not one folder name below runs/: use printable characters without '/' or '\\', "
-                "not '.' or '..', at most 200 bytes"
+                f"{flag} {shown(name)} is not one folder name below runs/: use printable characters without '/' "
+                "or '\\', not '.' or '..', at most 200 bytes"
+            )
+    if args.eval_checkpoint is not None:
+        if not args.eval_checkpoint:
+            return "--eval-checkpoint '' names no file: pass the path of a model file, or drop the flag"
+        given = [f"--{name.replace('_', '-')}" for name in TRAINING_ONLY if getattr(args, name)]
+        given += ["--nprocs"] if args.nprocs > 1 else []
+        if given:
+            return (
+                f"--eval-checkpoint evaluates a model on one process, where {', '.join(given)} belong(s) to training: "
+                "drop them, or drop --eval-checkpoint to train"
             )
     return None
+
+
+def backend_problem(backend: str) -> str | None:
+    """What makes --backend no torch.distributed backend, or no DEVICE:BACKEND pairs of them (cpu, cuda)."""
+    pairs = [pair.split(":") for pair in backend.split(",")] if backend else []
+    names = [pair[-1] for pair in pairs]
+    devices = [pair[0] for pair in pairs if len(pair) == 2]
+    if any(len(pair) > 2 or name not in BACKENDS for pair, name in zip(pairs, names, strict=True)) or any(
+        device not in ("cpu", "cuda") for device in devices
+    ):
+        return (
+            f"--backend {shown(backend)} is not a torch.distributed backend: pass one of {', '.join(BACKENDS)}, or "
+            "DEVICE:BACKEND pairs such as cpu:gloo,cuda:nccl (left out: gloo, with NCCL for CUDA tensors)"
+        )
+    return None
+
+
+def environment_int(name: str, low: int, high: int, because: str = "", text: str | None = None) -> int:
+    """The environment variable `name` (or `text` read from it) as an integer in [low, high], else one line, printed by
+    this process whatever its rank (a rank number that is wrong cannot decide who speaks)."""
+    text = os.environ.get(name, "") if text is None else text
+    try:
+        value = int(text)
+    except ValueError:
+        fail(
+            f"the launcher's variable {name}={shown(text)} is no integer: unset it, or launch with torchrun, mpirun or "
+            "srun",
+            any_rank=True,
+        )
+    if not low <= value <= high:
+        where = f" (with {because})" if because else ""
+        fail(
+            f"the launcher's variable {name}={value} lies outside [{low}, {high}]{where}: unset it, or launch with "
+            "torchrun, mpirun or srun",
+            any_rank=True,
+        )
+    return value
+
+
+def restart_count() -> int:
+    """How many times torchrun restarted this launch's group (TORCHELASTIC_RESTART_COUNT; 0 outside torchrun)."""
+    return environment_int(
+        "TORCHELASTIC_RESTART_COUNT", 0, 10**6, text=os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    )
+
+
+def max_restarts() -> int:
+    """How many restarts torchrun allows this launch (TORCHELASTIC_MAX_RESTARTS; 0 outside torchrun)."""
+    return environment_int("TORCHELASTIC_MAX_RESTARTS", 0, 10**6, text=os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
 
 
 def machine_problem(args) -> str | None:
@@ -51,6 +116,11 @@ def machine_problem(args) -> str | None:
     on_gpu = getattr(args, "cuda", False) and torch.cuda.is_available()
     if getattr(args, "compile", False) and not on_gpu and shutil.which(compiler) is None:
         return f"--compile on CPU needs a C++ compiler and {compiler!r} is not on PATH: install g++ or drop --compile"
+    if args.track and importlib.util.find_spec("wandb") is None:
+        return "--track needs Weights and Biases, which is not installed: pip install wandb, or drop --track"
+    missing = [name for name in re.split("[,:]", args.backend) if name in BACKENDS and not BACKENDS[name]()]
+    if missing:
+        return f"--backend {args.backend} needs {', '.join(missing)}, which this build of torch lacks: pass gloo"
     return None
 
 

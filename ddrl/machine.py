@@ -1,4 +1,5 @@
-"""What this machine has for a run: its usable cores, how busy they are, and so how many threads a rank takes."""
+"""What this machine has for a run: its usable cores, how busy they are, and so how many threads a rank takes; its
+memory, against what an iteration's data takes."""
 
 import os
 import time
@@ -21,3 +22,34 @@ def idle_cores(local_world_size: int) -> int:
     time.sleep(0.2)
     busy, total, _, _ = load_sample() - before
     return max(1, round(len(os.sched_getaffinity(0)) * (1 - busy / max(total, 1))) // local_world_size)
+
+
+def available_memory() -> int:
+    """Bytes this machine can still give a process without swapping (Linux's MemAvailable), or its physical memory."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            fields = dict(line.split(":", 1) for line in meminfo)
+        return int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def memory_problem(bytes_per_rank: int, sized_by: str, ranks_here: int) -> str | None:
+    """Whether `ranks_here` ranks, each holding `bytes_per_rank` for an iteration's data (whose size the flags
+    `sized_by` set), outgrow the memory available: the message naming the fix, or None."""
+    available = available_memory()
+    if bytes_per_rank * ranks_here <= available:
+        return None
+    return (
+        f"one iteration's data needs about {size(bytes_per_rank)} per rank, {size(bytes_per_rank * ranks_here)} for "
+        f"this node's {ranks_here} rank(s), more than the {size(available)} this machine has available: lower "
+        f"{sized_by}, or spread the ranks over more nodes"
+    )
+
+
+def size(count: int) -> str:
+    """A byte count as people read it: 812 MiB, 4.2 GiB."""
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if count >= scale:
+            return f"{count / scale:.3g} {unit}"
+    return f"{count} B"

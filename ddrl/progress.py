@@ -7,7 +7,6 @@ import gc
 import math
 import os
 import re
-import signal
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, NoReturn
@@ -18,7 +17,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from safetensors import SafetensorError
 
-from ddrl import checkpoints, failures, machine
+from ddrl import checkpoints, failures, machine, run_folders, stopping
 from ddrl.failures import NonFiniteError, fail
 
 if TYPE_CHECKING:
@@ -47,11 +46,9 @@ def log_iteration(
     left = elapsed / steps * max(0, run.total_steps - global_step)
     recent = f"{episodes['charts/episodic_return']:.1f}" if episodes else "n/a"
     run.last_return = recent if episodes else run.last_return
-    print(
-        f"{run.unit} {iteration}/{iterations} step {global_step} SPS {sps} return {recent} "
-        f"elapsed {clock(elapsed)} left {clock(left)}",
-        flush=True,
-    )
+    line = f"{run.unit} {iteration}/{iterations} step {global_step} SPS {sps} return {recent}"
+    if not failures.tell(f"{line} elapsed {clock(elapsed)} left {clock(left)}"):
+        stopping.request(run, "a closed output")  # `| head`: the run ends quietly, with a checkpoint
 
 
 def warn_if_oversubscribed(since: np.ndarray, torch_threads: int, idle_cores: int) -> bool:
@@ -78,15 +75,17 @@ def clock(seconds: float) -> str:
 def finish(
     run: Run, model: nn.Module, iteration: int, global_step: int, stopped: bool, record_video: Callable[[str], None]
 ) -> None:
-    """The end of training on every rank: unless SIGTERM `stopped` it, rank 0 writes the model file (--save-model) and
-    videos (--capture-video); every rank leaves the process group; rank 0 sums the run up in one line."""
+    """The end of training on every rank: unless a stop request `stopped` it, rank 0 writes the model file
+    (--save-model) and videos (--capture-video); every rank leaves the process group; rank 0 lets the run folder go
+    (finished, or to be resumed) and sums the run up in one line."""
     args = run.args
     folder = f"runs/{run.name}"
     path = checkpoints.model_path(run.name)
     saved = ""  # the summary's mention of the model file
     problem = ""
     if run.rank == 0 and stopped:
-        print(f"stopped by SIGTERM at {run.unit} {iteration}; continue with --resume --run-name {run.name}")
+        reason = run.stop_requested or "SIGTERM or Ctrl-C on another rank"
+        failures.tell(f"stopped by {reason} at {run.unit} {iteration}; continue with --resume --run-name {run.name}")
     if run.rank == 0:
         if args.save_model and not stopped:
             try:
@@ -101,16 +100,16 @@ def finish(
             run.wandb_run.finish()
     checkpoints.stop_if_unwritten(run, path, problem, "free disk space, then write it with --resume --save-model")
     dist.barrier()  # every rank leaves the group together
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    stopping.disarm()
     dist.destroy_process_group()
     gc.collect()  # free gloo's worker threads now: left to interpreter shutdown they can abort the process
+    run_folders.release_run_folder(run, finished=not stopped)
     if run.rank == 0:
         saved += f"; continue with --resume --run-name {run.name}" if stopped else ""
-        print(
-            f"{'stopped' if stopped else 'done'}: {global_step} env steps in {clock(time.time() - run.launched_at)}, "
-            f"last return {run.last_return}; TensorBoard run {folder}{saved}",
-            flush=True,
+        summary = (
+            f"{'stopped' if stopped else 'done'}: {global_step} env steps in {clock(time.time() - run.launched_at)}"
         )
+        failures.tell(f"{summary}, last return {run.last_return}; TensorBoard run {folder}{saved}")
 
 
 def stop_training(run: Run, iteration: int, error: Exception, nonfinite_fix: str) -> NoReturn:

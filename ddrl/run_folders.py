@@ -1,15 +1,26 @@
 """Run folders: runs/NAME, one folder name below runs/, created by rank 0 exclusively so that no run writes into
-another's, and its TensorBoard writer (and Weights and Biases run, with --track)."""
+another's, and locked by it for the run's life so that no two launches train one run; its TensorBoard writer (and
+Weights and Biases run, with --track)."""
 
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
 import os
+import socket
 import tempfile
 import time
 from dataclasses import asdict
-
-import torch
+from typing import IO, TYPE_CHECKING
 
 from ddrl import collectives
 from ddrl.failures import fail
+
+if TYPE_CHECKING:
+    from ddrl.launching import Run
+
+LOCK_FILE = "run.lock"  # in every run folder: locked by the run's rank 0, and who holds it
 
 
 def is_one_folder(name: str) -> bool:
@@ -18,20 +29,85 @@ def is_one_folder(name: str) -> bool:
     return name not in (".", "..") and name.isprintable() and len(name.encode()) <= 200 and not separators & set(name)
 
 
-def create_run_folder(args, name: str, resumed: bool, rank: int, device: torch.device) -> str:
-    """The run's name, on every rank: `name`, or a default from rank 0's clock (suffixed where taken); rank 0 creates
-    its folder, and every rank stops with rank 0's one line if it could not."""
+def create_run_folder(run: Run, resumed: bool) -> None:
+    """The run's name, on every rank (run.name: the name given, or a default from rank 0's clock, suffixed where taken):
+    rank 0 creates its folder (`resumed`: finds it) and locks it for the run's life (run.lock); every rank stops with
+    rank 0's one line if it could not."""
+    args = run.args
     default_name = f"{args.env_id.replace('/', '-')}__{args.exp_name}__{args.seed}__"
     start_time = int(time.time())
     suffix = 0
     problem = ""
-    if rank == 0:
-        resumed = resumed or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
-        suffix, problem = make_run_folder(name or f"{default_name}{start_time}", not name, resumed)
-    start_time, suffix, failed = collectives.gather_ints_to_all([start_time, suffix, len(problem)], device)[0].tolist()
+    if run.rank == 0:
+        suffix, problem = make_run_folder(run.name or f"{default_name}{start_time}", not run.name, resumed)
+        if not problem:
+            name = (run.name or f"{default_name}{start_time}") + (f"-{suffix}" if suffix else "")
+            run.lock, problem = lock_run_folder(name)
+    start_time, suffix, failed = collectives.gather_ints_to_all([start_time, suffix, len(problem)], run.device)[
+        0
+    ].tolist()
     if failed:
         fail(problem)
-    return (name or f"{default_name}{start_time}") + (f"-{suffix}" if suffix else "")
+    run.name = (run.name or f"{default_name}{start_time}") + (f"-{suffix}" if suffix else "")
+
+
+def lock_run_folder(name: str) -> tuple[IO | None, str]:
+    """Rank 0 locks runs/NAME/run.lock for the run's life (the lock goes with the process, however it ends) and writes
+    there which launch, process and host hold it: a second launch or --resume of the run is refused while it runs.
+    Returns the open lock file and what went wrong ('' if nothing)."""
+    path = os.path.join("runs", name, LOCK_FILE)
+    try:
+        lock = open(path, "a+")  # noqa: SIM115 (held open until the run ends)
+    except OSError as error:
+        return None, f"cannot open {path} ({error.strerror}): make the run folder writable"
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        holder = lock_record(name)
+        lock.close()
+        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(holder.get("since", 0)))
+        return None, (
+            f"runs/{name} is in use by another run (process {holder.get('pid', '?')} on {holder.get('host', '?')}, "
+            f"since {since}): wait for it to end, or choose another --run-name"
+        )
+    write_lock_record(lock, finished=False)
+    return lock, ""
+
+
+def lock_record(name: str) -> dict:
+    """What runs/NAME/run.lock says of the launch that holds or held the run ({} if nothing readable)."""
+    try:
+        with open(os.path.join("runs", name, LOCK_FILE)) as lock:
+            record = json.loads(lock.read(4096) or "{}")
+    except (OSError, ValueError):
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
+def write_lock_record(lock: IO, finished: bool) -> None:
+    """Say in the held lock file which launch (torchrun's run id), process and host hold the run, and whether it
+    finished (a restart count never writes into a finished run)."""
+    record = {
+        "launch": os.environ.get("TORCHELASTIC_RUN_ID", ""),
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "since": time.time(),
+        "finished": finished,
+    }
+    lock.seek(0)
+    lock.truncate()
+    lock.write(json.dumps(record))
+    lock.flush()
+
+
+def release_run_folder(run: Run, finished: bool) -> None:
+    """Rank 0 marks the run finished (or not: stopped, it can be resumed) and lets its folder go."""
+    if run.lock is None:
+        return
+    with contextlib.suppress(OSError):
+        write_lock_record(run.lock, finished)
+    run.lock.close()
+    run.lock = None
 
 
 def make_run_folder(name: str, suffixed: bool, resumed: bool) -> tuple[int, str]:

@@ -420,15 +420,18 @@ LOG_KEYS = (
 )
 
 
-def refuse(module, flags: list[str], monkeypatch, capsys, **env: str) -> str:
+def refuse(module, flags: list[str], monkeypatch, capsys, **env: str | None) -> str:
     """Run a script's `main` in-process on `flags` (launcher variables `env`, a world of one by default) and assert
     it stops as bad input must: exit 2, one stderr line `SCRIPT.py: error: ...`, no process group left behind.
     Returns that line."""
     for key in ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):  # main sets them; undone after
         monkeypatch.setenv(key, "")
         monkeypatch.delenv(key)
-    for key, value in {"RANK": "0", "WORLD_SIZE": "1", **env}.items():
-        monkeypatch.setenv(key, value)
+    for key, value in {"RANK": "0", "WORLD_SIZE": "1", **env}.items():  # None: unset
+        if value is None:
+            monkeypatch.delenv(key, raising=False)
+        else:
+            monkeypatch.setenv(key, value)
     with pytest.raises(SystemExit) as exit_info:
         module.main(tyro.cli(module.Args, args=flags))
     assert exit_info.value.code == 2

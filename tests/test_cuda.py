@@ -47,17 +47,6 @@ def train_on_gpu(script: str, ranks: int, flags: list[str], tmp_path, **env: str
     return result.stdout, result.stderr
 
 
-def test_atari_seeded_gpu_runs_repeat_bit_for_bit(tmp_path):
-    """The acting graph draws from the seeded CUDA generator and the update is deterministic: same seed, same run."""
-    losses = []
-    for name in ("first", "second"):
-        (tmp_path / name).mkdir()
-        train_on_gpu("ppo_atari_multigpu.py", 1, ["--seed", "3"], tmp_path / name)
-        scalars = read_scalars(run_dirs(tmp_path / name)[0])
-        losses.append({key: series for key, series in scalars.items() if key.startswith("losses/")})
-    assert losses[0] == losses[1] and len(losses[0]) == 7  # minibatch_loss's six and the explained variance
-
-
 @pytest.mark.parametrize("graph", [True, False], ids=["graph", "eager"])
 def test_atari_rollout_acts_as_the_agent_on_the_gpu_with_fresh_draws_every_step(graph):
     """The acting step, in two groups of envs, on the same frames every step: the host gets the actions its rows hold,
@@ -118,11 +107,12 @@ def test_atari_update_on_the_gpu_applies_no_step_once_a_gradient_is_not_finite()
 
 
 def test_atari_update_on_the_gpu_is_one_compiled_region_that_takes_the_eager_steps():
-    """The default on a GPU (--cuda-graph): the minibatch step's forward, loss and backward as a compiled region
-    replayed as CUDA graphs, over several minibatches and epochs, ends where the eager update ends, to float32
-    rounding, with the same losses (clipfrac too, which the update keeps across replays)."""
+    """--capture-update: the minibatch step's forward, loss and backward as a compiled region replayed as CUDA graphs,
+    over several minibatches and epochs, ends where the eager update ends, to float32 rounding, with the same losses
+    (clipfrac too, which the update keeps across replays)."""
     device = torch.device("cuda")
-    args = ppo.Args(num_minibatches=4, update_epochs=3)
+    args = ppo.Args(num_minibatches=4, update_epochs=3, capture_update=True)
+    assert ppo.loss_function(ppo.Args(), device) is ppo.minibatch_loss  # the default: eager
     torch.manual_seed(2)
     obs = torch.randint(0, 256, (256, 4, 84, 84), dtype=torch.uint8, device=device)
     actions = torch.randint(0, 4, (256,), device=device)
@@ -143,6 +133,24 @@ def test_atari_update_on_the_gpu_is_one_compiled_region_that_takes_the_eager_ste
         torch.testing.assert_close(captured[key], eager[key], rtol=1e-4, atol=1e-5, msg=key)
     torch.testing.assert_close(captured_losses, eager_losses, rtol=1e-3, atol=1e-5)
     assert 0 < eager_losses["clipfrac"] < 1  # some ratios clipped: a stale clipfrac would show
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [[], ["--env-groups", "2"], ["--capture-update"], ["--env-groups", "2", "--capture-update"]],
+    ids=["default", "env-groups-2", "capture-update", "both"],
+)
+def test_atari_trains_on_the_gpu_by_default_and_with_each_new_path(flags, tmp_path):
+    """The GPU default (acting as a CUDA graph per step, one group of envs, an eager update) and each path not yet the
+    default, on its own and together: two iterations in step, finite losses, and the same run twice from one seed (the
+    acting graph draws from the seeded CUDA generator, the update is deterministic)."""
+    losses = []
+    for name in ("first", "second"):
+        (tmp_path / name).mkdir()
+        train_on_gpu("ppo_atari_multigpu.py", 1, ["--seed", "3", *flags], tmp_path / name)
+        scalars = read_scalars(run_dirs(tmp_path / name)[0])
+        losses.append({key: series for key, series in scalars.items() if key.startswith("losses/")})
+    assert losses[0] == losses[1] and len(losses[0]) == 7  # minibatch_loss's six and the explained variance
 
 
 @pytest.mark.parametrize("script", list(GPU_RUNS))

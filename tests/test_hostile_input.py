@@ -3,9 +3,13 @@ code, writes outside runs/, overwrites a run or ends in a traceback: each refusa
 anything is written where it names a flag, and every file that was there before is as it was (compared by hash)."""
 
 import hashlib
+import importlib.util
 import json
 import os
 import pickle
+import shlex
+import signal
+import subprocess
 import sys
 import time
 import zipfile
@@ -17,7 +21,22 @@ import torch
 import tyro
 from safetensors.torch import save_file
 
-from tests.helpers import ROOT, assert_ok, finish, refuse, run_command, run_dirs, start, train_ranks, write_checkpoint
+from tests.helpers import (
+    ROOT,
+    assert_ok,
+    clean_env,
+    finish,
+    free_port,
+    output,
+    progress_lines,
+    refuse,
+    run_command,
+    run_dirs,
+    start,
+    train_ranks,
+    wait_for,
+    write_checkpoint,
+)
 from tests.test_checkpoints import changed
 from tests.test_reliability import SCRIPTS, flags, module
 
@@ -34,13 +53,17 @@ def tree(folder: Path) -> dict[str, str]:
     }
 
 
-def refused(script: str, argv: list[str], cwd: Path, monkeypatch, capsys, nothing_new: bool = True, **env) -> str:
+def refused(
+    script: str, argv: list[str], cwd: Path, monkeypatch, capsys, nothing_new: bool = True, taken: str = "", **env
+) -> str:
     """`script`'s main on `argv` in `cwd` refuses as bad input must (exit 2, one stderr line, no traceback), leaving
-    every file and folder of `cwd` as it was; new paths only under runs/, or (`nothing_new`) none. Returns the line."""
+    every file and folder of `cwd` as it was (but `taken`, the lock file of a run it resumed); new paths only under
+    runs/, or (`nothing_new`) none. Returns the line."""
     monkeypatch.chdir(cwd)
     before = tree(cwd)
     message = refuse(module(script), argv, monkeypatch, capsys, **env)
     after = tree(cwd)
+    before.pop(taken, None)
     assert {path: after.get(path) for path in before} == before, "a file that was there changed or went"
     created = sorted(after.keys() - before.keys())
     assert created == [] if nothing_new else all(path.startswith("runs") for path in created), created
@@ -56,8 +79,8 @@ FLAGS = [
     (ATARI, "--learning-rate inf", "--learning-rate must be finite and positive, got inf"),
     (VPG, "--pi-lr nan", "--pi-lr must be finite and positive, got nan"),
     (VPG, "--vf-lr -1", "--vf-lr must be finite and positive, got -1.0"),
-    (CONTINUOUS, "--dist-timeout nan", "--dist-timeout must be a number of seconds in (0, 1e+07], got nan"),
-    (ATARI, "--dist-timeout inf", "--dist-timeout must be a number of seconds in (0, 1e+07], got inf"),
+    (CONTINUOUS, "--dist-timeout nan", "--dist-timeout must be a number of seconds in [5, 1e+07], got nan"),
+    (ATARI, "--dist-timeout inf", "--dist-timeout must be a number of seconds in [5, 1e+07], got inf"),
     (VPG, "--backend junk", "--backend 'junk' is not a torch.distributed backend"),
     (CONTINUOUS, "--backend cpu:gloo,cuda:junk", "is not a torch.distributed backend"),
     (VPG, "--hidden-sizes -5", "--hidden-sizes must be at least 1 each, got -5"),
@@ -133,7 +156,7 @@ def test_a_checkpoint_write_that_fails_later_stops_in_one_line_naming_the_last_g
     (tmp_path / "runs/r/checkpoints/iter_000004.safetensors.tmp").mkdir()  # where the fourth is written first
     # one torch thread: a busy machine would otherwise add the oversubscription warning's line before the error
     argv = flags(VPG, 4, "--run-name", "r", "--checkpoint-every", "1", "--resume", "--torch-threads", "1")
-    message = refused(VPG, argv, tmp_path, monkeypatch, capsys, nothing_new=False)
+    message = refused(VPG, argv, tmp_path, monkeypatch, capsys, nothing_new=False, taken="runs/r/run.lock")
     assert "could not write runs/r/checkpoints/iter_000004.safetensors" in message
     last = "runs/r/checkpoints/iter_000003.safetensors"
     assert f"the last good checkpoint is {last}" in message and "--resume" in message
@@ -447,3 +470,180 @@ def vpg_header() -> dict:
         "env_id": "CartPole-v1",
         "args": {"env_id": "CartPole-v1"},
     }
+
+
+# --- round two: sizes, launcher variables, one launch per run, signals, contradictions -------------------------------
+
+HUGE = "--total-timesteps 100000000000000"  # a budget that lets any batch size train one iteration
+ROUND_TWO_FLAGS = [
+    (CONTINUOUS, "--num-steps 1000000000", "--num-steps must be at most 10000000 (steps per env and rollout), got"),
+    (ATARI, "--local-num-envs 1000000", "--local-num-envs must be at most 65536 (envs per rank), got 1000000"),
+    (CONTINUOUS, "--update-epochs 1000000000", "--update-epochs must be at most 10000, got 1000000000"),
+    (VPG, "--train-v-iters 1000000000", "--train-v-iters must be at most 100000, got 1000000000"),
+    (ATARI, "--env-threads 1000000", "--env-threads must be at most 65536 (envs per rank), got 1000000"),
+    (CONTINUOUS, f"--num-steps 10000000 --local-num-envs 4096 {HUGE}", "one iteration's data needs about"),
+    (ATARI, f"--num-steps 1000000 --local-num-envs 4096 {HUGE}", "one iteration's data needs about"),
+    (VPG, f"--steps-per-epoch 1000000000 {HUGE}", "one iteration's data needs about"),
+    (CONTINUOUS, "--dist-timeout 1e-9", "--dist-timeout must be a number of seconds in [5, 1e+07], got 1e-09"),
+    (VPG, "--eval-checkpoint ''", "--eval-checkpoint '' names no file: pass the path of a model file"),
+    (ATARI, "--eval-checkpoint x.safetensors --resume", "--eval-checkpoint evaluates a model on one process, where"),
+    (VPG, "--eval-checkpoint x.safetensors --save-model --checkpoint-every 2", "--checkpoint-every, --save-model"),
+    (CONTINUOUS, "--track", "--track needs Weights and Biases, which is not installed: pip install wandb"),
+    (VPG, "--backend fake", "--backend 'fake' is not a torch.distributed backend"),
+    (CONTINUOUS, "--backend cpu:gloo,tpu:gloo", "is not a torch.distributed backend"),
+]
+
+
+@pytest.mark.parametrize(
+    ("script", "argv", "message"), ROUND_TWO_FLAGS, ids=[f"{s[:-3]} {a[:40]}" for s, a, _ in ROUND_TWO_FLAGS]
+)
+def test_a_size_or_a_contradiction_is_one_line_before_anything_is_written(
+    script, argv, message, tmp_path, monkeypatch, capsys
+):
+    if "--track" in argv and importlib.util.find_spec("wandb") is not None:
+        pytest.skip("wandb is installed here")
+    line = refused(script, [*flags(script, 2), *shlex.split(argv)], tmp_path, monkeypatch, capsys)
+    assert message in line
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_long_value_is_cut_in_the_error_line(tmp_path, monkeypatch, capsys):
+    """A 1 MiB --env-id comes back as its first 200 characters and its length, not as a 2 MB line."""
+    env_id = "x" * 2**20
+    line = refused(CONTINUOUS, ["--env-id", env_id], tmp_path, monkeypatch, capsys)
+    assert len(line) < 2000 and f"... ({2**20 + 2} characters)" in line, line[:300]
+
+
+LAUNCHER_VARIABLES = [
+    ({"RANK": "5", "WORLD_SIZE": "2"}, "the launcher's variable RANK=5 lies outside [0, 1] (with WORLD_SIZE=2)"),
+    ({"RANK": "abc", "WORLD_SIZE": "2"}, "the launcher's variable RANK='abc' is no integer"),
+    ({"RANK": "0", "WORLD_SIZE": "0"}, "the launcher's variable WORLD_SIZE=0 lies outside [1, 1048576]"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "3"}, "LOCAL_WORLD_SIZE=3 lies outside [1, 2]"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "99999"}, "MASTER_PORT=99999 lies outside [1, 65535]"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "a b"}, "MASTER_ADDR='a b' is no host name"),
+    ({"TORCHELASTIC_RESTART_COUNT": "abc"}, "TORCHELASTIC_RESTART_COUNT='abc' is no integer"),
+    (
+        {"TORCHELASTIC_MAX_RESTARTS": "1", "TORCHELASTIC_RUN_ID": "../../../elsewhere"},
+        "TORCHELASTIC_RUN_ID='../../../elsewhere' makes no folder name below runs/",
+    ),
+    (
+        {"RANK": None, "WORLD_SIZE": None, "OMPI_COMM_WORLD_RANK": "2", "OMPI_COMM_WORLD_SIZE": "2"},
+        "OMPI_COMM_WORLD_RANK=2 lies outside [0, 1]",
+    ),
+]
+
+
+@pytest.mark.parametrize("script", [VPG, ATARI])
+@pytest.mark.parametrize(
+    ("env", "message"),
+    LAUNCHER_VARIABLES,
+    ids=[next(iter(env)) + f"-{i}" for i, (env, _) in enumerate(LAUNCHER_VARIABLES)],
+)
+def test_a_launcher_variable_that_cannot_be_is_one_line_naming_it(script, env, message, tmp_path, monkeypatch, capsys):
+    if "RANK" not in env:  # a world of one, as refuse() sets by default
+        env = {"RANK": "0", "WORLD_SIZE": "1", **env}
+    for key in ("OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"):
+        env.setdefault(key, None)
+    for key in ("MASTER_ADDR", "MASTER_PORT"):
+        env.setdefault(key, {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}[key])
+    assert message in refused(script, flags(script, 2), tmp_path, monkeypatch, capsys, **env)
+
+
+def test_mujoco_gl_naming_no_renderer_is_one_line(tmp_path):
+    result = run_command([sys.executable, str(ROOT / CONTINUOUS), *flags(CONTINUOUS, 2)], tmp_path, MUJOCO_GL="garbage")
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    [line] = result.stderr.splitlines()
+    assert line.startswith(f"{CONTINUOUS}: error: MUJOCO_GL='garbage' names no renderer MuJoCo can load")
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_rank_waiting_for_its_peers_says_so_and_keeps_waiting(tmp_path):
+    """RANK=0 WORLD_SIZE=2 and no rank 1: within a few seconds one line says whom it waits for, where and until when;
+    then --dist-timeout ends the wait in one line."""
+    env = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    command = [sys.executable, str(ROOT / VPG), *flags(VPG, 2), "--dist-timeout", "8"]
+    started = time.monotonic()
+    result = run_command(command, tmp_path, timeout=120, **env)
+    assert result.returncode == 2 and time.monotonic() - started < 60, result.stderr[-2000:]
+    lines = [line for line in result.stderr.splitlines() if line.startswith(f"{VPG}: ")]
+    assert lines[0].startswith(f"{VPG}: warning: rank 0 of 2 has waited 4 s for its 1 peer(s) at 127.0.0.1:"), lines
+    assert "and waits until" in lines[0] and "(--dist-timeout 8 s)" in lines[0]
+    assert lines[1].startswith(f"{VPG}: error: could not form a process group of 2 ranks"), lines
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_hand_set_restart_count_never_writes_into_a_finished_run(tmp_path, monkeypatch, capsys):
+    train_ranks(VPG, flags(VPG, 2, "--run-name", "done", "--save-model"), tmp_path, nprocs=1)
+    argv = flags(VPG, 2, "--run-name", "done", "--save-model")
+    message = refused(VPG, argv, tmp_path, monkeypatch, capsys, nothing_new=True, TORCHELASTIC_RESTART_COUNT="1")
+    assert (
+        "runs/done already exists, and TORCHELASTIC_RESTART_COUNT=1 is no restart of the launch that made it" in message
+    )
+
+
+def test_a_run_in_use_refuses_a_second_launch_of_it(tmp_path):
+    """One process group per run folder: while a run trains, --resume of it is refused in one line naming who holds
+    it; the lock goes with the process, so once the first has died the same --resume continues the run."""
+    first = start(
+        [sys.executable, str(ROOT / VPG), *flags(VPG, 200, "--run-name", "busy", "--checkpoint-every", "1")],
+        tmp_path,
+        "first",
+    )
+    try:
+        wait_for(lambda: list((tmp_path / "runs/busy/checkpoints").glob("iter_*")), 120, "a first checkpoint", (first,))
+        second = run_command(
+            [sys.executable, str(ROOT / VPG), *flags(VPG, 200, "--run-name", "busy", "--resume")], tmp_path
+        )
+    finally:
+        first.kill()
+        first.wait()
+    assert second.returncode == 2 and "Traceback" not in second.stderr, second.stderr[-2000:]
+    [line] = second.stderr.splitlines()
+    assert line.startswith(f"{VPG}: error: runs/busy is in use by another run (process {first.pid} on ")
+    again = run_command([sys.executable, str(ROOT / VPG), *flags(VPG, 1, "--run-name", "busy", "--resume")], tmp_path)
+    assert again.returncode == 0 and "resuming from runs/busy/checkpoints/" in again.stdout, again.stderr[-2000:]
+
+
+def interrupted(tmp_path: Path, signals: int) -> subprocess.CompletedProcess:
+    """A 200-epoch VPG run sent `signals` Ctrl-C (SIGINT) once its first epoch printed; what it wrote."""
+    run = start([sys.executable, str(ROOT / VPG), *flags(VPG, 200, "--run-name", "ctrl-c")], tmp_path)
+    wait_for(lambda: progress_lines(output(run)[0]), 120, "the first epoch", (run,))
+    for _ in range(signals):
+        run.send_signal(signal.SIGINT)
+        time.sleep(0.05)
+    return finish(run, 120)
+
+
+def test_ctrl_c_stops_every_rank_after_the_epoch_with_a_checkpoint(tmp_path):
+    result = interrupted(tmp_path, 1)
+    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    [stopped] = [line for line in result.stdout.splitlines() if line.startswith("stopped by Ctrl-C at epoch")]
+    epoch = int(stopped.split()[5].rstrip(";"))
+    assert (tmp_path / f"runs/ctrl-c/checkpoints/iter_{epoch:06d}.safetensors").is_file()
+    assert "continue with --resume --run-name ctrl-c" in stopped
+
+
+def test_a_second_ctrl_c_stops_at_once_in_one_line(tmp_path):
+    result = interrupted(tmp_path, 2)
+    assert result.returncode == 130 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    [line] = result.stderr.strip().splitlines()  # during the iteration, or while the run ends
+    assert line.startswith(f"{VPG}: stopped at once by "), line
+
+
+def test_a_closed_output_ends_the_run_quietly_with_its_checkpoint(tmp_path):
+    """`| head -1`: the reader goes away; the run stops after the iteration it noticed, with a checkpoint, and says
+    nothing of a broken pipe."""
+    command = [sys.executable, str(ROOT / VPG), *flags(VPG, 200, "--run-name", "piped")]
+    run = subprocess.Popen(command, cwd=tmp_path, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    while not run.stdout.readline().startswith(b"epoch 1/"):
+        assert run.poll() is None, run.stderr.read()[-2000:]
+    run.stdout.close()
+    stderr = run.stderr.read().decode()
+    assert run.wait(timeout=120) == 0 and stderr == "", stderr[-2000:]
+    assert list((tmp_path / "runs/piped/checkpoints").glob("iter_*.safetensors"))
+
+
+def test_evaluating_with_another_env_id_than_the_checkpoints_is_one_line(saved, tmp_path, monkeypatch, capsys):
+    argv = [*evaluate_argv(saved(VPG)[1], tmp_path), "--env-id", "Acrobot-v1"]
+    message = refused(VPG, argv, tmp_path, monkeypatch, capsys)
+    assert "--env-id 'Acrobot-v1' is not the env of" in message and "which it plays: drop --env-id" in message

@@ -510,9 +510,9 @@ def test_breakout_two_ranks_compiled_train_identically_log_and_evaluate(tmp_path
 
 
 def test_the_update_takes_the_eager_steps_through_a_compiled_region_replayed_as_on_a_gpu():
-    """What a GPU's --cuda-graph runs (loss_function: the minibatch step compiled, mode reduce-overhead), on the CPU,
-    where no CUDA graph replays it (tests/test_cuda.py checks the replays): the same steps as the eager update, to
-    float32 rounding, with the same losses."""
+    """What a GPU's --capture-update runs (loss_function: the minibatch step compiled, mode reduce-overhead), on the
+    CPU, where no CUDA graph replays it (tests/test_cuda.py checks the replays): the same steps as the eager update,
+    to float32 rounding, with the same losses."""
     args = ppo.Args(num_minibatches=4, update_epochs=2)
     torch.manual_seed(2)
     batch = {key: value.float() if value.is_floating_point() else value for key, value in atari_batch().items()}
@@ -532,7 +532,7 @@ def test_the_update_takes_the_eager_steps_through_a_compiled_region_replayed_as_
 
 
 def test_envs_in_two_groups_stepping_in_turn_log_what_one_group_logs(tmp_path):
-    """--env-groups 2 (a GPU's default, where the acting for one group hides behind the other group's env step): every
+    """--env-groups 2 (where on a GPU the acting for one group hides behind the other group's env step): every
     env still steps once per rollout step with this iteration's policy, in the same rows of the batch, seeded alike.
     On the CPU, whose sampling draws row by row, a seeded run plays the same games (the same actions) and logs the same
     losses, but for the rounding of a forward pass on half the frames."""

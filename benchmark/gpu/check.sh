@@ -1,19 +1,19 @@
 #!/usr/bin/env bash
 # The GPU check of ppo_atari_multigpu.py: on a machine with an NVIDIA GPU (the figures in docs/gpus.md come from one GPU
-# and 16 cores), in under 10 minutes, it measures this checkout's script beside an older copy of it (and beside
-# CleanRL's ppo_atari.py, given its path) and writes every table into one folder. From the repository root:
+# and 16 cores), in under 10 minutes, it tests the CUDA paths, measures the env-only ceiling, and runs this checkout's
+# script at its GPU defaults beside each path not yet the default (--env-groups 2, --capture-update, both) and beside
+# CleanRL's ppo_atari.py (given its path), writing every table into one folder. From the repository root:
 #
-#   git show REV:ppo_atari_multigpu.py > /tmp/old/ppo_atari_multigpu.py    # the older copy (where git history is)
-#   bash benchmark/gpu/check.sh --old /tmp/old/ppo_atari_multigpu.py --cleanrl ../cleanrl
+#   bash benchmark/gpu/check.sh --cleanrl ../cleanrl
 #
-# The steps, most telling first, each under its own time limit so that one hang cannot eat the rest; a step cut at
-# its limit keeps the rows it measured (its table says PARTIAL):
-#   atari_step_cuda  where a rollout step's time goes on the GPU, old and new script, at 8, 32 and 128 envs, beside the
-#                    env-only rate of those envs and each script's own SPS (benchmark.atari_step)
-#   cuda_tests       tests/test_cuda.py, one test at a time
-#   cleanrl          with --cleanrl: CleanRL's ppo_atari.py beside this checkout's script at CleanRL's defaults, on the
-#                    GPU, alternating (benchmark.throughput's "Beside CleanRL" table), and ours with its envs in one
-#                    group (--env-groups 1: acting not behind the envs) beside its GPU default of two
+# The steps, in this order, each under its own time limit so that one hang cannot eat the rest; a step cut at its
+# limit keeps the rows it measured (its table says PARTIAL, and is written after every row):
+#   cuda_tests       tests/test_cuda.py, one test at a time: the default and each new path, on its own and together
+#   env_only         the env-only ceiling of 8 and 32 envs by env threads, and where a rollout step's time goes
+#                    (benchmark.atari_step, no training runs)
+#   beside           at 8 envs, CleanRL's batch: ours at the defaults, with --env-groups 2, --capture-update and both,
+#                    and with --cleanrl CleanRL's ppo_atari.py, alternating (benchmark.throughput)
+#   atari_step_old   with --old PATH: an older copy of the script beside this one, step by step at 8, 32 and 128 envs
 #   scaling          the host's ceiling first, as many independent one-rank copies as cores, then that many ranks
 #                    under mpirun: ppo_continuous_mpi.py and vpg_mpi.py with --sync allreduce (benchmark.scaling)
 #   atari_step_cpu   the step's time on the CPU, for comparison (no training runs)
@@ -22,11 +22,12 @@
 # It writes OUT/summary.md (the machine, each step's exit status and time, then every table) and OUT/results.tar.gz
 # (the tables, every step's log and the TensorBoard runs, without checkpoints).
 #
-# Options: --cleanrl DIR, a clone of github.com/vwxyzjn/cleanrl (its ppo_atari.py needs opencv-python-headless); --out OUT
-# (default /tmp/ddrl_gpu_check); --work DIR, where the runs and logs are made (default
+# Options: --cleanrl DIR, a clone of github.com/vwxyzjn/cleanrl (its ppo_atari.py needs opencv-python-headless); --old
+# PATH, an older ppo_atari_multigpu.py (e.g. `git show REV:ppo_atari_multigpu.py > /tmp/old/ppo_atari_multigpu.py`);
+# --out OUT (default /tmp/ddrl_gpu_check); --work DIR, where the runs and logs are made (default
 # /tmp/ddrl_gpu_check_work, emptied first); --seconds N, the budget of all steps (default 570: steps that would pass it
 # are cut short or skipped; give more for a whole Breakout run); --skip REGEX, skip the steps whose names match;
-# --wheels DIR, first install gymnasium, ale-py, mujoco, tyro and Open MPI offline from the wheels that
+# --wheels DIR, first install gymnasium, ale-py, mujoco, tyro, safetensors and Open MPI offline from the wheels that
 # benchmark/gpu/wheels.sh downloaded elsewhere (for a machine without internet); --dry-run, every step with tiny sizes
 # on the CPU, to check this script on a machine without a GPU (it measures nothing).
 # Needs: a CUDA build of torch and requirements.txt (or --wheels), nvidia-smi, and mpirun for the scaling step; runs
@@ -46,12 +47,12 @@ while [ $# -gt 0 ]; do
     *) echo "check.sh: error: unknown argument $1; the options are described at the top of $0" >&2 && exit 2 ;;
     esac
 done
-if [ ! -f "$old" ]; then
-    echo "check.sh: error: pass --old PATH, an older ppo_atari_multigpu.py to measure beside this one, e.g. made by" \
+if [ -n "$old" ] && [ ! -f "$old" ]; then
+    echo "check.sh: error: --old $old is no file: pass an older ppo_atari_multigpu.py, e.g. made by" \
         "git show REV:ppo_atari_multigpu.py > /tmp/old/ppo_atari_multigpu.py" >&2
     exit 2
 fi
-old=$(realpath "$old")
+old=${old:+$(realpath "$old")}
 if [ -n "$cleanrl" ] && [ ! -e "$cleanrl" ]; then
     echo "check.sh: error: --cleanrl $cleanrl does not exist: pass a clone of CleanRL's repository" >&2
     exit 2
@@ -83,7 +84,7 @@ sha() { sha256sum "$1" | cut -c1-12; }
     echo "- GPU: $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || echo none)"
     echo "- CPU: $(lscpu | sed -n 's/^Model name: *//p'), $(nproc) usable cores; $("$python" -c 'import platform, torch
 print(f"Python {platform.python_version()}, torch {torch.__version__}, CUDA {torch.version.cuda}")' 2>&1)"
-    echo "- scripts: this checkout's ppo_atari_multigpu.py (sha256 $(sha ppo_atari_multigpu.py)), old: $old (sha256 $(sha "$old"))"
+    echo "- scripts: this checkout's ppo_atari_multigpu.py (sha256 $(sha ppo_atari_multigpu.py))$([ -n "$old" ] && echo ", old: $old (sha256 $(sha "$old"))")"
     echo
     echo "| step | exit status (124: stopped at its limit) | seconds | last line of its log |"
     echo "|:--|--:|--:|:--|"
@@ -121,24 +122,30 @@ cores=$(nproc)
 thread_counts=() # env threads 1, 2, 4, ... and all the cores
 for ((count = 1; count < cores; count *= 2)); do thread_counts+=("$count"); done
 thread_counts+=("$cores")
+new_paths=("ppo_atari_multigpu.py --env-groups 2" "ppo_atari_multigpu.py --capture-update"
+    "ppo_atari_multigpu.py --env-groups 2 --capture-update")
 if [ "$dry" = 0 ]; then
-    atari_step=(--envs 8 32 128 --steps 50 --env-seconds 2 --iterations 3 --thread-counts "${thread_counts[@]}")
+    env_only=(--envs 8 32 --steps 50 --env-seconds 2 --iterations 0 --thread-counts "${thread_counts[@]}")
+    beside=(--iterations 4 --env-seconds 1)
+    atari_step=(--envs 8 32 128 --steps 50 --env-seconds 2 --iterations 3)
     cuda=(--devices cuda) cpu_step=(--envs 8 32 128 --steps 30 --env-seconds 1) scaling=(--ranks "$cores" --iterations 3)
-    beside_cleanrl=(--iterations 4) breakout=()
+    breakout=()
 else
-    atari_step=(--envs 2 4 --steps 5 --env-seconds 0.2 --iterations 2 --num-steps 8 --thread-counts "${thread_counts[@]}"
-        -- --num-minibatches 2)
+    env_only=(--envs 2 4 --steps 5 --env-seconds 0.2 --iterations 0 --num-steps 8 --thread-counts "${thread_counts[@]}")
+    beside=(--iterations 2 --local-steps 128 --env-seconds 0.2)
+    atari_step=(--envs 2 4 --steps 5 --env-seconds 0.2 --iterations 2 --num-steps 8 -- --num-minibatches 2)
     cuda=(--devices cpu) cpu_step=(--envs 2 --steps 5 --env-seconds 0.2) scaling=(--ranks 2 --iterations 2 --local-steps 256)
-    beside_cleanrl=(--iterations 2 --local-steps 128 --env-seconds 0.2)
     breakout=(--no-cuda --local-num-envs 2 --num-steps 64 --num-minibatches 2)
 fi
 
-step atari_step_cuda 210 "$python" -m benchmark.atari_step --baseline "$old" --out "$work/tables/atari_step_cuda" \
-    --out-dir "$work/atari_step" "${cuda[@]}" "${atari_step[@]}"
-step cuda_tests 150 "$python" -m pytest -o addopts= -p no:cacheprovider -v -rs tests/test_cuda.py
-if [ -n "$cleanrl" ]; then
-    step cleanrl 90 "$python" -m benchmark.throughput --scripts ppo_atari_multigpu.py --cleanrl "$cleanrl" \
-        --variants "ppo_atari_multigpu.py --env-groups 1" --max-load 1000 --out "$work/tables/cleanrl" --out-dir "$work/cleanrl" "${beside_cleanrl[@]}"
+step cuda_tests 180 "$python" -m pytest -o addopts= -p no:cacheprovider -v -rs tests/test_cuda.py
+step env_only 60 "$python" -m benchmark.atari_step --out "$work/tables/env_only" --out-dir "$work/env_only" \
+    "${cuda[@]}" "${env_only[@]}"
+step beside 240 "$python" -m benchmark.throughput --scripts ppo_atari_multigpu.py --variants "${new_paths[@]}" \
+    ${cleanrl:+--cleanrl "$cleanrl"} --max-load 1000 --out "$work/tables/beside" --out-dir "$work/beside" "${beside[@]}"
+if [ -n "$old" ]; then
+    step atari_step_old 120 "$python" -m benchmark.atari_step --baseline "$old" --out "$work/tables/atari_step_old" \
+        --out-dir "$work/atari_step" "${cuda[@]}" "${atari_step[@]}"
 fi
 step scaling 75 "$python" -m benchmark.scaling --scripts ppo_continuous_mpi.py vpg_mpi.py --sync-modes allreduce \
     --launchers mpirun --out "$work/tables/scaling" --out-dir "$work/scaling" "${scaling[@]}"
