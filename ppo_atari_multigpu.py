@@ -417,8 +417,9 @@ def check_rollout_policy(agent: Agent, batch: Batch, when: str, count: int = ROL
     rows = {key: batch[key][:count] for key in ("obs", "actions", "log_probs", "values")}
     with torch.no_grad():  # eager, with --compile too
         log_prob, _, value = agent.log_prob_entropy_value(rows["obs"], rows["actions"])
+        distribution = type(agent.policy_value(rows["obs"])[0]).__name__  # CategoricalActions, or an edit's class
     pairs = {"log-probabilities": (log_prob, rows["log_probs"]), "values": (value, rows["values"])}
-    both = "CategoricalActions.sample (in RolloutPolicy.act) and CategoricalActions.log_prob_entropy"
+    both = f"{distribution}.sample (in RolloutPolicy.act) and {distribution}.log_prob_entropy"
     checks.check_agreement(when, f"{both} (both on Agent.policy_value)", **pairs)
 
 

@@ -345,9 +345,10 @@ def check_rollout_policy(agent: Agent, batch: Batch, when: str) -> None:
     rows = {k: batch[k][: numpy_rollout.PROBE_SAMPLES] for k in ("obs", "actions", "log_probs", "values")}
     with torch.no_grad():
         log_prob, _, value = agent.log_prob_entropy_value(rows["obs"], rows["actions"])
+        distribution = type(agent.policy(rows["obs"])).__name__  # GaussianActions, or what an edit put in its place
     pairs = {"log-probabilities": (log_prob, rows["log_probs"]), "values": (value, rows["values"])}
-    acting = "GaussianActions.sample (on numpy copies of the Agent's networks)"
-    checks.check_agreement(when, f"{acting} and GaussianActions.log_prob_entropy", **pairs)
+    acting = f"{distribution}.sample (on numpy copies of the Agent's networks)"
+    checks.check_agreement(when, f"{acting} and {distribution}.log_prob_entropy", **pairs)
 
 
 # --- GAE ----------------------------------------------------------------------------------------------
@@ -635,7 +636,7 @@ def check_env(env_id: str, given: str = "--env-id") -> tuple[int, int]:
     """Refuse an env this script cannot train (Box observations and actions) with the fix; else its sizes (observation,
     action). `given` says where the id comes from; `module:EnvId` imports the module first."""
     try:
-        probe = gym.make(env_id)
+        probe = make_env(env_id)()  # with make_env's wrappers, which may change the spaces
     except Exception as error:  # an unknown id or module, or MUJOCO_GL naming a missing renderer
         gl = os.environ.get("MUJOCO_GL")
         renderer = f"; or MUJOCO_GL={gl} names a renderer this machine lacks (unset it, or install it)" if gl else ""

@@ -292,8 +292,8 @@ def check_rollout_policy(agent: Agent, batch: Batch, when: str) -> None:
     with torch.no_grad():
         agent_log_probs = agent.log_prob_entropy(obs, actions)[0]
         agent_values = agent.value(obs)
+        distribution = type(agent.policy(obs)).__name__  # Gaussian- or CategoricalActions, or an edit's class
     pairs = {"log-probabilities": (agent_log_probs, log_probs), "values": (agent_values, values)}
-    distribution = "GaussianActions" if agent.continuous else "CategoricalActions"
     sampling = f"{distribution}.sample (on numpy copies of the Agent's networks)"
     checks.check_agreement(when, f"{sampling} and {distribution}.log_prob_entropy", **pairs)
 
@@ -517,7 +517,7 @@ def check_env(env_id: str, given: str = "--env-id") -> tuple[int, gym.Space]:
     """Refuse an env this script cannot train (Box observations; Box or Discrete actions) with the fix; else its
     observation size and action space. `given` says where the id comes from; `module:EnvId` imports the module first."""
     try:
-        probe = gym.make(env_id)
+        probe = make_env(env_id, max_ep_len=1)()  # with make_env's wrappers, which may change the spaces
     except Exception as error:  # unknown id or module, or MUJOCO_GL's renderer failing to load
         gl = os.environ.get("MUJOCO_GL")
         lacks = f"; or MUJOCO_GL={gl} names a renderer this machine lacks (unset it, or install it)"

@@ -94,7 +94,8 @@ def probe(policy: NumpyPolicy, obs_dim: int, device: torch.device) -> dict[str, 
     except (TypeError, AttributeError) as error:  # a torch-only call in the Agent's policy or value
         fail(
             f"the rollout cannot run Agent.policy or Agent.value on numpy rows ({type(error).__name__}: {error}): "
-            "compute them with the Agent's modules and with operators numpy and torch share (nn.Tanh(), not torch.tanh)"
+            "compute them with the Agent's modules and with operators numpy and torch share (nn.Tanh(), not "
+            "torch.tanh); a recurrent layer needs a rollout that carries its state (docs/changing-a-script.md)"
         )
     checks.check_one_per_row(log_probs, values, PROBE_SAMPLES, "Agent.policy and Agent.value")
     found = {"obs": obs, "actions": actions, "log_probs": log_probs, "values": values}

@@ -18,6 +18,9 @@ class TupleActions(gym.Env):
     observation_space = gym.spaces.Box(-1.0, 1.0, (2,))
     action_space = gym.spaces.Tuple((gym.spaces.Discrete(2), gym.spaces.Discrete(2)))
 
+    def __init__(self, render_mode: str | None = None):
+        self.render_mode = render_mode
+
 
 gym.register("ddrl-test/TupleActions-v0", entry_point=TupleActions)
 

@@ -10,7 +10,18 @@ import numpy as np
 import pytest
 import torch
 
-from benchmark import atari_step, common, grad_sync, interval, plot, run, scaling, scaling_model, stragglers
+from benchmark import (
+    atari_step,
+    common,
+    grad_sync,
+    interval,
+    plot,
+    run,
+    scaling,
+    scaling_model,
+    stragglers,
+    weight_check,
+)
 from tests.helpers import ROOT, read_scalars, run_command
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -20,7 +31,9 @@ def assert_png(path: Path) -> None:
     assert path.read_bytes()[:8] == PNG_MAGIC and path.stat().st_size > 5_000, path
 
 
-@pytest.mark.parametrize("module", [run, plot, interval, scaling, scaling_model, grad_sync, stragglers, atari_step])
+@pytest.mark.parametrize(
+    "module", [run, plot, interval, scaling, scaling_model, grad_sync, stragglers, atari_step, weight_check]
+)
 def test_every_entry_point_has_help(module, capsys):
     with pytest.raises(SystemExit) as exit_info:
         module.main(["--help"])
@@ -465,3 +478,12 @@ def test_grad_sync_table_with_few_repetitions(tmp_path):
         assert re.fullmatch(r"-?\d+\.\d+( \(\d+\.\d+-\d+\.\d+\))?", row[3]), row
         assert float(row[6]) == pytest.approx(float(row[4]) * int(row[5]), abs=0.1 * int(row[5])), row  # mean x syncs
     assert "1,686,693 in 12 tensors" in text  # the Nature CNN, built by ppo_atari_multigpu.Agent
+
+
+def test_weight_check_times_the_check_beside_each_scripts_iteration(tmp_path):
+    out = tmp_path / "weight_check"
+    argv = ["--scripts", "vpg_mpi.py", "--repeats", "3", "--iterations", "2", "--local-steps", "500", "--out", str(out)]
+    text = weight_check.main(argv).read_text()
+    [row] = common.table_rows(text, "script")
+    assert row[0] == "vpg_mpi.py" and int(row[1].replace(",", "")) > 1000  # its two (64, 64) networks
+    assert float(row[2]) > 0 and float(row[3]) > 0 and row[4].endswith("%")
