@@ -274,12 +274,13 @@ def recording_main_rank(rank: int, world_size: int, out_dir: str, flags: list[st
     ppo.make_env = lambda env_id, video_folder=None: lambda: Recorder(make_env(env_id, video_folder)())
     args = tyro.cli(ppo.Args, args=flags)
     agent = ppo.main(args)
+    stepped = [env for env in Recorder.instances if env.seen]  # not the env built only to read the spaces
     return {
         "state": agent.state_dict(),
         "num_iterations": args.num_iterations,
-        "seen": [np.array(env.seen) for env in Recorder.instances],
-        "rewards": [np.array(env.rewards) for env in Recorder.instances],
-        "ends": [np.array(env.ends) for env in Recorder.instances],
+        "seen": [np.array(env.seen) for env in stepped],
+        "rewards": [np.array(env.rewards) for env in stepped],
+        "ends": [np.array(env.ends) for env in stepped],
     }
 
 
