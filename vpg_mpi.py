@@ -387,6 +387,7 @@ def update(
     pi_optimizer.step()
 
     # value regression on the rewards-to-go
+    value_parameters = list(agent.critic.parameters())
     for i in range(args.train_v_iters):
         value_loss = ((agent.value(obs) - returns) ** 2).mean()
         if i == 0:
@@ -394,7 +395,7 @@ def update(
         vf_optimizer.zero_grad()
         value_loss.backward()
         start = time.perf_counter()
-        average_gradients(list(agent.critic.parameters()), value_loss.detach().reshape(1), group)
+        average_gradients(value_parameters, value_loss.detach().reshape(1), group)
         sync_time += time.perf_counter() - start
         vf_optimizer.step()
 
