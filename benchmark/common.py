@@ -318,8 +318,9 @@ def check_load(max_load: float) -> tuple[str, str | None]:
     return load, warning
 
 
-def code_version(root: Path = ROOT, short: bool = False, files: Sequence[str | Path] = SCRIPTS) -> str:
-    """The git commit of a checkout, and which of `files` (the scripts) differ from it (`+changes` if `short`)."""
+def code_version(root: Path = ROOT, short: bool = False, files: Sequence[str | Path] = (*SCRIPTS, "ddrl")) -> str:
+    """The git commit of a checkout, and which of `files` (the scripts and the package they import) differ from it
+    (`+changes` if `short`)."""
     try:
         git = ["git", "-C", str(root)]
         commit = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True)

@@ -19,6 +19,7 @@ from benchmark import (
     run,
     scaling,
     scaling_model,
+    startup,
     stragglers,
     weight_check,
 )
@@ -32,7 +33,7 @@ def assert_png(path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    "module", [run, plot, interval, scaling, scaling_model, grad_sync, stragglers, atari_step, weight_check]
+    "module", [run, plot, interval, scaling, scaling_model, grad_sync, stragglers, atari_step, weight_check, startup]
 )
 def test_every_entry_point_has_help(module, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -487,3 +488,13 @@ def test_weight_check_times_the_check_beside_each_scripts_iteration(tmp_path):
     [row] = common.table_rows(text, "script")
     assert row[0] == "vpg_mpi.py" and int(row[1].replace(",", "")) > 1000  # its two (64, 64) networks
     assert float(row[2]) > 0 and float(row[3]) > 0 and row[4].endswith("%")
+
+
+def test_startup_times_the_batch_table_then_the_first_progress_line_then_the_exit(tmp_path):
+    argv = ["--script", "vpg_mpi.py", "--ranks", "1", "--rounds", "1", "--out", str(tmp_path / "startup")]
+    text = startup.main(argv).read_text()
+    [row] = common.table_rows(text, "checkout")
+    assert row[0].endswith("(this checkout)")
+    table, progress, end = float(row[1]), float(row[2]), float(row[4])
+    assert 0 < table < progress < end
+    assert "--steps-per-epoch 4000 --total-timesteps 4000" in text  # one iteration of the default batch
