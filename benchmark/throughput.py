@@ -8,7 +8,8 @@ Each script runs one rank at its defaults beside its bound: the MLP scripts' env
 fp32 eager compute limit (TARGETS: the least ratio to it each script aims for). With --cleanrl, CleanRL's file for
 each PPO script (REFERENCE) runs beside it on the same env and batch (its defaults), by cleanrl_compat.py. Every run's
 SPS is counted alike: env steps over wall time from its first to its last `charts/SPS` event, leaving out iteration 1
-(start-up). Checkouts, CleanRL, loads and core settings alternate every round, so drift affects all; cells: medians.
+(start-up). Checkouts, CleanRL, loads and core settings alternate every round, the two checkouts swapping places each
+round, so drift affects all; cells: medians.
 """
 
 import contextlib
@@ -212,6 +213,14 @@ def contenders(args: Args, script: str, checkouts: dict[str, Path], labels: dict
     return rows
 
 
+def in_turn(contenders: list[Contender], round_index: int) -> list[Contender]:
+    """The contenders in the order of this round: the two checkouts swap places every other round, so neither
+    always runs right after the bound or right after the other."""
+    checkouts = [contender for contender in contenders if contender.kind == "checkout"]
+    others = [contender for contender in contenders if contender.kind != "checkout"]
+    return (checkouts if round_index % 2 == 0 else checkouts[::-1]) + others
+
+
 def run_once(contender: Contender, name: str, run_args: list[str], work_dir: Path, core: int | None) -> Path:
     """Run `contender` as NAME in `work_dir` (on `core` with one thread, if given); its TensorBoard folder."""
     cleanrl_runs = f"*__{name}__*"  # CleanRL names its folder ENV_ID__EXP_NAME__SEED__TIME
@@ -266,6 +275,28 @@ def cleanrl_rows(runs: Runs, env_ids: dict[str, str]) -> list[list[str]]:
     return rows
 
 
+def checkout_rows(runs: Runs, env_ids: dict[str, str]) -> list[list[str]]:
+    """A row per script and setting that ran both checkouts: each one's SPS (medians), the ratio of the medians, and
+    this checkout's SPS over the other's within each round (their median, lowest and highest)."""
+    by_checkout = {}
+    for (script, contender, load, cores), measurements in runs.items():
+        if contender.kind == "checkout":
+            by_checkout.setdefault((script, load, cores), {})[contender.tag] = measurements
+    rows = []
+    for (script, load, cores), checkouts in by_checkout.items():
+        if len(checkouts) == 2:
+            other = checkouts["other"]
+            this = checkouts["this"]
+            rounds = min(len(other), len(this))  # rounds that ran both (all, once done)
+            per_round = [mine.sps / theirs.sps for mine, theirs in zip(this[:rounds], other[:rounds], strict=True)]
+            this_sps, other_sps = (statistics.median(m.sps for m in ms[:rounds]) for ms in (this, other))
+            place = setting(load, cores)[2:] or "all usable cores (the defaults)"
+            rows.append([script, env_ids[script], place, f"{other_sps:,.0f}", f"{this_sps:,.0f}"])
+            rows[-1] += [f"{this_sps / other_sps:.3f}", f"{statistics.median(per_round):.3f}"]
+            rows[-1] += [f"{min(per_round):.2f} - {max(per_round):.2f}"]
+    return rows
+
+
 def main(argv: list[str] | None = None) -> Path:
     """Measure every script beside its bound (and CleanRL's file), write OUT.md; returns its path."""
     args, argv, _ = common.cli(Args, argv)
@@ -311,7 +342,7 @@ def main(argv: list[str] | None = None) -> Path:
                         limit, parts = bound(script, env_ids[script], args.env_seconds)
                     bounds.setdefault((script, load, cores), []).append(limit)
                     atari_parts += [parts] if parts and (load, cores) == ("quiet", "all") else []
-                    for contender in programs[script]:
+                    for contender in in_turn(programs[script], round_index):
                         if contender.kind == "variant" and cores == "one":
                             continue
                         row = (script, contender, load, cores)
@@ -361,6 +392,13 @@ def write_tables(
         act_ms, step_ms = (statistics.median(part) for part in zip(*atari_parts, strict=True))
         body += f"\nAtari compute limit parts: batch-{envs} act {act_ms:.2f} ms, minibatch-{minibatch} step"
         body += f" {step_ms:.1f} ms.\n"
+    if args.compare_with is not None:
+        headers = "script | env | cores | other (SPS) | this (SPS) | this / other | per round: median | range"
+        body += "\n## This checkout beside the other\n\n" + common.markdown_table(headers, checkout_rows(runs, env_ids))
+        body += (
+            "\nthis / other: the ratio of the medians; per round: this checkout's SPS over the other's in the same "
+            "round (the two ran one after the other, their order swapped every round), the median and the range.\n"
+        )
     if cleanrl:
         headers = "script | CleanRL file | env | cores | ours (SPS) | CleanRL (SPS) | ours / CleanRL | per round"
         body += "\n## Beside CleanRL\n\n" + common.markdown_table(headers, cleanrl_rows(runs, env_ids))

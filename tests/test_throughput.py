@@ -85,6 +85,23 @@ def test_compare_with_another_checkout_alternates_the_two_quiet_and_beside_a_bus
     assert rows[0][3] == rows[1][3] and rows[2][3] == rows[3][3]  # one bound for both checkouts, per load
     runs = sorted(path.name for path in (work / "runs").iterdir())
     assert runs == [f"throughput__vpg_mpi__{tag}__0" for tag in ("other", "other__busy", "this", "this__busy")]
+    beside = common.table_rows(text.split("## This checkout beside the other")[1], "script")
+    places = ["all usable cores (the defaults)", "beside a busy core"]
+    assert [row[:3] for row in beside] == [["vpg_mpi.py", "CartPole-v1", place] for place in places]
+    for row, (other, this) in zip(beside, [rows[:2], rows[2:]], strict=True):
+        assert row[3:5] == [other[4], this[4]]  # each checkout's SPS, as in the table above
+        sps = [float(cell.replace(",", "")) for cell in row[3:5]]
+        assert float(row[5]) == pytest.approx(sps[1] / sps[0], abs=0.002)
+        assert float(row[6]) == pytest.approx(float(row[5]), abs=0.002)  # one round: its ratio is the median
+
+
+def test_the_two_checkouts_swap_places_every_round_and_the_other_rows_follow_them():
+    other = throughput.Contender("b0d01c8", "other", ("python", "before/vpg_mpi.py"))
+    this = throughput.Contender("HEAD", "this", ("python", "vpg_mpi.py"))
+    variant = throughput.Contender("HEAD --compile", "compile", ("python", "vpg_mpi.py", "--compile"), "variant")
+    assert throughput.in_turn([other, this, variant], 0) == [other, this, variant]
+    assert throughput.in_turn([other, this, variant], 1) == [this, other, variant]
+    assert throughput.in_turn([this, variant], 1) == [this, variant]
 
 
 # Stands in for CleanRL's ppo_continuous_action.py (whose code the repository does not hold): its flags, its run
