@@ -244,17 +244,18 @@ def file_problem(path: str) -> str | None:
             first = file.read(8)
     except OSError as error:
         return f"cannot be read ({error.strerror})"
-    if first.startswith(b"PK\x03\x04"):
+    declared = int.from_bytes(first, "little")
+    fits = len(first) == 8 and declared <= MAX_HEADER_BYTES and 8 + declared <= size
+    if first.startswith(b"PK\x03\x04") and not fits:
         return (
             "is a zip archive, as torch.save wrote an earlier version's checkpoints (.pt), which this version does not "
             "read (they need pickle, which can run code): resume or evaluate it with the version that wrote it"
         )
-    if first[:1] == b"\x80":
+    if first[:1] == b"\x80" and not fits:  # a header's length may begin with 0x80 too: 384, 640, ... bytes
         return "is a pickle, which can run code: refused, unread"
     if len(first) < 8:
         return f"is {size} bytes long, too short for a safetensors header: it is truncated or no checkpoint"
-    declared = int.from_bytes(first, "little")
-    if declared > MAX_HEADER_BYTES or 8 + declared > size:
+    if not fits:
         bound = (
             f"more than the {MAX_HEADER_BYTES:,} bytes ddrl reads"
             if declared > MAX_HEADER_BYTES

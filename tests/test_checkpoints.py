@@ -264,3 +264,23 @@ def test_save_writes_every_ranks_streams_through_the_store_and_resume_reads_this
     assert header["iteration"] == 1 and header["global_step"] == 100 and len(header["rng"]) == 1
     checkpoints.load_random_streams(str(tmp_path / "runs/run/checkpoints/iter_000001.safetensors"), header, 0)
     assert (random.random(), np.random.random(), torch.rand(()).item()) == draws
+
+
+@pytest.mark.parametrize("how", ["resume", "evaluate"])
+def test_a_file_whose_header_length_begins_with_a_pickles_first_byte_is_read(how, saved, tmp_path):
+    """A header of 384, 640, ... bytes puts 0x80 first in the file, as a pickle begins: the file is still a
+    checkpoint (the length fits the file), so it resumes and evaluates."""
+    script = "vpg_mpi.py"
+    checkpoint = saved(script)[0 if how == "resume" else 1]
+    path = tmp_path / ("runs/old/checkpoints/iter_000002.safetensors" if how == "resume" else "model.safetensors")
+    for padding in range(256):  # a longer header entry, byte by byte, until the length's lowest byte is 0x80
+        write_checkpoint({**checkpoint, "padding": "x" * padding}, path)
+        if path.read_bytes()[0] == 0x80:
+            break
+    assert path.read_bytes()[0] == 0x80 and checkpoints.file_problem(str(path)) is None
+    argv = [*flags(script, 3), "--resume", "--run-name", "old"]
+    argv = argv if how == "resume" else ["--eval-checkpoint", str(path), "--eval-episodes", "1"]
+    result = run_command([sys.executable, str(ROOT / script), *argv], tmp_path)
+    assert_ok(result)
+    said = "resuming from runs/old/checkpoints/iter_000002" if how == "resume" else "eval: episodes=1"
+    assert said in result.stdout
