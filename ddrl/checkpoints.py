@@ -152,7 +152,6 @@ def save(run: Run, iteration: int, global_step: int, **states) -> None:
             rngs.append(json.loads(run.store.get(f"rng/{iteration}/{rank}")))
             state = bytearray(run.store.get(f"rng/{iteration}/{rank}/torch"))
             tensors[f"rng.{rank}.torch"] = torch.frombuffer(state, dtype=torch.uint8).clone()
-        for rank in range(run.world_size):
             run.store.delete_key(f"rng/{iteration}/{rank}")
             run.store.delete_key(f"rng/{iteration}/{rank}/torch")
         progress = {"world_size": run.world_size, "iteration": iteration, "global_step": global_step}
@@ -204,10 +203,10 @@ def read(path: str, fix: str) -> tuple[dict, dict[str, tuple[tuple[int, ...], st
     try:
         with safe_open(path, framework="pt") as opened:
             metadata = opened.metadata() or {}
-            tensors = {
-                name: (tuple(opened.get_slice(name).get_shape()), opened.get_slice(name).get_dtype())
-                for name in opened.keys()
-            }
+            tensors = {}
+            for name in opened.keys():
+                declared = opened.get_slice(name)
+                tensors[name] = (tuple(declared.get_shape()), declared.get_dtype())
     except (SafetensorError, OSError) as error:
         fail(f"{path} is truncated or no safetensors file ({str(error).splitlines()[0]}); {fix}")
     try:
@@ -505,9 +504,11 @@ def find_run_to_resume(args, world_size: int, steps_per_iteration: int, args_pro
     path under "path"), checked up front: the file, its env, its world, its args by `args_problem` (the script's check
     of flags), its progress. A restart count (torchrun's) resumes a run of this launch, never a finished one."""
     name = args.run_name
+    # torchrun's id of this launch, `none` under static rendezvous: a restart finds the run folder again by it
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
+    in_launch = run_id not in ("", "none")
     if not name and (args.resume or checks.max_restarts() > 0):
-        run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")  # `none` under static rendezvous
-        if run_id in ("", "none"):
+        if not in_launch:
             flag = "--resume" if args.resume else "torchrun --max-restarts"
             fail(f"{flag} needs a run folder that every (re)started rank finds again: pass --run-name NAME")
         name = f"{args.env_id.replace('/', '-')}__{args.exp_name}__{args.seed}__{run_id}"
@@ -517,7 +518,8 @@ def find_run_to_resume(args, world_size: int, steps_per_iteration: int, args_pro
                 "unset it, or pass --run-name NAME",
                 any_rank=True,
             )
-    restarted = checks.restart_count() > 0
+    restart_count = checks.restart_count()
+    restarted = restart_count > 0
     path = find_latest_checkpoint(name) if name else None
     exists = bool(name) and os.path.lexists(os.path.join("runs", name))
     if args.resume and path is None and not restarted:
@@ -526,13 +528,12 @@ def find_run_to_resume(args, world_size: int, steps_per_iteration: int, args_pro
         fail(f"runs/{name} already exists: pass --resume to continue it, or choose another --run-name")
     if exists and restarted and not args.resume:
         record = run_folders.lock_record(name)
-        this_launch = os.environ.get("TORCHELASTIC_RUN_ID", "") not in ("", "none")
-        same_launch = this_launch and record.get("launch") == os.environ["TORCHELASTIC_RUN_ID"]
+        same_launch = in_launch and record.get("launch") == run_id
         if record.get("finished") or not same_launch:
-            count = os.environ["TORCHELASTIC_RESTART_COUNT"]
             fail(
-                f"runs/{name} already exists, and TORCHELASTIC_RESTART_COUNT={count} is no restart of the launch that "
-                "made it (finished, or another torchrun's): pass --resume to continue it, or choose another --run-name"
+                f"runs/{name} already exists, and TORCHELASTIC_RESTART_COUNT={restart_count} is no restart of the "
+                "launch that made it (finished, or another torchrun's): pass --resume to continue it, or choose "
+                "another --run-name"
             )
     if path is None:
         return name, None

@@ -76,10 +76,11 @@ def backend_problem(backend: str) -> str | None:
     return None
 
 
-def environment_int(name: str, low: int, high: int, because: str = "", text: str | None = None) -> int:
-    """The environment variable `name` (or `text` read from it) as an integer in [low, high], else one line, printed by
-    this process whatever its rank (a rank number that is wrong cannot decide who speaks)."""
-    text = os.environ.get(name, "") if text is None else text
+def environment_int(name: str, low: int, high: int, because: str = "", text: str | None = None, unset: str = "") -> int:
+    """The environment variable `name` (`unset` where it is not set, or `text` read from it) as an integer in [low,
+    high], else one line, printed by this process whatever its rank (a rank number that is wrong cannot decide who
+    speaks)."""
+    text = os.environ.get(name, unset) if text is None else text
     try:
         value = int(text)
     except ValueError:
@@ -100,14 +101,12 @@ def environment_int(name: str, low: int, high: int, because: str = "", text: str
 
 def restart_count() -> int:
     """How many times torchrun restarted this launch's group (TORCHELASTIC_RESTART_COUNT; 0 outside torchrun)."""
-    return environment_int(
-        "TORCHELASTIC_RESTART_COUNT", 0, 10**6, text=os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    )
+    return environment_int("TORCHELASTIC_RESTART_COUNT", 0, 10**6, unset="0")
 
 
 def max_restarts() -> int:
     """How many restarts torchrun allows this launch (TORCHELASTIC_MAX_RESTARTS; 0 outside torchrun)."""
-    return environment_int("TORCHELASTIC_MAX_RESTARTS", 0, 10**6, text=os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
+    return environment_int("TORCHELASTIC_MAX_RESTARTS", 0, 10**6, unset="0")
 
 
 def machine_problem(args) -> str | None:

@@ -122,11 +122,7 @@ def read_launcher_environment() -> tuple[int, int, int, int]:
             local_size_key, 1, world_size, f"{size_key}={world_size}", local_sizes
         )
         local_rank = checks.environment_int(
-            local_rank_key,
-            0,
-            local_world_size - 1,
-            f"{local_size_key}={local_world_size}",
-            os.environ.get(local_rank_key, str(rank)),
+            local_rank_key, 0, local_world_size - 1, f"{local_size_key}={local_world_size}", unset=str(rank)
         )
         return rank, world_size, local_rank, local_world_size
     return 0, 1, 0, 1
