@@ -4,7 +4,7 @@ checkout and, with --compare-with, another checkout beside it, the two alternati
     python -m benchmark.startup --compare-with ../before --rounds 8 --out benchmark/results/startup
 
 The command is README's quick start, `python ppo_continuous_mpi.py --nprocs 2` (--script and --ranks change it), cut
-to one iteration of its default batch. The batch table is printed once every check has passed and the ranks have
+to two iterations of its default batch. The batch table is printed once every check has passed and the ranks have
 joined their group; the first progress line after one iteration, the same work in both checkouts. So what one
 checkout adds before its first iteration is the difference of their medians.
 """
@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from benchmark import common
+
+ITERATIONS = 2  # a run trains two iterations; its start-up ends with the first one's progress line
 
 
 @dataclass(kw_only=True)
@@ -37,7 +39,7 @@ class Args(common.TimingArgs):
 
 def time_start(root: Path, args: Args, name: str, work_dir: Path) -> tuple[float, float, float]:
     """Seconds from launching `root`'s script to its batch table, to its first progress line, and to its exit."""
-    run_args = ["--run-name", name, *common.budget_args(args.script, args.ranks, 0, 1)]
+    run_args = ["--run-name", name, *common.budget_args(args.script, args.ranks, 0, ITERATIONS)]
     command = common.script_command(root / args.script, run_args, args.ranks)
     start = time.perf_counter()
     process, log = common.start(command, work_dir, work_dir / "logs" / f"{name}.log", pipe=True)
@@ -88,9 +90,10 @@ def main(argv: list[str] | None = None) -> Path:
         rows.append(["difference (this - other)", "", f"{after - before:+.2f}", "", ""])
     headers = "checkout | to the batch table, s | to the first progress line, s | its range, s | to the exit, s"
     command = f"python {args.script}" + f" --nprocs {args.ranks}" * (args.ranks > 1)
+    budget = " ".join(common.budget_args(args.script, args.ranks, 0, ITERATIONS))
     facts = [
-        f"`{command}` with {' '.join(common.budget_args(args.script, args.ranks, 0, 1))} (one iteration of the default "
-        f"batch), launched in a temporary folder; {args.rounds} rounds, the checkouts alternating; medians",
+        f"`{command}` with {budget} (two iterations of the default batch), launched in a temporary folder; "
+        f"{args.rounds} rounds, the checkouts alternating; medians",
     ]
     body = "\n" + common.markdown_table(headers, rows)
     return common.write_results(args, argv, "Start-up of the quick start", facts, body, *load)

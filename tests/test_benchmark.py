@@ -497,4 +497,4 @@ def test_startup_times_the_batch_table_then_the_first_progress_line_then_the_exi
     assert row[0].endswith("(this checkout)")
     table, progress, end = float(row[1]), float(row[2]), float(row[4])
     assert 0 < table < progress < end
-    assert "--steps-per-epoch 4000 --total-timesteps 4000" in text  # one iteration of the default batch
+    assert "--steps-per-epoch 4000 --total-timesteps 8000" in text  # two iterations of the default batch

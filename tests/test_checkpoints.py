@@ -278,9 +278,11 @@ def test_a_file_whose_header_length_begins_with_a_pickles_first_byte_is_read(how
         if path.read_bytes()[0] == 0x80:
             break
     assert path.read_bytes()[0] == 0x80 and checkpoints.file_problem(str(path)) is None
-    argv = [*flags(script, 3), "--resume", "--run-name", "old"]
+    argv = [*flags(script, 4), "--resume", "--run-name", "old"]  # two iterations on from the checkpoint's second
     argv = argv if how == "resume" else ["--eval-checkpoint", str(path), "--eval-episodes", "1"]
     result = run_command([sys.executable, str(ROOT / script), *argv], tmp_path)
     assert_ok(result)
     said = "resuming from runs/old/checkpoints/iter_000002" if how == "resume" else "eval: episodes=1"
     assert said in result.stdout
+    if how == "resume":
+        assert f"done: {4 * SCRIPTS[script][1]} env steps" in result.stdout

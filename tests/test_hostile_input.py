@@ -600,8 +600,12 @@ def test_a_run_in_use_refuses_a_second_launch_of_it(tmp_path):
     assert second.returncode == 2 and "Traceback" not in second.stderr, second.stderr[-2000:]
     [line] = second.stderr.splitlines()
     assert line.startswith(f"{VPG}: error: runs/busy is in use by another run (process {first.pid} on ")
-    again = run_command([sys.executable, str(ROOT / VPG), *flags(VPG, 1, "--run-name", "busy", "--resume")], tmp_path)
+    written = (tmp_path / "runs/busy/checkpoints").glob("iter_*.safetensors")
+    reached = max(int(path.name.split(".")[0].removeprefix("iter_")) for path in written)
+    resumed = flags(VPG, reached + 2, "--run-name", "busy", "--resume")  # two epochs on from the last checkpoint
+    again = run_command([sys.executable, str(ROOT / VPG), *resumed], tmp_path)
     assert again.returncode == 0 and "resuming from runs/busy/checkpoints/" in again.stdout, again.stderr[-2000:]
+    assert f"done: {(reached + 2) * SCRIPTS[VPG][1]} env steps" in again.stdout
 
 
 def interrupted(tmp_path: Path, signals: int) -> subprocess.CompletedProcess:
