@@ -1,22 +1,21 @@
 """Checkpoints: a training checkpoint per iteration (runs/NAME/checkpoints/iter_N.safetensors) and the model file
-(runs/NAME/model.safetensors), each one safetensors file: tensors, and a JSON header saying what wrote them, so
-nothing in a file can run code, and every tensor's dtype, shape and bytes are declared before any is read. Rank 0
-writes them atomically. Reading one is checking it like a command line: its args by the script's own rules, every
-tensor's name, shape and dtype against the Agent and optimizers this run built, before any of it loads; every misfit
-is one line that names the file and the fix."""
+(runs/NAME/model.safetensors), each one safetensors file: tensors (the Agent's state, each optimizer's per-parameter
+state, every rank's random streams) and a small JSON header saying what wrote them, so nothing in a file can run code,
+and every tensor's dtype, shape and bytes are declared before any is read. Rank 0 writes them atomically and never
+through a link. Reading one is checking it like a command line: the header within the bounds of what ddrl writes, its
+args by the script's own rules, every tensor's name, shape and dtype against the Agent and optimizers this run built,
+every number finite, before any of it loads; every misfit is one line that names the file and the fix, with any text
+the file holds shown escaped."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import random
 import re
 import stat
 import sys
-import time
-import types
-import typing
+import tempfile
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Literal
 
@@ -24,20 +23,31 @@ import numpy as np
 import torch
 import torch.nn as nn
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
+from safetensors.torch import load as load_bytes
+from safetensors.torch import save as save_bytes
 
-from ddrl import checks, failures, machine, run_folders, stopping
+from ddrl import checks, failures, flags, run_folders
 from ddrl.failures import fail, shown
 
 if TYPE_CHECKING:
-    from ddrl.launching import Run
+    from ddrl.run import Run
 
 FORMAT = "ddrl"  # the header's one metadata entry, a JSON object; its "format" is this too
-VERSION = 1
+VERSION = 2
 SUFFIX = ".safetensors"
-MAX_HEADER_BYTES = 100_000_000  # safetensors' own bound: a file claiming a longer header is refused, unread
+# safetensors' own header (the tensors' table and ours): ddrl's files hold a few hundred tensors, a few KB of table; a
+# network of ten thousand parameters' tensors would take about 3 MB. A file declaring more is refused, unread.
+MAX_HEADER_BYTES = 16 * 2**20
+MAX_METADATA_CHARS = 2**20  # ddrl's JSON in it: args and optimizer options, a few KB at most
+MAX_DEPTH = 8  # how deep ddrl's JSON nests: header, optimizers, one optimizer, its groups, a group, a tuple
+MAX_STEPS = 2**53  # env steps and iterations a run can reach (float64 counts them exactly up to here)
 IMPLEMENTATION_OPTIONS = {"foreach", "fused", "capturable", "differentiable"}  # how an optimizer runs, not what
-NUMPY_RANDOM_STATE = ("MT19937", 624)  # numpy's legacy generator: its name, the length of its key
+RANDOM_STREAMS = {  # the tensors of every rank's random streams: name, dtype, shape after the ranks
+    "rng.python": (torch.int64, (625,)),  # Python's Mersenne Twister: its 624 words and position
+    "rng.python_gauss": (torch.float64, ()),  # its cached gaussian, NaN where none
+    "rng.numpy": (torch.int64, (624,)),  # numpy's legacy generator: its key
+    "rng.numpy_state": (torch.float64, (3,)),  # its position, whether a gaussian is cached, that gaussian
+}
 
 
 # --- where checkpoints live ---------------------------------------------------------------------------------------
@@ -53,7 +63,7 @@ def find_latest_checkpoint(run_name: str) -> str | None:
     """The run's checkpoint of the highest iteration (an earlier version's iter_N.pt too, which reading refuses with
     the reason), or None."""
     folder = os.path.join("runs", run_name, "checkpoints")
-    names = os.listdir(folder) if os.path.isdir(folder) else []
+    names = os.listdir(folder) if os.path.isdir(folder) and not os.path.islink(folder) else []
     found = {int(match[1]): name for name in names if (match := re.fullmatch(r"iter_(\d+)\.(pt|safetensors)", name))}
     return os.path.join(folder, found[max(found)]) if found else None
 
@@ -66,16 +76,21 @@ def last_good_checkpoint(run_name: str) -> str:
 
 # --- writing --------------------------------------------------------------------------------------------------------
 def write(path: str, tensors: dict[str, torch.Tensor], header: dict) -> None:
-    """`tensors` and the JSON `header` as one safetensors file at `path`, atomically: a kill at any moment leaves the
-    old file, and a failed write (OSError, or safetensors' own error) leaves no part behind."""
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    """`tensors` and the JSON `header` as one safetensors file at `path`, atomically and never through a link: the
+    bytes go to a new file made exclusively beside it, which then takes `path`'s place (a link there is replaced, not
+    followed). A kill at any moment leaves the old file; a failed write leaves no part behind."""
+    folder = os.path.dirname(path) or "."
+    run_folders.real_folder(folder)
     on_host = {name: tensor.detach().cpu().contiguous() for name, tensor in tensors.items()}
+    data = save_bytes(on_host, metadata={FORMAT: json.dumps(header)})
+    descriptor, temporary = tempfile.mkstemp(dir=folder, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
     try:
-        save_file(on_host, path + ".tmp", metadata={FORMAT: json.dumps(header)})
-        os.replace(path + ".tmp", path)
+        with os.fdopen(descriptor, "wb") as file:
+            file.write(data)
+        os.replace(temporary, path)
     except BaseException:
-        with contextlib.suppress(OSError):
-            os.remove(path + ".tmp")
+        if os.path.lexists(temporary):
+            os.remove(temporary)
         raise
 
 
@@ -131,53 +146,55 @@ def json_safe(value):
 
 
 def save(run: Run, iteration: int, global_step: int, **states) -> None:
-    """Every rank's random streams to rank 0 (through the process group's store), which writes `states` (the Agent as
-    `model`, the optimizers by the names resume() loads them by) to the run's checkpoint of `iteration`; a write that
+    """Every rank's random streams to rank 0 (through the process group's store), which writes `states` (the Agent,
+    then the optimizers by the names resume() loads them by) to the run's checkpoint of `iteration`; a write that
     fails stops every rank in one line naming the last good checkpoint."""
     key = f"rng/{iteration}/{run.rank}"
-    streams = random_streams()
-    run.store.set(key, json.dumps(streams["json"]))
-    run.store.set(f"{key}/torch", streams["torch"].numpy().tobytes())
+    run.store.set(key, save_bytes(random_streams()))
     path = checkpoint_path(run.name, iteration)
     problem = ""
     if run.rank == 0:
-        tensors = {f"model.{name}": tensor for name, tensor in states["model"].state_dict().items()}
+        model_name, model = next(iter(states.items()))
+        tensors = {f"model.{name}": tensor for name, tensor in model.state_dict().items()}
         optimizers = {}
-        for name, optimizer in states.items():
-            if name != "model":
-                entries, optimizers[name] = optimizer_entries(name, optimizer)
-                tensors |= entries
-        rngs = []
+        for name, optimizer in list(states.items())[1:]:
+            entries, optimizers[name] = optimizer_entries(name, optimizer)
+            tensors |= entries
+        streams = []
         for rank in range(run.world_size):
-            rngs.append(json.loads(run.store.get(f"rng/{iteration}/{rank}")))
-            state = bytearray(run.store.get(f"rng/{iteration}/{rank}/torch"))
-            tensors[f"rng.{rank}.torch"] = torch.frombuffer(state, dtype=torch.uint8).clone()
+            streams.append(load_bytes(run.store.get(f"rng/{iteration}/{rank}")))
             run.store.delete_key(f"rng/{iteration}/{rank}")
-            run.store.delete_key(f"rng/{iteration}/{rank}/torch")
+        for name in streams[0]:
+            tensors[name] = torch.stack([rank_streams[name] for rank_streams in streams])
         progress = {"world_size": run.world_size, "iteration": iteration, "global_step": global_step}
-        header = header_of(run.args, "training", states["model"], **progress, restarts=run.restarts)
-        header |= {"optimizers": optimizers, "rng": rngs}
+        envs_seeded = run.first_env_index + run.world_size * run.args.local_num_envs
+        header = header_of(run.args, "training", model, **progress, restarts=run.restarts, envs_seeded=envs_seeded)
+        header["optimizers"] = optimizers
         try:
             write(path, tensors, header)
-            run.writer.flush()  # the curves on disk reach the checkpoint, whatever happens next
+            if run.writer is not None:
+                run.writer.flush()  # the curves on disk reach the checkpoint, whatever happens next
             failures.tell(f"checkpoint saved to {path}")
-        except (OSError, RuntimeError, SafetensorError) as error:  # a full disk, a folder made unwritable
+        except (OSError, RuntimeError, SafetensorError) as error:  # a full disk, a folder made unwritable, a link
             problem = f"could not write {path} ({str(error).splitlines()[0]})"
     stop_if_unwritten(run, path, problem, "free disk space or make the folder writable, then --resume")
 
 
-def random_streams() -> dict:
-    """This process's random streams: Python's and numpy's as JSON, torch's CPU generator as a tensor (CUDA's kept
-    with it where CUDA is in use)."""
-    version, python_state, gauss = random.getstate()
-    name, keys, position, has_gauss, cached = np.random.get_state()
-    found = {
-        "python": [version, list(python_state), gauss],
-        "numpy": [name, keys.tolist(), position, has_gauss, cached],
+def random_streams() -> dict[str, torch.Tensor]:
+    """This process's random streams as tensors: Python's, numpy's, torch's CPU generator (CUDA's with it where CUDA
+    is in use)."""
+    _, python_state, gauss = random.getstate()
+    _, keys, position, has_gauss, cached = np.random.get_state()
+    streams = {
+        "rng.python": torch.tensor(python_state, dtype=torch.int64),
+        "rng.python_gauss": torch.tensor(float("nan") if gauss is None else gauss, dtype=torch.float64),
+        "rng.numpy": torch.from_numpy(keys.astype(np.int64)),
+        "rng.numpy_state": torch.tensor([position, has_gauss, cached], dtype=torch.float64),
+        "rng.torch": torch.get_rng_state(),
     }
     if torch.cuda.is_initialized():
-        found["cuda"] = [state.tolist() for state in torch.cuda.get_rng_state_all()]
-    return {"json": found, "torch": torch.get_rng_state()}
+        streams["rng.cuda"] = torch.stack(torch.cuda.get_rng_state_all())
+    return streams
 
 
 def stop_if_unwritten(run: Run, path: str, problem: str, fix: str) -> None:
@@ -196,8 +213,8 @@ def stop_if_unwritten(run: Run, path: str, problem: str, fix: str) -> None:
 def read(path: str, fix: str) -> tuple[dict, dict[str, tuple[tuple[int, ...], str]]]:
     """The header of the checkpoint or model file at `path` and its tensors' (shape, dtype) by name, read without
     loading any tensor: only a regular file, whose first 8 bytes declare a header within MAX_HEADER_BYTES and within
-    the file, which safetensors then checks (every tensor's bytes inside the file, none overlapping). Anything else
-    is one line naming the file, what it is and `fix`."""
+    the file, which safetensors then checks (every tensor's bytes inside the file, none overlapping); ddrl's JSON in
+    it within MAX_METADATA_CHARS and MAX_DEPTH. Anything else is one line naming the file, what it is and `fix`."""
     if problem := file_problem(path):
         fail(f"{path} {problem}; {fix}")
     try:
@@ -207,23 +224,47 @@ def read(path: str, fix: str) -> tuple[dict, dict[str, tuple[tuple[int, ...], st
             for name in opened.keys():
                 declared = opened.get_slice(name)
                 tensors[name] = (tuple(declared.get_shape()), declared.get_dtype())
-    except (SafetensorError, OSError) as error:
-        fail(f"{path} is truncated or no safetensors file ({str(error).splitlines()[0]}); {fix}")
-    try:
-        header = json.loads(metadata[FORMAT])
-    except (KeyError, TypeError, ValueError):
+    except Exception as error:  # safetensors' checks, or the OS refusing to map it (a huge sparse file)
+        fail(f"{path} is truncated or no safetensors file ({type(error).__name__}: {first_line(error)}); {fix}")
+    text = metadata.get(FORMAT) if isinstance(metadata, dict) else None
+    if not isinstance(text, str):
         fail(f"{path} is a safetensors file without ddrl's header: it is no checkpoint of a ddrl script; {fix}")
+    if len(text) > MAX_METADATA_CHARS:
+        fail(
+            f"{path} holds a header of {len(text):,} characters, more than ddrl writes ({MAX_METADATA_CHARS:,}); {fix}"
+        )
+    try:
+        header = json.loads(text)
+    except (ValueError, RecursionError) as error:
+        fail(f"{path} holds a header that is no JSON ddrl writes ({type(error).__name__}); {fix}")
+    if depth(header) > MAX_DEPTH:
+        fail(f"{path} holds a header nested deeper than ddrl writes ({MAX_DEPTH} levels); {fix}")
     if not isinstance(header, dict) or header.get("format") != FORMAT or header.get("version") != VERSION:
         version = header.get("version") if isinstance(header, dict) else None
         fail(
-            f"{path} holds a header of ddrl's format version {shown(version)}, not {VERSION}: "
-            "use the ddrl that wrote it"
+            f"{path} holds a header of ddrl's format version {shown(version)}, not {VERSION}: use the ddrl that wrote it"
         )
     for key, kind in {"kind": str, "script": str, "algorithm": str, "env_id": str, "args": dict}.items():
         if not isinstance(header.get(key), kind):
             found = type(header[key]).__name__ if key in header else "nothing"
             fail(f"{path} holds {found} as its {key!r}, where ddrl writes a {kind.__name__}: it is damaged; {fix}")
     return header, tensors
+
+
+def depth(value) -> int:
+    """How deep JSON `value` nests (a number or string: 0), found without recursion."""
+    deepest = 0
+    pending = [(value, 1)]
+    while pending:
+        item, level = pending.pop()
+        if isinstance(item, dict | list):
+            deepest = max(deepest, level)
+            pending.extend((child, level + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return deepest
+
+
+def first_line(error: Exception) -> str:
+    return shown((str(error) or type(error).__name__).strip().splitlines()[0])[1:-1]
 
 
 def file_problem(path: str) -> str | None:
@@ -256,42 +297,12 @@ def file_problem(path: str) -> str | None:
         return f"is {size} bytes long, too short for a safetensors header: it is truncated or no checkpoint"
     if not fits:
         bound = (
-            f"more than the {MAX_HEADER_BYTES:,} bytes ddrl reads"
+            f"more than the {MAX_HEADER_BYTES:,} bytes ddrl writes"
             if declared > MAX_HEADER_BYTES
             else "more than it holds"
         )
         return f"declares a header of {declared:,} bytes, {bound}: it is truncated or no checkpoint; refused, unread"
     return None
-
-
-def saved_args(header: dict, args_type: type, path: str):
-    """A file's args as `args_type` (the script's Args): each entry of the type its field declares, or one error
-    (entries it lacks take their defaults; others are ignored). The caller checks their values as it checks flags."""
-    hints = typing.get_type_hints(args_type)
-    saved = {name: value for name, value in header["args"].items() if name in hints}
-    for name, value in saved.items():
-        if not fits_type(value, hints[name]):
-            fail(f"{path} holds {shown(value)} as its args' {name}, which is no {hints[name]}: it is damaged")
-        if typing.get_origin(hints[name]) is tuple:
-            saved[name] = tuple(value)
-    return args_type(**saved)
-
-
-def fits_type(value, hint) -> bool:
-    """Whether `value` is of the annotated type `hint` (int, float, bool, str, None, a Literal, union or tuple)."""
-    origin = typing.get_origin(hint)
-    options = typing.get_args(hint)
-    if origin is Literal:
-        return value in options
-    if origin in (types.UnionType, typing.Union):
-        return any(fits_type(value, option) for option in options)
-    if origin is tuple:
-        return isinstance(value, tuple | list) and all(fits_type(item, options[0]) for item in value)
-    if hint is float:
-        return isinstance(value, int | float) and not isinstance(value, bool)
-    if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    return value is None if hint is type(None) else isinstance(value, hint)
 
 
 def refuse_imported_env(path: str, header: dict, env_id: str) -> None:
@@ -301,32 +312,38 @@ def refuse_imported_env(path: str, header: dict, env_id: str) -> None:
     if ":" in saved_env_id and saved_env_id != env_id:
         fail(
             f"{path} names its env {shown(saved_env_id)}, whose module gymnasium would import, running its code: "
-            f"refused; if you trust that module, pass --env-id {saved_env_id} yourself"
+            f"refused; if you trust that module, pass --env-id {shown(saved_env_id)[1:-1]} yourself"
         )
 
 
-def read_model(path: str, args_type: type, args_problem, env_id: str) -> tuple[dict, object]:
+def saved_args(header: dict, args_type: type, path: str, fix: str):
+    """A file's args as `args_type` (the script's Args), read by the command line's rules, or one line."""
+    saved, problems = flags.saved_args(header["args"], args_type)
+    if problems:
+        fail(f"{path} holds args that no command line gives ({problems[0]}): it is damaged; {fix}")
+    return saved
+
+
+def read_model(path: str, args_type: type, env_id: str) -> tuple[dict, object]:
     """--eval-checkpoint's file (a model file, or a training checkpoint: both hold the Agent), checked like a
-    command line: the file, its env id, then its args by `args_problem` (the script's check of its flags). Returns its
-    header and its args as `args_type`."""
+    command line: the file, its env id, then its args by the script's rules. Returns its header and its args."""
+    fix = f"pass the model{SUFFIX} that --save-model wrote"
     if not os.path.lexists(path):
-        fail(f"--eval-checkpoint {shown(path)} does not exist; pass the model{SUFFIX} that --save-model wrote")
-    header, _ = read(path, f"pass the model{SUFFIX} that --save-model wrote")
+        fail(f"--eval-checkpoint {shown(path)} does not exist; {fix}")
+    header, _ = read(path, fix)
     refuse_imported_env(path, header, env_id)
     if env_id not in (args_type().env_id, header["env_id"]):  # --env-id given, and another than the file's
         fail(
             f"--env-id {shown(env_id)} is not the env of {path} ({shown(header['env_id'])}), which it plays: "
             "drop --env-id"
         )
-    saved = saved_args(header, args_type, path)
-    if problem := args_problem(saved):
-        fail(f"{path} holds args that no command line gives ({problem}): it is damaged")
-    return header, saved
+    return header, saved_args(header, args_type, path, fix)
 
 
 def writer_of(header: dict) -> str:
-    """`SCRIPT (ALGORITHM)`: who wrote a file, as the messages name it."""
-    return f"{header['script']} ({header['algorithm'].rstrip('.')})" if header["algorithm"] else header["script"]
+    """`SCRIPT (ALGORITHM)`: who wrote a file, as the messages name it (the file's text shown escaped)."""
+    script = shown(header["script"])
+    return f"{script} ({shown(header['algorithm'].rstrip('.'))})" if header["algorithm"] else script
 
 
 # --- loading: every tensor compared with what this run built, then loaded --------------------------------------------
@@ -342,21 +359,25 @@ def load_weights(model: nn.Module, path: str, header: dict) -> None:
             f"({faults}): undo the Agent's edit, or use the script that wrote it"
         )
     weights = load_tensors(path, list(wanted))
-    if nonfinite := [
-        name for name, value in weights.items() if value.is_floating_point() and not value.isfinite().all()
-    ]:
-        fail(f"{path}: its weights {', '.join(nonfinite[:3])} are not finite; use a checkpoint from before")
+    refuse_nonfinite(path, weights, "use a checkpoint from before")
     try:
         model.load_state_dict({name.removeprefix("model."): value for name, value in weights.items()})
     except (RuntimeError, ValueError) as error:  # a module's own check of what it loads
-        fail(f"{path}: {str(error).splitlines()[0]}; use a checkpoint from before")
+        fail(f"{path}: {first_line(error)}; use a checkpoint from before")
     if header["script"] != failures.script and failures.this_rank() == 0:
         failures.tell(f"{path} was written by {writer_of(header)}; its weights fit this {failures.script}")
 
 
+def refuse_nonfinite(path: str, tensors: dict[str, torch.Tensor], fix: str) -> None:
+    """Stop in one line naming the file and its first tensors that hold NaN or infinity."""
+    nonfinite = [name for name, value in tensors.items() if value.is_floating_point() and not value.isfinite().all()]
+    if nonfinite:
+        fail(f"{path}: its {', '.join(shown(name) for name in nonfinite[:3])} hold(s) NaN or infinity; {fix}")
+
+
 def misfits(found: dict[str, tuple], wanted: dict[str, tuple], prefix: str) -> str:
     """The first few differences between the file's tensors named `prefix`... and the ones `wanted` (name: (shape,
-    torch dtype)), as a message lists them; '' if none."""
+    torch dtype)), as a message lists them, the file's names escaped; '' if none."""
     faults = []
     for name, (shape, dtype) in wanted.items():
         if name not in found:
@@ -364,9 +385,11 @@ def misfits(found: dict[str, tuple], wanted: dict[str, tuple], prefix: str) -> s
         elif found[name][0] != shape:
             faults.append(f"{name.removeprefix(prefix)} {found[name][0]}, not {shape}")
         elif found[name][1] != safetensors_dtype(dtype):
-            faults.append(f"{name.removeprefix(prefix)} {found[name][1]}, not {safetensors_dtype(dtype)}")
+            faults.append(f"{name.removeprefix(prefix)} {shown(found[name][1])}, not {safetensors_dtype(dtype)}")
     faults += [
-        f"{name.removeprefix(prefix)} unknown" for name in found if name.startswith(prefix) and name not in wanted
+        f"{shown(name.removeprefix(prefix))} unknown"
+        for name in found
+        if name.startswith(prefix) and name not in wanted
     ]
     return ", ".join(faults[:3]) + (", ..." if len(faults) > 3 else "")
 
@@ -380,8 +403,11 @@ def safetensors_dtype(dtype: torch.dtype) -> str:
 
 def load_tensors(path: str, names: list[str]) -> dict[str, torch.Tensor]:
     """The named tensors of the file at `path` (checked before: they exist, with the shapes and dtypes wanted)."""
-    with safe_open(path, framework="pt") as opened:
-        return {name: opened.get_tensor(name) for name in names}
+    try:
+        with safe_open(path, framework="pt") as opened:
+            return {name: opened.get_tensor(name) for name in names}
+    except Exception as error:  # the file changed since it was checked, or the OS refused to map it
+        fail(f"{path} could not be read ({type(error).__name__}: {first_line(error)}); use a checkpoint from before")
 
 
 def expected_optimizer_state(optimizer: torch.optim.Optimizer, name: str) -> dict[str, tuple]:
@@ -404,52 +430,38 @@ def expected_optimizer_state(optimizer: torch.optim.Optimizer, name: str) -> dic
     }
 
 
-def resume(run: Run, **states) -> tuple[int, int]:
-    """The last step before training: load the checkpoint start_run found into `states` (the Agent as `model`, the
-    optimizers by name; this rank's random streams too), each compared with what this run built before any of it
-    loads; then make and lock the run folder, open rank 0's TensorBoard, and from here on let SIGTERM and Ctrl-C ask
-    every rank to stop after the iteration (run.stop_requested). Returns the iteration and env step reached."""
-    header = run.checkpoint
-    if header:
-        load_training_state(header["path"], header, run.rank, states)
-    run_folders.create_run_folder(run, resumed=header is not None or checks.restart_count() > 0)
-    if run.rank == 0:
-        if header:
-            failures.tell(f"resuming from {header['path']}")
-        resumed_step = header["global_step"] if header else None
-        run.writer, run.wandb_run = run_folders.open_tensorboard(run.args, run.name, resumed_step)
-    stopping.arm(run)
-    run.start_step = header["global_step"] if header else 0
-    run.train_start = time.time()
-    run.load_since = machine.load_sample()
-    return run.resumed_iteration, run.start_step
-
-
 def load_training_state(path: str, header: dict, rank: int, states: dict) -> None:
     """The training checkpoint's optimizer states, per-parameter only (the options stay the command line's, and
     those that differ from the checkpoint's are named in one line), then the weights, then this rank's random
-    streams; each compared with what this run built before anything loads."""
-    found = read(path, "delete it to resume from the one before")[1]
+    streams; each compared with what this run built, and found finite, before anything loads."""
+    fix = "delete it to resume from the one before"
+    found = read(path, fix)[1]
     optimizers = header.get("optimizers")
     if not isinstance(optimizers, dict):
-        fail(f"{path} holds no optimizer states: it is damaged; delete it to resume from the one before")
+        fail(f"{path} holds no optimizer states: it is damaged; {fix}")
+    model = next(iter(states.values()))
+    wanted_weights = {f"model.{name}": (tuple(t.shape), t.dtype) for name, t in model.state_dict().items()}
+    if faults := misfits(found, wanted_weights, "model."):
+        fail(
+            f"{path}, written by {writer_of(header)}: its weights do not fit this {type(model).__name__} "
+            f"({faults}): undo the Agent's edit, or resume with the script that wrote it"
+        )
     loads = {}
-    for name, optimizer in states.items():
-        if name == "model":
-            continue
+    for name, optimizer in list(states.items())[1:]:
         wanted = expected_optimizer_state(optimizer, name)
         saved = optimizers.get(name)
         saved_type = saved.get("type") if isinstance(saved, dict) else None
         if saved_type is None or (faults := misfits(found, wanted, f"{name}.state.")):
-            fault = "no state of it" if saved_type is None else f"{saved_type}'s state ({faults})"
+            fault = "no state of it" if saved_type is None else f"{shown(saved_type)}'s state ({faults})"
             fail(
                 f"{path}, written by {writer_of(header)}: its {name!r} holds {fault}, which does not fit this run's "
                 f"{type(optimizer).__name__}: resume with the optimizer that wrote it, or start a new run"
             )
-        loads[name] = (optimizer, wanted, saved)
-    load_weights(states["model"], path, header)
-    for name, (optimizer, wanted, saved) in loads.items():
         tensors = load_tensors(path, list(wanted))
+        refuse_nonfinite(path, tensors, fix)
+        loads[name] = (optimizer, tensors, saved)
+    load_weights(model, path, header)
+    for name, (optimizer, tensors, saved) in loads.items():
         per_parameter = {}
         for key, value in tensors.items():
             index, entry = key.removeprefix(f"{name}.state.").split(".", 1)
@@ -457,7 +469,7 @@ def load_training_state(path: str, header: dict, rank: int, states: dict) -> Non
         current = optimizer.state_dict()
         optimizer.load_state_dict({"state": per_parameter, "param_groups": current["param_groups"]})
         say_changed_options(path, name, optimizer, saved)
-    load_random_streams(path, header, rank)
+    load_random_streams(path, header, found, rank)
 
 
 def say_changed_options(path: str, name: str, optimizer: torch.optim.Optimizer, saved: dict) -> None:
@@ -467,42 +479,80 @@ def say_changed_options(path: str, name: str, optimizer: torch.optim.Optimizer, 
         return
     changes = []
     for before, group in zip(groups, optimizer.param_groups, strict=True):
+        if not isinstance(before, dict):
+            return
         now = json_safe({key: value for key, value in group.items() if key != "params"})
         keys = sorted((now.keys() | before.keys()) - IMPLEMENTATION_OPTIONS - {"lr"})  # lr: main's schedule sets it
-        changes += [f"{key} {before.get(key)} -> {now.get(key)}" for key in keys if now.get(key) != before.get(key)]
+        changes += [
+            f"{shown(key)[1:-1]} {shown(before.get(key))} -> {now.get(key)}"
+            for key in keys
+            if now.get(key) != before.get(key)
+        ]
     if changes or saved.get("type") != type(optimizer).__name__:
-        names = f"{saved.get('type')} -> {type(optimizer).__name__}"
+        names = f"{shown(saved.get('type'))} -> {type(optimizer).__name__}"
         failures.tell(
             f"{path}: its {name!r} state loads into this run's {names}, with the command line's {', '.join(changes)}"
         )
 
 
-def load_random_streams(path: str, header: dict, rank: int) -> None:
-    """This rank's random streams where the checkpoint left them, or one line saying what does not fit."""
-    try:
-        streams = header["rng"][rank]
-        version, python_state, gauss = streams["python"]
-        random.setstate((version, tuple(python_state), gauss))
-        name, keys, position, has_gauss, cached = streams["numpy"]
-        if (name, len(keys)) != NUMPY_RANDOM_STATE:
-            raise ValueError(f"numpy's generator {shown(name)} with a key of {len(keys)}")
-        np.random.set_state((name, np.array(keys, dtype=np.uint32), position, has_gauss, cached))
-        torch.set_rng_state(load_tensors(path, [f"rng.{rank}.torch"])[f"rng.{rank}.torch"])
-        if "cuda" in streams and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all([torch.tensor(state, dtype=torch.uint8) for state in streams["cuda"]])
-    except (LookupError, TypeError, ValueError, OverflowError, RuntimeError, SafetensorError) as error:
-        reason = (str(error) or type(error).__name__).splitlines()[0]
+def load_random_streams(path: str, header: dict, found: dict, rank: int) -> None:
+    """This rank's random streams where the checkpoint left them; a rank the checkpoint's world did not have keeps the
+    streams the rank-offset rule seeded. What does not fit is one line."""
+    world_size = header["world_size"]
+    wanted = {name: ((world_size, *shape), dtype) for name, (dtype, shape) in RANDOM_STREAMS.items()}
+    faults = misfits({name: found[name] for name in wanted if name in found}, wanted, "")
+    torch_shape, torch_dtype = found.get("rng.torch", ((), ""))
+    if not faults and (torch_shape[:1] != (world_size,) or torch_dtype != "U8"):
+        faults = f"rng.torch {torch_shape} {shown(torch_dtype)}, not ({world_size}, ...) U8"
+    if faults:
         fail(
-            f"{path}: its random streams of rank {rank} do not fit this run ({reason}); "
+            f"{path}: its random streams do not fit its {world_size} ranks ({faults}); delete it to resume from the one before"
+        )
+    if rank >= world_size:
+        return
+    streams = {name: tensor[rank] for name, tensor in load_tensors(path, [*RANDOM_STREAMS, "rng.torch"]).items()}
+    try:
+        python_state = tuple(int(word) for word in streams["rng.python"])
+        gauss = float(streams["rng.python_gauss"])
+        random.setstate((3, python_state, None if np.isnan(gauss) else gauss))
+        position, has_gauss, cached = streams["rng.numpy_state"].tolist()
+        keys = streams["rng.numpy"].numpy()
+        if keys.min() < 0 or keys.max() >= 2**32:
+            raise ValueError("numpy's key holds numbers outside [0, 2**32)")
+        np.random.set_state(("MT19937", keys.astype(np.uint32), int(position), int(has_gauss), cached))
+        torch.set_rng_state(streams["rng.torch"])
+        if "rng.cuda" in found and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(list(load_tensors(path, ["rng.cuda"])["rng.cuda"][rank]))
+    except (LookupError, TypeError, ValueError, OverflowError, RuntimeError) as error:
+        fail(
+            f"{path}: its random streams of rank {rank} do not fit this run ({first_line(error)}); "
             "delete it to resume from the one before"
         )
 
 
+def world_change(header: dict, world_size: int) -> str:
+    """What the resume line adds where the checkpoint's world had another size: what goes on, and what is new."""
+    written = header["world_size"]
+    if written == world_size:
+        return ""
+    new = f"; ranks {span(written, world_size)} are seeded by the rank-offset rule" if world_size > written else ""
+    gone = f"; the random streams of its ranks {span(world_size, written)} end here" if written > world_size else ""
+    return (
+        f", written by {written} ranks and continued by {world_size}: the batch table's world sizes are this run's, "
+        f"the env steps and learning-rate schedule go on from its step count, every env starts a fresh episode{new}{gone}"
+    )
+
+
+def span(first: int, end: int) -> str:
+    """Ranks first to end - 1, as a message names them."""
+    return str(first) if end - first == 1 else f"{first}-{end - 1}"
+
+
 # --- finding the run to resume -------------------------------------------------------------------------------------
-def find_run_to_resume(args, world_size: int, steps_per_iteration: int, args_problem) -> tuple[str, dict | None]:
+def find_run_to_resume(args, total_steps: int) -> tuple[str, dict | None]:
     """The run folder restarted ranks must find again ('' if none) and the header of its checkpoint to resume (its
-    path under "path"), checked up front: the file, its env, its world, its args by `args_problem` (the script's check
-    of flags), its progress. A restart count (torchrun's) resumes a run of this launch, never a finished one."""
+    path under "path"), checked up front: the file, its env, its args by the script's rules, its progress. A restart
+    count (torchrun's) resumes a run of this launch, never a finished one."""
     name = args.run_name
     # torchrun's id of this launch, `none` under static rendezvous: a restart finds the run folder again by it
     run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
@@ -520,8 +570,12 @@ def find_run_to_resume(args, world_size: int, steps_per_iteration: int, args_pro
             )
     restart_count = checks.restart_count()
     restarted = restart_count > 0
+    folder = os.path.join("runs", name)
+    exists = bool(name) and os.path.lexists(folder)
+    if exists and (args.resume or restarted):
+        run_folders.refuse_link(folder)
+        run_folders.refuse_link(os.path.join(folder, "checkpoints"))
     path = find_latest_checkpoint(name) if name else None
-    exists = bool(name) and os.path.lexists(os.path.join("runs", name))
     if args.resume and path is None and not restarted:
         fail(f"--resume found no checkpoint in runs/{name}/checkpoints; check --run-name, or drop --resume")
     if exists and not (args.resume or restarted):
@@ -538,28 +592,26 @@ def find_run_to_resume(args, world_size: int, steps_per_iteration: int, args_pro
     if path is None:
         return name, None
     fix = "delete it to resume from the one before"
+    run_folders.refuse_link(path)
     header, _ = read(path, fix)
     if header["kind"] != "training":
-        fail(f"{path} is a {header['kind']} file, not a training checkpoint: it is damaged; {fix}")
-    for key in ("iteration", "global_step", "world_size", "restarts"):
-        if not isinstance(header.get(key), int) or isinstance(header.get(key), bool):
-            found = type(header[key]).__name__ if key in header else "nothing"
-            fail(f"{path} holds {found} as its {key!r}, where ddrl writes an int: it is damaged; {fix}")
-    if not isinstance(header.get("rng"), list):
-        fail(f"{path} holds no random streams: it is damaged; {fix}")
+        fail(f"{path} is a {shown(header['kind'])} file, not a training checkpoint: it is damaged; {fix}")
+    bounds = {"iteration": MAX_STEPS, "global_step": MAX_STEPS, "world_size": 2**20, "restarts": 10**6}
+    bounds["envs_seeded"] = MAX_STEPS
+    for key, bound in bounds.items():
+        value = header.get(key)
+        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= bound:
+            found = shown(value) if key in header else "nothing"
+            fail(f"{path} holds {found} as its {key!r}, where ddrl writes an int in [0, {bound}]: it is damaged; {fix}")
     refuse_imported_env(path, header, args.env_id)
     if header["env_id"] != args.env_id:
         fail(f"{path} trains {shown(header['env_id'])}, not --env-id {args.env_id}; pass that --env-id")
-    if header["world_size"] != world_size:
-        fail(f"{path} was written by {header['world_size']} ranks, not {world_size}; resume with as many")
-    if problem := args_problem(saved_args(header, type(args), path)):
-        fail(f"{path} holds args that no command line gives ({problem}): it is damaged; {fix}")
+    saved_args(header, type(args), path, fix)
     iteration = header["iteration"]
     global_step = header["global_step"]
-    restarts = header["restarts"]
-    if not (1 <= iteration <= global_step <= iteration * steps_per_iteration and restarts >= 0):
+    if not (1 <= iteration <= global_step and header["world_size"] >= 1):
         fail(
-            f"{path} says {global_step} env steps in {iteration} iterations after {restarts} restarts, which no run of "
-            f"{steps_per_iteration} steps per iteration reaches: it is damaged, or was trained with other sizes; {fix}"
+            f"{path} says {global_step} env steps in {iteration} iterations by {header['world_size']} ranks, which no "
+            f"run reaches: it is damaged; {fix}"
         )
     return name, {**header, "path": path}

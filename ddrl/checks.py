@@ -1,6 +1,6 @@
-"""The checks every script shares: the flags of the runtime (a checkpoint's args pass the same rules), what a run
-needs of this machine, the rollout's numbers against the Agent's, the ranks' weights against each other, and video
-support, each ending in one line that names the fix."""
+"""The checks every script shares: what a run needs of this machine, the launchers' variables, the rollout's numbers
+against the Agent's, the ranks' training state against each other, and video support, each ending in one line that
+names the fix."""
 
 import hashlib
 import importlib.util
@@ -13,67 +13,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ddrl import collectives, run_folders
+from ddrl import collectives, flags
 from ddrl.failures import fail, shown
-
-DIST_TIMEOUTS = (5, 10**7)  # seconds: ranks that start seconds apart must meet; torch's timeout overflows far beyond
-TRAINING_ONLY = ("resume", "run_name", "checkpoint_every", "save_model", "track")  # what --eval-checkpoint never does
-BACKENDS = {"gloo": dist.is_gloo_available, "nccl": dist.is_nccl_available, "mpi": dist.is_mpi_available}
-BACKENDS |= {"ucc": dist.is_ucc_available}  # torch.distributed's backends, and whether this build has each
-
-
-def runtime_args_problem(args) -> str | None:
-    """The first flag every script shares whose value cannot run, as the message naming the fix; None if all can. A
-    checkpoint's args pass the same rules, so none of them depends on this machine (machine_problem does)."""
-    for flag in ("nprocs", "eval_episodes"):
-        if getattr(args, flag) < 1:
-            return f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}"
-    if not 0 <= args.seed < 2**31:
-        return f"--seed must lie in [0, 2**31), got {args.seed}: rank r is seeded with seed + 10000 x r, env g alike"
-    if args.torch_threads < 0:
-        return f"--torch-threads must be >= 0 (0 = automatic), got {args.torch_threads}"
-    low, high = DIST_TIMEOUTS
-    if not low <= args.dist_timeout <= high:
-        return (
-            f"--dist-timeout must be a number of seconds in [{low}, {high:g}], got {args.dist_timeout}: ranks that "
-            "start seconds apart must meet within it"
-        )
-    if args.checkpoint_every < 0 or args.check_sync_every < 0:
-        return "--checkpoint-every and --check-sync-every must be >= 0 (0 = off)"
-    if problem := backend_problem(args.backend):
-        return problem
-    for flag, name in (("--run-name", args.run_name), ("--exp-name", args.exp_name)):
-        if name and not run_folders.is_one_folder(name):
-            return (
-                f"{flag} {shown(name)} is not one folder name below runs/: use printable characters without '/' "
-                "or '\\', not '.' or '..', at most 200 bytes"
-            )
-    if args.eval_checkpoint is not None:
-        if not args.eval_checkpoint:
-            return "--eval-checkpoint '' names no file: pass the path of a model file, or drop the flag"
-        given = [f"--{name.replace('_', '-')}" for name in TRAINING_ONLY if getattr(args, name)]
-        given += ["--nprocs"] if args.nprocs > 1 else []
-        if given:
-            return (
-                f"--eval-checkpoint evaluates a model on one process, where {', '.join(given)} belong(s) to training: "
-                "drop them, or drop --eval-checkpoint to train"
-            )
-    return None
-
-
-def backend_problem(backend: str) -> str | None:
-    """What makes --backend no torch.distributed backend, or no DEVICE:BACKEND pairs of them (cpu, cuda)."""
-    pairs = [pair.split(":") for pair in backend.split(",")] if backend else []
-    names = [pair[-1] for pair in pairs]
-    devices = [pair[0] for pair in pairs if len(pair) == 2]
-    if any(len(pair) > 2 or name not in BACKENDS for pair, name in zip(pairs, names, strict=True)) or any(
-        device not in ("cpu", "cuda") for device in devices
-    ):
-        return (
-            f"--backend {shown(backend)} is not a torch.distributed backend: pass one of {', '.join(BACKENDS)}, or "
-            "DEVICE:BACKEND pairs such as cpu:gloo,cuda:nccl (left out: gloo, with NCCL for CUDA tensors)"
-        )
-    return None
 
 
 def environment_int(name: str, low: int, high: int, because: str = "", text: str | None = None, unset: str = "") -> int:
@@ -117,7 +58,7 @@ def machine_problem(args) -> str | None:
         return f"--compile on CPU needs a C++ compiler and {compiler!r} is not on PATH: install g++ or drop --compile"
     if args.track and importlib.util.find_spec("wandb") is None:
         return "--track needs Weights and Biases, which is not installed: pip install wandb, or drop --track"
-    missing = [name for name in re.split("[,:]", args.backend) if name in BACKENDS and not BACKENDS[name]()]
+    missing = [name for name in re.split("[,:]", args.backend) if name in flags.BACKENDS and not flags.BACKENDS[name]()]
     if missing:
         return f"--backend {args.backend} needs {', '.join(missing)}, which this build of torch lacks: pass gloo"
     return None
@@ -156,19 +97,26 @@ def digest(data: bytes) -> int:
     return int.from_bytes(hashlib.sha256(data).digest()[:8], "little") >> 1
 
 
-def check_weights_in_sync(module: nn.Module, iteration: int, unit: str = "iteration") -> None:
-    """Stop every rank if the weights differ between ranks (a checksum of their bytes, one gather)."""
-    flat = torch.cat([p.detach().reshape(-1) for p in module.parameters()]).cpu()
+def check_in_sync(iteration: int, unit: str, module: nn.Module, *optimizers: torch.optim.Optimizer, args=None) -> None:
+    """Stop every rank unless all hold the same training state: the module's parameters and buffers, each optimizer's
+    options (its learning rate, say), and the numbers among `args` (a coefficient an edit changes as it trains): a
+    checksum of their bytes, one gather."""
+    tensors = [t.detach().reshape(-1).double().cpu() for t in (*module.parameters(), *module.buffers())]
+    numbers = [value for optimizer in optimizers for group in optimizer.param_groups for value in group.values()]
+    numbers += list(vars(args).values()) if args is not None else []
+    numbers = [float(value) for value in numbers if isinstance(value, int | float) and not isinstance(value, bool)]
+    flat = torch.cat([*tensors, torch.tensor(numbers, dtype=torch.float64)])
     checksums = collectives.gather_ints_to_all([digest(flat.numpy().tobytes())], next(module.parameters()).device)
     checksums = checksums[:, 0]
     rank = dist.get_rank() if dist.is_initialized() else 0
     if differ := (checksums != checksums[rank]).nonzero().flatten().tolist():
         fail(
-            f"the weights of ranks {differ} differ from this rank's at {unit} {iteration}: the ranks no longer train "
-            "one model. Likely causes: an edit of the update that skips or changes the gradients' allreduce for some "
-            "parameters (a parameter left out of the flattened gradients, a gradient changed after the sync), a random "
-            "draw in the update that differs by rank, or a faulty node. Undo that edit, then resume from the last "
-            "checkpoint with --resume"
+            f"the training state of ranks {differ} differs from this rank's at {unit} {iteration} (weights, "
+            "statistics, the optimizer's options or a number in args): the ranks no longer train one model. Likely "
+            "causes: an edit of the update that skips or changes the gradients' allreduce for some parameters, a "
+            "number computed from this rank's data alone (a KL coefficient from the local KL), a random draw in the "
+            "update that differs by rank, or a faulty node. Undo that edit (python -m ddrl.verify checks a copy), "
+            "then resume from the last checkpoint with --resume"
         )
 
 

@@ -23,6 +23,11 @@ def group_size(group: Group = None) -> int:
     return dist.get_world_size(group) if dist.is_initialized() else 1
 
 
+def rank_in(group: Group = None) -> int:
+    """This rank's place in `group` (the world by default); 0 without a process group."""
+    return dist.get_rank(group) if dist.is_initialized() else 0
+
+
 def allreduce_mean(tensor: torch.Tensor, group: Group = None) -> torch.Tensor:
     """Average `tensor` over the ranks of `group`, in place, in one allreduce (through MPI under mpirun)."""
     if group_size(group) > 1:
@@ -49,6 +54,25 @@ def sum_over_ranks(device: torch.device, **values: float) -> dict[str, float]:
     if group_size() > 1:
         reduce_to_all(tensor)
     return dict(zip(values, tensor.tolist(), strict=True))
+
+
+def moments_over_ranks(x: torch.Tensor | list[torch.Tensor], group: Group = None) -> tuple[torch.Tensor, ...]:
+    """Count, mean and M2 (the sum of squared deviations) of `x` along its last dim (or of each tensor of a list) over
+    every rank's elements as if concatenated, in one gather: a mean and a std of the world's data."""
+    if isinstance(x, list):
+        moments = [(p.new_tensor(len(p)), p.mean(), ((p - p.mean()) ** 2).sum()) for p in x]
+        local = torch.stack([torch.stack(column) for column in zip(*moments, strict=True)])
+    else:
+        local_mean = x.mean(-1)
+        local_m2 = ((x - local_mean.unsqueeze(-1)) ** 2).sum(-1)
+        local = torch.stack([torch.full_like(local_mean, x.shape[-1]), local_mean, local_m2])
+    if group_size(group) == 1:
+        return local[0], local[1], local[2]
+    count_i, mean_i, m2_i = gather_to_all(local, group).transpose(0, 1)  # each [ranks, rows...]
+    count = count_i.sum(0)
+    mean = (count_i * mean_i).sum(0) / count
+    m2 = (m2_i + count_i * (mean_i - mean) ** 2).sum(0)
+    return count, mean, m2
 
 
 def through_mpi(tensor: torch.Tensor, group: Group = None) -> bool:

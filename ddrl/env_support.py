@@ -5,10 +5,12 @@ evaluation and videos, which AtariVectorEnv cannot record)."""
 import contextlib
 import os
 import sys
+from collections.abc import Callable
 
 import gymnasium as gym
 import numpy as np
 
+from ddrl import failures
 from ddrl.failures import fail, shown
 
 
@@ -31,6 +33,33 @@ def silence_settotalmass_warning() -> None:
             print(f"WARNING: {message}\n", file=sys.stderr, flush=True)
 
     mujoco.set_mju_user_warning(warn)
+
+
+def check_env(make_env: Callable[[], gym.Env], given: str, observations: type = gym.Space, actions: type = gym.Space):
+    """Build one env with the script's `make_env` thunk (its wrappers may change the spaces), refuse one that cannot be
+    made or whose spaces the script cannot train, in one line naming `given` (where the id comes from) and the fix;
+    else its (observation space, action space)."""
+    try:
+        env = make_env()
+    except Exception as error:  # an unknown id or module, or MUJOCO_GL naming a missing renderer
+        gl = os.environ.get("MUJOCO_GL")
+        renderer = f"; or MUJOCO_GL={gl} names a renderer this machine lacks (unset it, or install it)" if gl else ""
+        fail(f"unknown or unusable {given} ({type(error).__name__}: {first_line(error)}){renderer}")
+    env.close()
+    for kind, space, wanted in (
+        ("observations", env.observation_space, observations),
+        ("actions", env.action_space, actions),
+    ):
+        if not isinstance(space, wanted):
+            names = " or ".join(
+                getattr(wanted, "__args__", None) and [t.__name__ for t in wanted.__args__] or [wanted.__name__]
+            )
+            fail(f"{given} has {type(space).__name__} {kind}; {failures.script} needs {names} {kind}")
+    return env.observation_space, env.action_space
+
+
+def first_line(error: Exception) -> str:
+    return shown((str(error) or type(error).__name__).strip().splitlines()[0])[1:-1]
 
 
 def register_atari() -> None:
@@ -113,11 +142,16 @@ class TrainingProtocol(gym.Wrapper):
         return self._push(frame), reward, terminated, truncated, info
 
 
-def atari_eval_env(env_id: str, video_folder: str | None = None) -> gym.Env:
-    """One gymnasium ALE env of `env_id` with the Atari script's preprocessing and protocol (evaluation, video)."""
-    register_atari()
-    render_mode = "rgb_array" if video_folder else None
-    env = gym.make(env_id, obs_type="grayscale", frameskip=1, render_mode=render_mode)
-    if video_folder:
-        env = gym.wrappers.RecordVideo(env, video_folder, episode_trigger=lambda episode: True)
-    return TrainingProtocol(env)
+def atari_eval_env(args, video_folder: str | None = None) -> Callable[[], gym.Env]:
+    """A thunk building one gymnasium ALE env of `args.env_id` with the Atari script's preprocessing and protocol
+    (evaluation, video)."""
+
+    def thunk() -> gym.Env:
+        register_atari()
+        render_mode = "rgb_array" if video_folder else None
+        env = gym.make(args.env_id, obs_type="grayscale", frameskip=1, render_mode=render_mode)
+        if video_folder:
+            env = gym.wrappers.RecordVideo(env, video_folder, episode_trigger=lambda episode: True)
+        return TrainingProtocol(env)
+
+    return thunk

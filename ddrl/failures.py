@@ -32,14 +32,25 @@ def fail(message: str, every_rank: bool = False, any_rank: bool = False) -> NoRe
     raise SystemExit(2)
 
 
+def fail_all(messages: list[str]) -> NoReturn:
+    """Stop as fail() does, with one line per message (every flag that breaks its rule, say)."""
+    for message in messages[:-1]:
+        if this_rank() == 0:
+            say(f"{script}: error: {message}")
+    fail(messages[-1])
+
+
 def warn(message: str) -> None:
     """One warning line on stderr, `SCRIPT: warning: MESSAGE`."""
     say(f"{script}: warning: {message}")
 
 
 def say(line: str) -> None:
-    """`line` on stderr, its long words cut (a 1 MiB --env-id echoed back); a reader that went away prints nothing."""
+    """`line` on stderr as one line: its long words cut (a 1 MiB --env-id echoed back), any character a terminal would
+    obey rather than show (a newline, an escape sequence, a right-to-left mark) escaped; a reader that went away
+    prints nothing."""
     line = re.sub(rf"\S{{{MAX_VALUE_CHARS + 1},}}", lambda word: cut(word[0]), line)
+    line = "".join(char if char.isprintable() else repr(char)[1:-1] for char in line)
     quietly(lambda: print(line, file=sys.stderr, flush=True))
 
 

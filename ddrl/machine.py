@@ -5,6 +5,7 @@ import os
 import time
 
 import numpy as np
+import torch
 
 
 def load_sample() -> np.ndarray:
@@ -53,3 +54,24 @@ def size(count: int) -> str:
         if count >= scale:
             return f"{count / scale:.3g} {unit}"
     return f"{count} B"
+
+
+def activation_bytes(agent_class: type, envs) -> int:
+    """Bytes one sample's activations take in an update step through Agent.get_action_and_value: what its layers
+    output for one observation of `envs`, kept for the backward pass, and as much again for their gradients. Found by
+    building the Agent and running it on no device (nothing allocated), so an edited network is counted as it is."""
+    outputs = []
+
+    def count(module, inputs, output) -> None:
+        found = output if isinstance(output, tuple | list) else [output]
+        outputs.extend(t.numel() * t.element_size() for t in found if isinstance(t, torch.Tensor))
+
+    space = envs.single_observation_space
+    with torch.device("meta"):
+        agent = agent_class(envs)
+        hooks = [module.register_forward_hook(count) for module in agent.modules() if not list(module.children())]
+        with torch.no_grad():
+            agent.get_action_and_value(torch.zeros((1, *space.shape), dtype=torch.as_tensor(space.sample()).dtype))
+    for hook in hooks:
+        hook.remove()
+    return 2 * sum(outputs)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from ddrl.launching import Run
+    from ddrl.run import Run
 
 
 def rollout_preempted(run: Run, iteration: int, step: int) -> bool:

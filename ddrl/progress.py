@@ -11,17 +11,18 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, NoReturn
 
+import gymnasium as gym
 import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from safetensors import SafetensorError
 
-from ddrl import checkpoints, failures, machine, run_folders, stopping
+from ddrl import checkpoints, collectives, evaluation, failures, machine, run_folders, stopping
 from ddrl.failures import NonFiniteError, fail
 
 if TYPE_CHECKING:
-    from ddrl.launching import Run
+    from ddrl.run import Run
 
 
 def log_iteration(
@@ -51,6 +52,12 @@ def log_iteration(
         stopping.request(run, "a closed output")  # `| head`: the run ends quietly, with a checkpoint
 
 
+def explained_variance(returns: torch.Tensor, values: torch.Tensor) -> float:
+    """1 - Var(returns - values) / Var(returns) over the world's batch (float64, one gather; constant returns: NaN)."""
+    _, _, m2 = collectives.moments_over_ranks(torch.stack([returns - values.reshape(returns.shape), returns]).double())
+    return float("nan") if m2[1] == 0 else (1 - m2[0] / m2[1]).item()
+
+
 def warn_if_oversubscribed(since: np.ndarray, torch_threads: int, idle_cores: int) -> bool:
     """Warn (True) if the torch threads outnumber the cores idle at start, or those other work left since `since`."""
     busy, total, cpu, seconds = machine.load_sample() - since
@@ -72,12 +79,11 @@ def clock(seconds: float) -> str:
     return f"{hours}:{rest // 60:02d}:{rest % 60:02d}" if hours else f"{rest // 60}:{rest % 60:02d}"
 
 
-def finish(
-    run: Run, model: nn.Module, iteration: int, global_step: int, stopped: bool, record_video: Callable[[str], None]
-) -> None:
+def finish(run: Run, model: nn.Module, stopped: bool, make_env: Callable | None) -> None:
     """The end of training on every rank: unless a stop request `stopped` it, rank 0 writes the model file
-    (--save-model) and videos (--capture-video); every rank leaves the process group; rank 0 lets the run folder go
-    (finished, or to be resumed) and sums the run up in one line."""
+    (--save-model) and films evaluation episodes (--capture-video, one env from `make_env(args, video_folder)`); every
+    rank leaves the process group; rank 0 lets the run folder go (finished, or to be resumed) and sums the run up in
+    one line."""
     args = run.args
     folder = f"runs/{run.name}"
     path = checkpoints.model_path(run.name)
@@ -85,7 +91,9 @@ def finish(
     problem = ""
     if run.rank == 0 and stopped:
         reason = run.stop_requested or "SIGTERM or Ctrl-C on another rank"
-        failures.tell(f"stopped by {reason} at {run.unit} {iteration}; continue with --resume --run-name {run.name}")
+        failures.tell(
+            f"stopped by {reason} at {run.unit} {run.iteration}; continue with --resume --run-name {run.name}"
+        )
     if run.rank == 0:
         if args.save_model and not stopped:
             try:
@@ -93,9 +101,15 @@ def finish(
                 saved = f", model {path}"
             except (OSError, RuntimeError, SafetensorError) as error:
                 problem = f"trained, but could not write {path} ({str(error).splitlines()[0]})"
-        if args.capture_video and not stopped:
-            record_video(f"{folder}/videos")
-        run.writer.close()
+        if args.capture_video and not stopped and make_env is not None:
+            video_folder = f"{folder}/videos"
+            run_folders.real_folder(video_folder)
+            envs = gym.vector.SyncVectorEnv(
+                [make_env(args, video_folder)], autoreset_mode=gym.vector.AutoresetMode.SAME_STEP
+            )
+            evaluation.play(model, envs, args)
+        if run.writer is not None:
+            run.writer.close()
         if run.wandb_run:
             run.wandb_run.finish()
     checkpoints.stop_if_unwritten(run, path, problem, "free disk space, then write it with --resume --save-model")
@@ -107,7 +121,7 @@ def finish(
     if run.rank == 0:
         saved += f"; continue with --resume --run-name {run.name}" if stopped else ""
         summary = (
-            f"{'stopped' if stopped else 'done'}: {global_step} env steps in {clock(time.time() - run.launched_at)}"
+            f"{'stopped' if stopped else 'done'}: {run.global_step} env steps in {clock(time.time() - run.launched_at)}"
         )
         failures.tell(f"{summary}, last return {run.last_return}; TensorBoard run {folder}{saved}")
 

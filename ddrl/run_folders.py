@@ -5,10 +5,13 @@ Weights and Biases run, with --track)."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import os
+import secrets
 import socket
+import stat
 import tempfile
 import time
 from dataclasses import asdict
@@ -18,9 +21,31 @@ from ddrl import collectives
 from ddrl.failures import fail
 
 if TYPE_CHECKING:
-    from ddrl.launching import Run
+    from ddrl.run import Run
 
 LOCK_FILE = "run.lock"  # in every run folder: locked by the run's rank 0, and who holds it
+
+
+def refuse_link(path: str) -> None:
+    """Stop in one line if `path` is a symbolic link: a run reads and writes nothing through a link."""
+    if os.path.islink(path):
+        fail(
+            f"{path} is a symbolic link, which a run never reads or writes through: replace it with the real folder or file"
+        )
+
+
+def real_folder(path: str) -> None:
+    """Make the folder `path` if it is missing (runs/NAME/checkpoints, videos); stop in one line if it is a link or no
+    folder, or holds a link, so that nothing is written through a link."""
+    refuse_link(path)
+    try:
+        os.mkdir(path)
+    except FileExistsError:
+        if not stat.S_ISDIR(os.lstat(path).st_mode):
+            fail(f"{path} is no folder: move it away")
+    for entry in os.scandir(path):
+        if entry.is_symlink():
+            refuse_link(entry.path)
 
 
 def is_one_folder(name: str) -> bool:
@@ -56,9 +81,12 @@ def lock_run_folder(name: str) -> tuple[IO | None, str]:
     there which launch, process and host hold it: a second launch or --resume of the run is refused while it runs.
     Returns the open lock file and what went wrong ('' if nothing)."""
     path = os.path.join("runs", name, LOCK_FILE)
-    try:
-        lock = open(path, "a+")  # noqa: SIM115 (held open until the run ends)
+    try:  # never through a link: O_NOFOLLOW refuses one
+        descriptor = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        lock = os.fdopen(descriptor, "r+")
     except OSError as error:
+        if error.errno == errno.ELOOP:
+            return None, f"{path} is a symbolic link, which a run never writes through: delete it, then --resume"
         return None, f"cannot open {path} ({error.strerror}): make the run folder writable"
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -77,9 +105,10 @@ def lock_run_folder(name: str) -> tuple[IO | None, str]:
 def lock_record(name: str) -> dict:
     """What runs/NAME/run.lock says of the launch that holds or held the run ({} if nothing readable)."""
     try:
-        with open(os.path.join("runs", name, LOCK_FILE)) as lock:
+        descriptor = os.open(os.path.join("runs", name, LOCK_FILE), os.O_RDONLY | os.O_NOFOLLOW)
+        with os.fdopen(descriptor) as lock:
             record = json.loads(lock.read(4096) or "{}")
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return {}
     return record if isinstance(record, dict) else {}
 
@@ -126,6 +155,8 @@ def make_run_folder(name: str, suffixed: bool, resumed: bool) -> tuple[int, str]
             break
         except FileExistsError:
             if resumed:
+                if os.path.islink(folder) or not os.path.isdir(folder):
+                    return 0, f"{folder} is a symbolic link or no folder, which a run never writes through"
                 break
             if not suffixed:
                 return 0, f"{folder} already exists: pass --resume to continue it, or choose another --run-name"
@@ -153,7 +184,9 @@ def open_tensorboard(args, name: str, resumed_step: int | None):
         wandb_run = wandb.init(**settings, name=name, sync_tensorboard=True, save_code=True, resume=resume)
     from torch.utils.tensorboard import SummaryWriter
 
-    writer = SummaryWriter(f"runs/{name}", purge_step=None if resumed_step is None else resumed_step + 1)
+    # the event file's name ends in a random suffix: no link placed in the run folder beforehand can bear it
+    purge_step = None if resumed_step is None else resumed_step + 1
+    writer = SummaryWriter(f"runs/{name}", purge_step=purge_step, filename_suffix=f".{secrets.token_hex(8)}")
     if resumed_step is None:
         table = "\n".join(f"|{key}|{value}|" for key, value in asdict(args).items())
         writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")

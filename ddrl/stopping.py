@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from ddrl import failures
 
 if TYPE_CHECKING:
-    from ddrl.launching import Run
+    from ddrl.run import Run
 
 
 def arm(run: Run) -> None:

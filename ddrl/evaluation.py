@@ -1,0 +1,84 @@
+"""Evaluation: whole episodes played with one env by the Agent (through the rollout derived from it, sampling, or
+taking each distribution's mode with --eval-deterministic), for --eval-checkpoint and for the videos --capture-video
+films after training. The script gives its Agent class and its make_env; everything else is the same in every
+script."""
+
+import inspect
+import os
+import random
+from collections.abc import Callable
+
+import gymnasium as gym
+import numpy as np
+import torch
+import torch.nn as nn
+
+from ddrl import checkpoints, checks, env_support, failures, machine, rollout, run_folders
+from ddrl.failures import fail
+
+
+def play(agent: nn.Module, envs: gym.vector.VectorEnv, args) -> list[float]:
+    """Play `args.eval_episodes` whole episodes on `envs` (one env) and return their returns; Box actions are
+    clipped to the action space, as in training."""
+    rollout_agent = rollout.derive(
+        agent, envs.single_observation_space, getattr(args, "numpy_rollout", True), args.eval_deterministic
+    )
+    space = envs.single_action_space
+    returns = []
+    episode_return = 0.0
+    obs, _ = envs.reset(seed=args.seed)
+    while len(returns) < args.eval_episodes:
+        if np.issubdtype(obs.dtype, np.floating):
+            obs = obs.astype(np.float32)
+        action = rollout_agent.get_action_and_value(obs)[0]
+        if isinstance(space, gym.spaces.Box):
+            action = np.clip(action, space.low, space.high)
+        obs, reward, terminated, truncated, _ = envs.step(action)
+        episode_return += float(reward[0])
+        if terminated[0] or truncated[0]:
+            returns.append(episode_return)
+            episode_return = 0.0
+    envs.close()
+    return returns
+
+
+def build_agent(agent_class: type, envs: gym.vector.VectorEnv, args) -> nn.Module:
+    """The Agent as a script's main builds it: from the envs, and the args its other parameters name
+    (`hidden_sizes` in VPG)."""
+    names = list(inspect.signature(agent_class).parameters)[1:]
+    return agent_class(envs, **{name: getattr(args, name) for name in names if hasattr(args, name)})
+
+
+def evaluate_checkpoint(args, agent_class: type, make_env: Callable) -> None:
+    """--eval-checkpoint: play the model file (or a training checkpoint) on rank 0, with the env and network its args
+    describe (`make_env(args, video_folder)` builds one env), and print one `eval:` line. The file's args size the
+    Agent: it is built on no device first, compared with the file's tensors and this machine's memory, then built."""
+    path = args.eval_checkpoint
+    header, saved = checkpoints.read_model(path, type(args), args.env_id)
+    video_folder = os.path.join(os.path.dirname(path), "videos") if args.capture_video else None
+    checks.check_video_support(args.capture_video, lambda: env_support.render_one_frame(saved.env_id))
+    env_support.check_env(make_env(saved), f"the env_id of {path}, {saved.env_id!r},")
+    if failures.this_rank() != 0:
+        return
+    if video_folder:
+        run_folders.real_folder(video_folder)
+    envs = gym.vector.SyncVectorEnv([make_env(saved, video_folder)], autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
+    with torch.device("meta"):  # sizes only: nothing allocated
+        shapes = build_agent(agent_class, envs, saved)
+    found = checkpoints.read(path, "")[1]
+    wanted = {f"model.{name}": (tuple(tensor.shape), tensor.dtype) for name, tensor in shapes.state_dict().items()}
+    if faults := checkpoints.misfits(found, wanted, "model."):
+        fail(
+            f"{path}, written by {checkpoints.writer_of(header)}: its weights do not fit this {agent_class.__name__} "
+            f"({faults}): undo the Agent's edit, or use the script that wrote it"
+        )
+    needed = sum(tensor.numel() * tensor.element_size() for tensor in shapes.state_dict().values())
+    if problem := machine.memory_problem(2 * needed, "the network its args describe", 1):
+        fail(f"{path}: {problem}")
+    agent = build_agent(agent_class, envs, saved)
+    checkpoints.load_weights(agent, path, header)
+    random.seed(args.seed)  # sampling, like the env, follows --seed: repeatable evaluations
+    np.random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    returns = play(agent, envs, args)
+    print(f"eval: episodes={len(returns)} return_mean={np.mean(returns):.2f} return_std={np.std(returns):.2f}")

@@ -1,0 +1,95 @@
+"""--sync gather: rank 0 runs the script's own update on the union of every rank's batch, then sends the weights to
+every rank; the same update, the same minibatches, so it ends with the weights --sync allreduce gives."""
+
+import inspect
+import time
+from collections.abc import Callable
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from ddrl import collectives
+from ddrl.failures import NonFiniteError
+
+Batch = dict[str, torch.Tensor]
+LEARNER_GROUPS = {}  # the world's size: a process group of rank 0 alone, made once by every rank together
+
+
+def update_on_rank0(update: Callable, *arguments) -> tuple[dict[str, float], float]:
+    """Call `update(*arguments)` as --sync allreduce would, but on rank 0 alone, on the union of every rank's `batch`
+    (one gather; its `orders` and `sizes`, where it takes them, made the union's so that the world's minibatch k is
+    the ranks' minibatches k) in a process group of rank 0 alone; then one broadcast gives every rank rank 0's weights
+    (of the first module among `arguments`) and whether it met a non-finite loss. Returns the losses (rank 0's; no
+    other rank logs them) and the seconds of the gather and the broadcast."""
+    bound = inspect.signature(update).bind(*arguments)
+    called = bound.arguments
+    module = next(value for value in called.values() if isinstance(value, nn.Module))
+    batch = called["batch"]
+    orders = called.get("orders")
+    sizes = called.get("sizes")
+    start = time.perf_counter()
+    union = gather_union(batch, orders, sizes)
+    losses = {}
+    nonfinite = torch.zeros(1, dtype=torch.float64, device=batch["returns"].device)
+    learner_start = time.perf_counter()
+    group = learner_group()
+    if union is not None:
+        called["batch"], union_orders, world_sizes = union
+        if orders is not None:
+            called["orders"] = union_orders
+            called["sizes"] = world_sizes
+        called["group"] = group
+        try:
+            losses, _ = update(*bound.args, **bound.kwargs)
+        except NonFiniteError:
+            nonfinite[0] = 1.0
+    learner_time = time.perf_counter() - learner_start
+    collectives.broadcast_parameters(module, nonfinite)
+    if nonfinite[0] > 0:
+        raise NonFiniteError("a non-finite loss or gradient")
+    return losses, time.perf_counter() - start - learner_time
+
+
+def learner_group() -> dist.ProcessGroup | None:
+    """A process group of rank 0 alone (made by every rank together, the first time); None in a world of one."""
+    world_size = collectives.group_size()
+    if world_size == 1:
+        return None
+    if world_size not in LEARNER_GROUPS:
+        LEARNER_GROUPS[world_size] = dist.new_group([0])
+    return LEARNER_GROUPS[world_size]
+
+
+def gather_union(batch: Batch, orders: torch.Tensor | None, sizes: torch.Tensor | None):
+    """Rank 0's union of all batches in rank order (one gather), with the orders and sizes that make the world's
+    minibatches (None where the update takes none); None on the other ranks."""
+    counts = [len(batch["returns"])] * collectives.group_size() if sizes is None else sizes.sum(1).tolist()
+    padding = max(counts) - len(batch["returns"])  # rows, so that every rank sends as many
+    extra = [] if orders is None else [orders.T]  # the orders go as [samples, epochs]
+    full = [torch.cat([t, t.new_zeros(padding, *t.shape[1:])]) for t in [*batch.values(), *extra]]
+    gathered = collectives.gather_to_rank0(torch.cat([t.reshape(-1).double() for t in full]))  # [ranks, packed]
+    if gathered is None:
+        return None
+    numels = [t.numel() for t in full]
+    ranks = [[part.view_as(t) for part, t in zip(row.split(numels), full, strict=True)] for row in gathered]
+    union = {
+        key: torch.cat([rank[i][:n] for rank, n in zip(ranks, counts, strict=True)]).to(value.dtype)
+        for i, (key, value) in enumerate(batch.items())
+    }
+    if orders is None:
+        return union, None, None
+    rank_orders = [rank[-1][:n].T.long() for rank, n in zip(ranks, counts, strict=True)]
+    return union, union_orders(rank_orders, sizes).to(orders.device), sizes.sum(0)[None]
+
+
+def union_orders(rank_orders: list[torch.Tensor], sizes: torch.Tensor) -> torch.Tensor:
+    """[epochs, all samples]: each rank's orders ([epochs, its samples], into its own batch) as orders into the union
+    of the batches in rank order, piece k of each rank (`sizes[rank, k]` long) together as the world's minibatch k."""
+    offsets = np.cumsum([0, *(len(order[0]) for order in rank_orders)])[:-1].tolist()
+    pieces = [
+        (order + offset).split(rank_sizes.tolist(), 1)
+        for order, offset, rank_sizes in zip(rank_orders, offsets, sizes, strict=True)
+    ]
+    return torch.cat([rank[k] for k in range(sizes.shape[1]) for rank in pieces], 1)
