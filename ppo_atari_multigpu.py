@@ -529,7 +529,7 @@ def main(args: Args) -> Agent | None:
     if gpu and args.capture_update:  # one compiled region (forward, loss, backward), replayed as CUDA graphs
         loss_fn = torch.compile(minibatch_loss, mode="reduce-overhead", dynamic=args.preempt_fraction > 0)
     iteration, global_step = run.resume(agent=agent, optimizer=optimizer)  # if resuming
-    rollout_agent = rollout.derive(agent, observation_space, numpy_layers=False)  # for the checks
+    rollout_agent = rollout.derive(agent, observation_space, numpy_layers=False)  # the Agent, no autograd
     probe = rollout.probe(rollout_agent, observation_space, device, count=32)
     rollout.check(agent, probe, "at start", "the Agent acting on frames", rows=32)
 
@@ -574,10 +574,8 @@ def main(args: Args) -> Agent | None:
                             finished["episode_length"] += int(lengths.sum())
                             cut = truncated & ~terminated
                             if cut.any():  # truncated, not terminated: bootstrap from V(final observation)
-                                final_obs = torch.from_numpy(info["final_obs"][cut]).to(device)
-                                with torch.inference_mode():
-                                    final_value = agent.get_value(final_obs).flatten().cpu()
-                                final_values[row, group][torch.from_numpy(cut)] = final_value
+                                final_value = rollout_agent.get_value(info["final_obs"][cut]).flatten()
+                                final_values[row, group][torch.from_numpy(cut)] = torch.from_numpy(final_value)
                     if acting:
                         env_action = act(step, next_obs[group], group)  # row `step` of obs, actions, ...
                         if fire is not None:  # FireResetEnv: FIRE after a lost life, not the sampled action
@@ -587,8 +585,7 @@ def main(args: Args) -> Agent | None:
                     collected = step  # steps per env: all, unless preemption cut the rollout short
                     break
             preemption.rollout_finished(run, iteration)
-            with torch.inference_mode():
-                last_values = agent.get_value(torch.from_numpy(next_obs).to(device)).flatten()
+            last_values = torch.from_numpy(rollout_agent.get_value(next_obs).flatten())
             rollout_time = time.perf_counter() - rollout_start
             sample_counts = [args.local_batch_size] * args.world_size  # each rank's samples
             if args.preempt_fraction:  # one all_gather
@@ -600,7 +597,7 @@ def main(args: Args) -> Agent | None:
             rows = slice(collected)  # the rollout's rows; a cut one bootstraps as a full one does
             ends = torch.from_numpy(episode_ends[rows])
             kept_values = values[rows].cpu()
-            next_values = torch.cat([kept_values[1:], last_values.cpu().unsqueeze(0)])
+            next_values = torch.cat([kept_values[1:], last_values.unsqueeze(0)])
             next_values = torch.where(ends > 0, final_values[rows], next_values)
             advantages, returns = compute_gae(
                 torch.from_numpy(rewards[rows]), kept_values, next_values,

@@ -62,7 +62,7 @@ def distribution_namespaces(agent: nn.Module) -> list[dict]:
     return [vars(module) for module in modules]
 
 
-def trace(agent: nn.Module, method: str) -> fx.GraphModule:
+def trace(agent: nn.Module, method: str) -> tuple[AgentMethod, fx.Graph]:
     """`agent.method(x)` (get_value, or get_action_and_value with action=None) as a torch.fx graph. A distribution the
     Agent builds from traced values becomes one node, its class the node's target (its methods, nodes of their own)."""
     tracer = DistributionTracer()

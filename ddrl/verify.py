@@ -40,7 +40,7 @@ class Stop(BaseException):
     """Ends a run's main once its first update is done (a BaseException: main's own handlers let it through)."""
 
 
-def main(argv: list[str]) -> int:
+def command_line(argv: list[str]) -> int:
     if len(argv) >= 2 and argv[0] == "--worker":
         return worker(*argv[1:])
     if len(argv) != 1 or argv[0].startswith("-"):
@@ -59,11 +59,16 @@ def main(argv: list[str]) -> int:
     with tempfile.TemporaryDirectory(prefix="ddrl-verify-") as folder:
         work = Path(folder)
         (work / "flags.json").write_text(json.dumps(small_flags(module.Args())))
-        if problem := launch(script, work, "reference", 1):
+        modes = ["allreduce", "gather"] if "sync" in module.Args.__dataclass_fields__ else ["allreduce"]
+        # all at once: the two-rank runs start up and roll out while the reference does, then wait for its batch
+        reference = start_ranks(script, work, "reference", 1)
+        launched = {mode: start_ranks(script, work, mode) for mode in modes}
+        if problem := wait(reference, work, "reference"):
+            for processes in launched.values():
+                for process in processes:
+                    process.kill()
             say(f"the one-rank run {problem}")
             return 1
-        modes = ["allreduce", "gather"] if "sync" in module.Args.__dataclass_fields__ else ["allreduce"]
-        launched = {mode: start_ranks(script, work, mode) for mode in modes}
         for mode, processes in launched.items():
             if problem := wait(processes, work, mode):
                 say(f"the two-rank run ({mode}) {problem}")
@@ -125,11 +130,6 @@ def small_flags(args) -> dict:
     else:
         flags["total_timesteps"] = SAMPLES
     return flags
-
-
-def launch(script: Path, work: Path, mode: str, ranks: int) -> str:
-    """Run one worker (the one-rank reference) to its end; what went wrong, or ''."""
-    return wait(start_ranks(script, work, mode, ranks), work, mode)
 
 
 def start_ranks(script: Path, work: Path, mode: str, ranks: int = 2) -> list[subprocess.Popen]:
@@ -250,12 +250,18 @@ def prepared(update, arguments: tuple, options: dict, mode: str, work: Path):
             epochs = len(called["orders"])
             orders = [torch.stack([torch.randperm(n, generator=generator) for _ in range(epochs)]) for n in shares]
             save_file({f"orders.{r}": order for r, order in enumerate(orders)}, work / "orders.safetensors")
+        (work / "reference.ready").touch()
+    deadline = time.time() + WORKER_SECONDS
+    while not (work / "reference.ready").exists():  # the reference's batch, weights and minibatches
+        if time.time() > deadline:
+            raise Stop
+        time.sleep(0.05)
     shares = json.loads((work / "shares.json").read_text())
     batch = {key: value.to(called["batch"][key].device) for key, value in load_file(work / "batch.safetensors").items()}
     if takes_orders:
         orders = load_file(work / "orders.safetensors")
         rank_orders = [orders[f"orders.{r}"] for r in range(2)]
-        sizes = minibatch_sizes(shares, called["sizes"].shape[1])
+        sizes = sys.modules[update.__module__].minibatch_sizes(shares, called["sizes"].shape[1])  # the script's own
     if mode == "reference":
         called["batch"] = batch
         if takes_orders:
@@ -272,12 +278,6 @@ def prepared(update, arguments: tuple, options: dict, mode: str, work: Path):
         for group, rate in zip(optimizer.param_groups, rates, strict=False):
             group["lr"] = rate
     return bound
-
-
-def minibatch_sizes(shares: list[int], num_minibatches: int) -> torch.Tensor:
-    """[ranks, minibatches]: the samples each rank gives each world minibatch, as the PPO scripts cut them."""
-    counts = torch.tensor(shares)[:, None]
-    return counts // num_minibatches + (torch.arange(num_minibatches) < counts % num_minibatches)
 
 
 def model_of(called: dict) -> nn.Module:
@@ -299,4 +299,4 @@ def finish(bound, mode: str, work: Path) -> None:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main(sys.argv[1:]))
+    raise SystemExit(command_line(sys.argv[1:]))

@@ -1,7 +1,7 @@
 """The three scripts read alike (docs/design.md, "Anatomy of a script"): the algorithm in the order a CleanRL reader
-looks for it, then `main`, whose loop tells one iteration and calls only what the script defines above it or what
-the ddrl package beside it defines; the package is plain functions over plain records, in modules named for their
-concern, and no script defines what the package does."""
+looks for it, an Agent in CleanRL's words, then `main`, whose loop tells one iteration and calls only what the script
+defines above it or what the ddrl package defines, the run's life in the Run's few calls; the package reads module by
+module, and no script defines what the package does."""
 
 import ast
 import builtins
@@ -24,45 +24,32 @@ ALGORITHM_ORDER = ("Args", "derive_batch_sizes", "make_env", "layer_init", "Agen
 ALSO_IN_ORDER = {  # a script's own pieces, where its reader meets them
     "ppo_continuous_mpi.py": (
         "RunningMeanStd",
-        "GaussianActions",
         "Agent",
-        "check_rollout_policy",
+        "compute_gae",
+        "minibatch_loss",
+        "minibatch_sizes",
+        "minibatches",
         "average_gradients",
         "update",
-        "gather_to_learner",
-        "update_one_learner",
-        "explained_variance",
-        "args_problem",
-        "evaluate_checkpoint",
         "main",
     ),
-    "vpg_mpi.py": (
-        "GaussianActions",
-        "CategoricalActions",
-        "Agent",
-        "check_rollout_policy",
-        "average_gradients",
-        "update",
-        "gather_to_learner",
-        "update_one_learner",
-        "explained_variance",
-        "args_problem",
-        "evaluate_checkpoint",
-        "main",
-    ),
+    "vpg_mpi.py": ("mlp", "Agent", "compute_gae", "average_gradients", "update", "main"),
     "ppo_atari_multigpu.py": (
-        "CategoricalActions",
+        "atari_settings",
+        "make_env",
+        "env_groups",
+        "GameTracker",
         "Agent",
-        "RolloutPolicy",
-        "acting_step",
-        "check_rollout_policy",
+        "compute_gae",
+        "ActionAndValue",
+        "minibatch_loss",
+        "minibatch_sizes",
+        "minibatches",
         "update",
-        "explained_variance",
-        "args_problem",
-        "evaluate_checkpoint",
         "main",
     ),
 }
+RUN_LIFE = ("start", "resume", "log", "check_in_sync", "checkpoint", "finish")  # the Run's calls, in main's order
 
 
 def tree_of(path: Path) -> ast.Module:
@@ -136,6 +123,7 @@ def test_main_calls_only_what_is_defined_above_it_or_in_the_package(script):
         if isinstance(node, ast.ImportFrom) and node.module == "ddrl"
         for alias in node.names
     }
+    modules["ddrl"] = "run"  # `ddrl.launch` is ddrl/run.py's launch
     imported = {
         alias.asname or alias.name.split(".")[0]
         for node in tree.body
@@ -161,6 +149,9 @@ def test_main_calls_only_what_is_defined_above_it_or_in_the_package(script):
     assert into_package, f"{script}: main calls nothing of ddrl"
     for module, name in into_package:
         assert name in package[modules[module]], f"{script}: main calls {module}.{name}, which ddrl/{module}.py lacks"
+    run_methods = {node.name for node in package["run"]["Run"].body if isinstance(node, ast.FunctionDef)}
+    on_run = [node.func.attr for node in calls if isinstance(node.func, ast.Attribute) and ast.unparse(node.func.value) == "run"]
+    assert set(on_run) <= run_methods, f"{script}: main calls run.{sorted(set(on_run) - run_methods)}, which Run lacks"
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
@@ -189,8 +180,49 @@ def test_mains_loop_is_bounded_in_main(script):
     assert not [node for node in ast.walk(main) if isinstance(node, ast.With)], f"{script}: main enters a context"
 
 
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_the_agent_is_cleanrls_get_value_and_get_action_and_value_over_torch_distributions(script):
+    """A reader who knows CleanRL finds its Agent: __init__, get_value(x) and get_action_and_value(x, action=None),
+    which builds a torch.distributions distribution; nothing written for a fast path (the package derives those)."""
+    found, _, tree = parts(script)
+    methods = {node.name: node for node in found["Agent"].body if isinstance(node, ast.FunctionDef)}
+    assert set(methods) == {"__init__", "get_value", "get_action_and_value"}, sorted(methods)
+    arguments = methods["get_action_and_value"].args
+    assert [argument.arg for argument in arguments.args] == ["self", "x", "action"]
+    assert ast.unparse(arguments.defaults[-1]) == "None"
+    assert [argument.arg for argument in methods["get_value"].args.args] == ["self", "x"]
+    distributions = {
+        alias.asname or alias.name
+        for node in tree.body
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("torch.distributions")
+        for alias in node.names
+    }
+    built = {getattr(node.func, "id", None) for node in ast.walk(methods["get_action_and_value"]) if isinstance(node, ast.Call)}
+    assert built & distributions, f"{script}: get_action_and_value builds none of {sorted(distributions)}"
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_the_runs_life_reads_from_main_as_the_runs_few_calls_in_order(script):
+    """launch, then start (the folder is made there and nowhere else), resume, and in the loop log, the sync check,
+    checkpoint; finish last. main calls no module that makes folders or files itself."""
+    _, main, _ = parts(script)
+    calls = sorted(
+        (node.lineno, node.func.attr)
+        for node in ast.walk(main)
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and ast.unparse(node.func.value) == "run"
+    )
+    first = {}
+    for line, name in calls:
+        first.setdefault(name, line)
+    assert [name for name in RUN_LIFE if name in first] == list(RUN_LIFE), f"{script}: main calls {first}"
+    assert [first[name] for name in RUN_LIFE] == sorted(first[name] for name in RUN_LIFE), f"{script}: {first}"
+    writers = {"run_folders", "checkpoints", "launching", "stopping"}
+    direct = {ast.unparse(node.func.value) for node in ast.walk(main) if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)}
+    assert not direct & writers, f"{script}: main calls {sorted(direct & writers)} itself"
+
+
 @pytest.mark.parametrize("path", PACKAGE, ids=[path.name for path in PACKAGE])
-def test_the_package_is_plain_functions_over_plain_records(path):
+def test_the_package_reads_module_by_module(path):
     """Each module says what it holds in its docstring; no generator, no context manager, no class that inherits from
     another of ddrl's classes, so every function can be read alone."""
     tree = tree_of(path)
