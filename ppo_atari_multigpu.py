@@ -420,11 +420,12 @@ def update(
     # this rank's share of each world minibatch, times the ranks: the ranks' mean is the union's
     weights = (sizes[rank].double() * len(sizes) / sizes.sum(0)).tolist()
     unequal = bool((sizes != sizes[0, 0]).any())  # a preempted rollout's minibatches are smaller
-    if sum(local_sizes) != orders.shape[1] or min(local_sizes) < 1:
+    if sum(local_sizes) != orders.shape[1] or min(local_sizes) < 1:  # may differ by rank: it says so
         fail(
-            f"this rank's minibatch sizes {local_sizes} do not cut an epoch's order of {orders.shape[1]} into "
-            "non-empty pieces: main's orders and minibatch_sizes must count the same things (samples, or whole "
-            "envs for minibatches of sequences)"
+            f"this rank's minibatch sizes {local_sizes} do not cut an epoch's order of "
+            f"{orders.shape[1]} into non-empty pieces: main's orders and minibatch_sizes must count "
+            "the same things (samples, or whole envs for sequences), at least one per minibatch",
+            any_rank=True,
         )
     if args.norm_adv:  # every world minibatch's mean and std, of all epochs, in one collective
         start = time.perf_counter()

@@ -54,7 +54,8 @@ def log_iteration(
 
 def explained_variance(returns: torch.Tensor, values: torch.Tensor) -> float:
     """1 - Var(returns - values) / Var(returns) over the world's batch (float64, one gather; constant returns: NaN)."""
-    _, _, m2 = collectives.moments_over_ranks(torch.stack([returns - values.reshape(returns.shape), returns]).double())
+    returns = returns.reshape(-1)
+    _, _, m2 = collectives.moments_over_ranks(torch.stack([returns - values.reshape(-1), returns]).double())
     return float("nan") if m2[1] == 0 else (1 - m2[0] / m2[1]).item()
 
 

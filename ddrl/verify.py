@@ -91,7 +91,7 @@ def command_line(argv: list[str]) -> int:
                         f" and {len(bad) - 3} more" if len(bad) > 3 else ""
                     )
                     say(
-                        f"at two ranks ({mode}, shares of {shares[0]} and {shares[1]} samples), rank {rank}'s {names} "
+                        f"at two ranks ({mode}, shares of {shares[0]} and {shares[1]} batch rows), rank {rank}'s {names} "
                         f"differ from the one-rank update on their union by up to {bad[0][0]:.3g} (tolerance "
                         f"{TOLERANCE:g}): the update no longer equals one process's on the whole batch; see "
                         "docs/changing-a-script.md"
@@ -99,7 +99,7 @@ def command_line(argv: list[str]) -> int:
                     return 1
         print(
             f"verify: ok: {script.name}'s update at two ranks ({', '.join(modes)}; shares of {shares[0]} and "
-            f"{shares[1]} samples) ends with the one-rank weights on their union, within {TOLERANCE:g} (largest "
+            f"{shares[1]} batch rows) ends with the one-rank weights on their union, within {TOLERANCE:g} (largest "
             f"difference {worst:.2g}), in {time.time() - start:.0f} s"
         )
     return 0
@@ -164,8 +164,10 @@ def wait(processes: list[subprocess.Popen], work: Path, mode: str) -> str:
     if all(written):
         return ""
     lines = [line for rank in range(len(processes)) for line in (work / f"{mode}.{rank}.log").read_text().splitlines()]
-    errors = [line for line in lines if ": error: " in line] or [line for line in lines if line.strip()][-1:]
-    return f"stopped before its update ended: {errors[0] if errors else 'no output'}"
+    errors = [line for line in lines if ": error: " in line]
+    causes = [line for line in errors if "lost contact with another rank" not in line]  # not what a peer's end caused
+    found = causes or errors or [line for line in lines if line.strip()][-1:]
+    return f"stopped before its update ended: {found[0] if found else 'no output'}"
 
 
 def free_port() -> int:
@@ -237,8 +239,10 @@ def prepared(update, arguments: tuple, options: dict, mode: str, work: Path):
     rank = int(os.environ.get("RANK", "0"))
     if mode == "reference":
         count = len(batch["returns"])
-        first = math.ceil(count * SHARE) if takes_orders else count // 2
-        shares = [first, count - first if takes_orders else first]
+        shares = [count // 2, count // 2]  # VPG splits its batch evenly
+        if takes_orders:  # unequal, each at least one row a minibatch (rows: samples, or a recurrent copy's envs)
+            second = max(called["sizes"].shape[1], count - math.ceil(count * SHARE))
+            shares = [count - second, second]
         batch = {key: value[: sum(shares)] for key, value in batch.items()}
         save_file({key: value.contiguous().cpu() for key, value in batch.items()}, work / "batch.safetensors")
         save_file(state(module), work / "reference.before.safetensors")

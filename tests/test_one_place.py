@@ -199,7 +199,7 @@ def test_verify_names_the_mode_and_parameters_an_edit_breaks_in_one_line(tmp_pat
     result = verify(copy)
     assert result.returncode == 1 and result.stdout == "", result.stdout
     [line] = result.stderr.strip().splitlines()
-    assert line.startswith("verify: at two ranks (allreduce, shares of 40 and 24 samples), rank 0's "), line
+    assert line.startswith("verify: at two ranks (allreduce, shares of 40 and 24 batch rows), rank 0's "), line
     assert "differ from the one-rank update on their union by up to" in line
 
 
