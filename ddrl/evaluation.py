@@ -20,9 +20,8 @@ from ddrl.failures import fail
 def play(agent: nn.Module, envs: gym.vector.VectorEnv, args) -> list[float]:
     """Play `args.eval_episodes` whole episodes on `envs` (one env) and return their returns; Box actions are
     clipped to the action space, as in training."""
-    rollout_agent = rollout.derive(
-        agent, envs.single_observation_space, getattr(args, "numpy_rollout", True), args.eval_deterministic
-    )
+    numpy_layers = getattr(args, "numpy_rollout", False)  # the MLP scripts' flag; Atari acts with its torch code
+    rollout_agent = rollout.derive(agent, envs.single_observation_space, numpy_layers, args.eval_deterministic)
     space = envs.single_action_space
     returns = []
     episode_return = 0.0

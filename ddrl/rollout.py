@@ -54,12 +54,16 @@ class DistributionTracer(fx.Tracer):
 
 
 def distribution_namespaces(agent: nn.Module) -> list[dict]:
-    """The namespaces where the Agent's code may find a distribution class: its class's modules, torch.distributions."""
-    modules = [
-        __import__(cls.__module__, fromlist=["_"]) for cls in type(agent).__mro__ if cls.__module__ != "builtins"
-    ]
-    modules += [D, *(value for value in vars(D).values() if isinstance(value, types.ModuleType))]
-    return [vars(module) for module in modules]
+    """The namespaces where the Agent's code may find a distribution class: the globals of its modules' methods (a
+    script's, whatever name it was imported under), torch.distributions and its submodules."""
+    namespaces = {}
+    for module in agent.modules():
+        for cls in type(module).__mro__:
+            for value in vars(cls).values():
+                if isinstance(value, types.FunctionType):
+                    namespaces[id(value.__globals__)] = value.__globals__
+    modules = [D, *(value for value in vars(D).values() if isinstance(value, types.ModuleType))]
+    return [*namespaces.values(), *(vars(module) for module in modules)]
 
 
 def trace(agent: nn.Module, method: str) -> tuple[AgentMethod, fx.Graph]:
@@ -618,7 +622,10 @@ def probe(rollout_agent, observation_space, device: torch.device, count: int = P
     log-probabilities and values, as tensors on `device`; stops unless it gives one log-probability and one value
     per observation."""
     obs = example_observations(observation_space, count)
-    actions, log_probs, _, values = rollout_agent.get_action_and_value(obs)
+    numpy_state = np.random.get_state()  # the probe's draws leave the rank's streams as they were, so that a resumed
+    with torch.random.fork_rng([device.index] if device.type == "cuda" else []):  # run draws as an uninterrupted one
+        actions, log_probs, _, values = rollout_agent.get_action_and_value(obs)
+    np.random.set_state(numpy_state)
     values = values.reshape(-1) if values.shape == (count, 1) else values
     checks.check_one_per_row(log_probs, values, count, "Agent.get_action_and_value")
     found = {"obs": obs, "actions": actions, "log_probs": log_probs, "values": values}
