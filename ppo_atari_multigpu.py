@@ -494,60 +494,60 @@ def main(args: Args) -> Agent | None:
     memory = rollout_memory(args, frame_bytes, machine.activation_bytes(Agent, probe_envs))
     probe_envs.close()
     run.start(args.num_iterations * args.batch_size, batch_table, memory)  # says its run folder
-    device = run.device
-    gpu = device.type == "cuda"
-
-    # --- envs (in groups that step in turn), the Agent (rank 0's initial weights: DDP), seeds ---
-    groups = env_groups(args.local_num_envs, args.env_groups)
-    threads = max(1, (args.env_threads or min(run.cores, args.local_num_envs)) // len(groups))
-    envs = [make_env(settings, group.stop - group.start, threads) for group in groups]
-    first_env = run.first_env_index + run.rank * args.local_num_envs  # after earlier attempts'
-    seeds = np.array([args.seed + 10_000 * (first_env + j) for j in range(args.local_num_envs)])
-    resets = [group_envs.reset(seed=seeds[group]) for group, group_envs in zip(groups, envs, strict=True)]
-    next_obs = np.concatenate([frames for frames, _ in resets])
-    trackers = [GameTracker(info) for _, info in resets]  # each group's games
-    observation_space = envs[0].single_observation_space
-    fire = fire_action(envs[0])
-    relaunch = np.zeros(args.local_num_envs, dtype=bool)  # a life was lost: FIRE next
-    torch.manual_seed(args.seed)
-    agent = Agent(envs[0]).to(device, memory_format=torch.channels_last)  # cuDNN's, oneDNN's layout
-    if args.bf16:  # the trunk only: the heads, the losses and Adam stay float32
-        if run.rank == 0 and not has_native_bf16(device):
-            warn(f"this {device.type} emulates bfloat16, so --bf16 is slower here")
-        cuda_graphs.run_in_bfloat16(agent.network)
-    model = ActionAndValue(agent)  # what the update calls; DDP broadcasts rank 0's weights
-    if args.compile:  # the update's calls, not the acting; preemption varies their shapes
-        model.compile(fullgraph=True, dynamic=args.preempt_fraction > 0)
-    if run.world_size > 1:
-        model = DDP(model, device_ids=[device.index] if gpu else None)
-    rank_seed = args.seed + 10_000 * run.rank  # SpinningUp's stride: nearby seeds never collide
-    random.seed(rank_seed)
-    np.random.seed(rank_seed)
-    torch.manual_seed(rank_seed)
-    torch.backends.cudnn.deterministic = args.torch_deterministic
-    optimizer = optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5, fused=gpu)
-    loss_fn = minibatch_loss
-    if gpu and args.capture_update:  # one compiled region (forward, loss, backward), replayed as CUDA graphs
-        loss_fn = torch.compile(minibatch_loss, mode="reduce-overhead", dynamic=args.preempt_fraction > 0)
-    iteration, global_step = run.resume(agent=agent, optimizer=optimizer)  # if resuming
-    rollout_agent = rollout.derive(agent, observation_space, numpy_layers=False)  # the Agent, no autograd
-    probe = rollout.probe(rollout_agent, observation_space, device, count=32)
-    rollout.check(agent, probe, "at start", "the Agent acting on frames", rows=32)
-
-    # --- rollout storage: a row per step of this rank's envs, on the device (frames in uint8) ---
-    shape = (args.num_steps, args.local_num_envs)
-    obs = torch.zeros(shape + observation_space.shape, dtype=torch.uint8, device=device)
-    actions = torch.zeros(shape, dtype=torch.long, device=device)
-    logprobs = torch.zeros(shape, device=device)
-    values = torch.zeros(shape, device=device)
-    act = cuda_graphs.acting_step(agent, obs, actions, logprobs, values, groups, graph=args.cuda_graph and gpu)
-    final_values = torch.zeros(shape)  # V(final observation) where a game was truncated
-    rewards = np.zeros(shape, np.float32)  # GAE's inputs, on the host with the envs
-    terminations = np.zeros(shape, np.float32)
-    episode_ends = np.zeros(shape, np.float32)  # terminated or truncated
-
     stopping = False
-    try:
+    try:  # from here on a lost peer or a non-finite loss, met alike on every rank, is one line
+        device = run.device
+        gpu = device.type == "cuda"
+
+        # --- envs (in groups that step in turn), the Agent (rank 0's initial weights: DDP), seeds ---
+        groups = env_groups(args.local_num_envs, args.env_groups)
+        threads = max(1, (args.env_threads or min(run.cores, args.local_num_envs)) // len(groups))
+        envs = [make_env(settings, group.stop - group.start, threads) for group in groups]
+        first_env = run.first_env_index + run.rank * args.local_num_envs  # after earlier attempts'
+        seeds = np.array([args.seed + 10_000 * (first_env + j) for j in range(args.local_num_envs)])
+        resets = [group_envs.reset(seed=seeds[group]) for group, group_envs in zip(groups, envs, strict=True)]
+        next_obs = np.concatenate([frames for frames, _ in resets])
+        trackers = [GameTracker(info) for _, info in resets]  # each group's games
+        observation_space = envs[0].single_observation_space
+        fire = fire_action(envs[0])
+        relaunch = np.zeros(args.local_num_envs, dtype=bool)  # a life was lost: FIRE next
+        torch.manual_seed(args.seed)
+        agent = Agent(envs[0]).to(device, memory_format=torch.channels_last)  # cuDNN's, oneDNN's layout
+        if args.bf16:  # the trunk only: the heads, the losses and Adam stay float32
+            if run.rank == 0 and not has_native_bf16(device):
+                warn(f"this {device.type} emulates bfloat16, so --bf16 is slower here")
+            cuda_graphs.run_in_bfloat16(agent.network)
+        model = ActionAndValue(agent)  # what the update calls; DDP broadcasts rank 0's weights
+        if args.compile:  # the update's calls, not the acting; preemption varies their shapes
+            model.compile(fullgraph=True, dynamic=args.preempt_fraction > 0)
+        if run.world_size > 1:
+            model = DDP(model, device_ids=[device.index] if gpu else None)
+        rank_seed = args.seed + 10_000 * run.rank  # SpinningUp's stride: nearby seeds never collide
+        random.seed(rank_seed)
+        np.random.seed(rank_seed)
+        torch.manual_seed(rank_seed)
+        torch.backends.cudnn.deterministic = args.torch_deterministic
+        optimizer = optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5, fused=gpu)
+        loss_fn = minibatch_loss
+        if gpu and args.capture_update:  # one compiled region (forward, loss, backward), replayed as CUDA graphs
+            loss_fn = torch.compile(minibatch_loss, mode="reduce-overhead", dynamic=args.preempt_fraction > 0)
+        iteration, global_step = run.resume(agent=agent, optimizer=optimizer)  # if resuming
+        rollout_agent = rollout.derive(agent, observation_space, numpy_layers=False)  # the Agent, no autograd
+        probe = rollout.probe(rollout_agent, observation_space, device, count=32)
+        rollout.check(agent, probe, "at start", "the Agent acting on frames", rows=32)
+
+        # --- rollout storage: a row per step of this rank's envs, on the device (frames in uint8) ---
+        shape = (args.num_steps, args.local_num_envs)
+        obs = torch.zeros(shape + observation_space.shape, dtype=torch.uint8, device=device)
+        actions = torch.zeros(shape, dtype=torch.long, device=device)
+        logprobs = torch.zeros(shape, device=device)
+        values = torch.zeros(shape, device=device)
+        act = cuda_graphs.acting_step(agent, obs, actions, logprobs, values, groups, graph=args.cuda_graph and gpu)
+        final_values = torch.zeros(shape)  # V(final observation) where a game was truncated
+        rewards = np.zeros(shape, np.float32)  # GAE's inputs, on the host with the envs
+        terminations = np.zeros(shape, np.float32)
+        episode_ends = np.zeros(shape, np.float32)  # terminated or truncated
+
         while global_step < run.total_steps:  # the world's env steps: preemption collects fewer
             iteration += 1
             if args.anneal_lr:  # linearly to zero over the run's env steps

@@ -446,50 +446,50 @@ def main(args: Args) -> Agent | None:
     batch_table = derive_batch_sizes(args, run.world_size)
     memory = rollout_memory(args, obs_dim, action_space.shape[0])
     run.start(args.num_iterations * args.batch_size, batch_table, memory)  # says its run folder
-    device = run.device
-
-    # --- envs, the Agent (rank 0's initial weights on every rank), each rank's own seeds ---
-    envs = gym.vector.SyncVectorEnv(
-        [make_env(args) for _ in range(args.local_num_envs)],
-        autoreset_mode=gym.vector.AutoresetMode.SAME_STEP,
-    )
-    torch.manual_seed(args.seed)
-    agent = Agent(envs).to(device)
-    collectives.broadcast_parameters(agent)
-    rank_seed = args.seed + 10_000 * run.rank  # SpinningUp's stride: nearby seeds never collide
-    random.seed(rank_seed)
-    np.random.seed(rank_seed)
-    torch.manual_seed(rank_seed)
-    torch.backends.cudnn.deterministic = args.torch_deterministic
-    optimizer = optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5, fused=True)
-    loss_fn = minibatch_loss
-    if args.compile:  # fixed shapes, unless preemption cuts rollouts
-        loss_fn = torch.compile(minibatch_loss, fullgraph=True, dynamic=args.preempt_fraction > 0)
-    iteration, global_step = run.resume(agent=agent, optimizer=optimizer)  # if resuming
-    rollout_agent = rollout.derive(agent, observation_space, args.numpy_rollout)
-    probe = rollout.probe(rollout_agent, observation_space, device)
-    rollout.check(agent, probe, "at start", rollout_agent.kind)
-
-    # --- rollout storage: numpy, a row per step of this rank's envs ---
-    shape = (args.num_steps, args.local_num_envs)
-    obs = np.zeros(shape + observation_space.shape, dtype=np.float32)
-    actions = np.zeros(shape + action_space.shape, dtype=np.float32)
-    logprobs = np.zeros(shape, dtype=np.float32)
-    rewards = np.zeros(shape, dtype=np.float32)
-    terminations = np.zeros(shape, dtype=np.float32)
-    episode_ends = np.zeros(shape, dtype=np.float32)  # terminated or truncated
-    values = np.zeros(shape, dtype=np.float32)
-    final_values = np.zeros(shape, dtype=np.float32)  # V(final observation) where truncated
-    discounted_returns = np.zeros(shape)  # the return whose running std scales the rewards
-    first_env = run.first_env_index + run.rank * args.local_num_envs  # after earlier attempts'
-    seeds = [args.seed + 10_000 * (first_env + j) for j in range(args.local_num_envs)]
-    next_obs, _ = envs.reset(seed=seeds)
-    episode_return = np.zeros(args.local_num_envs)
-    episode_length = np.zeros(args.local_num_envs)
-    discounted_return = np.zeros(args.local_num_envs)
-
     stopping = False
-    try:
+    try:  # from here on a lost peer or a non-finite loss, met alike on every rank, is one line
+        device = run.device
+
+        # --- envs, the Agent (rank 0's initial weights on every rank), each rank's own seeds ---
+        envs = gym.vector.SyncVectorEnv(
+            [make_env(args) for _ in range(args.local_num_envs)],
+            autoreset_mode=gym.vector.AutoresetMode.SAME_STEP,
+        )
+        torch.manual_seed(args.seed)
+        agent = Agent(envs).to(device)
+        collectives.broadcast_parameters(agent)
+        rank_seed = args.seed + 10_000 * run.rank  # SpinningUp's stride: nearby seeds never collide
+        random.seed(rank_seed)
+        np.random.seed(rank_seed)
+        torch.manual_seed(rank_seed)
+        torch.backends.cudnn.deterministic = args.torch_deterministic
+        optimizer = optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5, fused=True)
+        loss_fn = minibatch_loss
+        if args.compile:  # fixed shapes, unless preemption cuts rollouts
+            loss_fn = torch.compile(minibatch_loss, fullgraph=True, dynamic=args.preempt_fraction > 0)
+        iteration, global_step = run.resume(agent=agent, optimizer=optimizer)  # if resuming
+        rollout_agent = rollout.derive(agent, observation_space, args.numpy_rollout)
+        probe = rollout.probe(rollout_agent, observation_space, device)
+        rollout.check(agent, probe, "at start", rollout_agent.kind)
+
+        # --- rollout storage: numpy, a row per step of this rank's envs ---
+        shape = (args.num_steps, args.local_num_envs)
+        obs = np.zeros(shape + observation_space.shape, dtype=np.float32)
+        actions = np.zeros(shape + action_space.shape, dtype=np.float32)
+        logprobs = np.zeros(shape, dtype=np.float32)
+        rewards = np.zeros(shape, dtype=np.float32)
+        terminations = np.zeros(shape, dtype=np.float32)
+        episode_ends = np.zeros(shape, dtype=np.float32)  # terminated or truncated
+        values = np.zeros(shape, dtype=np.float32)
+        final_values = np.zeros(shape, dtype=np.float32)  # V(final observation) where truncated
+        discounted_returns = np.zeros(shape)  # the return whose running std scales the rewards
+        first_env = run.first_env_index + run.rank * args.local_num_envs  # after earlier attempts'
+        seeds = [args.seed + 10_000 * (first_env + j) for j in range(args.local_num_envs)]
+        next_obs, _ = envs.reset(seed=seeds)
+        episode_return = np.zeros(args.local_num_envs)
+        episode_length = np.zeros(args.local_num_envs)
+        discounted_return = np.zeros(args.local_num_envs)
+
         while global_step < run.total_steps:  # the world's env steps: preemption collects fewer
             iteration += 1
             if args.anneal_lr:  # linearly to zero over the run's env steps

@@ -1,4 +1,5 @@
-"""ddrl benchmarks, each `python -m benchmark.NAME --help`: run and plot (learning curves), interval (a final-return
-cell), scaling and scaling_model (SPS against ranks), grad_sync (time per gradient sync), throughput (1-rank SPS beside
-its bound and beside CleanRL's file, which cleanrl_compat runs), stragglers (a slow rank). Their results are in
-benchmark/results/, each file headed by its command."""
+"""ddrl benchmarks, each `python -m benchmark.NAME --help`: run and plot (learning curves), scaling (SPS against ranks,
+and its model at more ranks), grad_sync (time per gradient sync), throughput (the A/B runner: SPS beside its bound,
+start-up and the weight check, beside another checkout and CleanRL's file), stragglers (a slow rank), atari_step (a
+rollout step's parts), faults (killed and resized runs). Their results are in benchmark/results/, each headed by its
+command."""

@@ -12,13 +12,6 @@ from pathlib import Path
 import gymnasium as gym
 
 
-class TransformObservation(gym.wrappers.TransformObservation):
-    """gymnasium 0.29's `TransformObservation(env, f)`: the observation space stays the env's."""
-
-    def __init__(self, env: gym.Env, func, observation_space: gym.Space | None = None):
-        super().__init__(env, func, observation_space)
-
-
 def adapt_gymnasium() -> None:
     """Give gymnasium 1.x the 0.29 wrapper names CleanRL's PPO files call, and register the Atari envs."""
     import ale_py
@@ -28,7 +21,8 @@ def adapt_gymnasium() -> None:
     if not hasattr(wrappers, "FrameStack"):  # gymnasium 1.0 renamed two and made TransformObservation take a space
         wrappers.FrameStack = lambda env, num_stack: wrappers.FrameStackObservation(env, num_stack)
         wrappers.GrayScaleObservation = wrappers.GrayscaleObservation
-        wrappers.TransformObservation = TransformObservation
+        transform = wrappers.TransformObservation  # 0.29's takes (env, f), the observation space staying the env's
+        wrappers.TransformObservation = lambda env, func, space=None: transform(env, func, space)
 
 
 if __name__ == "__main__":

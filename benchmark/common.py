@@ -1,5 +1,5 @@
-"""What the benchmark modules share: arguments, the scripts and their defaults, launching them, reading their
-TensorBoard event files, and writing a results file."""
+"""What the benchmark modules share: arguments, the scripts and their defaults, launching them and following their
+output, reading their TensorBoard event files, and writing a results file."""
 
 import contextlib
 import datetime
@@ -18,15 +18,20 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Literal, TextIO, TypeVar, get_args
+from subprocess import PIPE, STDOUT
+from typing import Annotated, Literal, TypeVar, get_args
 
+import pydantic
 import torch
 import tyro
+from annotated_types import Ge
 
-from ddrl import env_support
+from ddrl import env_support, flags
 
 ROOT = Path(__file__).resolve().parent.parent
 """the repository root, where the scripts live"""
@@ -40,11 +45,13 @@ PINNED = (
     "--collectives torch` (`mpi` under mpirun), benchmark/pin_rank/sitecustomize.py pinning local rank r to core Cr"
 )
 """how script_command launches N pinned ranks, as a results file says it"""
+PROGRESS_LINE = re.compile(r"^(?:iteration|epoch) (\d+)/(\d+) step (\d+) SPS (\d+) return (\S+)")
+"""the per-iteration line rank 0 of every script prints: (iteration, iterations, global step, SPS, return)"""
 
 
 def usable_cores() -> list[int]:
     """The cores this process may run on, sorted."""
-    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    return sorted(os.sched_getaffinity(0))
 
 
 @dataclass(kw_only=True)
@@ -65,26 +72,29 @@ class TimingArgs(ResultsArgs):
 
 @dataclass(kw_only=True)
 class RunsArgs(TimingArgs):
-    iterations: int = 6
+    iterations: Annotated[int, Ge(2)] = 6
     """iterations (epochs) per run; at least 2 (the first is left out of SPS and the time split)"""
-    local_steps: int = 0
+    local_steps: Annotated[int, Ge(0)] = 0
     """env steps per rank per iteration; 0 = the script's own default batch"""
     out_dir: Path | None = None
     """where the runs are launched (runs/ and logs/ land there, and are kept); default: a temporary folder"""
 
-    def __post_init__(self):
-        if self.iterations < 2:
-            raise SystemExit("benchmark: error: need --iterations >= 2 (the first is left out of SPS)")
-
 
 def cli(args_class: type[ArgsT], argv: Sequence[str] | None, script_args: bool = False) -> tuple[ArgsT, list, list]:
-    """A module's Args (its docstring the help), the command line, and the arguments after `--` (for the script)."""
+    """A module's Args (its docstring the help; each flag's rule beside it, as the scripts write theirs, checked
+    here), the command line, and the arguments after `--` (for the script)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     cut = argv.index("--") if "--" in argv else len(argv)
+    module = sys.modules[args_class.__module__]
+    name = module.__spec__.name
     if cut < len(argv) and not script_args:
-        raise SystemExit("benchmark: error: this module runs no script, so it takes no arguments after --")
-    description = sys.modules[args_class.__module__].__doc__
-    return tyro.cli(args_class, args=argv[:cut], description=description), argv, argv[cut + 1 :]
+        raise SystemExit(f"{name}: error: this module runs no script, so it takes no arguments after --")
+    args = tyro.cli(args_class, args=argv[:cut], description=module.__doc__)
+    try:
+        flags.rules(args_class).validate_python(asdict(args))
+    except pydantic.ValidationError as error:
+        raise SystemExit(f"{name}: error: {flags.violation(error.errors()[0])}") from None
+    return args, argv, argv[cut + 1 :]
 
 
 @contextlib.contextmanager
@@ -101,7 +111,7 @@ def work_folder(out_dir: Path | None, prefix: str) -> Iterator[Path]:
 def load_script(script: str, root: Path = ROOT):
     """A training script of checkout `root` imported as a module (importing one does no work)."""
     spec = importlib.util.spec_from_file_location(f"{Path(script).stem}_{abs(hash(str(root)))}", root / script)
-    module = importlib.util.module_from_spec(spec)
+    module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)  # by name, as the rollout's tracer finds it
     spec.loader.exec_module(module)
     return module
 
@@ -109,11 +119,6 @@ def load_script(script: str, root: Path = ROOT):
 def defaults(script: str):
     """The script's default hyperparameters: its `Args()`."""
     return load_script(script).Args()
-
-
-def env_id(script: str, chosen: str = "") -> str:
-    """`chosen`, or else the script's default env id."""
-    return chosen or defaults(script).env_id
 
 
 def env_spaces(script: str) -> tuple:
@@ -127,18 +132,27 @@ def env_spaces(script: str) -> tuple:
         return env.observation_space, env.action_space
 
 
-def budget_args(script: str, ranks: int, local_steps: int, iterations: int) -> list[str]:
-    """`script`'s arguments for `local_steps` env steps per rank (0: its default batch) for `iterations` iterations."""
+def agent_of(script: str) -> torch.nn.Module:
+    """The script's Agent for its default env at its default sizes, built as its main builds it from a vector env's
+    spaces (here the env's own), VPG's with its hidden sizes."""
+    spaces = dict(zip(("single_observation_space", "single_action_space"), env_spaces(script), strict=True))
+    module = load_script(script)
+    return module.Agent(types.SimpleNamespace(**spaces), *([module.Args().hidden_sizes] if "vpg" in script else []))
+
+
+def budget_args(script: str, ranks: int, local_steps: int, iterations: int, envs: int = 0) -> list[str]:
+    """`script`'s arguments for `local_steps` env steps per rank (0: its default batch) in `envs` envs per rank (0: its
+    default) for `iterations` iterations."""
     args = defaults(script)
+    envs = envs or args.local_num_envs
     if not local_steps:
-        local_steps = args.steps_per_epoch if script == "vpg_mpi.py" else args.local_num_envs * args.num_steps
-    total = ["--total-timesteps", str(iterations * ranks * local_steps)]
+        local_steps = args.steps_per_epoch if script == "vpg_mpi.py" else envs * args.num_steps
+    if local_steps % envs:
+        raise SystemExit(f"benchmark: error: --local-steps {local_steps} is no multiple of {envs} envs per rank")
+    total = ["--total-timesteps", str(iterations * ranks * local_steps), "--local-num-envs", str(envs)]
     if script == "vpg_mpi.py":  # SpinningUp's global steps per epoch
         return ["--steps-per-epoch", str(ranks * local_steps), *total]
-    if local_steps % args.local_num_envs:
-        raise SystemExit(f"benchmark: error: --local-steps must be a multiple of {script}'s {args.local_num_envs} envs")
-    steps = ["--num-steps", str(local_steps // args.local_num_envs)]
-    return ["--local-num-envs", str(args.local_num_envs), *steps, *total]
+    return ["--num-steps", str(local_steps // envs), *total]
 
 
 def script_command(
@@ -160,24 +174,23 @@ def script_command(
     return ["taskset", "-c", pinned, *command, *args]
 
 
-def start(command: Sequence[str], cwd: Path, log_path: Path, pipe: bool = False) -> tuple[subprocess.Popen, TextIO]:
-    """Start `command` in `cwd`, its output to `log_path` (headed by the command) or with `pipe` to the caller."""
+def follow(
+    command: Sequence[str], cwd: Path, log_path: Path, on_line: Callable[[subprocess.Popen, float, str], None]
+) -> tuple[int, float]:
+    """Run `command` in `cwd` to its end, its output written to `log_path` (headed by the command) and each line handed
+    to `on_line(process, seconds since the start, line)` as it comes; returns its exit code and its seconds."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     cwd.mkdir(parents=True, exist_ok=True)
-    log = open(log_path, "w")  # noqa: SIM115 (the caller closes it)
-    log.write(f"$ (cd {shlex.quote(str(cwd))} && {shlex.join(command)})\n")
-    log.flush()
-    env, output = {**os.environ, "PYTHONUNBUFFERED": "1"}, subprocess.PIPE if pipe else log
-    process = subprocess.Popen(command, cwd=cwd, env=env, stdout=output, stderr=subprocess.STDOUT, text=True, bufsize=1)
-    return process, log
-
-
-def run_at_once(commands: Sequence[Sequence[str]], log_paths: Sequence[Path], cwd: Path) -> list[int]:
-    """Start every command in `cwd` at once, each one's output to its log; wait for all, their exit codes."""
-    started = [start(command, cwd, log_path) for command, log_path in zip(commands, log_paths, strict=True)]
-    for _, log in started:
-        log.close()  # each child keeps its own copy of the file
-    return [process.wait() for process, _ in started]
+    began = time.perf_counter()
+    with open(log_path, "w") as log:
+        log.write(f"$ (cd {shlex.quote(str(cwd))} && {shlex.join(command)})\n")
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        process = subprocess.Popen(command, cwd=cwd, env=env, stdout=PIPE, stderr=STDOUT, text=True, bufsize=1)
+        for line in process.stdout:
+            log.write(line)
+            on_line(process, time.perf_counter() - began, line.rstrip("\n"))
+        code = process.wait()
+    return code, time.perf_counter() - began
 
 
 def last_lines(path: Path, count: int = 15) -> str:
@@ -185,17 +198,23 @@ def last_lines(path: Path, count: int = 15) -> str:
     return "\n".join(path.read_text(errors="replace").splitlines()[-count:])
 
 
+def failed(name: str, code: int, log: Path) -> SystemExit:
+    """The error that ends a benchmark whose run NAME exited with `code`: the end of its log."""
+    return SystemExit(f"benchmark: error: run {name} failed (exit {code}); {log}:\n{last_lines(log)}")
+
+
 def run_logged(commands: dict[str, list[str]], work_dir: Path, at_once: bool = False) -> list[Path]:
     """Run each command NAME in `work_dir` (output to logs/NAME.log), in turn or at once; their folders runs/NAME."""
-    logs = [work_dir / "logs" / f"{name}.log" for name in commands]
     for name in commands:
         shutil.rmtree(work_dir / "runs" / name, ignore_errors=True)
-    pairs = list(zip(commands.values(), logs, strict=True))
-    batches = [pairs] if at_once else [[pair] for pair in pairs]  # all at once, or one after the other
-    codes = [code for batch in batches for code in run_at_once(*zip(*batch, strict=True), cwd=work_dir)]
-    for name, log, code in zip(commands, logs, codes, strict=True):
-        if code:
-            raise SystemExit(f"benchmark: error: run {name} failed (exit {code}); {log}:\n{last_lines(log)}")
+
+    def run(name: str) -> int:
+        return follow(commands[name], work_dir, work_dir / "logs" / f"{name}.log", lambda *_: None)[0]
+
+    with ThreadPoolExecutor(len(commands) if at_once else 1) as pool:
+        codes = dict(zip(commands, pool.map(run, commands), strict=True))
+    if bad := [name for name, code in codes.items() if code]:
+        raise failed(bad[0], codes[bad[0]], work_dir / "logs" / f"{bad[0]}.log")
     return [work_dir / "runs" / name for name in commands]
 
 
@@ -209,14 +228,8 @@ def _accumulator(run_dir: Path):
 
 def read_scalar_events(run_dir: Path) -> dict[str, list[tuple[float, int, float]]]:
     """Every scalar series in a run folder's event files, as (wall_time, step, value) triples in logged order."""
-    accumulator = _accumulator(run_dir)
-    tags = accumulator.Tags()["scalars"]
-    return {tag: [(event.wall_time, event.step, event.value) for event in accumulator.Scalars(tag)] for tag in tags}
-
-
-def read_scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
-    """Every scalar series in a run folder's event files, as (step, value) pairs."""
-    return {tag: [(step, value) for _, step, value in events] for tag, events in read_scalar_events(run_dir).items()}
+    found = _accumulator(run_dir)
+    return {tag: [(e.wall_time, e.step, e.value) for e in found.Scalars(tag)] for tag in found.Tags()["scalars"]}
 
 
 def read_hyperparameters(run_dir: Path) -> dict[str, str]:
@@ -252,7 +265,8 @@ def measure(run_dir: Path, script: str, mode: str, ranks: int) -> Measurement:
     sps_events = scalars.get("charts/SPS", [])
     if len(sps_events) < 2:
         raise SystemExit(f"benchmark: error: {run_dir} logged {len(sps_events)} iterations; need at least 2")
-    (first_wall, first_step, _), (last_wall, last_step, script_sps) = sps_events[0], sps_events[-1]
+    first_wall, first_step, _ = sps_events[0]
+    last_wall, last_step, script_sps = sps_events[-1]
     sps = (last_step - first_step) / max(last_wall - first_wall, 1e-9)
     batch = (last_step - first_step) // (len(sps_events) - 1)
     parts = [scalars.get(f"perf/{part}_time", [])[1:] for part in ("rollout", "update", "sync")]  # as the scripts time
@@ -260,55 +274,57 @@ def measure(run_dir: Path, script: str, mode: str, ranks: int) -> Measurement:
     return Measurement(script, mode, ranks, batch, len(sps_events), sps, script_sps, *seconds)
 
 
+def rate(call: Callable[[], object], seconds: float, warmup: int = 3) -> float:
+    """Median seconds per `call()` over about `seconds` of calls (at least 5), after `warmup` untimed calls."""
+    for _ in range(warmup):
+        call()
+    times = []
+    deadline = time.perf_counter() + seconds
+    while len(times) < 5 or time.perf_counter() < deadline:
+        start = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
 def cpu_model() -> str:
-    """The CPU's model name from /proc/cpuinfo (the platform's processor string elsewhere)."""
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown CPU"
-
-
-def cpu_details() -> str:
-    """What tells apart CPUs of one model name: family, model and the vector extensions torch uses; empty if unknown."""
-    fields = {}
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().split("\n\n")[0].splitlines():
-            key, _, value = line.partition(":")
-            fields[key.strip()] = value.strip()
-    if "model" not in fields:
-        return ""
-    flags = fields.get("flags", "").split()
-    extensions = [flag for flag in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if flag in flags] or ["no AVX2"]
-    return f"family {fields.get('cpu family', '?')} model {fields['model']}, {' '.join(extensions)}"
+    """The CPU as lscpu names it, with what tells apart CPUs of one name: family, model, the vector extensions torch
+    uses, and the hypervisor it runs under."""
+    output = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    fields = {key.strip(): value.strip() for key, _, value in (line.partition(":") for line in output.splitlines())}
+    fields = {"Model name": "unknown CPU", "CPU family": "?", "Model": "?", "Flags": "", **fields}
+    extensions = [flag for flag in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if flag in fields["Flags"].split()]
+    details = f"family {fields['CPU family']} model {fields['Model']}, {' '.join(extensions or ['no AVX2'])}"
+    guest = f", a {fields['Hypervisor vendor']} guest" if "Hypervisor vendor" in fields else ""
+    return f"{fields['Model name']} ({details}{guest}; lscpu)"
 
 
 def load_average() -> str:
     """The 1, 5 and 15 minute load averages, as `uptime` shows them."""
-    return ", ".join(f"{value:.2f}" for value in os.getloadavg()) if hasattr(os, "getloadavg") else "unknown"
+    return ", ".join(f"{value:.2f}" for value in os.getloadavg())
 
 
 def cpu_clock() -> tuple[float, float, float]:
     """(wall seconds, busy CPU seconds of the machine, CPU seconds of this process and its waited-for children)."""
-    busy = math.nan
-    with contextlib.suppress(OSError):  # /proc/stat's first line: cpu user nice system idle iowait irq softirq ...
-        ticks = [int(field) for field in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:8]]
-        busy = (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
+    # /proc/stat's first line: cpu user nice system idle iowait irq softirq ...
+    ticks = [int(field) for field in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:8]]
+    busy = (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
     usage = [resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
     return time.perf_counter(), busy, sum(use.ru_utime + use.ru_stime for use in usage)
 
 
 def other_cores(since: tuple[float, float, float]) -> float:
-    """The cores that other processes kept busy, on average, since `since` (a cpu_clock()); NaN off Linux."""
-    (wall, busy, own), (start_wall, start_busy, start_own) = cpu_clock(), since
-    others = max((busy - start_busy) - (own - start_own), 0.0)  # NaN stays NaN; the clock ticks' jitter stays >= 0
+    """The cores that other processes kept busy, on average, since `since` (a cpu_clock())."""
+    wall, busy, own = cpu_clock()
+    start_wall, start_busy, start_own = since
+    others = max((busy - start_busy) - (own - start_own), 0.0)  # the clock ticks' jitter stays >= 0
     return others / max(wall - start_wall, 1e-9)
 
 
 def check_load(max_load: float) -> tuple[str, str | None]:
     """Before a timing: the load averages now, and a warning (printed too) if the 1-minute one exceeds `max_load`."""
     load = load_average()
-    if load == "unknown" or float(load.split(",")[0]) <= max_load:
+    if float(load.split(",")[0]) <= max_load:
         return load, None
     warning = (
         f"MEASURED UNDER LOAD: the 1-minute load average was {load.split(',')[0]} when the measurement started (more "
@@ -335,24 +351,18 @@ def code_version(root: Path = ROOT, short: bool = False, files: Sequence[str | P
 
 def command_line(module: str, argv: Sequence[str]) -> str:
     """The shell command of a `python -m benchmark.X` invocation without `--notes` (a results file's prose)."""
-    shown, in_notes = [], False
-    for index, arg in enumerate(argv):
-        if arg == "--":  # the rest goes to the script
-            shown += argv[index:]
-            break
-        if arg.startswith("--"):
-            in_notes = arg == "--notes"
-        if not (in_notes or arg.startswith("--notes=")):
-            shown.append(arg)
-    return shlex.join(["python", "-m", module, *shown])
+    cut = argv.index("--") if "--" in argv else len(argv)  # the rest goes to the script
+    starts = [index for index, arg in enumerate(argv[:cut]) if arg.startswith("--")] + [cut]
+    notes = {i for start, end in itertools.pairwise(starts) if argv[start] == "--notes" for i in range(start, end)}
+    shown = [arg for i, arg in enumerate(argv[:cut]) if i not in notes and not arg.startswith("--notes=")]
+    return shlex.join(["python", "-m", module, *shown, *argv[cut:]])
 
 
 def results_header(title: str, module: str, argv: Sequence[str], facts=(), notes=(), warning: str | None = None) -> str:
     """A results file's header: title, warning, the command, date, machine, checkout, load, `facts`, then `notes`."""
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    details = f" ({cpu_details()})" if cpu_details() else ""
     machine = (
-        f"{cpu_model()}{details}, {len(usable_cores())} usable cores ({os.cpu_count()} online), {platform.system()} "
+        f"{cpu_model()}, {len(usable_cores())} usable cores ({os.cpu_count()} online), {platform.system()} "
         f"{platform.release()}, Python {platform.python_version()}, torch {torch.__version__}"
     )
     lines = [f"# {title}", "", *([f"**{warning}**", ""] if warning else [])]
@@ -362,12 +372,14 @@ def results_header(title: str, module: str, argv: Sequence[str], facts=(), notes
     return "\n".join(lines + [line for note in notes for line in (note, "")])
 
 
-def write_results(args: ResultsArgs, argv, title: str, facts: list[str], body: str, load="", warning=None) -> Path:
-    """Write OUT.md, the results header then `body` (`load` and `warning` as check_load gives them); its path."""
-    facts = [*facts, *([f"load average (1, 5, 15 min) before the measurement: {load}"] if load else [])]
+def write_results(args: ResultsArgs, argv, title: str, facts: list[str], body: str, load=("", None), *warnings) -> Path:
+    """Write OUT.md, the results header then `body`; `load` as check_load gives it, its warning and `warnings` (None
+    or a line each) at the top; its path."""
+    facts = [*facts, *([f"load average (1, 5, 15 min) before the measurement: {load[0]}"] if load[0] else [])]
     module = sys.modules[type(args).__module__].__spec__.name  # benchmark.X, also when run as __main__
     args.out.parent.mkdir(parents=True, exist_ok=True)
     path = args.out.with_name(args.out.name + ".md")
+    warning = " ".join(filter(None, [load[1], *warnings])) or None
     path.write_text(results_header(title, module, argv, facts, args.notes, warning) + body)
     print(f"wrote {path}")
     return path
@@ -375,7 +387,6 @@ def write_results(args: ResultsArgs, argv, title: str, facts: list[str], body: s
 
 def markdown_table(header_row: str, rows: Sequence[Sequence[object]]) -> str:
     """A markdown table under `header_row` (`a | b | c`), columns of numbers right-aligned."""
-
     filled = [[str(row[column]) for row in rows if str(row[column])] for column in range(header_row.count(" | ") + 1)]
     alignments = ["--:" if rows and all(re.match(r"[-+]?[\d.]", cell) for cell in cells) else ":--" for cells in filled]
     lines = [f"| {header_row} |", "|" + "|".join(alignments) + "|"]
@@ -385,31 +396,26 @@ def markdown_table(header_row: str, rows: Sequence[Sequence[object]]) -> str:
 def table_rows(markdown: str, first_header: str) -> list[list[str]]:
     """The cells of each body row of the first markdown table whose first header is `first_header` (none: [])."""
     lines = markdown.splitlines()
-    start = next((i for i, line in enumerate(lines) if line.startswith(f"| {first_header} |")), len(lines))
-    body = itertools.takewhile(lambda line: line.startswith("|"), lines[start + 2 :])
+    start_line = next((i for i, line in enumerate(lines) if line.startswith(f"| {first_header} |")), len(lines))
+    body = itertools.takewhile(lambda line: line.startswith("|"), lines[start_line + 2 :])
     return [[cell.strip() for cell in line.strip().strip("|").split("|")] for line in body]
 
 
-def draw(args: ResultsArgs, plot: Callable[[Path], None], alt: str) -> tuple[Path, str]:
-    """OUT.png drawn by `plot`: its path, and the markdown line that shows it in OUT.md."""
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    png_path = args.out.with_name(args.out.name + ".png")
-    plot(png_path)
-    return png_path, f"\n![{alt}]({png_path.name})\n"
-
-
-@contextlib.contextmanager
-def figure(path: Path, rows: int = 1, cols: int = 1, size: tuple[float, float] = (8, 5)) -> Iterator[list]:
-    """A matplotlib figure of rows x cols axes (no display needed) for the with-block, then saved to `path`."""
+def draw(args: ResultsArgs, plot: Callable[[list], None], alt: str, grid=(1, 1), size=(8.0, 5.0)) -> tuple[Path, str]:
+    """OUT.png of a matplotlib figure of `grid` (rows, columns) axes that `plot(axes)` draws (no display needed): its
+    path, and the markdown line that shows it in OUT.md."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(rows, cols, figsize=size, squeeze=False)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    png_path = args.out.with_name(args.out.name + ".png")
+    fig, axes = plt.subplots(*grid, figsize=size, squeeze=False)
     try:
-        yield list(axes.flat)
+        plot(list(axes.flat))
         fig.tight_layout()
-        fig.savefig(path, dpi=100)
+        fig.savefig(png_path, dpi=100)
     finally:
         plt.close(fig)
+    return png_path, f"\n![{alt}]({png_path.name})\n"

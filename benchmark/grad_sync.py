@@ -2,11 +2,10 @@
 
     python -m benchmark.grad_sync --nprocs 2 --repeats 50 --out benchmark/results/grad_sync
 
-Each script's Agent for its default env, with a local batch of the script's default size. Methods: per-parameter
-(SpinningUp's mpi_avg_grads), flat (the MLP scripts' `average_gradients`: the gradients flattened, one allreduce, the
-mean written back), DDP (the Atari script's, as forward+backward
-through DDP minus the same without), gather+broadcast (vpg_mpi.py's --sync gather); with `--mpi` the scripts' methods
-again through MPI. Every method's result is checked against an all_gather reference first.
+Each script's Agent for its default env, with a local batch of the script's default size, on ranks mpirun starts.
+Methods: per-parameter (SpinningUp's mpi_avg_grads), flat (the MLP scripts' `average_gradients`), DDP (the Atari
+script's, as forward+backward through DDP minus the same without), gather+broadcast (--sync gather's traffic); the
+scripts' methods again through MPI. Every method's result is checked against an all_gather reference.
 """
 
 import gc
@@ -19,85 +18,67 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn as nn
+from annotated_types import Ge
 
 from benchmark import common
-from ddrl import collectives
+from ddrl import collectives, one_learner
 
 SCRIPT_OF = {"vpg": "vpg_mpi.py", "ppo_continuous": "ppo_continuous_mpi.py", "atari": common.ATARI}
 """the models: each script's Agent"""
-LOG_PROB_VALUE = {
-    "vpg": lambda agent, obs, actions: (agent.log_prob_entropy(obs, actions)[0], agent.value(obs)),
-    "ppo_continuous": lambda agent, obs, actions: agent.log_prob_entropy_value(obs, actions)[::2],
-    "atari": lambda agent, obs, actions: agent(obs, actions)[::2],
-}
-"""each model's log-probabilities of the actions and values, as its script's update computes them"""
-MPI = None  # mpi4py's MPI module in a rank that mpirun started (--mpi)
+MPI = None  # mpi4py's MPI module, imported in a rank that mpirun started
 
 
 @dataclass(kw_only=True)
 class Args(common.TimingArgs):
-    nprocs: int = 2
-    """ranks (spawned processes joined in a gloo group)"""
+    nprocs: Annotated[int, Ge(2)] = 2
+    """ranks (started by mpirun, joined in a gloo group and MPI's world)"""
     models: tuple[Literal["vpg", "ppo_continuous", "atari"], ...] = ("vpg", "ppo_continuous", "atari")
     """which scripts' models (SCRIPT_OF)"""
-    repeats: int = 50
+    repeats: Annotated[int, Ge(1)] = 50
     """timed repetitions per method"""
     warmup: int = 5
     """untimed repetitions before them"""
-    mlp_batch: int = 0
-    """local minibatch of ppo_continuous_mpi.py for the DDP timing; 0 = its default (local steps / minibatches)"""
-    cnn_batch: int = 0
-    """local minibatch of ppo_atari_multigpu.py for the DDP timing; 0 = its default (local steps / minibatches)"""
-    mpi: bool = True
-    """start the ranks with mpirun and add MPI rows (mpi4py) beside gloo's; --no-mpi spawns them, gloo only"""
-    threads: int = 0
-    """torch threads per rank; 0 = usable cores / nprocs, as the scripts do"""
     out: Path = Path("benchmark_results/grad_sync")
 
 
 class LossOf(nn.Module):
     """A script's Agent behind one `forward` returning a PPO/VPG-like scalar loss, so DDP can wrap it."""
 
-    def __init__(self, name: str, agent: nn.Module):
+    def __init__(self, agent: nn.Module):
         super().__init__()
-        self.name, self.agent = name, agent
+        self.agent = agent
 
     def forward(self, obs: torch.Tensor, actions: torch.Tensor, advantages: torch.Tensor, returns: torch.Tensor):
-        log_prob, value = LOG_PROB_VALUE[self.name](self.agent, obs, actions)
-        return -(log_prob * advantages).mean() + 0.5 * ((value - returns) ** 2).mean()
+        _, log_prob, _, value = self.agent.get_action_and_value(obs, actions)
+        return -(log_prob * advantages).mean() + 0.5 * ((value.view(-1) - returns) ** 2).mean()
 
 
-def build(name: str, args: Args, rank: int) -> tuple[LossOf, tuple[torch.Tensor, ...], int]:
+def build(name: str, rank: int) -> tuple[LossOf, tuple[torch.Tensor, ...], int]:
     """The script's Agent (same weights on every rank) in a LossOf, a random local batch of the script's size (vpg:
-    its epoch's share; PPO: its minibatch, or --mlp-batch / --cnn-batch), and that size."""
-    script = common.load_script(SCRIPT_OF[name])
-    defaults = script.Args()
+    its epoch's share; PPO: its minibatch), and that size."""
+    defaults = common.defaults(SCRIPT_OF[name])
+    torch.manual_seed(0)
+    agent = common.agent_of(SCRIPT_OF[name])
     obs_space, action_space = common.env_spaces(SCRIPT_OF[name])
     if name == "vpg":
         batch = defaults.steps_per_epoch // dist.get_world_size()
     else:
-        chosen = args.cnn_batch if name == "atari" else args.mlp_batch
-        batch = chosen or defaults.local_num_envs * defaults.num_steps // defaults.num_minibatches
-    torch.manual_seed(0)
+        batch = defaults.local_num_envs * defaults.num_steps // defaults.num_minibatches
     generator = torch.Generator().manual_seed(1 + rank)
     if name == "atari":
-        agent = script.Agent(action_space.n)
         obs = torch.randint(0, 256, (batch, 4, 84, 84), dtype=torch.uint8, generator=generator)
         actions = torch.randint(0, action_space.n, (batch,), generator=generator)
     else:
-        shape = (action_space, defaults.hidden_sizes) if name == "vpg" else (action_space.shape[0],)
-        agent = script.Agent(obs_space.shape[0], *shape)
         obs = torch.randn(batch, *obs_space.shape, generator=generator)
         actions = torch.randn(batch, *action_space.shape, generator=generator)
     advantages, returns = torch.randn(2, batch, generator=generator)
-    return LossOf(name, agent), (obs, actions, advantages, returns), batch
+    return LossOf(agent), (obs, actions, advantages, returns), batch
 
 
 def backward(module: nn.Module, inputs: tuple[torch.Tensor, ...]) -> None:
@@ -113,9 +94,7 @@ def gradients(parameters: list[nn.Parameter]) -> torch.Tensor:
 
 def world_gather(tensor: torch.Tensor) -> list[torch.Tensor]:
     """Every rank's `tensor` via all_gather (a reference independent of the methods under test)."""
-    pieces = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
-    dist.all_gather(pieces, tensor)
-    return pieces
+    return list(collectives.gather_to_all(tensor).unbind(0))
 
 
 def timed(function: Callable[[], object], mpi_barrier: bool = False) -> float:
@@ -136,34 +115,35 @@ def summary(times: list[float]) -> dict[str, float]:
 
 
 def gather_method(rank: int, agent: nn.Module, inputs: tuple[torch.Tensor, ...]) -> tuple:
-    """vpg's --sync gather (what it times, the sync, its check): a rollout batch of its layout gathered to rank 0,
-    rank 0's weights broadcast (the check first makes the other ranks' weights differ)."""
-    vpg_mpi = common.load_script("vpg_mpi.py")
-    n = vpg_mpi.Args().steps_per_epoch // dist.get_world_size()
+    """vpg's --sync gather traffic (what it times, the sync, its check): a rollout batch of its layout gathered to
+    rank 0 as one_learner.update_on_rank0 gathers it, rank 0's weights broadcast (the check first makes the other
+    ranks' weights differ)."""
+    n = common.defaults("vpg_mpi.py").steps_per_epoch // dist.get_world_size()
     generator = torch.Generator().manual_seed(100 + rank)
     widths = dict(obs=inputs[0].shape[1], actions=inputs[1].shape[1], log_probs=1, values=1, advantages=1, returns=1)
-    batch = {key: torch.randn(n, width, generator=generator) for key, width in widths.items()}
+    batch = {key: torch.randn(n, width, generator=generator).squeeze(1) for key, width in widths.items()}
     expected = {key: torch.cat(world_gather(value)) for key, value in batch.items()}
 
     def check() -> bool:
         with torch.no_grad():
             for parameter in agent.parameters():
                 parameter.add_(float(rank))
-        union = vpg_mpi.gather_to_learner(batch)
+        union = one_learner.gather_union(batch, None, None)
         collectives.broadcast_parameters(agent)
         weights = torch.cat([parameter.detach().reshape(-1) for parameter in agent.parameters()])
         broadcast = all(torch.equal(piece, weights) for piece in world_gather(weights))
-        return broadcast and (union is None or all(torch.equal(union[k], v) for k, v in expected.items()))
+        return broadcast and (union is None or all(torch.equal(union[0][k], v) for k, v in expected.items()))
 
-    what = f"gather_to_learner of {n}x{sum(widths.values())} floats per rank + broadcast_parameters"
-    return what, lambda: (vpg_mpi.gather_to_learner(batch), collectives.broadcast_parameters(agent)), check
+    what = f"one_learner.gather_union of {n}x{sum(widths.values())} floats per rank + broadcast_parameters"
+    return what, lambda: (one_learner.gather_union(batch, None, None), collectives.broadcast_parameters(agent)), check
 
 
 def measure_model(name: str, args: Args, rank: int) -> list[dict]:
     """Check, then time, every method that applies to model `name`; one dict per method (rank 0's copy counts)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    module, inputs, batch = build(name, args, rank)
+    module, inputs, batch = build(name, rank)
+    repeats = args.warmup + args.repeats  # the warm-up ones first
     parameters = list(module.parameters())
     script = common.load_script(SCRIPT_OF[name])
     if not hasattr(script, "average_gradients"):  # the Atari script: the MLP scripts' flat allreduce on its model
@@ -202,13 +182,14 @@ def measure_model(name: str, args: Args, rank: int) -> list[dict]:
     checks = {"DDP": torch.allclose(gradients(parameters), reference, rtol=1e-4, atol=1e-6)}
     rows = []
     for method, (what, function, routed) in methods.items():
-        for mpi in (False, True) if MPI and routed else (False,):
-            label, times = method + ", MPI" * mpi, []
+        for mpi in (False, True) if routed else (False,):
+            label = method + ", MPI" * mpi
+            times = []
             if routed:  # the MPI row: the scripts' CPU collectives through MPI, as --collectives mpi routes them
                 collectives.MPIWorld.mpi = MPI if mpi else None
                 collectives.MPIWorld.comm = MPI.COMM_WORLD if mpi else None
             checks[label] = gather_works() if method == "gather+broadcast" else averages(function)
-            for _ in range(args.warmup + args.repeats):
+            for _ in range(repeats):
                 restore()  # keep the gradients' values bounded and realistic between repetitions
                 times.append(timed(function, mpi))
             what = "the same through MPI (mpi4py, in place on numpy views), as --collectives mpi" if mpi else what
@@ -216,11 +197,9 @@ def measure_model(name: str, args: Args, rank: int) -> list[dict]:
         collectives.MPIWorld.mpi = None
         collectives.MPIWorld.comm = None
     # DDP: forward+backward with and without it, interleaved so that both see the same machine
-    plain, wrapped = [], []
-    for _ in range(args.warmup + args.repeats):
-        plain.append(timed(lambda: backward(module, inputs)))
-        wrapped.append(timed(lambda: backward(ddp, inputs)))
-    plain, wrapped = summary(plain[args.warmup :]), summary(wrapped[args.warmup :])
+    pairs = [(timed(lambda: backward(module, inputs)), timed(lambda: backward(ddp, inputs))) for _ in range(repeats)]
+    plain = summary([pair[0] for pair in pairs[args.warmup :]])
+    wrapped = summary([pair[1] for pair in pairs[args.warmup :]])
     what = f"forward+backward of a {batch}-sample minibatch through DDP ({wrapped['median_ms']:.2f} ms) minus without"
     difference = {key: wrapped[key] - plain[key] for key in ("median_ms", "mean_ms")}
     rows.append({"method": "DDP", "what": f"{what} DDP ({plain['median_ms']:.2f} ms)", **difference})
@@ -234,13 +213,15 @@ def measure_model(name: str, args: Args, rank: int) -> list[dict]:
     return rows
 
 
-def worker(rank: int, world_size: int, init_file: str, args_dict: dict, result_path: str) -> None:
-    """One rank: join the gloo group (and with --mpi, MPI), measure every model, rank 0 writes the rows as JSON."""
+def worker(init_file: str, args_dict: dict, result_path: str) -> None:
+    """One rank of mpirun's: join the gloo group, measure every model, rank 0 writes the rows as JSON."""
     global MPI
+    from mpi4py import MPI
+
     args = Args(**args_dict)
-    if args.mpi:
-        from mpi4py import MPI
-    torch.set_num_threads(args.threads)
+    rank = MPI.COMM_WORLD.Get_rank()
+    world_size = MPI.COMM_WORLD.Get_size()
+    torch.set_num_threads(max(1, len(common.usable_cores()) // world_size))  # as the scripts share the cores
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
     try:
         rows = [row for name in args.models for row in measure_model(name, args, rank)]
@@ -259,8 +240,8 @@ def format_table(rows: list[dict]) -> str:
         agent = f"{Path(SCRIPT_OF[r['model']]).stem}.Agent ({'Nature CNN' if r['model'] == 'atari' else '64-64 MLPs'})"
         spread = f" ({r['p10_ms']:.2f}-{r['p90_ms']:.2f})" if "p10_ms" in r else ""
         times = [f"{r['median_ms']:.2f}{spread}", f"{r['mean_ms']:.2f}", r["syncs"], f"{r['mean_ms'] * r['syncs']:.1f}"]
-        size, checked = f"{r['parameters']:,} in {r['tensors']} tensors", "yes" if r["checked"] else "NO"
-        table.append([agent, size, r["method"], *times, checked, r["what"]])
+        size = f"{r['parameters']:,} in {r['tensors']} tensors"
+        table.append([agent, size, r["method"], *times, "yes" if r["checked"] else "NO", r["what"]])
     headers = (
         "model | parameters | method | ms per sync, median (p10-p90) | ms per sync, mean | syncs per iteration | "
         "ms per iteration (mean x syncs) | result checked | what is timed"
@@ -271,35 +252,29 @@ def format_table(rows: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> Path:
     """Start the ranks, measure, write OUT.md; returns its path."""
     args, argv, _ = common.cli(Args, argv)
-    if args.nprocs < 2 or args.repeats < 1:
-        raise SystemExit("benchmark.grad_sync: error: need --nprocs >= 2 and --repeats >= 1")
-    args.threads = args.threads or max(1, len(common.usable_cores()) // args.nprocs)
     load = common.check_load(args.max_load)
     with tempfile.TemporaryDirectory(prefix="ddrl_grad_sync_") as tmp:
         result_path = Path(tmp) / "rows.json"
         plain_args = {key: str(value) if isinstance(value, Path) else value for key, value in asdict(args).items()}
         worker_args = (str(Path(tmp) / "store"), plain_args, str(result_path))
-        if args.mpi:  # ranks that run worker(), not a script (whose --nprocs launches itself): mpirun starts them
-            rank = "int(os.environ['OMPI_COMM_WORLD_RANK'])"
-            code = f"import os; from benchmark.grad_sync import worker; worker({rank}, {args.nprocs}, *{worker_args!r})"
-            as_root = ["--allow-run-as-root"] if os.geteuid() == 0 else []
-            mpirun = ["mpirun", *as_root, "--bind-to", "none", "-np", str(args.nprocs), sys.executable, "-c", code]
-            subprocess.run(mpirun, cwd=common.ROOT, check=True)
-        else:
-            mp.start_processes(worker, args=(args.nprocs, *worker_args), nprocs=args.nprocs, start_method="spawn")
+        code = f"from benchmark.grad_sync import worker; worker(*{worker_args!r})"  # ranks that run worker(), no script
+        as_root = ["--allow-run-as-root"] if os.geteuid() == 0 else []
+        mpirun = ["mpirun", *as_root, "--bind-to", "none", "-np", str(args.nprocs), sys.executable, "-c", code]
+        subprocess.run(mpirun, cwd=common.ROOT, check=True)
         rows = json.loads(result_path.read_text())
     if not all(row["checked"] for row in rows):
         print("benchmark.grad_sync: warning: a method's result did not match the all_gather reference", file=sys.stderr)
+    threads = max(1, len(common.usable_cores()) // args.nprocs)
     facts = [
-        f"{args.nprocs} ranks ({'by mpirun' if args.mpi else 'spawned'}; gloo, and MPI where a method says so), "
-        f"{args.threads} torch thread(s) each; {args.repeats} timed repetitions after {args.warmup} warm-up ones, "
-        "each after a barrier, each counted on the slowest rank",
+        f"{args.nprocs} ranks (by mpirun; gloo, and MPI where a method says so), {threads} torch thread(s) each; "
+        f"{args.repeats} timed repetitions after {args.warmup} warm-up ones, each after a barrier, each counted on the "
+        "slowest rank",
         "syncs per iteration at the scripts' defaults: vpg_mpi.py's 1 policy + train_v_iters value steps, or one "
         "gather+broadcast, the PPO scripts' minibatches x epochs (a sync here covers the whole model, vpg_mpi.py's "
         "about half of it, so its per-iteration figures are an upper bound)",
         "DDP rows for the MLPs show what DDP would cost there; only ppo_atari_multigpu.py uses DDP",
     ]
-    return common.write_results(args, argv, "Gradient sync: time per sync", facts, "\n" + format_table(rows), *load)
+    return common.write_results(args, argv, "Gradient sync: time per sync", facts, "\n" + format_table(rows), load)
 
 
 if __name__ == "__main__":

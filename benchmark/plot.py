@@ -5,12 +5,13 @@
 
 Every folder under the given paths that holds event files is one run, its env id, seed and label read from the
 `hyperparameters` table the scripts write (runs of any name mix). One panel and one row per env id, one line and one
-column per label.
+column per label. With --values and no paths, it prints the table's cell for per-seed final returns alone (results
+whose run folders are gone): `python -m benchmark.plot --values 1801.9 1783.8 3455.1 --steps 1,000,000`.
 """
 
+import functools
 import math
 import re
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,13 +21,20 @@ import tyro
 from benchmark import common
 
 RETURN_KEY = "charts/episodic_return"
-CONFIDENCE, RESAMPLES = 0.95, 10_000  # the bootstrap's interval and draws (seeded: a table is reproducible)
+CONFIDENCE = 0.95
+"""the bootstrap's interval"""
+RESAMPLES = 10_000
+"""the bootstrap's draws (seeded: a table is reproducible)"""
 
 
 @dataclass(kw_only=True)
 class Args(common.ResultsArgs):
-    paths: tyro.conf.Positional[tuple[Path, ...]]
+    paths: tyro.conf.Positional[tuple[Path, ...]] = ()
     """run folders, or folders holding run folders (searched recursively for event files)"""
+    values: tuple[float, ...] = ()
+    """no run folders: the final return of seeds 1, 2, ..., whose cell is printed (with --steps)"""
+    steps: str = "?"
+    """with --values, the env steps of the runs, as the cell should say them (e.g. 1,000,000)"""
     label_keys: tuple[str, ...] = ("exp_name",)
     """hyperparameters whose values name a line (e.g. exp_name world_size)"""
     last_points: int = 10
@@ -58,20 +66,17 @@ class Run:
 
 
 def load_run(path: Path, label_keys: tuple[str, ...]) -> Run | None:
-    """A run folder as a Run (identity from its hyperparameters, else from a CleanRL-style name); None if empty."""
-    scalars = common.read_scalars(path)
-    series, sps = scalars.get(RETURN_KEY, []), np.array(scalars.get("charts/SPS", [(0, 1)]), dtype=np.float64)
+    """A run folder as a Run, its identity from the hyperparameters table it logged (ours, CleanRL's); None if empty."""
+    scalars = common.read_scalar_events(path)  # (wall time, step, value) triples
+    series = scalars.get(RETURN_KEY, [])
     if not series:
         return None
-    hyper = common.read_hyperparameters(path)
-    if not hyper:
-        parts = path.name.split("__")  # the scripts' default name: {env_id}__{exp_name}__{seed}__{unix_time}
-        if len(parts) < 3:
-            raise SystemExit(f"benchmark.plot: error: {path} has no hyperparameters table and no env__exp__seed name")
-        hyper = {"env_id": parts[0], "exp_name": parts[1], "seed": parts[2]}
+    if not (hyper := common.read_hyperparameters(path)):
+        raise SystemExit(f"benchmark.plot: error: {path} logged no hyperparameters table (its env id, seed, label)")
     label = [f"{hyper.get(key, '?')}" if len(label_keys) == 1 else f"{key}={hyper.get(key)}" for key in label_keys]
-    steps, returns = (np.array(values, dtype=np.float64) for values in zip(*series, strict=True))
-    seconds = np.interp(steps, sps[:, 0], sps[:, 0] / np.maximum(sps[:, 1], 1))
+    _, steps, returns = (np.array(values, dtype=np.float64) for values in zip(*series, strict=True))
+    sps = np.array(scalars.get("charts/SPS", [(0, 0, 1)]), dtype=np.float64)
+    seconds = np.interp(steps, sps[:, 1], sps[:, 1] / np.maximum(sps[:, 2], 1))
     return Run(path, hyper.get("env_id", "?"), hyper.get("seed", "?"), " ".join(label), steps, returns, seconds)
 
 
@@ -148,7 +153,8 @@ def final_returns_cell(finals: dict[str, float], steps: str) -> str:
     if len(values) == 1:
         return f"{values[0]:.2f} (1 seed, {steps} steps)"
     low, high = bootstrap_interval(values)
-    mean, interval = f"{values.mean():.2f} +- {values.std():.2f}", f"95% CI [{low:.2f}, {high:.2f}]"
+    mean = f"{values.mean():.2f} +- {values.std():.2f}"
+    interval = f"95% CI [{low:.2f}, {high:.2f}]"
     stated = f"{mean}, {interval}" if len(values) < 5 else f"IQM {center(values):.2f}, {interval}; {mean}"
     return f"{stated} ({len(values)} seeds, {steps} steps: {per_seed})"
 
@@ -161,8 +167,9 @@ def summarize(runs: list[Run], args: Args, references: dict[str, str]) -> str:
     rows = []
     for env_id in env_ids:
         row: list[object] = [env_id]
-        reference, reached = references.get(env_id, ""), []
+        reference = references.get(env_id, "")
         value = reference_value(reference)
+        reached = []
         for label in labels:
             group = [run for run in runs if run.env_id == env_id and run.label == label]
             if not group:
@@ -170,12 +177,13 @@ def summarize(runs: list[Run], args: Args, references: dict[str, str]) -> str:
                 continue
             if value is not None:
                 reached.append(f"{label}: " * (len(labels) > 1) + time_to_reference(group, args.smooth, value))
-            low, high = min(int(run.steps[-1]) for run in group), max(int(run.steps[-1]) for run in group)
-            steps = f"{low:,}" if low == high else f"{low:,}-{high:,}"
+            ends = sorted(int(run.steps[-1]) for run in group)
+            steps = f"{ends[0]:,}" if ends[0] == ends[-1] else f"{ends[0]:,}-{ends[-1]:,}"
             if len({run.seed for run in group}) < len(group):  # a seed run twice: one value per run, not per seed
                 finals = {f"{run.seed}, {run.path.name}": final_return(run, args.last_points) for run in group}
             else:
-                finals = {run.seed: final_return(run, args.last_points) for run in sorted(group, key=seed_order)}
+                in_order = sorted(group, key=lambda run: (len(run.seed), run.seed))  # numbers as numbers
+                finals = {run.seed: final_return(run, args.last_points) for run in in_order}
             row.append(final_returns_cell(finals, steps))
         if references:
             row += [reference, "; ".join(reached)]
@@ -184,42 +192,41 @@ def summarize(runs: list[Run], args: Args, references: dict[str, str]) -> str:
     return common.markdown_table(" | ".join(["env", *labels, *(reference_columns if references else [])]), rows)
 
 
-def seed_order(run: Run) -> tuple[int, str]:
-    """Seeds in numeric order where they are numbers."""
-    return (int(run.seed), "") if run.seed.isdigit() else (math.inf, run.seed)
-
-
-def plot(runs: list[Run], args: Args, references: dict[str, str], path: Path) -> None:
-    """One panel per env id, one line per label (mean_curve, its interval shaded), references dashed."""
+def plot(runs: list[Run], args: Args, references: dict[str, str], axes: list) -> None:
+    """One panel per env id (in a grid of 3 columns), one line per label (mean_curve, its interval shaded), references
+    dashed."""
     env_ids = sorted({run.env_id for run in runs})
     labels = sorted({run.label for run in runs})
-    columns = min(3, len(env_ids))
-    rows = math.ceil(len(env_ids) / columns)
-    with common.figure(path, rows, columns, (5 * columns, 3.8 * rows)) as axes:
-        for axis, env_id in zip(axes, env_ids, strict=False):
-            for color, label in enumerate(labels):
-                group = [run for run in runs if run.env_id == env_id and run.label == label]
-                if not group:
-                    continue
-                steps, middle, low, high = mean_curve(group, args.smooth)
-                distinct = len({run.seed for run in group})  # `3 seeds`, or `4 runs of 3 seeds` where one repeats
-                seeds = f"{distinct} seed{'s' * (distinct > 1)}"
-                seeds = seeds if distinct == len(group) else f"{len(group)} runs of {seeds}"
-                axis.plot(steps, middle, color=f"C{color}", label=f"{label} ({seeds})")
-                if len(group) > 1:
-                    axis.fill_between(steps, low, high, color=f"C{color}", alpha=0.2)
-            if (value := reference_value(references.get(env_id, ""))) is not None:
-                axis.axhline(value, color="gray", linestyle="--", label=args.reference_label)
-            axis.set(title=env_id, xlabel="global env steps", ylabel="episodic return")
-            axis.grid(alpha=0.3)
-            axis.legend(fontsize="small")
-        for axis in axes[len(env_ids) :]:
-            axis.set_visible(False)
+    for axis, env_id in zip(axes, env_ids, strict=False):
+        for color, label in enumerate(labels):
+            group = [run for run in runs if run.env_id == env_id and run.label == label]
+            if not group:
+                continue
+            steps, middle, low, high = mean_curve(group, args.smooth)
+            distinct = len({run.seed for run in group})  # `3 seeds`, or `4 runs of 3 seeds` where one repeats
+            seeds = f"{distinct} seed{'s' * (distinct > 1)}"
+            seeds = seeds if distinct == len(group) else f"{len(group)} runs of {seeds}"
+            axis.plot(steps, middle, color=f"C{color}", label=f"{label} ({seeds})")
+            if len(group) > 1:
+                axis.fill_between(steps, low, high, color=f"C{color}", alpha=0.2)
+        if (value := reference_value(references.get(env_id, ""))) is not None:
+            axis.axhline(value, color="gray", linestyle="--", label=args.reference_label)
+        axis.set(title=env_id, xlabel="global env steps", ylabel="episodic return")
+        axis.grid(alpha=0.3)
+        axis.legend(fontsize="small")
+    for axis in axes[len(env_ids) :]:
+        axis.set_visible(False)
 
 
-def main(argv: list[str] | None = None) -> tuple[Path, Path]:
-    """Read the runs, write OUT.png and OUT.md; returns their paths."""
+def main(argv: list[str] | None = None) -> tuple[Path, Path] | str:
+    """Read the runs, write OUT.png and OUT.md; returns their paths. With --values: print their cell, return it."""
     args, argv, _ = common.cli(Args, argv)
+    if args.values or not args.paths:
+        if not args.values or args.paths:
+            raise SystemExit("benchmark.plot: error: give run folders, or --values alone")
+        cell = final_returns_cell({str(seed): value for seed, value in enumerate(args.values, 1)}, args.steps)
+        print(cell)
+        return cell
     references = dict(item.partition("=")[::2] for item in args.reference)
     if bad := [f"{env_id}={text}" for env_id, text in references.items() if not env_id or not text]:
         raise SystemExit(f"benchmark.plot: error: --reference {bad[0]!r} is not ENV_ID=TEXT")
@@ -229,12 +236,10 @@ def main(argv: list[str] | None = None) -> tuple[Path, Path]:
     runs = [run for path in run_dirs if (run := load_run(path, args.label_keys)) is not None]
     if not runs:
         raise SystemExit(f"benchmark.plot: error: no {RETURN_KEY} in any event file under {args.paths}")
-    seen: dict[tuple[str, str, str], Path] = {}
-    for run in runs:
-        if (key := (run.label, run.env_id, run.seed)) in seen:
-            print(f"benchmark.plot: warning: {run.path} and {seen[key]} are both {' '.join(key)}", file=sys.stderr)
-        seen[key] = run.path
-    png_path, image = common.draw(args, lambda path: plot(runs, args, references, path), "learning curves")
+    panels = len({run.env_id for run in runs})
+    grid = (math.ceil(panels / min(3, panels)), min(3, panels))
+    size = (5 * grid[1], 3.8 * grid[0])
+    png_path, image = common.draw(args, functools.partial(plot, runs, args, references), "learning curves", grid, size)
     facts = [
         f"final return: mean of the last {args.last_points} logged `{RETURN_KEY}` values of a run (each the mean "
         "return of the episodes that ended in one iteration), then over seeds mean +- std (ddof 0), the 95% "

@@ -8,20 +8,19 @@ A run is `python SCRIPT --nprocs N ...` plus the arguments after `--` (mpirun wh
 else torchrun; `-- --collectives torch` keeps it to torchrun), logging to OUT_DIR/runs/NAME and OUT_DIR/logs/NAME.log.
 """
 
-import re
-import shlex
-import shutil
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Annotated
+
+from annotated_types import Ge
 
 from benchmark import common
 
-PROGRESS_LINE = re.compile(r"^(?:iteration|epoch) (\d+)/(\d+) step (\d+) SPS (\d+) return (\S+)")
-"""the per-iteration line rank 0 of every script prints: (iteration, iterations, global step, SPS, return)"""
+PROGRESS_EVERY = 10.0
+"""seconds between two progress lines of the same run (its last line is always shown)"""
 
 
 @dataclass
@@ -32,24 +31,16 @@ class Args:
     """the env ids to run"""
     seeds: tuple[int, ...] = (1, 2, 3)
     """the seeds to run for each env id"""
-    nprocs: int = 2
+    nprocs: Annotated[int, Ge(1)] = 2
     """ranks per run (the scripts' --nprocs)"""
-    parallel: int = 1
+    parallel: Annotated[int, Ge(1)] = 1
     """runs at a time, each rank with `usable cores // (nprocs * parallel)` torch threads unless told after --"""
     out_dir: Path = Path("benchmark_runs")
     """runs/ (TensorBoard) and logs/ are written under this folder"""
-    overwrite: bool = False
-    """if toggled, delete run folders that already exist instead of refusing to start"""
-    dry_run: bool = False
-    """if toggled, print the commands (and the folder they run in) and exit"""
-    progress_every: float = 10.0
-    """seconds between two progress lines of the same run (its last line is always shown)"""
 
 
 def plan(args: Args, script_args: list[str]) -> dict[str, list[str]]:
     """{run name `{script stem}__{env id, / as -}__{seed}`: command} for every env id and seed, in that order."""
-    if args.nprocs < 1 or args.parallel < 1:
-        raise SystemExit("benchmark.run: error: --nprocs and --parallel must be at least 1")
     extra = list(script_args)
     if args.parallel > 1 and not any(arg.startswith("--torch-threads") for arg in extra):
         extra += ["--torch-threads", str(max(1, len(common.usable_cores()) // (args.nprocs * args.parallel)))]
@@ -62,59 +53,39 @@ def plan(args: Args, script_args: list[str]) -> dict[str, list[str]]:
     return runs
 
 
-class Launcher:
-    """Runs commands in `out_dir`, printing a run's progress now and then: `[k/n] run_name: iteration i/I ...`."""
+def launch(index: int, name: str, command: list[str], args: Args, total: int, printed: dict) -> int:
+    """Run one command to its end in --out-dir, printing `[index/total] name: ...` when it starts, a progress line
+    every PROGRESS_EVERY seconds (and its last), and when it ends; its exit code."""
 
-    def __init__(self, out_dir: Path, total: int, every: float):
-        self.out_dir, self.total, self.every, self.lock, self.last_print = out_dir, total, every, threading.Lock(), {}
+    def show(message: str) -> None:
+        print(f"[{index}/{total}] {name}: {message}", flush=True)
+        printed[name] = time.monotonic()
 
-    def show(self, index: int, name: str, message: str) -> None:
-        with self.lock:
-            print(f"[{index}/{self.total}] {name}: {message}", flush=True)
-            self.last_print[name] = time.monotonic()
+    def line(process, seconds: float, text: str) -> None:
+        if match := common.PROGRESS_LINE.match(text):
+            done = int(match.group(1))
+            if done == int(match.group(2)) or time.monotonic() - printed.get(name, 0.0) >= PROGRESS_EVERY:
+                show(f"{100 * done // int(match.group(2)):3d}% {text}")
 
-    def line(self, index: int, name: str, text: str) -> None:
-        match = PROGRESS_LINE.match(text)
-        if not match:
-            return
-        done, iterations = int(match.group(1)), int(match.group(2))
-        if done == iterations or time.monotonic() - self.last_print.get(name, 0.0) >= self.every:
-            self.show(index, name, f"{100 * done // iterations:3d}% {text}")
-
-    def launch(self, index: int, name: str, command: list[str]) -> int:
-        """Run one command to completion, reporting progress; its exit code."""
-        start = time.monotonic()
-        self.show(index, name, "started")
-        log = self.out_dir / "logs" / f"{name}.log"
-        process, log_file = common.start(command, self.out_dir, log, pipe=True)
-        with log_file:
-            for text in process.stdout:
-                log_file.write(text)
-                self.line(index, name, text.rstrip("\n"))
-        code, seconds = process.wait(), time.monotonic() - start
-        failed = f"FAILED (exit {code}) after {seconds:.0f} s; {log}:\n{common.last_lines(log)}"
-        self.show(index, name, failed if code else f"done in {seconds:.0f} s")
-        return code
+    show("started")
+    log = args.out_dir.resolve() / "logs" / f"{name}.log"
+    code, seconds = common.follow(command, args.out_dir.resolve(), log, line)
+    failed = f"FAILED (exit {code}) after {seconds:.0f} s; {log}:\n{common.last_lines(log)}" if code else None
+    show(failed or f"done in {seconds:.0f} s")
+    return code
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Plan the runs, then print them (--dry-run) or run them; returns the number of failed runs."""
+    """Plan the runs and run them; returns the number of failed runs."""
     args, _, script_args = common.cli(Args, argv, script_args=True)
     runs = plan(args, script_args)
     out_dir = args.out_dir.resolve()
-    if args.dry_run:
-        for command in runs.values():
-            print(f"(cd {shlex.quote(str(out_dir))} && {shlex.join(command)})")
-        return 0
-    existing = [out_dir / "runs" / name for name in runs if (out_dir / "runs" / name).exists()]
-    if existing and not args.overwrite:
-        names = ", ".join(path.name for path in existing)
-        raise SystemExit(f"benchmark.run: error: run folders exist in {out_dir / 'runs'} ({names}); pass --overwrite")
-    for path in existing:
-        shutil.rmtree(path)
-    launcher = Launcher(out_dir, len(runs), args.progress_every)
+    if existing := [str(out_dir / "runs" / name) for name in runs if (out_dir / "runs" / name).exists()]:
+        raise SystemExit(f"benchmark.run: error: {', '.join(existing)} exist(s): choose another --out-dir")
+    printed = {}  # run name: when its last line was printed
     with ThreadPoolExecutor(max_workers=args.parallel) as pool:
-        codes = dict(zip(runs, pool.map(launcher.launch, range(1, len(runs) + 1), runs, runs.values()), strict=True))
+        started = [pool.submit(launch, i, *run, args, len(runs), printed) for i, run in enumerate(runs.items(), 1)]
+        codes = {name: future.result() for name, future in zip(runs, started, strict=True)}
     failed = [name for name, code in codes.items() if code]
     print(f"{len(runs) - len(failed)}/{len(runs)} runs finished; TensorBoard: tensorboard --logdir {out_dir / 'runs'}")
     if failed:

@@ -85,6 +85,7 @@ def write(path: str, tensors: dict[str, torch.Tensor], header: dict) -> None:
     data = save_bytes(on_host, metadata={FORMAT: json.dumps(header)})
     descriptor, temporary = tempfile.mkstemp(dir=folder, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
     try:
+        os.fchmod(descriptor, 0o644)  # readable as a file open() makes, not mkstemp's owner-only
         with os.fdopen(descriptor, "wb") as file:
             file.write(data)
         os.replace(temporary, path)
@@ -225,7 +226,10 @@ def read(path: str, fix: str) -> tuple[dict, dict[str, tuple[tuple[int, ...], st
                 declared = opened.get_slice(name)
                 tensors[name] = (tuple(declared.get_shape()), declared.get_dtype())
     except Exception as error:  # safetensors' checks, or the OS refusing to map it (a huge sparse file)
-        fail(f"{path} is truncated or no safetensors file ({type(error).__name__}: {first_line(error)}); {fix}")
+        fail(
+            f"{path} could not be opened as a safetensors file ({type(error).__name__}: {first_line(error)}): it is "
+            f"truncated, no safetensors file, or larger than this machine can map; {fix}"
+        )
     text = metadata.get(FORMAT) if isinstance(metadata, dict) else None
     if not isinstance(text, str):
         fail(f"{path} is a safetensors file without ddrl's header: it is no checkpoint of a ddrl script; {fix}")
@@ -239,10 +243,13 @@ def read(path: str, fix: str) -> tuple[dict, dict[str, tuple[tuple[int, ...], st
         fail(f"{path} holds a header that is no JSON ddrl writes ({type(error).__name__}); {fix}")
     if depth(header) > MAX_DEPTH:
         fail(f"{path} holds a header nested deeper than ddrl writes ({MAX_DEPTH} levels); {fix}")
-    if not isinstance(header, dict) or header.get("format") != FORMAT or header.get("version") != VERSION:
-        version = header.get("version") if isinstance(header, dict) else None
+    if not isinstance(header, dict) or header.get("format") != FORMAT:
+        found = f"of format {shown(header.get('format'))}" if isinstance(header, dict) else "that is no JSON object"
+        fail(f"{path} holds a header {found}, not ddrl's: it is no checkpoint of a ddrl script; {fix}")
+    if header.get("version") != VERSION:
         fail(
-            f"{path} holds a header of ddrl's format version {shown(version)}, not {VERSION}: use the ddrl that wrote it"
+            f"{path} holds a header of ddrl's format version {shown(header.get('version'))}, not {VERSION}: use the "
+            "ddrl that wrote it"
         )
     for key, kind in {"kind": str, "script": str, "algorithm": str, "env_id": str, "args": dict}.items():
         if not isinstance(header.get(key), kind):
@@ -337,7 +344,10 @@ def read_model(path: str, args_type: type, env_id: str) -> tuple[dict, object]:
             f"--env-id {shown(env_id)} is not the env of {path} ({shown(header['env_id'])}), which it plays: "
             "drop --env-id"
         )
-    return header, saved_args(header, args_type, path, fix)
+    saved = saved_args(header, args_type, path, fix)
+    if saved.env_id != header["env_id"]:  # the env played is the args': one the check above never saw
+        fail(f"{path} holds args of env {shown(saved.env_id)}, not its {shown(header['env_id'])}: it is damaged; {fix}")
+    return header, saved
 
 
 def writer_of(header: dict) -> str:
@@ -452,7 +462,7 @@ def load_training_state(path: str, header: dict, rank: int, states: dict) -> Non
         saved = optimizers.get(name)
         saved_type = saved.get("type") if isinstance(saved, dict) else None
         if saved_type is None or (faults := misfits(found, wanted, f"{name}.state.")):
-            fault = "no state of it" if saved_type is None else f"{shown(saved_type)}'s state ({faults})"
+            fault = "no state of it" if saved_type is None else f"the state of a {shown(saved_type)} ({faults})"
             fail(
                 f"{path}, written by {writer_of(header)}: its {name!r} holds {fault}, which does not fit this run's "
                 f"{type(optimizer).__name__}: resume with the optimizer that wrote it, or start a new run"
@@ -489,9 +499,9 @@ def say_changed_options(path: str, name: str, optimizer: torch.optim.Optimizer, 
             if now.get(key) != before.get(key)
         ]
     if changes or saved.get("type") != type(optimizer).__name__:
-        names = f"{shown(saved.get('type'))} -> {type(optimizer).__name__}"
         failures.tell(
-            f"{path}: its {name!r} state loads into this run's {names}, with the command line's {', '.join(changes)}"
+            f"{path}: its {name!r} state, a {shown(saved.get('type'))}'s, loads into this run's "
+            f"{type(optimizer).__name__}, with the command line's {', '.join(changes)}"
         )
 
 
@@ -510,7 +520,10 @@ def load_random_streams(path: str, header: dict, found: dict, rank: int) -> None
         )
     if rank >= world_size:
         return
-    streams = {name: tensor[rank] for name, tensor in load_tensors(path, [*RANDOM_STREAMS, "rng.torch"]).items()}
+    # copies: torch.set_rng_state misreads a view into the stacked ranks' states (rank r's starts past offset 0)
+    streams = {
+        name: tensor[rank].clone() for name, tensor in load_tensors(path, [*RANDOM_STREAMS, "rng.torch"]).items()
+    }
     try:
         python_state = tuple(int(word) for word in streams["rng.python"])
         gauss = float(streams["rng.python_gauss"])
@@ -522,11 +535,14 @@ def load_random_streams(path: str, header: dict, found: dict, rank: int) -> None
         np.random.set_state(("MT19937", keys.astype(np.uint32), int(position), int(has_gauss), cached))
         torch.set_rng_state(streams["rng.torch"])
         if "rng.cuda" in found and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(list(load_tensors(path, ["rng.cuda"])["rng.cuda"][rank]))
+            torch.cuda.set_rng_state_all(
+                [state.clone() for state in load_tensors(path, ["rng.cuda"])["rng.cuda"][rank]]
+            )
     except (LookupError, TypeError, ValueError, OverflowError, RuntimeError) as error:
         fail(
             f"{path}: its random streams of rank {rank} do not fit this run ({first_line(error)}); "
-            "delete it to resume from the one before"
+            "delete it to resume from the one before",
+            any_rank=True,  # this rank's alone: rank 0 may have loaded its own
         )
 
 
@@ -606,12 +622,12 @@ def find_run_to_resume(args, total_steps: int) -> tuple[str, dict | None]:
     refuse_imported_env(path, header, args.env_id)
     if header["env_id"] != args.env_id:
         fail(f"{path} trains {shown(header['env_id'])}, not --env-id {args.env_id}; pass that --env-id")
-    saved_args(header, type(args), path, fix)
+    saved = saved_args(header, type(args), path, fix)
     iteration = header["iteration"]
     global_step = header["global_step"]
-    if not (1 <= iteration <= global_step and header["world_size"] >= 1):
+    if not (1 <= iteration <= global_step <= saved.total_timesteps and header["world_size"] >= 1):
         fail(
-            f"{path} says {global_step} env steps in {iteration} iterations by {header['world_size']} ranks, which no "
-            f"run reaches: it is damaged; {fix}"
+            f"{path} says {global_step} env steps in {iteration} iterations by {header['world_size']} ranks, of "
+            f"--total-timesteps {saved.total_timesteps}, which no run reaches: it is damaged; {fix}"
         )
     return name, {**header, "path": path}

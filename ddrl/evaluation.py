@@ -32,6 +32,11 @@ def play(agent: nn.Module, envs: gym.vector.VectorEnv, args) -> list[float]:
         action = rollout_agent.get_action_and_value(obs)[0]
         if isinstance(space, gym.spaces.Box):
             action = np.clip(action, space.low, space.high)
+        if not space.contains(action[0].astype(space.dtype) if isinstance(space, gym.spaces.Box) else action[0]):
+            fail(
+                f"the Agent's action {failures.shown(action[0])} is none of the env's {space}: the model file's env is "
+                f"not one this {failures.script} trains; evaluate it with the script that wrote it"
+            )
         obs, reward, terminated, truncated, _ = envs.step(action)
         episode_return += float(reward[0])
         if terminated[0] or truncated[0]:
@@ -71,9 +76,12 @@ def evaluate_checkpoint(args, agent_class: type, make_env: Callable) -> None:
             f"{path}, written by {checkpoints.writer_of(header)}: its weights do not fit this {agent_class.__name__} "
             f"({faults}): undo the Agent's edit, or use the script that wrote it"
         )
-    needed = sum(tensor.numel() * tensor.element_size() for tensor in shapes.state_dict().values())
-    if problem := machine.memory_problem(2 * needed, "the network its args describe", 1):
-        fail(f"{path}: {problem}")
+    needed = 2 * sum(tensor.numel() * tensor.element_size() for tensor in shapes.state_dict().values())
+    if needed > machine.available_memory():
+        fail(
+            f"{path}: the network its args describe takes {machine.size(needed)} to load, more than the "
+            f"{machine.size(machine.available_memory())} this machine has available: evaluate it on a larger machine"
+        )
     agent = build_agent(agent_class, envs, saved)
     checkpoints.load_weights(agent, path, header)
     random.seed(args.seed)  # sampling, like the env, follows --seed: repeatable evaluations

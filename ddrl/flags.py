@@ -114,7 +114,10 @@ def violation(detail: dict) -> str:
     name, *place = detail["loc"]
     flag = f"--{str(name).replace('_', '-')}" + "".join(f"[{index}]" for index in place)
     value = detail.get("input")
-    rule = detail.get("ctx") or {}
+    rule = {
+        key: int(bound) if isinstance(bound, float) and bound.is_integer() else bound
+        for key, bound in (detail.get("ctx") or {}).items()
+    }
     kind = detail["type"]
     wanted = {
         "greater_than_equal": f"at least {rule.get('ge')}",

@@ -80,6 +80,8 @@ class Run:
             self.first_env_index = self.resumed_from["envs_seeded"]
         launching.check_same_command(self)
         run_folders.create_run_folder(self, resumed=self.resumed_from is not None or checks.restart_count() > 0)
+        if self.args.save_model:  # found now, not after training: the model file is never written through a link
+            run_folders.refuse_link(checkpoints.model_path(self.name))
         if self.rank == 0:
             lines = [f"{'':18}{'per rank':>12}{'world':>12}"]
             lines += [f"{row:18}{local!s:>12}{world!s:>12}" for row, local, world in batch_table]

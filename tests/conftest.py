@@ -60,19 +60,18 @@ def pytest_runtest_protocol(item, nextitem):
         yield
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def saved(tmp_path_factory):
-    """script -> (its training checkpoint of iteration 2, its model file) from a real one-rank run, each as
-    tests.helpers.read_checkpoint reads it: the header, its tensors under "tensors"."""
-    from tests.helpers import read_checkpoint, train_ranks
-    from tests.test_reliability import flags
+    """script -> (its training checkpoint of iteration 2, its model file) from a real one-rank run of its tiny flags,
+    each as tests.helpers.read_checkpoint reads it: the header, its tensors under "tensors"; made once per session."""
+    from tests.helpers import read_checkpoint, tiny_flags, train_ranks
 
     made = {}
 
     def checkpoints(script: str) -> tuple[dict, dict]:
         if script not in made:
             cwd = tmp_path_factory.mktemp("saved")
-            train_ranks(script, flags(script, 2, "--checkpoint-every", "1", "--save-model"), cwd, nprocs=1)
+            train_ranks(script, tiny_flags(script, 2, "--checkpoint-every", "1", "--save-model"), cwd, nprocs=1)
             [run_dir] = (cwd / "runs").iterdir()
             made[script] = tuple(
                 read_checkpoint(path)

@@ -6,6 +6,7 @@ import importlib.util
 import json
 import os
 import runpy
+import signal
 import socket
 import subprocess
 import sys
@@ -14,6 +15,7 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 
+import gymnasium as gym
 import pytest
 import torch
 import torch.distributed as dist
@@ -21,8 +23,6 @@ import torch.multiprocessing as mp
 import tyro
 from safetensors import safe_open
 from safetensors.torch import save_file
-
-from benchmark.common import read_scalars  # noqa: F401 (the tests import it from here)
 
 ROOT = Path(__file__).resolve().parent.parent
 RANK_ENTRY = Path(__file__).resolve().parent / "rank_entry.py"
@@ -76,10 +76,10 @@ def _inherit(environment: dict[str, str], cwd: str, output_stem: str | None) -> 
         os.dup2(os.open(f"{output_stem}.{suffix}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
 
 
-def _python_main(script: str, args: list[str], cwd: str, parent_env: dict[str, str]) -> None:
-    """`python script args` in a process forked from run_ranks' server: its stdout and stderr to cwd/python.out and
-    cwd/python.err, its exit code as python's (2 for the scripts' refusals, 1 for an uncaught exception)."""
-    _inherit(parent_env, cwd, os.path.join(cwd, "python"))
+def _python_main(script: str, args: list[str], cwd: str, parent_env: dict[str, str], name: str = "python") -> None:
+    """`python script args` in a process forked from run_ranks' server: its stdout and stderr to cwd/NAME.out and
+    cwd/NAME.err, its exit code as python's (2 for the scripts' refusals, 1 for an uncaught exception)."""
+    _inherit(parent_env, cwd, os.path.join(cwd, name))
     code = 0
     try:
         sys.argv = [script, *args]
@@ -103,17 +103,29 @@ def run_python(script: Path, args: list[str], cwd: Path, timeout: float = 240) -
     """What run_command([python, script, *args], cwd) returns, in a fraction of the time: the script runs in a process
     forked from run_ranks' server, which imported torch once. For a script's own code (its checks, its training); a
     test of how a process starts or exits launches a real one."""
+    return finish_python(start_python(script, args, cwd), timeout)
+
+
+def start_python(script: Path, args: list[str], cwd: Path, name: str = "python", **env: str):
+    """run_python's process, started and left running (a test signals it, or starts another beside it), with `env`
+    added to its environment: its stdout and stderr go to cwd/NAME.out and cwd/NAME.err, which `output` reads."""
     process = mp.get_context("forkserver").Process(
-        target=_python_main, args=(str(script), list(args), str(cwd), clean_env())
+        target=_python_main, args=(str(script), list(args), str(cwd), clean_env(**env), name)
     )
     process.start()
+    process.args = [sys.executable, str(script), *args]
+    process.output_files = (cwd / f"{name}.out", cwd / f"{name}.err")
+    return process
+
+
+def finish_python(process, timeout: float) -> subprocess.CompletedProcess:
+    """Wait for a start_python process (killed after `timeout` s, failing the test) and return what it wrote."""
     process.join(timeout)
     if process.exitcode is None:
         process.kill()
         process.join()
-        raise AssertionError(f"{script} {args} still ran after {timeout} s")
-    output = [(cwd / name).read_text() for name in ("python.out", "python.err")]
-    return subprocess.CompletedProcess([sys.executable, str(script), *args], process.exitcode, *output)
+        raise AssertionError(f"{process.args} still ran after {timeout} s")
+    return subprocess.CompletedProcess(process.args, process.exitcode, *output(process))
 
 
 def torchrun(
@@ -149,6 +161,16 @@ def write_checkpoint(checkpoint: dict, path: Path) -> Path:
     header = {key: value for key, value in checkpoint.items() if key != "tensors"}
     save_file(checkpoint["tensors"], str(path), metadata={"ddrl": json.dumps(header)})
     return path
+
+
+def read_scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar series in a run folder's TensorBoard event files, as (step, value) pairs in logged order, as
+    TensorBoard shows them (what a resumed run purged is gone)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
+    events.Reload()
+    return {tag: [(event.step, event.value) for event in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
 
 
 def compiled_files() -> set[Path]:
@@ -233,6 +255,7 @@ def train_rank(rank: int, world_size: int, script: str, cwd: str, flags: list[st
     if Path(script).is_absolute():  # a copy, imported from its file under a name of its own
         spec = importlib.util.spec_from_file_location(f"copy_{rank}_{Path(script).stem}", script)
         module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # as an import registers it: ddrl.launch finds the script by its Args' module
         spec.loader.exec_module(module)
     else:
         module = importlib.import_module(Path(script).stem)
@@ -342,15 +365,17 @@ def start(command: list[str], cwd: Path, name: str = "launch", **env: str) -> su
 
 
 def output(process: subprocess.Popen) -> tuple[str, str]:
-    """What a `start`ed process has written so far to stdout and stderr."""
-    return tuple(path.read_text() for path in process.output_files)
+    """What a `start`ed (or start_python) process has written so far to stdout and stderr (nothing yet where a file
+    is not made yet, or is a named pipe that the test reads itself)."""
+    return tuple(path.read_text() if path.is_file() else "" for path in process.output_files)
 
 
 def wait_for(condition, timeout: float, what: str, processes: tuple[subprocess.Popen, ...] = ()) -> None:
-    """Poll `condition()` every 50 ms; fail the test after `timeout` s, or when a process ended first."""
+    """Poll `condition()` every 50 ms; fail the test after `timeout` s, or when a process (started by `start` or
+    `start_python`) ended first."""
     deadline = time.monotonic() + timeout
     while not condition():
-        ended = [p for p in processes if p.poll() is not None]
+        ended = [p for p in processes if (p.poll() if isinstance(p, subprocess.Popen) else p.exitcode) is not None]
         if ended or time.monotonic() > deadline:
             for process in processes:
                 process.kill()
@@ -441,6 +466,59 @@ def refuse(module, flags: list[str], monkeypatch, capsys, **env: str | None) -> 
     return stderr
 
 
+# --- tiny runs, and ranks that stop on purpose (runtime tests) ---------------------------------------------
+
+TINY_RUNS = {  # each script's smallest run: (flags, env steps of one iteration: the world's in VPG, a rank's in PPO)
+    "vpg_mpi.py": (["--env-id", "CartPole-v1", "--steps-per-epoch", "200", "--train-v-iters", "2"], 200),
+    "ppo_continuous_mpi.py": (
+        ["--env-id", "InvertedPendulum-v5", "--num-steps", "64", "--num-minibatches", "2", "--update-epochs", "1"],
+        64,
+    ),
+    "ppo_atari_multigpu.py": (
+        ["--env-id", "BreakoutNoFrameskip-v4", "--local-num-envs", "2", "--num-steps", "32"]
+        + ["--num-minibatches", "2", "--update-epochs", "1"],
+        64,
+    ),
+}
+
+
+def world_batch(script: str, ranks: int = 1) -> int:
+    """The world's env steps of one iteration of `script`'s tiny run at `ranks` ranks."""
+    return TINY_RUNS[script][1] * (1 if script == "vpg_mpi.py" else ranks)
+
+
+def tiny_flags(script: str, iterations: int, *extra: str, ranks: int = 1) -> list[str]:
+    """The flags of `script`'s tiny run, with the env steps of `iterations` iterations at `ranks` ranks, and `extra`."""
+    return [*TINY_RUNS[script][0], "--total-timesteps", str(iterations * world_batch(script, ranks)), *extra]
+
+
+def train_rank_signalled(rank: int, world_size: int, script: str, cwd: str, flags: list[str]) -> dict:
+    """train_rank, where the rank that DDRL_TEST_SIGTERM names ("RANK:ITERATION") sends itself a real SIGTERM once it
+    has logged that iteration: a scheduler's notice at a moment a test can count on."""
+    import ddrl.run
+
+    target, iteration = (int(part) for part in os.environ["DDRL_TEST_SIGTERM"].split(":"))
+    log = ddrl.run.Run.log
+
+    def log_then_signal(run, logged: int, *arguments) -> None:
+        log(run, logged, *arguments)
+        if logged == iteration:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    if rank == target:
+        ddrl.run.Run.log = log_then_signal
+    return train_rank(rank, world_size, script, cwd, flags)
+
+
+def exit_code_rank(rank: int, world_size: int, script: str, cwd: str, flags: list[str]) -> int | None:
+    """train_rank for a run that may stop: its exit code (None if main returned)."""
+    try:
+        train_rank(rank, world_size, script, cwd, flags)
+    except SystemExit as stop:
+        return stop.code
+    return None
+
+
 def cleanrl_ppo_loss(
     newlogprob: torch.Tensor, entropy: torch.Tensor, newvalue: torch.Tensor, mb: dict[str, torch.Tensor], args
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -498,3 +576,80 @@ def union_orders(orders: list[torch.Tensor], minibatch_sizes: torch.Tensor) -> t
         ]
         epochs.append(torch.cat([piece[k] for k in range(minibatch_sizes.shape[1]) for piece in rank_pieces]))
     return torch.stack(epochs)
+
+
+# --- algorithm tests ---
+
+
+def vector_env_spaces(obs_dim: int, action_space):
+    """What an Agent reads of the vector env it is built from: flat Box observations of `obs_dim` numbers and
+    `action_space` for each env (no env is made)."""
+    from types import SimpleNamespace
+
+    import gymnasium as gym
+    import numpy as np
+
+    observation_space = gym.spaces.Box(-np.inf, np.inf, (obs_dim,), np.float32)
+    return SimpleNamespace(single_observation_space=observation_space, single_action_space=action_space)
+
+
+def cleanrl_minibatch_step(agent: torch.nn.Module, mb: dict[str, torch.Tensor], args) -> tuple[torch.Tensor, list]:
+    """CleanRL's PPO minibatch step, its loss written out independently of the scripts: the Agent's log-probabilities,
+    entropies and values ([N, 1], viewed as [N]) for the minibatch's observations and actions, then cleanrl_ppo_loss."""
+    _, newlogprob, entropy, newvalue = agent.get_action_and_value(mb["obs"], mb["actions"])
+    return cleanrl_ppo_loss(newlogprob, entropy, newvalue.view(-1), mb, args)
+
+
+def assert_minibatch_loss_is_cleanrls(minibatch_loss: Callable, model, agent, batch: dict, args) -> None:
+    """A PPO script's `minibatch_loss(model, batch, ...)` (advantages normalised with the batch's mean and std) gives
+    the loss, logged numbers and gradients of CleanRL's step written out (cleanrl_minibatch_step on `agent`), on a
+    batch where some ratios and some value changes clip and some do not, so that the other --clip-vloss setting gives
+    another value loss: a script that ignores the flag fails here."""
+    import dataclasses
+
+    adv_mean, adv_std = batch["advantages"].mean(), batch["advantages"].std()
+    loss, stats = minibatch_loss(model, batch, adv_mean, adv_std, args)
+    expected_loss, expected_stats = cleanrl_minibatch_step(agent, batch, args)
+    assert 0 < stats["clipfrac"] < 1  # some ratios clipped, some not
+    with torch.no_grad():  # and some value errors beyond the clip range, some within
+        value_change = (agent.get_value(batch["obs"]).view(-1) - batch["values"]).abs()
+    assert (value_change > args.clip_coef).any() and (value_change < args.clip_coef).any()
+    other_value_loss = cleanrl_minibatch_step(agent, batch, dataclasses.replace(args, clip_vloss=not args.clip_vloss))
+    assert (other_value_loss[1][1] - expected_stats[1]).abs() > 1e-3
+    assert_same_loss_and_gradients(agent, loss, stats, expected_loss, expected_stats)
+
+
+class Recorder(gym.Wrapper):
+    """One env as a script's main steps it (make_env wrapped by a test): its reset seeds; what a same-step-autoreset
+    vector env shows the agent (reset observations, and the observations of steps that did not end an episode: a final
+    observation is replaced by the next reset's); each step's reward and how it ended."""
+
+    instances: list["Recorder"] = []  # filled in the rank's process only
+
+    def __init__(self, env: gym.Env):
+        super().__init__(env)
+        self.seeds = []
+        self.seen = []
+        self.rewards = []
+        self.terminated = []
+        self.truncated = []
+        Recorder.instances.append(self)
+
+    def reset(self, *, seed: int | None = None, options: dict | None = None):
+        obs, info = super().reset(seed=seed, options=options)
+        self.seen.append(obs)
+        self.seeds += [] if seed is None else [seed]
+        return obs, info
+
+    def step(self, action):
+        obs, reward, terminated, truncated, info = super().step(action)
+        self.rewards.append(float(reward))
+        self.terminated.append(terminated)
+        self.truncated.append(truncated)
+        if not (terminated or truncated):
+            self.seen.append(obs)
+        return obs, reward, terminated, truncated, info
+
+    @property
+    def ends(self) -> list[bool]:
+        return [terminated or truncated for terminated, truncated in zip(self.terminated, self.truncated, strict=True)]

@@ -150,7 +150,11 @@ def test_main_calls_only_what_is_defined_above_it_or_in_the_package(script):
     for module, name in into_package:
         assert name in package[modules[module]], f"{script}: main calls {module}.{name}, which ddrl/{module}.py lacks"
     run_methods = {node.name for node in package["run"]["Run"].body if isinstance(node, ast.FunctionDef)}
-    on_run = [node.func.attr for node in calls if isinstance(node.func, ast.Attribute) and ast.unparse(node.func.value) == "run"]
+    on_run = [
+        node.func.attr
+        for node in calls
+        if isinstance(node.func, ast.Attribute) and ast.unparse(node.func.value) == "run"
+    ]
     assert set(on_run) <= run_methods, f"{script}: main calls run.{sorted(set(on_run) - run_methods)}, which Run lacks"
 
 
@@ -197,7 +201,11 @@ def test_the_agent_is_cleanrls_get_value_and_get_action_and_value_over_torch_dis
         if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("torch.distributions")
         for alias in node.names
     }
-    built = {getattr(node.func, "id", None) for node in ast.walk(methods["get_action_and_value"]) if isinstance(node, ast.Call)}
+    built = {
+        getattr(node.func, "id", None)
+        for node in ast.walk(methods["get_action_and_value"])
+        if isinstance(node, ast.Call)
+    }
     assert built & distributions, f"{script}: get_action_and_value builds none of {sorted(distributions)}"
 
 
@@ -217,7 +225,11 @@ def test_the_runs_life_reads_from_main_as_the_runs_few_calls_in_order(script):
     assert [name for name in RUN_LIFE if name in first] == list(RUN_LIFE), f"{script}: main calls {first}"
     assert [first[name] for name in RUN_LIFE] == sorted(first[name] for name in RUN_LIFE), f"{script}: {first}"
     writers = {"run_folders", "checkpoints", "launching", "stopping"}
-    direct = {ast.unparse(node.func.value) for node in ast.walk(main) if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)}
+    direct = {
+        ast.unparse(node.func.value)
+        for node in ast.walk(main)
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+    }
     assert not direct & writers, f"{script}: main calls {sorted(direct & writers)} itself"
 
 

@@ -1,7 +1,7 @@
 """Bad input to each script: one clear message and exit 2, no traceback, nothing written under runs/."""
 
 import importlib.util
-import sys
+from pathlib import Path
 
 import gymnasium as gym
 import pytest
@@ -9,7 +9,7 @@ import pytest
 import ppo_atari_multigpu
 import ppo_continuous_mpi
 import vpg_mpi
-from tests.helpers import refuse, run_command
+from tests.helpers import refuse, run_python
 
 SCRIPTS = {"atari": ppo_atari_multigpu, "continuous": ppo_continuous_mpi, "vpg": vpg_mpi}
 
@@ -35,18 +35,28 @@ WITHOUT_MOVIEPY = pytest.mark.skipif(importlib.util.find_spec("moviepy") is not 
         ("atari", "--env-id Breakout-v4", 1, "skips a random number of frames"),
         ("atari", "--local-num-envs 3 --num-steps 5", 1, "does not split into --num-minibatches 4"),
         ("atari", "--total-timesteps 1024", 2, "zero iterations"),
-        ("atari", "--num-steps 0", 1, "--num-steps must be at least 1"),
-        ("atari", "--target-kl 0", 1, "--target-kl must be positive"),
+        ("atari", "--num-steps 0", 1, "--num-steps must be at least 1, got 0"),
+        ("atari", "--target-kl 0", 1, "--target-kl must be greater than 0, got 0.0"),
         ("atari", "--eval-checkpoint missing/model.pt", 1, "does not exist"),
-        ("atari", "--preempt-fraction 1.5", 2, "--preempt-fraction must lie in [0, 1] (0 = off)"),
+        ("atari", "--preempt-fraction 1.5", 2, "--preempt-fraction must be at most 1, got 1.5"),
         ("continuous", "--num-steps 100", 1, "--num-minibatches 32 does not divide the local batch of 100 steps"),
         ("continuous", "--num-steps 64 --local-num-envs 2 --num-minibatches 3", 2, "does not divide the local batch"),
         ("continuous", "--total-timesteps 4000", 2, "less than one iteration's batch of 4096 steps"),
         ("continuous", "--env-id NoSuchEnv-v0", 1, "unknown or unusable --env-id 'NoSuchEnv-v0'"),
-        ("continuous", "--env-id CartPole-v1", 1, "CartPole-v1 has Discrete actions; ppo_continuous_mpi.py needs Box"),
+        (
+            "continuous",
+            "--env-id CartPole-v1",
+            1,
+            "--env-id 'CartPole-v1' has Discrete actions; ppo_continuous_mpi.py needs Box actions",
+        ),
         ("continuous", "--eval-checkpoint missing/model.pt", 1, "--eval-checkpoint 'missing/model.pt' does not exist"),
-        ("continuous", "--update-epochs 0", 1, "--update-epochs must be at least 1"),
-        ("continuous", "--preempt-fraction 0.5 --min-rollout-fraction 0", 2, "--min-rollout-fraction in (0, 1]"),
+        ("continuous", "--update-epochs 0", 1, "--update-epochs must be at least 1, got 0"),
+        (
+            "continuous",
+            "--preempt-fraction 0.5 --min-rollout-fraction 0",
+            2,
+            "--min-rollout-fraction must be greater than 0",
+        ),
         pytest.param("continuous", "--capture-video", 1, "--capture-video needs moviepy", marks=WITHOUT_MOVIEPY),
         ("vpg", "--steps-per-epoch 4000", 3, "does not split evenly across 3 ranks"),
         ("vpg", "--steps-per-epoch 4000 --local-num-envs 3", 2, "does not split across --local-num-envs 3"),
@@ -54,7 +64,7 @@ WITHOUT_MOVIEPY = pytest.mark.skipif(importlib.util.find_spec("moviepy") is not 
         ("vpg", "--env-id NoSuchEnv-v0", 1, "unknown or unusable --env-id 'NoSuchEnv-v0'"),
         ("vpg", "--env-id ddrl-test/TupleActions-v0", 1, "has Tuple actions"),
         ("vpg", "--eval-checkpoint missing/model.pt", 1, "does not exist"),
-        ("vpg", "--nprocs 0", 1, "--nprocs must be at least 1"),
+        ("vpg", "--nprocs 0", 1, "--nprocs must be at least 1, got 0"),
     ],
 )
 def test_bad_input_is_one_clear_message(script, flags, world_size, message, tmp_path, monkeypatch, capsys):
@@ -71,14 +81,25 @@ def test_compile_without_a_cpp_compiler_is_one_clear_message(script, tmp_path, m
 
 
 @pytest.mark.parametrize(
-    ("script", "flags", "message", "timeout"),
+    ("script", "flags", "message"),
     [
-        ("atari", "--env-id CartPole-v1", "is not an Atari game", 240),
-        ("continuous", "--num-minibatches 7", "does not divide", 60),
-        ("vpg", "--sync ring", "--sync", 60),  # refused by tyro: not one of the sync modes
+        ("atari", "--env-id CartPole-v1", "is not an Atari game"),
+        ("continuous", "--num-minibatches 7", "does not divide"),
+        ("vpg", "--sync ring", "--sync"),  # refused by tyro: not one of the sync modes
     ],
 )
-def test_bad_input_from_the_command_line_exits_without_a_traceback(script, flags, message, timeout, tmp_path):
-    result = run_command([sys.executable, SCRIPTS[script].__file__, *flags.split()], tmp_path, timeout)
+def test_bad_input_from_the_command_line_exits_without_a_traceback(script, flags, message, tmp_path):
+    result = run_python(Path(SCRIPTS[script].__file__), flags.split(), tmp_path)
     assert result.returncode == 2
     assert message in result.stderr and "Traceback" not in result.stderr, result.stderr
+
+
+def test_every_flag_that_breaks_its_rule_is_one_line_of_its_own(tmp_path):
+    """All at once, before anything runs: the user fixes them in one go."""
+    result = run_python(Path(vpg_mpi.__file__), ["--gamma", "2", "--hidden-sizes", "0", "70000"], tmp_path)
+    assert result.returncode == 2 and result.stderr.splitlines() == [
+        "vpg_mpi.py: error: --hidden-sizes[0] must be at least 1, got 0",
+        "vpg_mpi.py: error: --hidden-sizes[1] must be at most 65536, got 70000",
+        "vpg_mpi.py: error: --gamma must be at most 1, got 2.0",
+    ], result.stderr
+    assert not (tmp_path / "runs").exists()

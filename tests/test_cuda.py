@@ -3,11 +3,15 @@ rank and over gloo (with a warning) when ranks share one, and every rank ends wi
 Atari script's acting step as a CUDA graph and its fused Adam. Skipped where torch sees no GPU (CI has none); run them
 on a GPU machine with `python -m pytest tests/test_cuda.py`."""
 
+from types import SimpleNamespace
+
+import gymnasium as gym
 import numpy as np
 import pytest
 import torch
 
 import ppo_atari_multigpu as ppo
+from ddrl import cuda_graphs, rollout
 from tests.helpers import (
     assert_ok,
     assert_same_parameters,
@@ -26,6 +30,7 @@ GPU_RUNS = {
     "ppo_continuous_mpi.py": ["--cuda", "--env-id", "Hopper-v5", "--num-steps", "256", "--num-minibatches", "4"],
     "vpg_mpi.py": ["--cuda", "--env-id", "CartPole-v1", "--steps-per-epoch", "1000", "--train-v-iters", "5"],
 }
+FOUR_ACTIONS = SimpleNamespace(single_action_space=gym.spaces.Discrete(4))  # what Agent reads of Breakout's envs
 # per script: global env steps per iteration at `ranks` ranks with the flags above
 STEPS_PER_ITERATION = {"ppo_atari_multigpu.py": 256, "ppo_continuous_mpi.py": 256, "vpg_mpi.py": 1000}
 
@@ -50,11 +55,13 @@ def train_on_gpu(script: str, ranks: int, flags: list[str], tmp_path, **env: str
 @pytest.mark.parametrize("graph", [True, False], ids=["graph", "eager"])
 def test_atari_rollout_acts_as_the_agent_on_the_gpu_with_fresh_draws_every_step(graph):
     """The acting step, in two groups of envs, on the same frames every step: the host gets the actions its rows hold,
-    the rows hold what Agent.log_prob_entropy_value computes for them, every replay draws anew from the policy's
+    the rows hold what Agent.get_action_and_value computes for them, every replay draws anew from the policy's
     probabilities, and the same CUDA seed draws the same actions."""
-    device, steps, envs = torch.device("cuda"), 40, 64
+    device = torch.device("cuda")
+    steps = 40
+    envs = 64
     torch.manual_seed(1)
-    agent = ppo.Agent(4).to(device, memory_format=torch.channels_last)
+    agent = ppo.Agent(FOUR_ACTIONS).to(device, memory_format=torch.channels_last)
     frames = torch.randint(0, 256, (envs, 4, 84, 84), dtype=torch.uint8)
     draws = []
     for _ in range(2):
@@ -66,18 +73,19 @@ def test_atari_rollout_acts_as_the_agent_on_the_gpu_with_fresh_draws_every_step(
             "values": torch.zeros((steps, envs), device=device),
         }
         groups = ppo.env_groups(envs, 2)  # as a GPU run steps them: in turn
-        act = ppo.acting_step(agent.rollout_policy(), *storage.values(), groups, graph=graph)
+        act = cuda_graphs.acting_step(agent, *storage.values(), groups, graph=graph)
         assert act.__name__ == ("act_by_graph_replay" if graph else "act_eagerly")
         sent = [np.concatenate([act(step, frames[group].numpy(), group) for group in groups]) for step in range(steps)]
         draws.append(np.stack(sent))
         assert np.array_equal(draws[-1], storage["actions"].cpu().numpy())
         assert bool((storage["obs"].cpu() == frames).all())
         batch = {key: value.flatten(0, 1) for key, value in storage.items()}
-        ppo.check_rollout_policy(agent, batch, "in the test", len(batch["obs"]))  # exits unless they agree
+        rollout.check(agent, batch, "in the test", "the acting step", len(batch["obs"]))  # exits unless they agree
     assert np.array_equal(draws[0], draws[1])  # seeded
     assert (draws[0] != draws[0][0]).any(0).all()  # every env's action varies: no replay repeats a frozen draw
     with torch.no_grad():
-        probs = agent.policy_value(frames.to(device))[0].log_probs.exp().mean(0).cpu().numpy()
+        logits = agent.actor(agent.network(frames.to(device) / 255.0))
+        probs = torch.softmax(logits, -1).mean(0).cpu().numpy()
     frequencies = np.bincount(draws[0].ravel(), minlength=4) / draws[0].size
     assert np.abs(frequencies - probs).max() < 0.035  # 2,560 draws: about 4 standard deviations
 
@@ -87,46 +95,48 @@ def test_atari_update_on_the_gpu_applies_no_step_once_a_gradient_is_not_finite()
     and every later one are not applied, and the update then stops the run."""
     device = torch.device("cuda")
     torch.manual_seed(1)
-    agent = ppo.Agent(4).to(device, memory_format=torch.channels_last)
+    agent = ppo.Agent(FOUR_ACTIONS).to(device, memory_format=torch.channels_last)
     optimizer = torch.optim.Adam(agent.parameters(), lr=2.5e-4, eps=1e-5, fused=True)
     obs = torch.randint(0, 256, (64, 4, 84, 84), dtype=torch.uint8, device=device)
     actions = torch.randint(0, 4, (64,), device=device)
     with torch.no_grad():
-        log_probs, _, values = agent.log_prob_entropy_value(obs, actions)
+        _, log_probs, _, values = agent.get_action_and_value(obs, actions)
     returns = torch.randn(64, device=device)
     returns[40] = float("nan")  # in the second minibatch of the first epoch
-    batch = {"obs": obs, "actions": actions, "log_probs": log_probs, "values": values}
+    batch = {"obs": obs, "actions": actions, "log_probs": log_probs, "values": values.view(-1)}
     batch.update(advantages=torch.randn(64, device=device), returns=returns)
     before = [p.detach().clone() for p in agent.parameters()]
     args = ppo.Args(num_minibatches=2, update_epochs=2)
+    orders = torch.arange(64, device=device).repeat(2, 1)
     with pytest.raises(ppo.NonFiniteError):
-        ppo.update(agent, optimizer, batch, args, torch.arange(64, device=device).repeat(2, 1))
+        ppo.update(ppo.ActionAndValue(agent), optimizer, batch, args, orders, ppo.minibatch_sizes([64], 2))
     assert all(optimizer.state[p]["step"].item() == 1 for p in agent.parameters())  # one step of four applied
     assert all(p.isfinite().all() for p in agent.parameters())
     assert any(not torch.equal(p, b) for p, b in zip(agent.parameters(), before, strict=True))
 
 
 def test_atari_update_on_the_gpu_is_one_compiled_region_that_takes_the_eager_steps():
-    """--capture-update: the minibatch step's forward, loss and backward as a compiled region replayed as CUDA graphs,
-    over several minibatches and epochs, ends where the eager update ends, to float32 rounding, with the same losses
-    (clipfrac too, which the update keeps across replays)."""
+    """--capture-update: the minibatch step's forward, loss and backward as a compiled region replayed as CUDA graphs
+    (main's torch.compile of minibatch_loss), over several minibatches and epochs, ends where the eager update ends,
+    to float32 rounding, with the same losses (clipfrac too, which the update keeps across replays)."""
     device = torch.device("cuda")
     args = ppo.Args(num_minibatches=4, update_epochs=3, capture_update=True)
-    assert ppo.loss_function(ppo.Args(), device) is ppo.minibatch_loss  # the default: eager
     torch.manual_seed(2)
     obs = torch.randint(0, 256, (256, 4, 84, 84), dtype=torch.uint8, device=device)
     actions = torch.randint(0, 4, (256,), device=device)
-    batch = {"obs": obs, "actions": actions, "log_probs": torch.full((256,), -1.4, device=device)}
+    log_probs = -1.4 + 0.2 * torch.randn(256, device=device)  # about the initial policy's: some ratios clip
+    batch = {"obs": obs, "actions": actions, "log_probs": log_probs}
     batch |= {"values": torch.randn(256, device=device), "advantages": torch.randn(256, device=device)}
     batch["returns"] = torch.randn(256, device=device)
     orders = torch.stack([torch.randperm(256, device=device) for _ in range(args.update_epochs)])
-    assert ppo.loss_function(args, device) is not ppo.minibatch_loss
+    sizes = ppo.minibatch_sizes([256], args.num_minibatches)
+    captured_loss = torch.compile(ppo.minibatch_loss, mode="reduce-overhead", dynamic=False)  # as main compiles it
     ends = []
-    for loss_fn in (ppo.minibatch_loss, ppo.loss_function(args, device)):
+    for loss_fn in (ppo.minibatch_loss, captured_loss):
         torch.manual_seed(1)
-        agent = ppo.Agent(4).to(device, memory_format=torch.channels_last)
+        agent = ppo.Agent(FOUR_ACTIONS).to(device, memory_format=torch.channels_last)
         optimizer = torch.optim.Adam(agent.parameters(), lr=2.5e-4, eps=1e-5, fused=True)
-        losses, _ = ppo.update(agent, optimizer, batch, args, orders, loss_fn=loss_fn)
+        losses, _ = ppo.update(ppo.ActionAndValue(agent), optimizer, batch, args, orders, sizes, loss_fn=loss_fn)
         ends.append(({key: value.clone() for key, value in agent.state_dict().items()}, losses))
     (eager, eager_losses), (captured, captured_losses) = ends
     for key in eager:

@@ -66,7 +66,7 @@ def straggler_rank(rank: int, world_size: int, folder: str, script: str, flags: 
         module.make_env = lambda *args, **kwargs: SlowVectorEnv(make_env(*args, **kwargs), delay)
     else:
         SlowEnv.delay = delay
-        module.make_env = lambda env_id, video_folder=None: lambda: SlowEnv(make_env(env_id, video_folder)())
+        module.make_env = lambda args, video_folder=None: lambda: SlowEnv(make_env(args, video_folder)())
     agent = module.main(tyro.cli(module.Args, args=flags))
     return agent.state_dict()
 

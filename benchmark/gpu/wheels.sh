@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # For a GPU machine without internet: downloads, on a machine with it, the wheels that benchmark/gpu/check.sh installs
-# there with --wheels DIR. It fetches gymnasium, ale-py, mujoco, tyro, safetensors, Open MPI and OpenCV (and what they need beyond
-# torch, numpy, tensorboard, matplotlib, pytest and mpi4py, which the GPU machine is expected to have) at the versions
-# installed here, built for the GPU machine's Python (default 3.12) on x86-64 Linux. From the repository root:
+# there with --wheels DIR. It fetches gymnasium, ale-py, mujoco, tyro, pydantic, safetensors, Open MPI and OpenCV (and
+# what they need beyond torch, numpy, tensorboard, matplotlib, pytest and mpi4py, which the GPU machine is expected to
+# have) at the versions installed here, built for the GPU machine's Python (default 3.12) on x86-64 Linux. From the
+# repository root:
 #
 #   bash benchmark/gpu/wheels.sh [DIR (default .whl, which git ignores)] [PYTHON_VERSION (default 3.12)]
 set -euo pipefail
@@ -21,6 +22,7 @@ wheels=(
     "ale-py==$(version ale-py)"
     "mujoco==$(version mujoco)" glfw pyopengl
     "tyro==$(version tyro)" docstring-parser typeguard shtab
+    "pydantic==$(version pydantic)" "pydantic-core==$(version pydantic-core)" annotated-types typing-inspection # flags
     "safetensors==$(version safetensors)" # checkpoints
     "typing-extensions==$(version typing-extensions)" # typeguard needs 4.14 or later
     websockets # mujoco-studio needs it
