@@ -1,17 +1,17 @@
 """PPO on Atari, data-parallel with torch DistributedDataParallel over any number of processes.
 
-CleanRL's ppo_atari.py: ale-py's vectorised `AtariVectorEnv` (C++ threads) with the DQN preprocessing,
-a Nature CNN trunk shared by policy and value heads, clipped losses, GAE-lambda, an annealed learning
-rate. The learner sees clipped rewards and a lost life as a terminal; TensorBoard logs whole games'
-raw scores. FIRE starts a game and follows a lost life, as in CleanRL.
+CleanRL's ppo_atari.py: ale-py's vectorised `AtariVectorEnv` (C++ threads) with the DQN
+preprocessing, a Nature CNN trunk shared by policy and value heads, clipped losses, GAE-lambda, an
+annealed learning rate. The learner sees clipped rewards and a lost life as a terminal; TensorBoard
+logs whole games' raw scores. FIRE starts a game and follows a lost life, as in CleanRL.
 
     torchrun --standalone --nproc_per_node=2 ppo_atari_multigpu.py    # or: --nprocs 2, mpirun, srun
 
-Distributed: `--local-num-envs` and `--num-steps` are per rank. The world's minibatch k is the union of
-the ranks' minibatches k: its advantages are normalised with the union's mean and std, and the
-gradients averaged by DistributedDataParallel during loss.backward(), so every rank takes the step one
-process would take on the whole batch. `--preempt-fraction`: DD-PPO. On a GPU a rollout step is a CUDA
-graph replay per group of envs, captured from the Agent. The plumbing is the ddrl package;
+Distributed: `--local-num-envs` and `--num-steps` are per rank. The world's minibatch k is the union
+of the ranks' minibatches k: its advantages are normalised with the union's mean and std, and the
+gradients averaged by DistributedDataParallel during loss.backward(), so every rank takes the step
+one process would take on the whole batch. `--preempt-fraction`: DD-PPO. On a GPU a rollout step is
+a CUDA graph replay per group of envs, captured from the Agent. The plumbing is the ddrl package;
 `python -m ddrl.verify COPY.py` checks that a copy still updates as one process would.
 """
 
@@ -73,14 +73,15 @@ class Args(RuntimeArgs):
     save_model: bool = False
     """if toggled, rank 0 writes `runs/{run_name}/model.safetensors` at the end of training"""
     bf16: bool = False
-    """if toggled, the CNN trunk runs under bfloat16 autocast (weights, Adam, heads, losses: float32)"""
+    """if toggled, the CNN trunk runs under bfloat16 autocast (weights, Adam, heads, losses:
+    float32)"""
     compile: bool = False
     """if toggled, the update's Agent calls run through torch.compile (CPU: needs a C++ compiler)"""
     cuda_graph: bool = True
     """if toggled, on a GPU a rollout step is one CUDA graph replay per group of envs; else eager"""
     capture_update: bool = False
-    """if toggled, on a GPU the update's minibatch step is one compiled region replayed as CUDA graphs
-    (not yet measured on a GPU: docs/gpus.md); else eager"""
+    """if toggled, on a GPU the update's minibatch step is one compiled region replayed as CUDA
+    graphs (not yet measured on a GPU: docs/gpus.md); else eager"""
 
     # Algorithm specific arguments (names and defaults as in CleanRL's ppo_atari.py)
     env_id: str = "BreakoutNoFrameskip-v4"
@@ -96,8 +97,8 @@ class Args(RuntimeArgs):
     env_threads: Annotated[int, Interval(ge=0, le=2**16)] = 0
     """AtariVectorEnv threads per rank; 0 = one per env, at most the cores idle at start per rank"""
     env_groups: Annotated[int, Ge(1)] = 1
-    """the envs step in this many groups in turn, the acting for one group overlapping the others' env
-    step (2 hides a GPU's acting behind the envs; not yet measured on a GPU: docs/gpus.md)"""
+    """the envs step in this many groups in turn, the acting for one group overlapping the others'
+    env step (2 hides a GPU's acting behind the envs; not yet measured on a GPU: docs/gpus.md)"""
     anneal_lr: bool = True
     """if toggled, the learning rate decays linearly to zero over the iterations"""
     gamma: Annotated[float, Interval(ge=0, le=1)] = 0.99
@@ -155,12 +156,16 @@ def derive_batch_sizes(args: Args, world_size: int) -> list[tuple[str, object, o
     args.local_batch_size = args.local_num_envs * args.num_steps
     args.batch_size = args.local_batch_size * world_size
     if args.local_num_envs % args.env_groups:
-        fail(f"--local-num-envs {args.local_num_envs} does not split into --env-groups {args.env_groups}")
+        fail(
+            f"--local-num-envs {args.local_num_envs} does not split into --env-groups "
+            f"{args.env_groups}"
+        )
     if args.local_batch_size % args.num_minibatches:
         fail(
             f"the local batch of --local-num-envs {args.local_num_envs} x --num-steps "
             f"{args.num_steps} = {args.local_batch_size} does not split into --num-minibatches "
-            f"{args.num_minibatches}; choose sizes whose product is a multiple of {args.num_minibatches}"
+            f"{args.num_minibatches}; choose sizes whose product is a multiple of "
+            f"{args.num_minibatches}"
         )
     args.local_minibatch_size = args.local_batch_size // args.num_minibatches
     args.minibatch_size = args.local_minibatch_size * world_size
@@ -170,8 +175,8 @@ def derive_batch_sizes(args: Args, world_size: int) -> list[tuple[str, object, o
     args.min_num_steps = max(min_steps, math.ceil(args.num_minibatches / args.local_num_envs))
     if args.num_iterations < 1:
         fail(
-            f"--total-timesteps {args.total_timesteps} is less than one iteration's global "
-            f"batch of {args.batch_size} ({world_size} ranks x {args.local_batch_size}): zero "
+            f"--total-timesteps {args.total_timesteps} is less than one iteration's global batch "
+            f"of {args.batch_size} ({world_size} ranks x {args.local_batch_size}): zero "
             "iterations; raise --total-timesteps"
         )
     return [
@@ -193,26 +198,37 @@ def rollout_memory(args: Args, frame_bytes: int, activation_bytes: int) -> tuple
     backward (`activation_bytes` a sample); per env, at most 4 MiB (an ALE game: 1.7 MiB)."""
     per_sample = 2 * frame_bytes + 100 + 12 * args.update_epochs
     activations = activation_bytes * args.local_minibatch_size
-    sized_by = "--local-num-envs x --num-steps (the batch per rank), --update-epochs or --num-minibatches"
-    return args.local_batch_size * per_sample + activations + args.local_num_envs * 4 * 2**20, sized_by
+    sized_by = (
+        "--local-num-envs x --num-steps (the batch per rank), --update-epochs or --num-minibatches"
+    )
+    return (
+        args.local_batch_size * per_sample + activations + args.local_num_envs * 4 * 2**20,
+        sized_by,
+    )
 
 
 # --- environment, agent -------------------------------------------------------------------------
 def atari_settings(env_id: str, given: str = "--env-id") -> dict:
-    """AtariVectorEnv's game and protocol arguments for a gymnasium Atari id (others stop here; `given` says where
-    the id comes from). `{Game}NoFrameskip-v4` plays without sticky actions, `ALE/{Game}-v5` with probability 0.25."""
+    """AtariVectorEnv's game and protocol arguments for a gymnasium Atari id (others stop here;
+    `given` says where the id comes from). `{Game}NoFrameskip-v4` plays without sticky actions,
+    `ALE/{Game}-v5` with probability 0.25."""
     gym.register_envs(ale_py)
     example = "such as BreakoutNoFrameskip-v4"
     try:
         spec = gym.spec(env_id)  # `module:EnvId` imports the module first
     except Exception as error:  # an unknown id, or a module that does not import
-        fail(f"unknown {given} {env_id!r} ({type(error).__name__}: {error}); pass an Atari game {example}")
+        fail(
+            f"unknown {given} {env_id!r} ({type(error).__name__}: {error}); pass an Atari game "
+            f"{example}"
+        )
     given = f"{given} {env_id}"
     if spec.entry_point not in ("ale_py.env:AtariEnv", ale_py.env.AtariEnv):
         fail(f"{given} is not an Atari game; {failures.script} trains ALE games {example}")
     kwargs = spec.kwargs
     if kwargs.get("obs_type", "rgb") == "ram":
-        fail(f"{given} observes RAM; {failures.script} learns from pixels: use the id without '-ram'")
+        fail(
+            f"{given} observes RAM; {failures.script} learns from pixels: use the id without '-ram'"
+        )
     if not isinstance(kwargs.get("frameskip", 1), int):
         fix = "use the NoFrameskip-v4 or ALE/...-v5 id of the game"
         fail(f"{given} skips a random number of frames, which AtariVectorEnv cannot do; {fix}")
@@ -238,8 +254,9 @@ def make_env(settings: dict, num_envs: int, num_threads: int) -> AtariVectorEnv:
 
 
 def env_groups(num_envs: int, groups: int) -> list[slice]:
-    """The envs of a rank as `groups` equal slices, which step in turn: while one group steps, the acting for the
-    next one runs (on a GPU, the env step then hides the acting; on a CPU one group computes as it always did)."""
+    """The envs of a rank as `groups` equal slices, which step in turn: while one group steps, the
+    acting for the next one runs (on a GPU, the env step then hides the acting; on a CPU one group
+    computes as it always did)."""
     size = num_envs // groups
     return [slice(start, start + size) for start in range(0, num_envs, size)]
 
@@ -312,7 +329,7 @@ class Agent(nn.Module):
         return action, probs.log_prob(action), probs.entropy(), self.critic(hidden)
 
 
-# --- GAE ----------------------------------------------------------------------------------------------
+# --- GAE ------------------------------------------------------------------------------------------
 def compute_gae(
     rewards: torch.Tensor, values: torch.Tensor, next_values: torch.Tensor,
     terminations: torch.Tensor, episode_ends: torch.Tensor, gamma: float, gae_lambda: float,
@@ -330,8 +347,8 @@ def compute_gae(
 
 # --- the loss, the minibatches, the gradient sync (DDP), the update ----------------------------
 class ActionAndValue(nn.Module):
-    """Agent.get_action_and_value as a module's forward: DistributedDataParallel averages the gradients
-    only of what runs through forward, so the update calls the Agent through this, in DDP."""
+    """Agent.get_action_and_value as a module's forward: DistributedDataParallel averages the
+    gradients only of what runs through forward, so the update calls the Agent through this."""
 
     def __init__(self, agent: Agent):
         super().__init__()
@@ -342,10 +359,14 @@ class ActionAndValue(nn.Module):
 
 
 def minibatch_loss(
-    model: nn.Module, mb: Batch, adv_mean: torch.Tensor | None, adv_std: torch.Tensor | None, args: Args
+    model: nn.Module,
+    mb: Batch,
+    adv_mean: torch.Tensor | None,
+    adv_std: torch.Tensor | None,
+    args: Args,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """PPO's clipped loss on one minibatch, advantages normalised with the world minibatch's mean and
-    std; and the numbers logged as `losses/NAME` (the world's mean, averaged once per epoch)."""
+    """PPO's clipped loss on one minibatch, advantages normalised with the world minibatch's mean
+    and std; and the numbers logged as `losses/NAME` (the world's mean, averaged once per epoch)."""
     _, newlogprob, entropy, newvalue = model(mb["obs"], mb["actions"])  # Agent.get_action_and_value
     newvalue = newvalue.view(-1)
     if newlogprob.shape != mb["log_probs"].shape or newvalue.shape != mb["values"].shape:
@@ -395,8 +416,9 @@ def minibatch_sizes(sample_counts: list[int], num_minibatches: int) -> torch.Ten
 
 
 def minibatches(batch: Batch, order: torch.Tensor, local_sizes: list[int]) -> list[Batch]:
-    """One epoch's minibatches of this rank: `batch` in the order `order` (one gather per tensor), cut into pieces
-    `local_sizes` long. The one place minibatches are made: a recurrent core takes whole envs' sequences here."""
+    """One epoch's minibatches of this rank: `batch` in the order `order` (one gather per tensor),
+    cut into pieces `local_sizes` long. The one place minibatches are made: a recurrent core takes
+    whole envs' sequences here."""
     shuffled = {key: value[order] for key, value in batch.items()}
     starts = np.cumsum([0, *local_sizes]).tolist()
     return [
@@ -420,17 +442,23 @@ def update(
     # this rank's share of each world minibatch, times the ranks: the ranks' mean is the union's
     weights = (sizes[rank].double() * len(sizes) / sizes.sum(0)).tolist()
     unequal = bool((sizes != sizes[0, 0]).any())  # a preempted rollout's minibatches are smaller
-    if sum(local_sizes) != orders.shape[1] or min(local_sizes) < 1:  # may differ by rank: it says so
+    # may differ by rank: it says so
+    if sum(local_sizes) != orders.shape[1] or min(local_sizes) < 1:
         fail(
             f"this rank's minibatch sizes {local_sizes} do not cut an epoch's order of "
-            f"{orders.shape[1]} into non-empty pieces: main's orders and minibatch_sizes must count "
-            "the same things (samples, or whole envs for sequences), at least one per minibatch",
+            f"{orders.shape[1]} into non-empty pieces: main's orders and minibatch_sizes must "
+            "count the same things (samples, or whole envs for sequences), at least one per "
+            "minibatch",
             any_rank=True,
         )
     if args.norm_adv:  # every world minibatch's mean and std, of all epochs, in one collective
         start = time.perf_counter()
         advantages = {"advantages": batch["advantages"]}
-        pieces = [mb["advantages"] for order in orders for mb in minibatches(advantages, order, local_sizes)]
+        pieces = [
+            mb["advantages"]
+            for order in orders
+            for mb in minibatches(advantages, order, local_sizes)
+        ]
         shape = (len(orders), args.num_minibatches)
         pieces = pieces if unequal else torch.stack(pieces).view(*shape, -1)
         count, adv_mean, m2 = collectives.moments_over_ranks(pieces)
@@ -444,7 +472,8 @@ def update(
     for epoch, order in enumerate(orders):
         for k, mb in enumerate(minibatches(batch, order, local_sizes)):
             adv_moments = (adv_mean[epoch, k], adv_std[epoch, k]) if args.norm_adv else (None, None)
-            torch.compiler.cudagraph_mark_step_begin()  # a new step: a CUDA graph may reuse the last one's outputs
+            # a new step: a CUDA graph may reuse the last one's outputs
+            torch.compiler.cudagraph_mark_step_begin()
             loss, logged = loss_fn(model, mb, *adv_moments, args)
             if unequal:  # this rank's share of the world minibatch: the ranks' mean is the union's
                 loss = loss * weights[k]
@@ -463,7 +492,8 @@ def update(
             optimizer.step()
         # one collective per epoch: the world-averaged losses decide target_kl alike on all ranks
         start = time.perf_counter()
-        logged["clipfrac"] = torch.stack(clipfracs).mean()  # the last minibatch's numbers, clipfrac over all so far
+        # the last minibatch's numbers, clipfrac over all so far
+        logged["clipfrac"] = torch.stack(clipfracs).mean()
         world = collectives.allreduce_mean(torch.stack(list(logged.values())).double())
         losses = dict(zip(logged, world, strict=True))
         sync_time += time.perf_counter() - start
@@ -487,7 +517,9 @@ def main(args: Args) -> Agent | None:
     if args.eval_checkpoint is not None:
         return evaluation.evaluate_checkpoint(args, Agent, env_support.atari_eval_env)
     settings = atari_settings(args.env_id)  # refuses ids whose pixels AtariVectorEnv cannot play
-    checks.check_video_support(args.capture_video, lambda: env_support.render_one_frame(args.env_id))
+    checks.check_video_support(
+        args.capture_video, lambda: env_support.render_one_frame(args.env_id)
+    )
     batch_table = derive_batch_sizes(args, run.world_size)
     probe_envs = make_env(settings, 1, 1)
     frame_bytes = int(np.prod(probe_envs.single_observation_space.shape))  # uint8 pixels
@@ -499,20 +531,24 @@ def main(args: Args) -> Agent | None:
         device = run.device
         gpu = device.type == "cuda"
 
-        # --- envs (in groups that step in turn), the Agent (rank 0's initial weights: DDP), seeds ---
+        # --- envs (in groups that step in turn), the Agent (rank 0's initial weights: DDP), seeds -
         groups = env_groups(args.local_num_envs, args.env_groups)
         threads = max(1, (args.env_threads or min(run.cores, args.local_num_envs)) // len(groups))
         envs = [make_env(settings, group.stop - group.start, threads) for group in groups]
         first_env = run.first_env_index + run.rank * args.local_num_envs  # after earlier attempts'
         seeds = np.array([args.seed + 10_000 * (first_env + j) for j in range(args.local_num_envs)])
-        resets = [group_envs.reset(seed=seeds[group]) for group, group_envs in zip(groups, envs, strict=True)]
+        resets = [
+            group_envs.reset(seed=seeds[group])
+            for group, group_envs in zip(groups, envs, strict=True)
+        ]
         next_obs = np.concatenate([frames for frames, _ in resets])
         trackers = [GameTracker(info) for _, info in resets]  # each group's games
         observation_space = envs[0].single_observation_space
         fire = fire_action(envs[0])
         relaunch = np.zeros(args.local_num_envs, dtype=bool)  # a life was lost: FIRE next
         torch.manual_seed(args.seed)
-        agent = Agent(envs[0]).to(device, memory_format=torch.channels_last)  # cuDNN's, oneDNN's layout
+        # cuDNN's, oneDNN's layout
+        agent = Agent(envs[0]).to(device, memory_format=torch.channels_last)
         if args.bf16:  # the trunk only: the heads, the losses and Adam stay float32
             if run.rank == 0 and not has_native_bf16(device):
                 warn(f"this {device.type} emulates bfloat16, so --bf16 is slower here")
@@ -529,20 +565,26 @@ def main(args: Args) -> Agent | None:
         torch.backends.cudnn.deterministic = args.torch_deterministic
         optimizer = optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5, fused=gpu)
         loss_fn = minibatch_loss
-        if gpu and args.capture_update:  # one compiled region (forward, loss, backward), replayed as CUDA graphs
-            loss_fn = torch.compile(minibatch_loss, mode="reduce-overhead", dynamic=args.preempt_fraction > 0)
+        # one compiled region (forward, loss, backward), replayed as CUDA graphs
+        if gpu and args.capture_update:
+            loss_fn = torch.compile(
+                minibatch_loss, mode="reduce-overhead", dynamic=args.preempt_fraction > 0
+            )
         iteration, global_step = run.resume(agent=agent, optimizer=optimizer)  # if resuming
-        rollout_agent = rollout.derive(agent, observation_space, numpy_layers=False)  # the Agent, no autograd
+        # the Agent, no autograd
+        rollout_agent = rollout.derive(agent, observation_space, numpy_layers=False)
         probe = rollout.probe(rollout_agent, observation_space, device, count=32)
         rollout.check(agent, probe, "at start", "the Agent acting on frames", rows=32)
 
-        # --- rollout storage: a row per step of this rank's envs, on the device (frames in uint8) ---
+        # --- rollout storage: a row per step of this rank's envs, on the device (frames in uint8) -
         shape = (args.num_steps, args.local_num_envs)
         obs = torch.zeros(shape + observation_space.shape, dtype=torch.uint8, device=device)
         actions = torch.zeros(shape, dtype=torch.long, device=device)
         logprobs = torch.zeros(shape, device=device)
         values = torch.zeros(shape, device=device)
-        act = cuda_graphs.acting_step(agent, obs, actions, logprobs, values, groups, graph=args.cuda_graph and gpu)
+        act = cuda_graphs.acting_step(
+            agent, obs, actions, logprobs, values, groups, graph=args.cuda_graph and gpu
+        )
         final_values = torch.zeros(shape)  # V(final observation) where a game was truncated
         rewards = np.zeros(shape, np.float32)  # GAE's inputs, on the host with the envs
         terminations = np.zeros(shape, np.float32)
@@ -554,17 +596,20 @@ def main(args: Args) -> Agent | None:
                 frac = 1.0 - global_step / run.total_steps
                 optimizer.param_groups[0]["lr"] = frac * args.learning_rate
 
-            # --- rollout: each group receives its last step, acts, and steps while the next acts ---
+            # --- rollout: each group receives its last step, acts, and steps while the next acts --
             rollout_start = time.perf_counter()
             finished = {"episodes": 0, "episode_return": 0.0, "episode_length": 0}  # whole games
             for step in range(args.num_steps + 1):
-                acting = step < args.num_steps and not preemption.rollout_preempted(run, iteration, step)
+                acting = step < args.num_steps and not preemption.rollout_preempted(
+                    run, iteration, step
+                )
                 for group, group_envs, games in zip(groups, envs, trackers, strict=True):
                     if step > 0:  # the group's envs stepped while the groups after it acted
                         row = step - 1
                         frames, reward, terminated, truncated, info = group_envs.recv()
                         next_obs[group] = frames
-                        rewards[row, group] = np.clip(reward, -1, 1)  # clipped for the learner; logged raw
+                        # clipped for the learner; logged raw
+                        rewards[row, group] = np.clip(reward, -1, 1)
                         terminations[row, group] = terminated
                         episode_ends[row, group] = terminated | truncated
                         game_over, scores, lengths = games.step(reward, terminated, truncated, info)
@@ -574,12 +619,19 @@ def main(args: Args) -> Agent | None:
                             finished["episode_return"] += float(scores.sum())
                             finished["episode_length"] += int(lengths.sum())
                             cut = truncated & ~terminated
-                            if cut.any():  # truncated, not terminated: bootstrap from V(final observation)
-                                final_value = rollout_agent.get_value(info["final_obs"][cut]).flatten()
-                                final_values[row, group][torch.from_numpy(cut)] = torch.from_numpy(final_value)
+                            # truncated, not terminated: bootstrap from V(final observation)
+                            if cut.any():
+                                final_value = rollout_agent.get_value(
+                                    info["final_obs"][cut]
+                                ).flatten()
+                                final_values[row, group][torch.from_numpy(cut)] = torch.from_numpy(
+                                    final_value
+                                )
                     if acting:
-                        env_action = act(step, next_obs[group], group)  # row `step` of obs, actions, ...
-                        if fire is not None:  # FireResetEnv: FIRE after a lost life, not the sampled action
+                        # row `step` of obs, actions, ...
+                        env_action = act(step, next_obs[group], group)
+                        # FireResetEnv: FIRE after a lost life, not the sampled action
+                        if fire is not None:
                             env_action = np.where(relaunch[group], fire, env_action)
                         group_envs.send(env_action)  # the envs step while the next group acts
                 if not acting:
@@ -613,23 +665,37 @@ def main(args: Args) -> Agent | None:
                 "advantages": advantages.flatten().to(device),
                 "returns": returns.flatten().to(device),
             }
-            rollout.check(agent, batch, f"at iteration {iteration}", "the Agent acting on frames", groups[0].stop)
+            rollout.check(
+                agent,
+                batch,
+                f"at iteration {iteration}",
+                "the Agent acting on frames",
+                groups[0].stop,
+            )
 
             # --- update (through DDP) ---
             update_start = time.perf_counter()
-            orders = [torch.randperm(returns.numel(), device=device) for _ in range(args.update_epochs)]
+            orders = [
+                torch.randperm(returns.numel(), device=device) for _ in range(args.update_epochs)
+            ]
             orders = torch.stack(orders)
             sizes = minibatch_sizes(sample_counts, args.num_minibatches)
             losses, sync_time = update(model, optimizer, batch, args, orders, sizes, loss_fn)
             update_time = time.perf_counter() - update_start
 
             # --- log, check, checkpoint, stop (SIGTERM or Ctrl-C on any rank stops every rank) ---
-            totals = collectives.sum_over_ranks(device, **finished, stops=float(bool(run.stop_requested)))
+            totals = collectives.sum_over_ranks(
+                device, **finished, stops=float(bool(run.stop_requested))
+            )
             scalars = {"charts/learning_rate": optimizer.param_groups[0]["lr"]}
             scalars |= {f"losses/{name}": value for name, value in losses.items()}
             explained_variance = progress.explained_variance(batch["returns"], batch["values"])
             scalars["losses/explained_variance"] = explained_variance
-            perf = {"rollout_time": rollout_time, "update_time": update_time, "sync_time": sync_time}
+            perf = {
+                "rollout_time": rollout_time,
+                "update_time": update_time,
+                "sync_time": sync_time,
+            }
             scalars |= {f"perf/{key}": value for key, value in perf.items()}
             run.log(iteration, global_step, totals, scalars)
             run.check_in_sync(iteration, agent, optimizer)  # every --check-sync-every iterations
@@ -642,7 +708,9 @@ def main(args: Args) -> Agent | None:
             group_envs.close()
         run.finish(agent, stopping, env_support.atari_eval_env)
     except (NonFiniteError, RuntimeError) as error:  # met alike on every rank: one line, no hang
-        run.stop_on_error(error, "lower --learning-rate or check the env's observations and rewards")
+        run.stop_on_error(
+            error, "lower --learning-rate or check the env's observations and rewards"
+        )
     return agent
 
 

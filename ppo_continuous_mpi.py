@@ -1,17 +1,17 @@
 """PPO for continuous control (MuJoCo), data-parallel over any number of processes.
 
-CleanRL's ppo_continuous_action.py: separate 64-64 tanh actor and critic, a state-independent log-std,
-clipped losses, GAE-lambda, an annealed learning rate; observations normalised and rewards scaled by
-statistics of every rank's data.
+CleanRL's ppo_continuous_action.py: separate 64-64 tanh actor and critic, a state-independent
+log-std, clipped losses, GAE-lambda, an annealed learning rate; observations normalised and rewards
+scaled by statistics of every rank's data.
 
     torchrun --standalone --nproc_per_node=2 ppo_continuous_mpi.py    # or: --nprocs 2, mpirun, srun
 
-Distributed: `--local-num-envs` and `--num-steps` are per rank. The world's minibatch k is the union of
-the ranks' minibatches k: its advantages are normalised with the union's mean and std, and the gradients
-averaged in one allreduce after loss.backward() (average_gradients), so every rank takes the step one
-process would take on the whole batch. `--sync gather`: rank 0 runs that update alone. The plumbing
-(launching, run folders, checkpoints, the numpy rollout derived from the Agent) is the ddrl package;
-`python -m ddrl.verify COPY.py` checks that a copy still updates as one process would.
+Distributed: `--local-num-envs` and `--num-steps` are per rank. The world's minibatch k is the union
+of the ranks' minibatches k: its advantages are normalised with the union's mean and std, and the
+gradients averaged in one allreduce after loss.backward() (average_gradients), so every rank takes
+the step one process would take on the whole batch. `--sync gather`: rank 0 runs that update alone.
+The plumbing (launching, run folders, checkpoints, the numpy rollout derived from the Agent) is the
+ddrl package; `python -m ddrl.verify COPY.py` checks that a copy still updates as one process would.
 """
 
 import math
@@ -32,7 +32,16 @@ from annotated_types import Ge, Gt, Interval, Le
 from torch.distributions.normal import Normal
 
 import ddrl
-from ddrl import checks, collectives, env_support, evaluation, one_learner, preemption, progress, rollout
+from ddrl import (
+    checks,
+    collectives,
+    env_support,
+    evaluation,
+    one_learner,
+    preemption,
+    progress,
+    rollout,
+)
 from ddrl.failures import NonFiniteError, fail
 from ddrl.flags import Finite, FolderName, RuntimeArgs
 
@@ -161,8 +170,8 @@ def derive_batch_sizes(args: Args, world_size: int) -> list[tuple[str, object, o
 
 def rollout_memory(args: Args, obs_dim: int, action_dim: int) -> tuple[int, str]:
     """What one rank holds for an iteration, in bytes, and the flags that size it: per sample, the
-    rollout's storage, the batch's tensors, an epoch's shuffled copy and the epochs' orders; per env,
-    at most 4 MiB (MuJoCo's Humanoid-v5: 2.5 MiB)."""
+    rollout's storage, the batch's tensors, an epoch's shuffled copy and the epochs' orders; per
+    env, at most 4 MiB (MuJoCo's Humanoid-v5: 2.5 MiB)."""
     per_sample = 16 * obs_dim + 12 * action_dim + 80 + 8 * args.update_epochs
     sized_by = "--local-num-envs x --num-steps (the batch per rank) or --update-epochs"
     return args.local_batch_size * per_sample + args.local_num_envs * 4 * 2**20, sized_by
@@ -174,7 +183,7 @@ NORM_EPS = 1e-8
 
 
 def make_env(args: Args, video_folder: str | None = None) -> Callable[[], gym.Env]:
-    """A thunk building one env (the statistics that normalise it live in the Agent, the world's)."""
+    """A thunk building one env (the world's statistics that normalise it live in the Agent)."""
 
     def thunk() -> gym.Env:
         env_support.silence_settotalmass_warning()
@@ -196,7 +205,9 @@ def refuse_impossible_statistics(module: nn.Module, state_dict: dict, prefix: st
         return
     empty = count == 0 and bool((mean == 0).all() and (var == 1).all())
     if not (count >= 1 or empty):
-        raise ValueError(f"its {prefix}count is {count.item():g}, where data counts at least 1 sample")
+        raise ValueError(
+            f"its {prefix}count is {count.item():g}, where data counts at least 1 sample"
+        )
     if not (var >= 0).all():
         raise ValueError(f"its {prefix}var holds negative numbers, where a variance is at least 0")
 
@@ -246,7 +257,8 @@ class Agent(nn.Module):
         super().__init__()
         obs_dim = int(np.prod(envs.single_observation_space.shape))
         action_dim = int(np.prod(envs.single_action_space.shape))
-        self.obs_rms = RunningMeanStd((obs_dim,))  # every rank's observations, fixed during a rollout
+        # every rank's observations, fixed during a rollout
+        self.obs_rms = RunningMeanStd((obs_dim,))
         self.return_rms = RunningMeanStd(())  # every rank's discounted returns: the rewards' scale
         self.critic = nn.Sequential(
             layer_init(nn.Linear(obs_dim, 64)),
@@ -298,8 +310,9 @@ def compute_gae(
 def minibatch_loss(
     agent: Agent, mb: Batch, adv_mean: torch.Tensor | None, adv_std: torch.Tensor | None, args: Args
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """PPO's clipped loss on one minibatch, advantages normalised with the world minibatch's mean and
-    std; and the numbers logged as `losses/NAME` (the world's mean: they ride in the allreduce)."""
+    """PPO's clipped loss on one minibatch, advantages normalised with the world minibatch's mean
+    and std; and the numbers logged as `losses/NAME` (the world's mean: they ride in the
+    allreduce)."""
     _, newlogprob, entropy, newvalue = agent.get_action_and_value(mb["obs"], mb["actions"])
     newvalue = newvalue.view(-1)
     if newlogprob.shape != mb["log_probs"].shape or newvalue.shape != mb["values"].shape:
@@ -364,7 +377,8 @@ def average_gradients(
 ) -> torch.Tensor:
     """The gradient sync, after loss.backward(): every gradient and the `logged` numbers in one flat
     tensor, one allreduce, the world's mean written back into each `.grad`, so every rank takes the
-    same step. Returns the flat mean; a NaN or inf on any rank raises NonFiniteError on every rank."""
+    same step. Returns the flat mean; a NaN or inf on any rank raises NonFiniteError on every
+    rank."""
     gradients = [torch.zeros_like(p) if p.grad is None else p.grad for p in parameters]
     flat = torch.cat([*(gradient.reshape(-1) for gradient in gradients), logged])
     collectives.allreduce_mean(flat, group)
@@ -389,11 +403,13 @@ def update(
     local_sizes = sizes[rank].tolist()
     weights = (sizes[rank].double() * len(sizes) / sizes.sum(0)).tolist()
     unequal = bool((sizes != sizes[0, 0]).any())  # a preempted rollout's minibatches are smaller
-    if sum(local_sizes) != orders.shape[1] or min(local_sizes) < 1:  # may differ by rank: it says so
+    # may differ by rank: it says so
+    if sum(local_sizes) != orders.shape[1] or min(local_sizes) < 1:
         fail(
             f"this rank's minibatch sizes {local_sizes} do not cut an epoch's order of "
-            f"{orders.shape[1]} into non-empty pieces: main's orders and minibatch_sizes must count "
-            "the same things (samples, or whole envs for sequences), at least one per minibatch",
+            f"{orders.shape[1]} into non-empty pieces: main's orders and minibatch_sizes must "
+            "count the same things (samples, or whole envs for sequences), at least one per "
+            "minibatch",
             any_rank=True,
         )
     sync_time = 0.0
@@ -442,7 +458,9 @@ def main(args: Args) -> Agent | None:
     spaces = env_support.check_env(make_env(args), given, gym.spaces.Box, gym.spaces.Box)
     observation_space, action_space = spaces
     obs_dim = observation_space.shape[0]
-    checks.check_video_support(args.capture_video, lambda: env_support.render_one_frame(args.env_id))
+    checks.check_video_support(
+        args.capture_video, lambda: env_support.render_one_frame(args.env_id)
+    )
     batch_table = derive_batch_sizes(args, run.world_size)
     memory = rollout_memory(args, obs_dim, action_space.shape[0])
     run.start(args.num_iterations * args.batch_size, batch_table, memory)  # says its run folder
@@ -466,7 +484,9 @@ def main(args: Args) -> Agent | None:
         optimizer = optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5, fused=True)
         loss_fn = minibatch_loss
         if args.compile:  # fixed shapes, unless preemption cuts rollouts
-            loss_fn = torch.compile(minibatch_loss, fullgraph=True, dynamic=args.preempt_fraction > 0)
+            loss_fn = torch.compile(
+                minibatch_loss, fullgraph=True, dynamic=args.preempt_fraction > 0
+            )
         iteration, global_step = run.resume(agent=agent, optimizer=optimizer)  # if resuming
         rollout_agent = rollout.derive(agent, observation_space, args.numpy_rollout)
         probe = rollout.probe(rollout_agent, observation_space, device)
@@ -570,7 +590,9 @@ def main(args: Args) -> Agent | None:
 
             # --- update ---
             update_start = time.perf_counter()
-            orders = [torch.randperm(returns.size, device=device) for _ in range(args.update_epochs)]
+            orders = [
+                torch.randperm(returns.size, device=device) for _ in range(args.update_epochs)
+            ]
             orders = torch.stack(orders)
             sizes = minibatch_sizes(sample_counts, args.num_minibatches)
             if args.sync == "allreduce":
@@ -584,12 +606,18 @@ def main(args: Args) -> Agent | None:
             agent.obs_rms.update(count[0], mean[:obs_dim], m2[:obs_dim])
 
             # --- log, check, checkpoint, stop (SIGTERM or Ctrl-C on any rank stops every rank) ---
-            totals = collectives.sum_over_ranks(device, **finished, stops=float(bool(run.stop_requested)))
+            totals = collectives.sum_over_ranks(
+                device, **finished, stops=float(bool(run.stop_requested))
+            )
             scalars = {"charts/learning_rate": optimizer.param_groups[0]["lr"]}
             scalars |= {f"losses/{name}": value for name, value in losses.items()}
             explained_variance = progress.explained_variance(batch["returns"], batch["values"])
             scalars["losses/explained_variance"] = explained_variance
-            perf = {"rollout_time": rollout_time, "update_time": update_time, "sync_time": sync_time}
+            perf = {
+                "rollout_time": rollout_time,
+                "update_time": update_time,
+                "sync_time": sync_time,
+            }
             scalars |= {f"perf/{key}": value for key, value in perf.items()}
             run.log(iteration, global_step, totals, scalars)
             run.check_in_sync(iteration, agent, optimizer)  # every --check-sync-every iterations
@@ -601,7 +629,9 @@ def main(args: Args) -> Agent | None:
         envs.close()
         run.finish(agent, stopping, make_env)
     except (NonFiniteError, RuntimeError) as error:  # met alike on every rank: one line, no hang
-        run.stop_on_error(error, "lower --learning-rate or check the env's observations and rewards")
+        run.stop_on_error(
+            error, "lower --learning-rate or check the env's observations and rewards"
+        )
     return agent
 
 

@@ -72,7 +72,10 @@ class Args(RuntimeArgs):
     """global env steps per epoch, split evenly across ranks"""
     local_num_envs: Annotated[int, Interval(ge=1, le=2**16)] = 1
     """envs stepped by each rank (the local epoch share is split evenly across them)"""
-    hidden_sizes: Annotated[tuple[Annotated[int, Interval(ge=1, le=2**16)], ...], MaxLen(64)] = (64, 64)
+    hidden_sizes: Annotated[tuple[Annotated[int, Interval(ge=1, le=2**16)], ...], MaxLen(64)] = (
+        64,
+        64,
+    )
     """hidden layer sizes of the policy and value MLPs (tanh)"""
     gamma: Annotated[float, Interval(ge=0, le=1)] = 0.99
     """the discount factor"""
@@ -112,15 +115,19 @@ def derive_batch_sizes(args: Args, world_size: int) -> list[tuple[str, object, o
     args.num_steps = args.local_steps_per_epoch // args.local_num_envs
     fix = f"use a --steps-per-epoch that is a multiple of {world_size * args.local_num_envs}"
     if args.steps_per_epoch % world_size:
-        fail(f"--steps-per-epoch {args.steps_per_epoch} does not split evenly across {world_size} ranks; {fix}")
+        fail(
+            f"--steps-per-epoch {args.steps_per_epoch} does not split evenly across {world_size} "
+            f"ranks; {fix}"
+        )
     if args.local_steps_per_epoch % args.local_num_envs:
         local = f"the local epoch of {args.local_steps_per_epoch} steps"
         fail(f"{local} does not split across --local-num-envs {args.local_num_envs}; {fix}")
     args.num_epochs = args.total_timesteps // args.steps_per_epoch
     if args.num_epochs < 1:
         fail(
-            f"--total-timesteps {args.total_timesteps} is less than one epoch of --steps-per-epoch "
-            f"{args.steps_per_epoch}: zero epochs to train; raise --total-timesteps"
+            f"--total-timesteps {args.total_timesteps} is less than one epoch of "
+            f"--steps-per-epoch {args.steps_per_epoch}: zero epochs to train; raise "
+            "--total-timesteps"
         )
     return [
         ("ranks", world_size, ""),
@@ -140,7 +147,10 @@ def rollout_memory(args: Args, obs_dim: int, action_dim: int) -> tuple[int, str]
     layers = zip((obs_dim, *args.hidden_sizes), (*args.hidden_sizes, action_dim + 1), strict=True)
     weights = 2 * 16 * sum(inputs * outputs for inputs, outputs in layers)
     sized_by = "--steps-per-epoch (split over the ranks) or --hidden-sizes"
-    return args.local_steps_per_epoch * per_sample + weights + args.local_num_envs * 4 * 2**20, sized_by
+    return (
+        args.local_steps_per_epoch * per_sample + weights + args.local_num_envs * 4 * 2**20,
+        sized_by,
+    )
 
 
 # --- environment, agent -------------------------------------------------------------------------
@@ -233,7 +243,8 @@ def average_gradients(
 ) -> torch.Tensor:
     """The gradient sync, after loss.backward(): every gradient and the `logged` numbers in one flat
     tensor, one allreduce, the world's mean written back into each `.grad`, so every rank takes the
-    same step. Returns the flat mean; a NaN or inf on any rank raises NonFiniteError on every rank."""
+    same step. Returns the flat mean; a NaN or inf on any rank raises NonFiniteError on every
+    rank."""
     gradients = [torch.zeros_like(p) if p.grad is None else p.grad for p in parameters]
     flat = torch.cat([*(gradient.reshape(-1) for gradient in gradients), logged])
     collectives.allreduce_mean(flat, group)
@@ -246,12 +257,17 @@ def average_gradients(
 
 
 def update(
-    agent: Agent, optimizer: optim.Optimizer, batch: Batch, args: Args, group: collectives.Group = None
+    agent: Agent,
+    optimizer: optim.Optimizer,
+    batch: Batch,
+    args: Args,
+    group: collectives.Group = None,
 ) -> tuple[dict[str, float], float]:
     """One VPG epoch on this rank's batch, gradients averaged over `group`: the policy step (the
     optimizer's first parameter group), then the value steps (its second). Each step's loss rides in
     its gradients' allreduce, so a non-finite one stops every rank before that step, not earlier
-    ones. Returns the world-averaged losses (the first value loss) by name and the collectives' time."""
+    ones. Returns the world-averaged losses (the first value loss) by name and the collectives'
+    time."""
     policy_parameters = optimizer.param_groups[0]["params"]
     value_parameters = optimizer.param_groups[1]["params"]
     obs = batch["obs"]
@@ -303,11 +319,15 @@ def main(args: Args) -> Agent | None:
     if args.eval_checkpoint is not None:
         return evaluation.evaluate_checkpoint(args, Agent, make_env)
     action_kinds = gym.spaces.Box | gym.spaces.Discrete
-    spaces = env_support.check_env(make_env(args), f"--env-id {args.env_id!r}", gym.spaces.Box, action_kinds)
+    spaces = env_support.check_env(
+        make_env(args), f"--env-id {args.env_id!r}", gym.spaces.Box, action_kinds
+    )
     observation_space, action_space = spaces
     obs_dim = observation_space.shape[0]
     continuous = isinstance(action_space, gym.spaces.Box)
-    checks.check_video_support(args.capture_video, lambda: env_support.render_one_frame(args.env_id))
+    checks.check_video_support(
+        args.capture_video, lambda: env_support.render_one_frame(args.env_id)
+    )
     batch_table = derive_batch_sizes(args, run.world_size)
     memory = rollout_memory(args, obs_dim, int(np.prod(action_space.shape)) if continuous else 1)
     run.start(args.num_epochs * args.steps_per_epoch, batch_table, memory)  # says its run folder
@@ -329,7 +349,9 @@ def main(args: Args) -> Agent | None:
         torch.manual_seed(rank_seed)
         torch.backends.cudnn.deterministic = args.torch_deterministic
         # SpinningUp's two Adams as two parameter groups of one: Adam keeps its state per parameter
-        policy_parameters = [p for name, p in agent.named_parameters() if not name.startswith("critic.")]
+        policy_parameters = [
+            p for name, p in agent.named_parameters() if not name.startswith("critic.")
+        ]
         optimizer = optim.Adam(
             [
                 {"params": policy_parameters, "lr": args.pi_lr},
@@ -415,16 +437,24 @@ def main(args: Args) -> Agent | None:
             if args.sync == "allreduce":
                 losses, sync_time = update(agent, optimizer, batch, args)
             else:  # --sync gather: rank 0 runs the same update on the union of every rank's batch
-                losses, sync_time = one_learner.update_on_rank0(update, agent, optimizer, batch, args)
+                losses, sync_time = one_learner.update_on_rank0(
+                    update, agent, optimizer, batch, args
+                )
             update_time = time.perf_counter() - update_start
 
             # --- log, check, checkpoint, stop (SIGTERM or Ctrl-C on any rank stops every rank) ---
-            totals = collectives.sum_over_ranks(device, **finished, stops=float(bool(run.stop_requested)))
+            totals = collectives.sum_over_ranks(
+                device, **finished, stops=float(bool(run.stop_requested))
+            )
             scalars = {"charts/learning_rate": optimizer.param_groups[0]["lr"]}
             scalars |= {f"losses/{name}": value for name, value in losses.items()}
             explained_variance = progress.explained_variance(batch["returns"], batch["values"])
             scalars["losses/explained_variance"] = explained_variance
-            perf = {"rollout_time": rollout_time, "update_time": update_time, "sync_time": sync_time}
+            perf = {
+                "rollout_time": rollout_time,
+                "update_time": update_time,
+                "sync_time": sync_time,
+            }
             scalars |= {f"perf/{key}": value for key, value in perf.items()}
             run.log(epoch, global_step, totals, scalars)
             run.check_in_sync(epoch, agent, optimizer)  # every --check-sync-every epochs
@@ -436,7 +466,9 @@ def main(args: Args) -> Agent | None:
         envs.close()
         run.finish(agent, stopping, make_env)
     except (NonFiniteError, RuntimeError) as error:  # met alike on every rank: one line, no hang
-        run.stop_on_error(error, "lower --pi-lr/--vf-lr or check the env's observations and rewards")
+        run.stop_on_error(
+            error, "lower --pi-lr/--vf-lr or check the env's observations and rewards"
+        )
     return agent
 
 

@@ -1,6 +1,6 @@
-"""The checks every script shares: what a run needs of this machine, the launchers' variables, the rollout's numbers
-against the Agent's, the ranks' training state against each other, and video support, each ending in one line that
-names the fix."""
+"""The checks every script shares: what a run needs of this machine, the launchers' variables, the
+rollout's numbers against the Agent's, the ranks' training state against each other, and video
+support, each ending in one line that names the fix."""
 
 import hashlib
 import importlib.util
@@ -17,56 +17,75 @@ from ddrl import collectives, flags
 from ddrl.failures import fail, shown
 
 
-def environment_int(name: str, low: int, high: int, because: str = "", text: str | None = None, unset: str = "") -> int:
-    """The environment variable `name` (`unset` where it is not set, or `text` read from it) as an integer in [low,
-    high], else one line, printed by this process whatever its rank (a rank number that is wrong cannot decide who
-    speaks)."""
+def environment_int(
+    name: str, low: int, high: int, because: str = "", text: str | None = None, unset: str = ""
+) -> int:
+    """The environment variable `name` (`unset` where it is not set, or `text` read from it) as an
+    integer in [low, high], else one line, printed by this process whatever its rank (a rank number
+    that is wrong cannot decide who speaks)."""
     text = os.environ.get(name, unset) if text is None else text
     try:
         value = int(text)
     except ValueError:
         fail(
-            f"the launcher's variable {name}={shown(text)} is no integer: unset it, or launch with torchrun, mpirun or "
-            "srun",
+            f"the launcher's variable {name}={shown(text)} is no integer: unset it, or launch "
+            "with torchrun, mpirun or srun",
             any_rank=True,
         )
     if not low <= value <= high:
         where = f" (with {because})" if because else ""
         fail(
-            f"the launcher's variable {name}={value} lies outside [{low}, {high}]{where}: unset it, or launch with "
-            "torchrun, mpirun or srun",
+            f"the launcher's variable {name}={value} lies outside [{low}, {high}]{where}: unset "
+            "it, or launch with torchrun, mpirun or srun",
             any_rank=True,
         )
     return value
 
 
 def restart_count() -> int:
-    """How many times torchrun restarted this launch's group (TORCHELASTIC_RESTART_COUNT; 0 outside torchrun)."""
+    """How many times torchrun restarted this launch's group (TORCHELASTIC_RESTART_COUNT; 0 outside
+    torchrun)."""
     return environment_int("TORCHELASTIC_RESTART_COUNT", 0, 10**6, unset="0")
 
 
 def max_restarts() -> int:
-    """How many restarts torchrun allows this launch (TORCHELASTIC_MAX_RESTARTS; 0 outside torchrun)."""
+    """How many restarts torchrun allows this launch (TORCHELASTIC_MAX_RESTARTS; 0 outside
+    torchrun)."""
     return environment_int("TORCHELASTIC_MAX_RESTARTS", 0, 10**6, unset="0")
 
 
 def machine_problem(args) -> str | None:
-    """What this machine lacks for the flags (not a checkpoint's args: those may come from another machine)."""
+    """What this machine lacks for the flags (not a checkpoint's args: those may come from another
+    machine)."""
     compiler = os.environ.get("CXX", "g++")  # torch.compile builds C++ kernels on CPU
     on_gpu = getattr(args, "cuda", False) and torch.cuda.is_available()
     if getattr(args, "compile", False) and not on_gpu and shutil.which(compiler) is None:
-        return f"--compile on CPU needs a C++ compiler and {compiler!r} is not on PATH: install g++ or drop --compile"
+        return (
+            f"--compile on CPU needs a C++ compiler and {compiler!r} is not on PATH: install g++ "
+            "or drop --compile"
+        )
     if args.track and importlib.util.find_spec("wandb") is None:
-        return "--track needs Weights and Biases, which is not installed: pip install wandb, or drop --track"
-    missing = [name for name in re.split("[,:]", args.backend) if name in flags.BACKENDS and not flags.BACKENDS[name]()]
+        return (
+            "--track needs Weights and Biases, which is not installed: pip install wandb, or "
+            "drop --track"
+        )
+    missing = [
+        name
+        for name in re.split("[,:]", args.backend)
+        if name in flags.BACKENDS and not flags.BACKENDS[name]()
+    ]
     if missing:
-        return f"--backend {args.backend} needs {', '.join(missing)}, which this build of torch lacks: pass gloo"
+        return (
+            f"--backend {args.backend} needs {', '.join(missing)}, which this build of torch "
+            "lacks: pass gloo"
+        )
     return None
 
 
 def check_agreement(when: str, must_agree: str, **pairs: tuple[torch.Tensor, torch.Tensor]) -> None:
-    """Stop every rank unless each pair (the Agent's numbers, the rollout's) agrees on all ranks: a relative gap above
-    1e-3, far above float32 rounding (of small stds too), means the two compute different things."""
+    """Stop every rank unless each pair (the Agent's numbers, the rollout's) agrees on all ranks: a
+    relative gap above 1e-3, far above float32 rounding (of small stds too), means the two compute
+    different things."""
     tolerance = 1e-3
     with torch.no_grad():
         relative = [(mine - theirs).abs() / (1 + theirs.abs()) for mine, theirs in pairs.values()]
@@ -76,19 +95,20 @@ def check_agreement(when: str, must_agree: str, **pairs: tuple[torch.Tensor, tor
     for name, gap in zip(pairs, gaps.tolist(), strict=True):
         if not gap <= tolerance:  # NaN too
             fail(
-                f"{when}, the rollout's {name} differ from the Agent's by up to {gap:.3g} (relative; tolerance "
-                f"{tolerance:g}): {must_agree} must compute the same distribution and value; edit both alike"
+                f"{when}, the rollout's {name} differ from the Agent's by up to {gap:.3g} "
+                f"(relative; tolerance {tolerance:g}): {must_agree} must compute the same "
+                "distribution and value; edit both alike"
             )
 
 
 def check_one_per_row(log_probs, values, count: int, methods: str) -> None:
-    """Stop unless a rollout's probe of `count` observations gave one log-probability and one value per observation, as
-    GAE needs; `methods` names the Agent's methods that compute them."""
+    """Stop unless a rollout's probe of `count` observations gave one log-probability and one value
+    per observation, as GAE needs; `methods` names the Agent's methods that compute them."""
     for name, per_row in (("log-probabilities", log_probs), ("values", values)):
         if tuple(per_row.shape) != (count,):
             fail(
-                f"the rollout's act gives {name} of shape {tuple(per_row.shape)} for {count} observations: "
-                f"{methods} must give one per row"
+                f"the rollout's act gives {name} of shape {tuple(per_row.shape)} for {count} "
+                f"observations: {methods} must give one per row"
             )
 
 
@@ -97,26 +117,42 @@ def digest(data: bytes) -> int:
     return int.from_bytes(hashlib.sha256(data).digest()[:8], "little") >> 1
 
 
-def check_in_sync(iteration: int, unit: str, module: nn.Module, *optimizers: torch.optim.Optimizer, args=None) -> None:
-    """Stop every rank unless all hold the same training state: the module's parameters and buffers, each optimizer's
-    options (its learning rate, say), and the numbers among `args` (a coefficient an edit changes as it trains): a
-    checksum of their bytes, one gather."""
-    tensors = [t.detach().reshape(-1).double().cpu() for t in (*module.parameters(), *module.buffers())]
-    numbers = [value for optimizer in optimizers for group in optimizer.param_groups for value in group.values()]
+def check_in_sync(
+    iteration: int, unit: str, module: nn.Module, *optimizers: torch.optim.Optimizer, args=None
+) -> None:
+    """Stop every rank unless all hold the same training state: the module's parameters and buffers,
+    each optimizer's options (its learning rate, say), and the numbers among `args` (a coefficient
+    an edit changes as it trains): a checksum of their bytes, one gather."""
+    tensors = [
+        t.detach().reshape(-1).double().cpu() for t in (*module.parameters(), *module.buffers())
+    ]
+    numbers = [
+        value
+        for optimizer in optimizers
+        for group in optimizer.param_groups
+        for value in group.values()
+    ]
     numbers += list(vars(args).values()) if args is not None else []
-    numbers = [float(value) for value in numbers if isinstance(value, int | float) and not isinstance(value, bool)]
+    numbers = [
+        float(value)
+        for value in numbers
+        if isinstance(value, int | float) and not isinstance(value, bool)
+    ]
     flat = torch.cat([*tensors, torch.tensor(numbers, dtype=torch.float64)])
-    checksums = collectives.gather_ints_to_all([digest(flat.numpy().tobytes())], next(module.parameters()).device)
+    checksums = collectives.gather_ints_to_all(
+        [digest(flat.numpy().tobytes())], next(module.parameters()).device
+    )
     checksums = checksums[:, 0]
     rank = dist.get_rank() if dist.is_initialized() else 0
     if differ := (checksums != checksums[rank]).nonzero().flatten().tolist():
         fail(
-            f"the training state of ranks {differ} differs from this rank's at {unit} {iteration} (weights, "
-            "statistics, the optimizer's options or a number in args): the ranks no longer train one model. Likely "
-            "causes: an edit of the update that skips or changes the gradients' allreduce for some parameters, a "
-            "number computed from this rank's data alone (a KL coefficient from the local KL), a random draw in the "
-            "update that differs by rank, or a faulty node. Undo that edit (python -m ddrl.verify checks a copy), "
-            "then resume from the last checkpoint with --resume"
+            f"the training state of ranks {differ} differs from this rank's at {unit} {iteration} "
+            "(weights, statistics, the optimizer's options or a number in args): the ranks no "
+            "longer train one model. Likely causes: an edit of the update that skips or changes "
+            "the gradients' allreduce for some parameters, a number computed from this rank's "
+            "data alone (a KL coefficient from the local KL), a random draw in the update that "
+            "differs by rank, or a faulty node. Undo that edit (python -m ddrl.verify checks a "
+            "copy), then resume from the last checkpoint with --resume"
         )
 
 
@@ -133,7 +169,7 @@ def check_video_support(capture_video: bool, render_frame: Callable[[], object])
     except Exception as error:
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         fail(
-            f"--capture-video cannot render a frame ({reason}): for MuJoCo without a display use MUJOCO_GL=egl "
-            "(apt-get install libegl1) or MUJOCO_GL=osmesa (apt-get install libosmesa6); for classic-control envs "
-            "pip install pygame; or drop --capture-video"
+            f"--capture-video cannot render a frame ({reason}): for MuJoCo without a display use "
+            "MUJOCO_GL=egl (apt-get install libegl1) or MUJOCO_GL=osmesa (apt-get install "
+            "libosmesa6); for classic-control envs pip install pygame; or drop --capture-video"
         )

@@ -1,6 +1,7 @@
-"""Moving tensors between ranks, named for which ranks get what (never torch.distributed's names, whose signatures
-differ): through MPI where mpirun started the ranks and mpi4py imports (launching.join_process_group decides), else
-through torch.distributed. Every function does nothing, or the obvious, in a world of one."""
+"""Moving tensors between ranks, named for which ranks get what (never torch.distributed's names,
+whose signatures differ): through MPI where mpirun started the ranks and mpi4py imports
+(launching.join_process_group decides), else through torch.distributed. Every function does nothing,
+or the obvious, in a world of one."""
 
 import os
 
@@ -12,14 +13,16 @@ Group = dist.ProcessGroup | None  # None: the world
 
 
 class MPIWorld:
-    """mpi4py's MPI module and COMM_WORLD while they carry the CPU collectives (join_process_group sets them)."""
+    """mpi4py's MPI module and COMM_WORLD while they carry the CPU collectives (join_process_group
+    sets them)."""
 
     mpi = None
     comm = None
 
 
 def group_size(group: Group = None) -> int:
-    """Ranks in `group` (the world by default); 1 without a process group, so the helpers do nothing."""
+    """Ranks in `group` (the world by default); 1 without a process group, so the helpers do
+    nothing."""
     return dist.get_world_size(group) if dist.is_initialized() else 1
 
 
@@ -29,7 +32,8 @@ def rank_in(group: Group = None) -> int:
 
 
 def allreduce_mean(tensor: torch.Tensor, group: Group = None) -> torch.Tensor:
-    """Average `tensor` over the ranks of `group`, in place, in one allreduce (through MPI under mpirun)."""
+    """Average `tensor` over the ranks of `group`, in place, in one allreduce (through MPI under
+    mpirun)."""
     if group_size(group) > 1:
         reduce_to_all(tensor, group=group)
         tensor /= group_size(group)
@@ -37,7 +41,8 @@ def allreduce_mean(tensor: torch.Tensor, group: Group = None) -> torch.Tensor:
 
 
 def broadcast_parameters(module: nn.Module, extras: torch.Tensor | None = None) -> None:
-    """Copy rank 0's parameters and floating-point buffers, and `extras`, to every rank in one broadcast."""
+    """Copy rank 0's parameters and floating-point buffers, and `extras`, to every rank in one
+    broadcast."""
     tensors = [t for t in (*module.parameters(), *module.buffers()) if t.is_floating_point()]
     tensors += [] if extras is None else [extras]
     if group_size() > 1:
@@ -56,9 +61,12 @@ def sum_over_ranks(device: torch.device, **values: float) -> dict[str, float]:
     return dict(zip(values, tensor.tolist(), strict=True))
 
 
-def moments_over_ranks(x: torch.Tensor | list[torch.Tensor], group: Group = None) -> tuple[torch.Tensor, ...]:
-    """Count, mean and M2 (the sum of squared deviations) of `x` along its last dim (or of each tensor of a list) over
-    every rank's elements as if concatenated, in one gather: a mean and a std of the world's data."""
+def moments_over_ranks(
+    x: torch.Tensor | list[torch.Tensor], group: Group = None
+) -> tuple[torch.Tensor, ...]:
+    """Count, mean and M2 (the sum of squared deviations) of `x` along its last dim (or of each
+    tensor of a list) over every rank's elements as if concatenated, in one gather: a mean and a std
+    of the world's data."""
     if isinstance(x, list):
         moments = [(p.new_tensor(len(p)), p.mean(), ((p - p.mean()) ** 2).sum()) for p in x]
         local = torch.stack([torch.stack(column) for column in zip(*moments, strict=True)])
@@ -76,17 +84,28 @@ def moments_over_ranks(x: torch.Tensor | list[torch.Tensor], group: Group = None
 
 
 def through_mpi(tensor: torch.Tensor, group: Group = None) -> bool:
-    return MPIWorld.comm is not None and group is None and tensor.device.type == "cpu" and tensor.is_contiguous()
+    return (
+        MPIWorld.comm is not None
+        and group is None
+        and tensor.device.type == "cpu"
+        and tensor.is_contiguous()
+    )
 
 
 def reduce_to_all(tensor: torch.Tensor, op: str = "sum", group: Group = None) -> torch.Tensor:
-    """Every rank of `group` (the world by default) gets the sum (or "max") of their `tensor`s, in place."""
+    """Every rank of `group` (the world by default) gets the sum (or "max") of their `tensor`s, in
+    place."""
     if through_mpi(tensor, group):
-        MPIWorld.comm.Allreduce(MPIWorld.mpi.IN_PLACE, tensor.detach().numpy(), op=getattr(MPIWorld.mpi, op.upper()))
+        MPIWorld.comm.Allreduce(
+            MPIWorld.mpi.IN_PLACE, tensor.detach().numpy(), op=getattr(MPIWorld.mpi, op.upper())
+        )
         return tensor
-    work = dist.all_reduce(tensor, op=getattr(dist.ReduceOp, op.upper()), group=group, async_op=True)
+    work = dist.all_reduce(
+        tensor, op=getattr(dist.ReduceOp, op.upper()), group=group, async_op=True
+    )
     if dist.get_backend(group) == "gloo":
-        while not work.is_completed():  # yield, not sleep: a sleeper wakes milliseconds late for a 0.1 ms allreduce
+        # yield, not sleep: a sleeper wakes milliseconds late for a 0.1 ms allreduce
+        while not work.is_completed():
             os.sched_yield()
     work.wait()  # a dead peer still fails the wait
     return tensor
@@ -104,9 +123,13 @@ def gather_to_all(tensor: torch.Tensor, group: Group = None) -> torch.Tensor:
 
 def gather_to_rank0(tensor: torch.Tensor) -> torch.Tensor | None:
     """[ranks, *tensor.shape] on rank 0: each rank's `tensor`; None on the other ranks."""
-    gathered = tensor.new_empty((dist.get_world_size(), *tensor.shape)) if dist.get_rank() == 0 else None
+    gathered = (
+        tensor.new_empty((dist.get_world_size(), *tensor.shape)) if dist.get_rank() == 0 else None
+    )
     if through_mpi(tensor):
-        MPIWorld.comm.Gather(tensor.detach().numpy(), None if gathered is None else gathered.numpy(), root=0)
+        MPIWorld.comm.Gather(
+            tensor.detach().numpy(), None if gathered is None else gathered.numpy(), root=0
+        )
     else:
         dist.gather(tensor, None if gathered is None else list(gathered.unbind(0)), dst=0)
     return gathered
@@ -122,7 +145,8 @@ def broadcast_from_rank0(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def gather_ints_to_all(values: list[int], device: torch.device) -> torch.Tensor:
-    """[ranks, len(values)] on every rank: each rank's `values` (on the device the process group serves)."""
+    """[ranks, len(values)] on every rank: each rank's `values` (on the device the process group
+    serves)."""
     tensor = torch.tensor(values, dtype=torch.int64, device=device)
     if group_size() == 1:
         return tensor.unsqueeze(0).cpu()

@@ -1,6 +1,7 @@
-"""The Atari rollout's acting step, derived from the Agent's get_action_and_value: eager, or on a GPU one CUDA graph
-per group of envs captured once and replayed every step, so that a step costs a few launches instead of hundreds;
-either way checked against the Agent (ddrl.rollout.check). Also the bfloat16 trunk of --bf16."""
+"""The Atari rollout's acting step, derived from the Agent's get_action_and_value: eager, or on a
+GPU one CUDA graph per group of envs captured once and replayed every step, so that a step costs a
+few launches instead of hundreds; either way checked against the Agent (ddrl.rollout.check). Also
+the bfloat16 trunk of --bf16."""
 
 import types
 from collections.abc import Callable
@@ -13,20 +14,28 @@ from ddrl.failures import fail
 
 
 def acting_step(
-    agent: nn.Module, obs: torch.Tensor, actions: torch.Tensor, log_probs: torch.Tensor, values: torch.Tensor,
-    groups: list[slice], graph: bool,
-) -> Callable[[int, np.ndarray, slice], np.ndarray]:  # fmt: skip
-    """One rollout step's acting for one group of envs, as a function of the step, the group's frames and the group:
-    the frames into row `step` of `obs`, Agent.get_action_and_value on them (under inference mode: no autograd, no
-    DDP hooks) into that row of `actions`, `log_probs` and `values`, the actions back to the host for the envs. With
-    `graph` (a GPU), a CUDA graph per group captured from that call does it."""
+    agent: nn.Module,
+    obs: torch.Tensor,
+    actions: torch.Tensor,
+    log_probs: torch.Tensor,
+    values: torch.Tensor,
+    groups: list[slice],
+    graph: bool,
+) -> Callable[[int, np.ndarray, slice], np.ndarray]:
+    """One rollout step's acting for one group of envs, as a function of the step, the group's
+    frames and the group: the frames into row `step` of `obs`, Agent.get_action_and_value on them
+    (under inference mode: no autograd, no DDP hooks) into that row of `actions`, `log_probs` and
+    `values`, the actions back to the host for the envs. With `graph` (a GPU), a CUDA graph per
+    group captured from that call does it."""
     if graph:
         return captured_acting_step(agent, obs, actions, log_probs, values, groups)
 
     @torch.inference_mode()
     def act_eagerly(step: int, frames: np.ndarray, group: slice) -> np.ndarray:
         obs[step, group].copy_(torch.from_numpy(frames), non_blocking=True)
-        step_actions, log_probs[step, group], _, step_values = agent.get_action_and_value(obs[step, group])
+        step_actions, log_probs[step, group], _, step_values = agent.get_action_and_value(
+            obs[step, group]
+        )
         values[step, group] = step_values.flatten()
         actions[step, group] = step_actions
         return step_actions.cpu().numpy()
@@ -35,12 +44,16 @@ def acting_step(
 
 
 def captured_acting_step(
-    agent: nn.Module, obs: torch.Tensor, actions: torch.Tensor, log_probs: torch.Tensor, values: torch.Tensor,
+    agent: nn.Module,
+    obs: torch.Tensor,
+    actions: torch.Tensor,
+    log_probs: torch.Tensor,
+    values: torch.Tensor,
     groups: list[slice],
-) -> Callable[[int, np.ndarray, slice], np.ndarray]:  # fmt: skip
-    """acting_step as CUDA graphs, one per group, captured from Agent.get_action_and_value as torch's docs do (every
-    replay draws fresh, seeded samples): a copy in from pinned memory, a replay that reads and writes the group's part
-    of row `step`, a copy out."""
+) -> Callable[[int, np.ndarray, slice], np.ndarray]:
+    """acting_step as CUDA graphs, one per group, captured from Agent.get_action_and_value as
+    torch's docs do (every replay draws fresh, seeded samples): a copy in from pinned memory, a
+    replay that reads and writes the group's part of row `step`, a copy out."""
     row = torch.zeros(1, dtype=torch.long, device=obs.device)  # the row the graphs read and write
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -63,16 +76,18 @@ def captured_acting_step(
         except RuntimeError as error:  # the breaking op's error, if any, came first
             cause = str(error.__context__ or error).strip().splitlines()[0]
             fail(
-                f"Agent.get_action_and_value could not be captured as a CUDA graph ({cause}): an op in it syncs with "
-                "the host; remove that op, or pass --no-cuda-graph"
+                f"Agent.get_action_and_value could not be captured as a CUDA graph ({cause}): an "
+                "op in it syncs with the host; remove that op, or pass --no-cuda-graph"
             )
         frames_host = torch.empty(obs[0, group].shape, dtype=torch.uint8, pin_memory=True)
         actions_host = torch.empty(step_actions.shape, dtype=torch.long, pin_memory=True)
-        captured[group.start] = (graph, frames_host, actions_host, step_actions)  # rewritten by every replay
+        # rewritten by every replay
+        captured[group.start] = (graph, frames_host, actions_host, step_actions)
 
     def act_by_graph_replay(step: int, frames: np.ndarray, group: slice) -> np.ndarray:
         graph, frames_host, actions_host, step_actions = captured[group.start]
-        np.copyto(frames_host.numpy(), frames)  # pinned: copied ahead of the replay (numpy: no torch threads)
+        # pinned: copied ahead of the replay (numpy: no torch threads)
+        np.copyto(frames_host.numpy(), frames)
         obs[step, group].copy_(frames_host, non_blocking=True)
         row.fill_(step)
         graph.replay()
@@ -84,8 +99,8 @@ def captured_acting_step(
 
 
 def run_in_bfloat16(module: nn.Module) -> None:
-    """From now on `module` (a network's trunk) runs under bfloat16 autocast and hands on float32: its forward is
-    wrapped on this instance, its class, weights and state dict unchanged."""
+    """From now on `module` (a network's trunk) runs under bfloat16 autocast and hands on float32:
+    its forward is wrapped on this instance, its class, weights and state dict unchanged."""
 
     def forward_in_bfloat16(self, x: torch.Tensor) -> torch.Tensor:
         with torch.autocast(x.device.type, dtype=torch.bfloat16):

@@ -1,6 +1,6 @@
-"""What env libraries need beside the algorithm: MuJoCo's console without its one deprecation warning, one frame
-rendered before a --capture-video run trains, and the Atari script's training protocol on one gymnasium env (for
-evaluation and videos, which AtariVectorEnv cannot record)."""
+"""What env libraries need beside the algorithm: MuJoCo's console without its one deprecation
+warning, one frame rendered before a --capture-video run trains, and the Atari script's training
+protocol on one gymnasium env (for evaluation and videos, which AtariVectorEnv cannot record)."""
 
 import contextlib
 import os
@@ -15,17 +15,19 @@ from ddrl.failures import fail, shown
 
 
 def silence_settotalmass_warning() -> None:
-    """Drop MuJoCo 4's warning on the deprecated `settotalmass` in gymnasium's HalfCheetah model (printed for every env
-    of every rank, and logged to MUJOCO_LOG.TXT); any other MuJoCo warning prints as before."""
+    """Drop MuJoCo 4's warning on the deprecated `settotalmass` in gymnasium's HalfCheetah model
+    (printed for every env of every rank, and logged to MUJOCO_LOG.TXT); any other MuJoCo warning
+    prints as before."""
     try:
         import mujoco
     except ImportError:  # no MuJoCo, no MuJoCo warnings
         return
-    except Exception as error:  # MUJOCO_GL naming a renderer MuJoCo does not know, or one this machine lacks
+    # MUJOCO_GL naming a renderer MuJoCo does not know, or one this machine lacks
+    except Exception as error:
         gl = os.environ.get("MUJOCO_GL", "")
         fail(
-            f"MUJOCO_GL={shown(gl)} names no renderer MuJoCo can load ({str(error).splitlines()[0]}): unset it, or "
-            "set it to egl, osmesa or glfw"
+            f"MUJOCO_GL={shown(gl)} names no renderer MuJoCo can load "
+            f"({str(error).splitlines()[0]}): unset it, or set it to egl, osmesa or glfw"
         )
 
     def warn(message: str) -> None:
@@ -35,15 +37,24 @@ def silence_settotalmass_warning() -> None:
     mujoco.set_mju_user_warning(warn)
 
 
-def check_env(make_env: Callable[[], gym.Env], given: str, observations: type = gym.Space, actions: type = gym.Space):
-    """Build one env with the script's `make_env` thunk (its wrappers may change the spaces), refuse one that cannot be
-    made or whose spaces the script cannot train, in one line naming `given` (where the id comes from) and the fix;
-    else its (observation space, action space)."""
+def check_env(
+    make_env: Callable[[], gym.Env],
+    given: str,
+    observations: type = gym.Space,
+    actions: type = gym.Space,
+):
+    """Build one env with the script's `make_env` thunk (its wrappers may change the spaces), refuse
+    one that cannot be made or whose spaces the script cannot train, in one line naming `given`
+    (where the id comes from) and the fix; else its (observation space, action space)."""
     try:
         env = make_env()
     except Exception as error:  # an unknown id or module, or MUJOCO_GL naming a missing renderer
         gl = os.environ.get("MUJOCO_GL")
-        renderer = f"; or MUJOCO_GL={gl} names a renderer this machine lacks (unset it, or install it)" if gl else ""
+        renderer = (
+            f"; or MUJOCO_GL={gl} names a renderer this machine lacks (unset it, or install it)"
+            if gl
+            else ""
+        )
         fail(f"unknown or unusable {given} ({type(error).__name__}: {first_line(error)}){renderer}")
     env.close()
     for kind, space, wanted in (
@@ -52,9 +63,13 @@ def check_env(make_env: Callable[[], gym.Env], given: str, observations: type = 
     ):
         if not isinstance(space, wanted):
             names = " or ".join(
-                getattr(wanted, "__args__", None) and [t.__name__ for t in wanted.__args__] or [wanted.__name__]
+                getattr(wanted, "__args__", None)
+                and [t.__name__ for t in wanted.__args__]
+                or [wanted.__name__]
             )
-            fail(f"{given} has {type(space).__name__} {kind}; {failures.script} needs {names} {kind}")
+            fail(
+                f"{given} has {type(space).__name__} {kind}; {failures.script} needs {names} {kind}"
+            )
     return env.observation_space, env.action_space
 
 
@@ -88,11 +103,18 @@ def area_resize_matrix(source: int, target: int) -> np.ndarray:
 
 
 class TrainingProtocol(gym.Wrapper):
-    """The Atari script's make_env protocol on one gymnasium ALE env (grayscale, frameskip=1), for evaluation: its
-    resets, 4 frames per action (the last two max-pooled), 84x84 by area, 4 stacked, FIRE after a
-    lost life. An episode is a whole game."""
+    """The Atari script's make_env protocol on one gymnasium ALE env (grayscale, frameskip=1), for
+    evaluation: its resets, 4 frames per action (the last two max-pooled), 84x84 by area, 4 stacked,
+    FIRE after a lost life. An episode is a whole game."""
 
-    def __init__(self, env: gym.Env, frameskip: int = 4, stack_num: int = 4, noop_max: int = 30, size: int = 84):
+    def __init__(
+        self,
+        env: gym.Env,
+        frameskip: int = 4,
+        stack_num: int = 4,
+        noop_max: int = 30,
+        size: int = 84,
+    ):
         super().__init__(env)
         self.frameskip = frameskip
         self.noop_max = noop_max
@@ -143,8 +165,8 @@ class TrainingProtocol(gym.Wrapper):
 
 
 def atari_eval_env(args, video_folder: str | None = None) -> Callable[[], gym.Env]:
-    """A thunk building one gymnasium ALE env of `args.env_id` with the Atari script's preprocessing and protocol
-    (evaluation, video)."""
+    """A thunk building one gymnasium ALE env of `args.env_id` with the Atari script's preprocessing
+    and protocol (evaluation, video)."""
 
     def thunk() -> gym.Env:
         register_atari()

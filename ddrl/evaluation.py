@@ -1,7 +1,7 @@
-"""Evaluation: whole episodes played with one env by the Agent (through the rollout derived from it, sampling, or
-taking each distribution's mode with --eval-deterministic), for --eval-checkpoint and for the videos --capture-video
-films after training. The script gives its Agent class and its make_env; everything else is the same in every
-script."""
+"""Evaluation: whole episodes played with one env by the Agent (through the rollout derived from it,
+sampling, or taking each distribution's mode with --eval-deterministic), for --eval-checkpoint and
+for the videos --capture-video films after training. The script gives its Agent class and its
+make_env; everything else is the same in every script."""
 
 import inspect
 import os
@@ -18,10 +18,13 @@ from ddrl.failures import fail
 
 
 def play(agent: nn.Module, envs: gym.vector.VectorEnv, args) -> list[float]:
-    """Play `args.eval_episodes` whole episodes on `envs` (one env) and return their returns; Box actions are
-    clipped to the action space, as in training."""
-    numpy_layers = getattr(args, "numpy_rollout", False)  # the MLP scripts' flag; Atari acts with its torch code
-    rollout_agent = rollout.derive(agent, envs.single_observation_space, numpy_layers, args.eval_deterministic)
+    """Play `args.eval_episodes` whole episodes on `envs` (one env) and return their returns; Box
+    actions are clipped to the action space, as in training."""
+    # the MLP scripts' flag; Atari acts with its torch code
+    numpy_layers = getattr(args, "numpy_rollout", False)
+    rollout_agent = rollout.derive(
+        agent, envs.single_observation_space, numpy_layers, args.eval_deterministic
+    )
     space = envs.single_action_space
     returns = []
     episode_return = 0.0
@@ -32,10 +35,13 @@ def play(agent: nn.Module, envs: gym.vector.VectorEnv, args) -> list[float]:
         action = rollout_agent.get_action_and_value(obs)[0]
         if isinstance(space, gym.spaces.Box):
             action = np.clip(action, space.low, space.high)
-        if not space.contains(action[0].astype(space.dtype) if isinstance(space, gym.spaces.Box) else action[0]):
+        if not space.contains(
+            action[0].astype(space.dtype) if isinstance(space, gym.spaces.Box) else action[0]
+        ):
             fail(
-                f"the Agent's action {failures.shown(action[0])} is none of the env's {space}: the model file's env is "
-                f"not one this {failures.script} trains; evaluate it with the script that wrote it"
+                f"the Agent's action {failures.shown(action[0])} is none of the env's {space}: "
+                f"the model file's env is not one this {failures.script} trains; evaluate it with "
+                "the script that wrote it"
             )
         obs, reward, terminated, truncated, _ = envs.step(action)
         episode_return += float(reward[0])
@@ -54,33 +60,45 @@ def build_agent(agent_class: type, envs: gym.vector.VectorEnv, args) -> nn.Modul
 
 
 def evaluate_checkpoint(args, agent_class: type, make_env: Callable) -> None:
-    """--eval-checkpoint: play the model file (or a training checkpoint) on rank 0, with the env and network its args
-    describe (`make_env(args, video_folder)` builds one env), and print one `eval:` line. The file's args size the
-    Agent: it is built on no device first, compared with the file's tensors and this machine's memory, then built."""
+    """--eval-checkpoint: play the model file (or a training checkpoint) on rank 0, with the env and
+    network its args describe (`make_env(args, video_folder)` builds one env), and print one `eval:`
+    line. The file's args size the Agent: it is built on no device first, compared with the file's
+    tensors and this machine's memory, then built."""
     path = args.eval_checkpoint
     header, saved = checkpoints.read_model(path, type(args), args.env_id)
     video_folder = os.path.join(os.path.dirname(path), "videos") if args.capture_video else None
-    checks.check_video_support(args.capture_video, lambda: env_support.render_one_frame(saved.env_id))
+    checks.check_video_support(
+        args.capture_video, lambda: env_support.render_one_frame(saved.env_id)
+    )
     env_support.check_env(make_env(saved), f"the env_id of {path}, {saved.env_id!r},")
     if failures.this_rank() != 0:
         return
     if video_folder:
         run_folders.real_folder(video_folder)
-    envs = gym.vector.SyncVectorEnv([make_env(saved, video_folder)], autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
+    envs = gym.vector.SyncVectorEnv(
+        [make_env(saved, video_folder)], autoreset_mode=gym.vector.AutoresetMode.SAME_STEP
+    )
     with torch.device("meta"):  # sizes only: nothing allocated
         shapes = build_agent(agent_class, envs, saved)
     found = checkpoints.read(path, "")[1]
-    wanted = {f"model.{name}": (tuple(tensor.shape), tensor.dtype) for name, tensor in shapes.state_dict().items()}
+    wanted = {
+        f"model.{name}": (tuple(tensor.shape), tensor.dtype)
+        for name, tensor in shapes.state_dict().items()
+    }
     if faults := checkpoints.misfits(found, wanted, "model."):
         fail(
-            f"{path}, written by {checkpoints.writer_of(header)}: its weights do not fit this {agent_class.__name__} "
-            f"({faults}): undo the Agent's edit, or use the script that wrote it"
+            f"{path}, written by {checkpoints.writer_of(header)}: its weights do not fit this "
+            f"{agent_class.__name__} ({faults}): undo the Agent's edit, or use the script that "
+            "wrote it"
         )
-    needed = 2 * sum(tensor.numel() * tensor.element_size() for tensor in shapes.state_dict().values())
+    needed = 2 * sum(
+        tensor.numel() * tensor.element_size() for tensor in shapes.state_dict().values()
+    )
     if needed > machine.available_memory():
         fail(
-            f"{path}: the network its args describe takes {machine.size(needed)} to load, more than the "
-            f"{machine.size(machine.available_memory())} this machine has available: evaluate it on a larger machine"
+            f"{path}: the network its args describe takes {machine.size(needed)} to load, more "
+            f"than the {machine.size(machine.available_memory())} this machine has available: "
+            "evaluate it on a larger machine"
         )
     agent = build_agent(agent_class, envs, saved)
     checkpoints.load_weights(agent, path, header)
@@ -88,4 +106,7 @@ def evaluate_checkpoint(args, agent_class: type, make_env: Callable) -> None:
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
     returns = play(agent, envs, args)
-    print(f"eval: episodes={len(returns)} return_mean={np.mean(returns):.2f} return_std={np.std(returns):.2f}")
+    print(
+        f"eval: episodes={len(returns)} return_mean={np.mean(returns):.2f} "
+        f"return_std={np.std(returns):.2f}"
+    )

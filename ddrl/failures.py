@@ -1,5 +1,6 @@
-"""Failures: one line that names the fix and exit code 2, never a traceback; warnings in the same form; and the
-console lines of a run, which a reader that went away (a closed pipe) never turns into a traceback."""
+"""Failures: one line that names the fix and exit code 2, never a traceback; warnings in the same
+form; and the console lines of a run, which a reader that went away (a closed pipe) never turns into
+a traceback."""
 
 import gc
 import os
@@ -16,19 +17,22 @@ MAX_VALUE_CHARS = 200  # a value quoted in a message longer than this is cut, it
 
 
 def fail(message: str, every_rank: bool = False, any_rank: bool = False) -> NoReturn:
-    """Stop with one line naming the fix, exit code 2: printed by rank 0; with `every_rank` (a lost peer) by each rank,
-    which says its rank; with `any_rank` (the launcher's variables, which may not say which rank this is) by this
-    process whatever its rank."""
+    """Stop with one line naming the fix, exit code 2: printed by rank 0; with `every_rank` (a lost
+    peer) by each rank, which says its rank; with `any_rank` (the launcher's variables, which may
+    not say which rank this is) by this process whatever its rank."""
     rank = this_rank()
-    if every_rank or any_rank or rank == 0:  # said first: a launcher may end the job once another rank has left
+    # said first: a launcher may end the job once another rank has left
+    if every_rank or any_rank or rank == 0:
         who = f"rank {rank}: " if every_rank and dist_world_size() > 1 else ""
         say(f"{script}: error: {who}{message}")
-    if dist.is_initialized() and not every_rank:  # every rank stops here together: leave the group cleanly
+    # every rank stops here together: leave the group cleanly
+    if dist.is_initialized() and not every_rank:
         dist.destroy_process_group()
         gc.collect()
     if every_rank:
         quietly(sys.stdout.flush)
-        os._exit(2)  # at once: the broken group's threads can abort an orderly interpreter exit (SIGABRT)
+        # at once: the broken group's threads can abort an orderly interpreter exit (SIGABRT)
+        os._exit(2)
     raise SystemExit(2)
 
 
@@ -46,29 +50,32 @@ def warn(message: str) -> None:
 
 
 def say(line: str) -> None:
-    """`line` on stderr as one line: its long words cut (a 1 MiB --env-id echoed back), any character a terminal would
-    obey rather than show (a newline, an escape sequence, a right-to-left mark) escaped; a reader that went away
-    prints nothing."""
+    """`line` on stderr as one line: its long words cut (a 1 MiB --env-id echoed back), any
+    character a terminal would obey rather than show (a newline, an escape sequence, a right-to-left
+    mark) escaped; a reader that went away prints nothing."""
     line = re.sub(rf"\S{{{MAX_VALUE_CHARS + 1},}}", lambda word: cut(word[0]), line)
     line = "".join(char if char.isprintable() else repr(char)[1:-1] for char in line)
     quietly(lambda: print(line, file=sys.stderr, flush=True))
 
 
 def tell(line: str) -> bool:
-    """`line` on stdout, at once. False if its reader went away (`| head -1`): stdout then goes to /dev/null, so that
-    the run ends quietly (the caller asks it to stop) instead of in a BrokenPipeError."""
+    """`line` on stdout, at once. False if its reader went away (`| head -1`): stdout then goes to
+    /dev/null, so that the run ends quietly (the caller asks it to stop) instead of in a
+    BrokenPipeError."""
     try:
         print(line, flush=True)
         return True
     except (OSError, ValueError):
         quiet = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(quiet, sys.stdout.fileno())  # the interpreter's last flush at exit finds nowhere to fail
+        # the interpreter's last flush at exit finds nowhere to fail
+        os.dup2(quiet, sys.stdout.fileno())
         os.close(quiet)
         return False
 
 
 def quietly(write) -> None:
-    """Call `write`, which prints or flushes; an output whose reader went away (a closed pipe) takes nothing."""
+    """Call `write`, which prints or flushes; an output whose reader went away (a closed pipe) takes
+    nothing."""
     try:
         write()
     except (OSError, ValueError):  # BrokenPipeError; ValueError: the stream was closed
@@ -82,11 +89,16 @@ def shown(value: object) -> str:
 
 def cut(text: str) -> str:
     """`text`, or its first MAX_VALUE_CHARS characters and how many there were."""
-    return text if len(text) <= MAX_VALUE_CHARS else f"{text[:MAX_VALUE_CHARS]}... ({len(text)} characters)"
+    return (
+        text
+        if len(text) <= MAX_VALUE_CHARS
+        else f"{text[:MAX_VALUE_CHARS]}... ({len(text)} characters)"
+    )
 
 
 def this_rank() -> int:
-    """This process's rank as the process group or the launcher has it (0 when neither says, or says nonsense)."""
+    """This process's rank as the process group or the launcher has it (0 when neither says, or says
+    nonsense)."""
     if dist.is_initialized():
         return dist.get_rank()
     try:
@@ -106,4 +118,5 @@ def dist_world_size() -> int:
 
 
 class NonFiniteError(Exception):
-    """A non-finite loss or gradient, found alike on every rank (in numbers they all share) before it is applied."""
+    """A non-finite loss or gradient, found alike on every rank (in numbers they all share) before
+    it is applied."""

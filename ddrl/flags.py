@@ -1,6 +1,7 @@
-"""The flags every ddrl script shares, as a dataclass each script's `Args` extends, and how every flag's rule is
-enforced. A rule is written beside its flag as annotated-types markers (`Annotated[int, Ge(1)]`); pydantic checks a
-command line and a file's saved args by the same rules, and every violation is one line naming the flag."""
+"""The flags every ddrl script shares, as a dataclass each script's `Args` extends, and how every
+flag's rule is enforced. A rule is written beside its flag as annotated-types markers
+(`Annotated[int, Ge(1)]`); pydantic checks a command line and a file's saved args by the same rules,
+and every violation is one line naming the flag."""
 
 import json
 from dataclasses import asdict, dataclass
@@ -17,17 +18,23 @@ from ddrl.failures import shown
 Finite = pydantic.AllowInfNan(False)
 """a float flag's rule: no inf, no NaN (`Annotated[float, Gt(0), Finite]`)"""
 
-BACKENDS = {"gloo": dist.is_gloo_available, "nccl": dist.is_nccl_available, "mpi": dist.is_mpi_available}
-BACKENDS |= {"ucc": dist.is_ucc_available}  # torch.distributed's backends, and whether this build has each
-TRAINING_ONLY = ("resume", "run_name", "checkpoint_every", "save_model", "track")  # what --eval-checkpoint never does
+BACKENDS = {
+    "gloo": dist.is_gloo_available,
+    "nccl": dist.is_nccl_available,
+    "mpi": dist.is_mpi_available,
+}
+# torch.distributed's backends, and whether this build has each
+BACKENDS |= {"ucc": dist.is_ucc_available}
+# what --eval-checkpoint never does
+TRAINING_ONLY = ("resume", "run_name", "checkpoint_every", "save_model", "track")
 
 
 def one_folder_name(name: str) -> str:
     """--run-name's rule: empty (the default name), or one folder name right below runs/."""
     if name and not run_folders.is_one_folder(name):
         raise ValueError(
-            "is not one folder name below runs/: use printable characters without '/' or '\\', not '.' or '..', at "
-            "most 200 bytes"
+            "is not one folder name below runs/: use printable characters without '/' or '\\', "
+            "not '.' or '..', at most 200 bytes"
         )
     return name
 
@@ -37,13 +44,19 @@ FolderName = pydantic.AfterValidator(one_folder_name)
 
 
 def torch_backend(backend: str) -> str:
-    """--backend's rule: empty, a torch.distributed backend, or DEVICE:BACKEND pairs of them (cpu, cuda)."""
+    """--backend's rule: empty, a torch.distributed backend, or DEVICE:BACKEND pairs of them (cpu,
+    cuda)."""
     pairs = [pair.split(":") for pair in backend.split(",")] if backend else []
     for pair in pairs:
-        if len(pair) > 2 or pair[-1] not in BACKENDS or (len(pair) == 2 and pair[0] not in ("cpu", "cuda")):
+        if (
+            len(pair) > 2
+            or pair[-1] not in BACKENDS
+            or (len(pair) == 2 and pair[0] not in ("cpu", "cuda"))
+        ):
             raise ValueError(
-                f"is not a torch.distributed backend: pass one of {', '.join(BACKENDS)}, or DEVICE:BACKEND pairs such "
-                "as cpu:gloo,cuda:nccl (left out: gloo, with NCCL for CUDA tensors)"
+                f"is not a torch.distributed backend: pass one of {', '.join(BACKENDS)}, or "
+                "DEVICE:BACKEND pairs such as cpu:gloo,cuda:nccl (left out: gloo, with NCCL for "
+                "CUDA tensors)"
             )
     return backend
 
@@ -60,7 +73,8 @@ class RuntimeArgs:
     """The runtime's flags, the same in every ddrl script (each script's Args extends this)."""
 
     eval_checkpoint: Annotated[str | None, pydantic.AfterValidator(a_file)] = None
-    """if set, load this model file (or a training checkpoint), play `--eval-episodes` episodes on rank 0 and exit"""
+    """if set, load this model file (or a training checkpoint), play `--eval-episodes` episodes on
+    rank 0 and exit"""
     eval_episodes: Annotated[int, Interval(ge=1, le=10**6)] = 10
     """episodes played by `--eval-checkpoint` and after training with `--capture-video`"""
     eval_deterministic: bool = False
@@ -68,7 +82,8 @@ class RuntimeArgs:
     run_name: Annotated[str, FolderName] = ""
     """the run folder under runs/; default `{env_id}__{exp_name}__{seed}__{unix_time}`"""
     torch_threads: Annotated[int, Interval(ge=0, le=4096)] = 0
-    """torch threads per rank; 0 = the cores idle at start divided by the ranks on this node (1 on a GPU)"""
+    """torch threads per rank; 0 = the cores idle at start divided by the ranks on this node (1 on a
+    GPU)"""
     nprocs: Annotated[int, Interval(ge=1, le=4096)] = 1
     """if > 1, re-launch as that many ranks: mpirun if --collectives allows MPI, else torchrun"""
     collectives: Literal["auto", "mpi", "torch"] = "auto"
@@ -76,13 +91,16 @@ class RuntimeArgs:
     backend: Annotated[str, pydantic.AfterValidator(torch_backend)] = ""
     """torch.distributed backend; empty = gloo, and NCCL for CUDA tensors with --cuda"""
     dist_timeout: Annotated[float, Interval(ge=5, le=10**7)] = 1800.0
-    """seconds a collective may wait for a peer before the run stops (ranks that start seconds apart must meet)"""
+    """seconds a collective may wait for a peer before the run stops (ranks that start seconds apart
+    must meet)"""
     checkpoint_every: Annotated[int, Ge(0)] = 0
-    """iterations between checkpoints, `runs/{run_name}/checkpoints/iter_{n:06d}.safetensors` (0: on SIGTERM only)"""
+    """iterations between checkpoints, `runs/{run_name}/checkpoints/iter_{n:06d}.safetensors` (0: on
+    SIGTERM only)"""
     resume: bool = False
     """continue the run `--run-name` from its newest checkpoint (automatic on a torchrun restart)"""
     check_sync_every: Annotated[int, Ge(0)] = 10
-    """iterations between checks that all ranks hold the same state (a checksum), from the first; 0 = never"""
+    """iterations between checks that all ranks hold the same state (a checksum), from the first; 0
+    = never"""
 
 
 @cache
@@ -92,19 +110,22 @@ def rules(args_type: type) -> pydantic.TypeAdapter:
 
 
 def violations(args) -> list[str]:
-    """Every flag of `args` whose value breaks its rule, one message each, naming the flag and the fix; [] if none."""
+    """Every flag of `args` whose value breaks its rule, one message each, naming the flag and the
+    fix; [] if none."""
     try:
         rules(type(args)).validate_python(asdict(args))
     except pydantic.ValidationError as error:
         return [violation(detail) for detail in error.errors()]
     found = []
     if args.eval_checkpoint is not None:
-        given = [f"--{name.replace('_', '-')}" for name in TRAINING_ONLY if getattr(args, name, False)]
+        given = [
+            f"--{name.replace('_', '-')}" for name in TRAINING_ONLY if getattr(args, name, False)
+        ]
         given += ["--nprocs"] if args.nprocs > 1 else []
         if given:
             found.append(
-                f"--eval-checkpoint evaluates a model on one process, where {', '.join(given)} belong(s) to training: "
-                "drop them, or drop --eval-checkpoint to train"
+                f"--eval-checkpoint evaluates a model on one process, where {', '.join(given)} "
+                "belong(s) to training: drop them, or drop --eval-checkpoint to train"
             )
     return found
 
@@ -132,12 +153,14 @@ def violation(detail: dict) -> str:
         return f"{flag} must be {wanted[kind]}, got {shown(value)}"
     if kind == "value_error":
         return f"{flag} {shown(value)} {rule.get('error')}"
-    return f"{flag} holds {shown(value)}, which is no {kind.removesuffix('_type').removesuffix('_parsing')}"
+    expected = kind.removesuffix("_type").removesuffix("_parsing")
+    return f"{flag} holds {shown(value)}, which is no {expected}"
 
 
 def saved_args(saved: dict, args_type: type):
-    """A file's saved args as `args_type` (entries it lacks take their defaults; others are ignored), read by the
-    rules of the command line, strictly typed as JSON; returns (args, []) or (None, the violations)."""
+    """A file's saved args as `args_type` (entries it lacks take their defaults; others are
+    ignored), read by the rules of the command line, strictly typed as JSON; returns (args, []) or
+    (None, the violations)."""
     try:
         args = rules(args_type).validate_json(json.dumps(saved, allow_nan=True), strict=True)
     except pydantic.ValidationError as error:

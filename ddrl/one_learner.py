@@ -1,5 +1,6 @@
-"""--sync gather: rank 0 runs the script's own update on the union of every rank's batch, then sends the weights to
-every rank; the same update, the same minibatches, so it ends with the weights --sync allreduce gives."""
+"""--sync gather: rank 0 runs the script's own update on the union of every rank's batch, then sends
+the weights to every rank; the same update, the same minibatches, so it ends with the weights --sync
+allreduce gives."""
 
 import inspect
 import time
@@ -14,15 +15,17 @@ from ddrl import collectives
 from ddrl.failures import NonFiniteError
 
 Batch = dict[str, torch.Tensor]
-LEARNER_GROUPS = {}  # the world's size: a process group of rank 0 alone, made once by every rank together
+# the world's size: a process group of rank 0 alone, made once by every rank together
+LEARNER_GROUPS = {}
 
 
 def update_on_rank0(update: Callable, *arguments) -> tuple[dict[str, float], float]:
-    """Call `update(*arguments)` as --sync allreduce would, but on rank 0 alone, on the union of every rank's `batch`
-    (one gather; its `orders` and `sizes`, where it takes them, made the union's so that the world's minibatch k is
-    the ranks' minibatches k) in a process group of rank 0 alone; then one broadcast gives every rank rank 0's weights
-    (of the first module among `arguments`) and whether it met a non-finite loss. Returns the losses (rank 0's; no
-    other rank logs them) and the seconds of the gather and the broadcast."""
+    """Call `update(*arguments)` as --sync allreduce would, but on rank 0 alone, on the union of
+    every rank's `batch` (one gather; its `orders` and `sizes`, where it takes them, made the
+    union's so that the world's minibatch k is the ranks' minibatches k) in a process group of rank
+    0 alone; then one broadcast gives every rank rank 0's weights (of the first module among
+    `arguments`) and whether it met a non-finite loss. Returns the losses (rank 0's; no other rank
+    logs them) and the seconds of the gather and the broadcast."""
     bound = inspect.signature(update).bind(*arguments)
     called = bound.arguments
     module = next(value for value in called.values() if isinstance(value, nn.Module))
@@ -53,7 +56,8 @@ def update_on_rank0(update: Callable, *arguments) -> tuple[dict[str, float], flo
 
 
 def learner_group() -> dist.ProcessGroup | None:
-    """A process group of rank 0 alone (made by every rank together, the first time); None in a world of one."""
+    """A process group of rank 0 alone (made by every rank together, the first time); None in a
+    world of one."""
     world_size = collectives.group_size()
     if world_size == 1:
         return None
@@ -63,17 +67,25 @@ def learner_group() -> dist.ProcessGroup | None:
 
 
 def gather_union(batch: Batch, orders: torch.Tensor | None, sizes: torch.Tensor | None):
-    """Rank 0's union of all batches in rank order (one gather), with the orders and sizes that make the world's
-    minibatches (None where the update takes none); None on the other ranks."""
-    counts = [len(batch["returns"])] * collectives.group_size() if sizes is None else sizes.sum(1).tolist()
+    """Rank 0's union of all batches in rank order (one gather), with the orders and sizes that make
+    the world's minibatches (None where the update takes none); None on the other ranks."""
+    counts = (
+        [len(batch["returns"])] * collectives.group_size()
+        if sizes is None
+        else sizes.sum(1).tolist()
+    )
     padding = max(counts) - len(batch["returns"])  # rows, so that every rank sends as many
     extra = [] if orders is None else [orders.T]  # the orders go as [samples, epochs]
     full = [torch.cat([t, t.new_zeros(padding, *t.shape[1:])]) for t in [*batch.values(), *extra]]
-    gathered = collectives.gather_to_rank0(torch.cat([t.reshape(-1).double() for t in full]))  # [ranks, packed]
+    # [ranks, packed]
+    gathered = collectives.gather_to_rank0(torch.cat([t.reshape(-1).double() for t in full]))
     if gathered is None:
         return None
     numels = [t.numel() for t in full]
-    ranks = [[part.view_as(t) for part, t in zip(row.split(numels), full, strict=True)] for row in gathered]
+    ranks = [
+        [part.view_as(t) for part, t in zip(row.split(numels), full, strict=True)]
+        for row in gathered
+    ]
     union = {
         key: torch.cat([rank[i][:n] for rank, n in zip(ranks, counts, strict=True)]).to(value.dtype)
         for i, (key, value) in enumerate(batch.items())
@@ -85,8 +97,9 @@ def gather_union(batch: Batch, orders: torch.Tensor | None, sizes: torch.Tensor 
 
 
 def union_orders(rank_orders: list[torch.Tensor], sizes: torch.Tensor) -> torch.Tensor:
-    """[epochs, all samples]: each rank's orders ([epochs, its samples], into its own batch) as orders into the union
-    of the batches in rank order, piece k of each rank (`sizes[rank, k]` long) together as the world's minibatch k."""
+    """[epochs, all samples]: each rank's orders ([epochs, its samples], into its own batch) as
+    orders into the union of the batches in rank order, piece k of each rank (`sizes[rank, k]` long)
+    together as the world's minibatch k."""
     offsets = np.cumsum([0, *(len(order[0]) for order in rank_orders)])[:-1].tolist()
     pieces = [
         (order + offset).split(rank_sizes.tolist(), 1)

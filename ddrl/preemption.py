@@ -1,5 +1,6 @@
-"""DD-PPO's preemption (--preempt-fraction): once that share of the ranks finished its rollout, the others cut theirs
-short, each having collected --min-rollout-fraction of its steps; the count lives in the process group's store."""
+"""DD-PPO's preemption (--preempt-fraction): once that share of the ranks finished its rollout, the
+others cut theirs short, each having collected --min-rollout-fraction of its steps; the count lives
+in the process group's store."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ if TYPE_CHECKING:
 
 
 def rollout_preempted(run: Run, iteration: int, step: int) -> bool:
-    """Whether this rank ends its rollout of `iteration` before `step`, because --preempt-fraction of the ranks
-    finished theirs and this one collected --min-rollout-fraction of its steps."""
+    """Whether this rank ends its rollout of `iteration` before `step`, because --preempt-fraction
+    of the ranks finished theirs and this one collected --min-rollout-fraction of its steps."""
     args = run.args
     if not args.preempt_fraction or run.world_size == 1 or step < args.min_num_steps:
         return False
@@ -21,6 +22,7 @@ def rollout_preempted(run: Run, iteration: int, step: int) -> bool:
 
 
 def rollout_finished(run: Run, iteration: int) -> None:
-    """Count this rank's rollout of `iteration` among the finished ones, which rollout_preempted reads."""
+    """Count this rank's rollout of `iteration` among the finished ones, which rollout_preempted
+    reads."""
     if run.args.preempt_fraction and run.world_size > 1:
         run.store.add(f"rollouts_done/{iteration}", 1)

@@ -1,5 +1,6 @@
-"""The training loop's end of each iteration and of the run: the progress line and TensorBoard's scalars, the
-oversubscription warning, the summary line, and the one line that stops training on an error every rank met."""
+"""The training loop's end of each iteration and of the run: the progress line and TensorBoard's
+scalars, the oversubscription warning, the summary line, and the one line that stops training on an
+error every rank met."""
 
 from __future__ import annotations
 
@@ -28,20 +29,30 @@ if TYPE_CHECKING:
 def log_iteration(
     run: Run, iteration: int, global_step: int, totals: dict[str, float], scalars: dict[str, float]
 ) -> None:
-    """Rank 0: the episodes that ended on any rank (`totals`: episodes, episode_return, episode_length, summed over
-    ranks), SPS and `scalars` to TensorBoard at `global_step`, and the progress line."""
+    """Rank 0: the episodes that ended on any rank (`totals`: episodes, episode_return,
+    episode_length, summed over ranks), SPS and `scalars` to TensorBoard at `global_step`, and the
+    progress line."""
     if run.rank != 0:
         return
-    if not run.oversubscribed and iteration > run.resumed_iteration + 1:  # said once, after the first iteration
-        run.oversubscribed = warn_if_oversubscribed(run.load_since, run.args.torch_threads, run.cores)
+    # said once, after the first iteration
+    if not run.oversubscribed and iteration > run.resumed_iteration + 1:
+        run.oversubscribed = warn_if_oversubscribed(
+            run.load_since, run.args.torch_threads, run.cores
+        )
     run.load_since = machine.load_sample()
     elapsed = time.time() - run.train_start
     steps = global_step - run.start_step
     sps = int(steps / elapsed)
     steps_per_iteration = steps / (iteration - run.resumed_iteration)
-    iterations = iteration + max(0, math.ceil((run.total_steps - global_step) / steps_per_iteration))
+    iterations = iteration + max(
+        0, math.ceil((run.total_steps - global_step) / steps_per_iteration)
+    )
     count = totals["episodes"]  # the games (episodes) that ended on any rank this iteration
-    episodes = {f"charts/episodic_{key}": totals[f"episode_{key}"] / count for key in ("return", "length") if count}
+    episodes = {
+        f"charts/episodic_{key}": totals[f"episode_{key}"] / count
+        for key in ("return", "length")
+        if count
+    }
     for key, value in {**episodes, "charts/SPS": sps, **scalars}.items():
         run.writer.add_scalar(key, value, global_step)
     left = elapsed / steps * max(0, run.total_steps - global_step)
@@ -49,18 +60,23 @@ def log_iteration(
     run.last_return = recent if episodes else run.last_return
     line = f"{run.unit} {iteration}/{iterations} step {global_step} SPS {sps} return {recent}"
     if not failures.tell(f"{line} elapsed {clock(elapsed)} left {clock(left)}"):
-        stopping.request(run, "a closed output")  # `| head`: the run ends quietly, with a checkpoint
+        # `| head`: the run ends quietly, with a checkpoint
+        stopping.request(run, "a closed output")
 
 
 def explained_variance(returns: torch.Tensor, values: torch.Tensor) -> float:
-    """1 - Var(returns - values) / Var(returns) over the world's batch (float64, one gather; constant returns: NaN)."""
+    """1 - Var(returns - values) / Var(returns) over the world's batch (float64, one gather;
+    constant returns: NaN)."""
     returns = returns.reshape(-1)
-    _, _, m2 = collectives.moments_over_ranks(torch.stack([returns - values.reshape(-1), returns]).double())
+    _, _, m2 = collectives.moments_over_ranks(
+        torch.stack([returns - values.reshape(-1), returns]).double()
+    )
     return float("nan") if m2[1] == 0 else (1 - m2[0] / m2[1]).item()
 
 
 def warn_if_oversubscribed(since: np.ndarray, torch_threads: int, idle_cores: int) -> bool:
-    """Warn (True) if the torch threads outnumber the cores idle at start, or those other work left since `since`."""
+    """Warn (True) if the torch threads outnumber the cores idle at start, or those other work left
+    since `since`."""
     busy, total, cpu, seconds = machine.load_sample() - since
     cores = len(os.sched_getaffinity(0))
     threads = torch.get_num_threads()
@@ -68,8 +84,9 @@ def warn_if_oversubscribed(since: np.ndarray, torch_threads: int, idle_cores: in
     oversubscribed = threads > 1 and (torch_threads > idle_cores or threads + others > cores + 0.5)
     if oversubscribed:
         failures.warn(
-            f"{threads} torch threads per rank oversubscribe the {cores} usable cores ({others:.1f} busy with other "
-            "work): every op waits for threads not running; pass --torch-threads 1"
+            f"{threads} torch threads per rank oversubscribe the {cores} usable cores "
+            f"({others:.1f} busy with other work): every op waits for threads not running; pass "
+            "--torch-threads 1"
         )
     return oversubscribed
 
@@ -81,10 +98,10 @@ def clock(seconds: float) -> str:
 
 
 def finish(run: Run, model: nn.Module, stopped: bool, make_env: Callable | None) -> None:
-    """The end of training on every rank: unless a stop request `stopped` it, rank 0 writes the model file
-    (--save-model) and films evaluation episodes (--capture-video, one env from `make_env(args, video_folder)`); every
-    rank leaves the process group; rank 0 lets the run folder go (finished, or to be resumed) and sums the run up in
-    one line."""
+    """The end of training on every rank: unless a stop request `stopped` it, rank 0 writes the
+    model file (--save-model) and films evaluation episodes (--capture-video, one env from
+    `make_env(args, video_folder)`); every rank leaves the process group; rank 0 lets the run folder
+    go (finished, or to be resumed) and sums the run up in one line."""
     args = run.args
     folder = f"runs/{run.name}"
     path = checkpoints.model_path(run.name)
@@ -93,7 +110,8 @@ def finish(run: Run, model: nn.Module, stopped: bool, make_env: Callable | None)
     if run.rank == 0 and stopped:
         reason = run.stop_requested or "SIGTERM or Ctrl-C on another rank"
         failures.tell(
-            f"stopped by {reason} at {run.unit} {run.iteration}; continue with --resume --run-name {run.name}"
+            f"stopped by {reason} at {run.unit} {run.iteration}; continue with --resume "
+            f"--run-name {run.name}"
         )
     if run.rank == 0:
         if args.save_model and not stopped:
@@ -113,35 +131,43 @@ def finish(run: Run, model: nn.Module, stopped: bool, make_env: Callable | None)
             run.writer.close()
         if run.wandb_run:
             run.wandb_run.finish()
-    checkpoints.stop_if_unwritten(run, path, problem, "free disk space, then write it with --resume --save-model")
+    checkpoints.stop_if_unwritten(
+        run, path, problem, "free disk space, then write it with --resume --save-model"
+    )
     dist.barrier()  # every rank leaves the group together
     stopping.disarm()
     dist.destroy_process_group()
-    gc.collect()  # free gloo's worker threads now: left to interpreter shutdown they can abort the process
+    # free gloo's worker threads now: left to interpreter shutdown they can abort the process
+    gc.collect()
     run_folders.release_run_folder(run, finished=not stopped)
     if run.rank == 0:
         saved += f"; continue with --resume --run-name {run.name}" if stopped else ""
         summary = (
-            f"{'stopped' if stopped else 'done'}: {run.global_step} env steps in {clock(time.time() - run.launched_at)}"
+            f"{'stopped' if stopped else 'done'}: {run.global_step} env steps in "
+            f"{clock(time.time() - run.launched_at)}"
         )
         failures.tell(f"{summary}, last return {run.last_return}; TensorBoard run {folder}{saved}")
 
 
 def stop_training(run: Run, iteration: int, error: Exception, nonfinite_fix: str) -> NoReturn:
-    """End training on an error every rank met alike, in one line: a non-finite loss or gradient (no rank applied that
-    step; `nonfinite_fix` says what to try) or a lost peer (each rank says so). Anything else is a bug: raised as is."""
+    """End training on an error every rank met alike, in one line: a non-finite loss or gradient (no
+    rank applied that step; `nonfinite_fix` says what to try) or a lost peer (each rank says so).
+    Anything else is a bug: raised as is."""
     if isinstance(error, NonFiniteError):
         fail(
-            f"non-finite loss or gradient at {run.unit} {iteration}: every rank stopped before applying that step, "
-            f"earlier steps of the {run.unit} stand ({checkpoints.last_good_checkpoint(run.name)}); {nonfinite_fix}, "
-            "then --resume"
+            f"non-finite loss or gradient at {run.unit} {iteration}: every rank stopped before "
+            f"applying that step, earlier steps of the {run.unit} stand "
+            f"({checkpoints.last_good_checkpoint(run.name)}); {nonfinite_fix}, then --resume"
         )
     lost_peer = ("gloo", "NCCL", "Connection closed", "Connection reset", "Timed out", "timed out")
     if not (isinstance(error, dist.DistError) or any(word in str(error) for word in lost_peer)):
         raise error
-    reason = re.sub(r"^\[[^\]]*\]\s*", "", (str(error) or type(error).__name__).splitlines()[0]).split(". ")[0]
+    reason = re.sub(
+        r"^\[[^\]]*\]\s*", "", (str(error) or type(error).__name__).splitlines()[0]
+    ).split(". ")[0]
     fail(
-        f"lost contact with another rank ({reason}): it died, or stalled longer than --dist-timeout "
-        f"{run.args.dist_timeout:g} s; see its log, then resume with --resume --run-name {run.name}",
+        f"lost contact with another rank ({reason}): it died, or stalled longer than "
+        f"--dist-timeout {run.args.dist_timeout:g} s; see its log, then resume with --resume "
+        f"--run-name {run.name}",
         every_rank=True,
     )

@@ -1,6 +1,6 @@
-"""Run folders: runs/NAME, one folder name below runs/, created by rank 0 exclusively so that no run writes into
-another's, and locked by it for the run's life so that no two launches train one run; its TensorBoard writer (and
-Weights and Biases run, with --track)."""
+"""Run folders: runs/NAME, one folder name below runs/, created by rank 0 exclusively so that no run
+writes into another's, and locked by it for the run's life so that no two launches train one run;
+its TensorBoard writer (and Weights and Biases run, with --track)."""
 
 from __future__ import annotations
 
@@ -27,16 +27,17 @@ LOCK_FILE = "run.lock"  # in every run folder: locked by the run's rank 0, and w
 
 
 def refuse_link(path: str) -> None:
-    """Stop in one line if `path` is a symbolic link: a run reads and writes nothing through a link."""
+    """Stop in one line if `path` is a symbolic link: a run reads and writes nothing through one."""
     if os.path.islink(path):
         fail(
-            f"{path} is a symbolic link, which a run never reads or writes through: replace it with the real folder or file"
+            f"{path} is a symbolic link, which a run never reads or writes through: replace it "
+            "with the real folder or file"
         )
 
 
 def real_folder(path: str) -> None:
-    """Make the folder `path` if it is missing (runs/NAME/checkpoints, videos); stop in one line if it is a link or no
-    folder, or holds a link, so that nothing is written through a link."""
+    """Make the folder `path` if it is missing (runs/NAME/checkpoints, videos); stop in one line if
+    it is a link or no folder, or holds a link, so that nothing is written through a link."""
     refuse_link(path)
     try:
         os.mkdir(path)
@@ -51,42 +52,54 @@ def real_folder(path: str) -> None:
 def is_one_folder(name: str) -> bool:
     """Whether `name` names one folder right below runs/, never a path elsewhere."""
     separators = {"/", "\\", os.sep, os.altsep or "/"}
-    return name not in (".", "..") and name.isprintable() and len(name.encode()) <= 200 and not separators & set(name)
+    return (
+        name not in (".", "..")
+        and name.isprintable()
+        and len(name.encode()) <= 200
+        and not separators & set(name)
+    )
 
 
 def create_run_folder(run: Run, resumed: bool) -> None:
-    """The run's name, on every rank (run.name: the name given, or a default from rank 0's clock, suffixed where taken):
-    rank 0 creates its folder (`resumed`: finds it) and locks it for the run's life (run.lock); every rank stops with
-    rank 0's one line if it could not."""
+    """The run's name, on every rank (run.name: the name given, or a default from rank 0's clock,
+    suffixed where taken): rank 0 creates its folder (`resumed`: finds it) and locks it for the
+    run's life (run.lock); every rank stops with rank 0's one line if it could not."""
     args = run.args
     default_name = f"{args.env_id.replace('/', '-')}__{args.exp_name}__{args.seed}__"
     start_time = int(time.time())
     suffix = 0
     problem = ""
     if run.rank == 0:
-        suffix, problem = make_run_folder(run.name or f"{default_name}{start_time}", not run.name, resumed)
+        suffix, problem = make_run_folder(
+            run.name or f"{default_name}{start_time}", not run.name, resumed
+        )
         if not problem:
             name = (run.name or f"{default_name}{start_time}") + (f"-{suffix}" if suffix else "")
             run.lock, problem = lock_run_folder(name)
-    start_time, suffix, failed = collectives.gather_ints_to_all([start_time, suffix, len(problem)], run.device)[
-        0
-    ].tolist()
+    start_time, suffix, failed = collectives.gather_ints_to_all(
+        [start_time, suffix, len(problem)], run.device
+    )[0].tolist()
     if failed:
         fail(problem)
     run.name = (run.name or f"{default_name}{start_time}") + (f"-{suffix}" if suffix else "")
 
 
 def lock_run_folder(name: str) -> tuple[IO | None, str]:
-    """Rank 0 locks runs/NAME/run.lock for the run's life (the lock goes with the process, however it ends) and writes
-    there which launch, process and host hold it: a second launch or --resume of the run is refused while it runs.
-    Returns the open lock file and what went wrong ('' if nothing)."""
+    """Rank 0 locks runs/NAME/run.lock for the run's life (the lock goes with the process, however
+    it ends) and writes there which launch, process and host hold it: a second launch or --resume of
+    the run is refused while it runs. Returns the open lock file and what went wrong ('' if
+    nothing)."""
     path = os.path.join("runs", name, LOCK_FILE)
     try:  # never through a link: O_NOFOLLOW refuses one
         descriptor = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
         lock = os.fdopen(descriptor, "r+")
     except OSError as error:
         if error.errno == errno.ELOOP:
-            return None, f"{path} is a symbolic link, which a run never writes through: delete it, then --resume"
+            return (
+                None,
+                f"{path} is a symbolic link, which a run never writes through: delete it, then "
+                "--resume",
+            )
         return None, f"cannot open {path} ({error.strerror}): make the run folder writable"
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -95,15 +108,17 @@ def lock_run_folder(name: str) -> tuple[IO | None, str]:
         lock.close()
         since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(holder.get("since", 0)))
         return None, (
-            f"runs/{name} is in use by another run (process {holder.get('pid', '?')} on {holder.get('host', '?')}, "
-            f"since {since}): wait for it to end, or choose another --run-name"
+            f"runs/{name} is in use by another run (process {holder.get('pid', '?')} on "
+            f"{holder.get('host', '?')}, since {since}): wait for it to end, or choose another "
+            "--run-name"
         )
     write_lock_record(lock, finished=False)
     return lock, ""
 
 
 def lock_record(name: str) -> dict:
-    """What runs/NAME/run.lock says of the launch that holds or held the run ({} if nothing readable)."""
+    """What runs/NAME/run.lock says of the launch that holds or held the run ({} if nothing
+    readable)."""
     try:
         descriptor = os.open(os.path.join("runs", name, LOCK_FILE), os.O_RDONLY | os.O_NOFOLLOW)
         with os.fdopen(descriptor) as lock:
@@ -114,8 +129,8 @@ def lock_record(name: str) -> dict:
 
 
 def write_lock_record(lock: IO, finished: bool) -> None:
-    """Say in the held lock file which launch (torchrun's run id), process and host hold the run, and whether it
-    finished (a restart count never writes into a finished run)."""
+    """Say in the held lock file which launch (torchrun's run id), process and host hold the run,
+    and whether it finished (a restart count never writes into a finished run)."""
     record = {
         "launch": os.environ.get("TORCHELASTIC_RUN_ID", ""),
         "pid": os.getpid(),
@@ -140,13 +155,18 @@ def release_run_folder(run: Run, finished: bool) -> None:
 
 
 def make_run_folder(name: str, suffixed: bool, resumed: bool) -> tuple[int, str]:
-    """Rank 0 creates runs/NAME: exclusively for a new run, so that no run writes into another's (`suffixed`: the first
-    free NAME-2, NAME-3, ... instead), or finds a resumed run's; then checks that it and its checkpoints can be written.
-    Returns the suffix taken (0: none) and what went wrong ('' if nothing)."""
+    """Rank 0 creates runs/NAME: exclusively for a new run, so that no run writes into another's
+    (`suffixed`: the first free NAME-2, NAME-3, ... instead), or finds a resumed run's; then checks
+    that it and its checkpoints can be written. Returns the suffix taken (0: none) and what went
+    wrong ('' if nothing)."""
     try:
         os.makedirs("runs", exist_ok=True)
     except OSError as error:
-        return 0, f"cannot create the folder runs/ here ({error.strerror}): run from a folder you can write to"
+        return (
+            0,
+            f"cannot create the folder runs/ here ({error.strerror}): run from a folder you can "
+            "write to",
+        )
     suffix = 0
     while True:
         folder = os.path.join("runs", name + (f"-{suffix}" if suffix else ""))
@@ -156,37 +176,62 @@ def make_run_folder(name: str, suffixed: bool, resumed: bool) -> tuple[int, str]
         except FileExistsError:
             if resumed:
                 if os.path.islink(folder) or not os.path.isdir(folder):
-                    return 0, f"{folder} is a symbolic link or no folder, which a run never writes through"
+                    return (
+                        0,
+                        f"{folder} is a symbolic link or no folder, which a run never writes "
+                        "through",
+                    )
                 break
             if not suffixed:
-                return 0, f"{folder} already exists: pass --resume to continue it, or choose another --run-name"
+                return (
+                    0,
+                    f"{folder} already exists: pass --resume to continue it, or choose another "
+                    "--run-name",
+                )
             suffix = max(suffix, 1) + 1
         except OSError as error:
-            return 0, f"cannot create the run folder {folder} ({error.strerror}): make runs/ writable, or run elsewhere"
+            return (
+                0,
+                f"cannot create the run folder {folder} ({error.strerror}): make runs/ writable, "
+                "or run elsewhere",
+            )
     for writable in (folder, os.path.join(folder, "checkpoints")):
         try:
             if os.path.lexists(writable) or writable == folder:
                 with tempfile.TemporaryFile(dir=writable):
                     pass
         except OSError as error:
-            return suffix, f"cannot write into {writable} ({error.strerror}): make it a writable folder"
+            return (
+                suffix,
+                f"cannot write into {writable} ({error.strerror}): make it a writable folder",
+            )
     return suffix, ""
 
 
 def open_tensorboard(args, name: str, resumed_step: int | None):
-    """Rank 0's SummaryWriter for runs/NAME (a resumed run's curves go on after `resumed_step`), W&B's run or None."""
+    """Rank 0's SummaryWriter for runs/NAME (a resumed run's curves go on after `resumed_step`),
+    W&B's run or None."""
     wandb_run = None
     if args.track:
         import wandb
 
-        settings = {"project": args.wandb_project_name, "entity": args.wandb_entity, "config": asdict(args)}
+        settings = {
+            "project": args.wandb_project_name,
+            "entity": args.wandb_entity,
+            "config": asdict(args),
+        }
         resume = "allow" if resumed_step is not None else None
-        wandb_run = wandb.init(**settings, name=name, sync_tensorboard=True, save_code=True, resume=resume)
+        wandb_run = wandb.init(
+            **settings, name=name, sync_tensorboard=True, save_code=True, resume=resume
+        )
     from torch.utils.tensorboard import SummaryWriter
 
-    # the event file's name ends in a random suffix: no link placed in the run folder beforehand can bear it
+    # the event file's name ends in a random suffix: no link placed in the run folder beforehand can
+    # bear it
     purge_step = None if resumed_step is None else resumed_step + 1
-    writer = SummaryWriter(f"runs/{name}", purge_step=purge_step, filename_suffix=f".{secrets.token_hex(8)}")
+    writer = SummaryWriter(
+        f"runs/{name}", purge_step=purge_step, filename_suffix=f".{secrets.token_hex(8)}"
+    )
     if resumed_step is None:
         table = "\n".join(f"|{key}|{value}|" for key, value in asdict(args).items())
         writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")

@@ -29,7 +29,10 @@ FLAGS = {
     + ["--train-v-iters", "5"],
 }
 SLOWER = "the rollout runs the Agent's own torch code, the slower path"
-PPO_HIDDEN = "            nn.Tanh(),\n            layer_init(nn.Linear(64, 64)),\n            nn.Tanh(),\n            layer_init(nn.Linear(64, action_dim)"
+PPO_HIDDEN = (
+    "            nn.Tanh(),\n            layer_init(nn.Linear(64, 64)),\n            nn.Tanh(),\n"
+    "            layer_init(nn.Linear(64, action_dim)"
+)
 PPO_HEADS = (
     "            layer_init(nn.Linear(64, action_dim), std=0.01),\n        )\n"
     "        self.actor_logstd = nn.Parameter(torch.zeros(1, action_dim))\n"
@@ -60,7 +63,8 @@ EDITS = {  # edits a researcher makes in the Agent alone: the rollout follows th
         (
             PPO_HEADS,
             PPO_HEADS.replace("std=0.01),\n", "std=0.01),\n            nn.Softplus(),\n")
-            + "        self.actor_beta = nn.Sequential(layer_init(nn.Linear(obs_dim, action_dim), std=0.01), nn.Softplus())\n",
+            + "        self.actor_beta = nn.Sequential("
+            + "layer_init(nn.Linear(obs_dim, action_dim), std=0.01), nn.Softplus())\n",
         ),
         (PPO_DISTRIBUTION, "        probs = torch.distributions.Beta(action_mean + 1, self.actor_beta(x) + 1)\n"),
     ],
@@ -68,7 +72,9 @@ EDITS = {  # edits a researcher makes in the Agent alone: the rollout follows th
         (
             PPO_DISTRIBUTION,
             PPO_DISTRIBUTION
-            + "        base = probs\n        probs = torch.distributions.TransformedDistribution(base, [torch.distributions.TanhTransform()])\n",
+            + "        base = probs\n"
+            + "        probs = torch.distributions.TransformedDistribution("
+            + "base, [torch.distributions.TanhTransform()])\n",
         ),
         (PPO_RETURN, PPO_RETURN.replace("probs.entropy()", "base.entropy()")),
     ],
@@ -155,8 +161,8 @@ def test_minibatches_over_envs_with_sizes_in_samples_stop_in_one_line(tmp_path):
         "ppo_continuous_mpi.py",
         [
             (
-                "orders = [torch.randperm(returns.size, device=device)",
-                "orders = [torch.randperm(args.local_num_envs, device=device)",
+                "torch.randperm(returns.size, device=device) for _ in",
+                "torch.randperm(args.local_num_envs, device=device) for _ in",
             )
         ],
     )
@@ -192,7 +198,8 @@ def test_verify_names_the_mode_and_parameters_an_edit_breaks_in_one_line(tmp_pat
         [
             (
                 "    if adv_mean is not None:\n        mb_advantages = (mb_advantages - adv_mean) / (adv_std + 1e-8)",
-                "    if args.norm_adv:\n        mb_advantages = (mb_advantages - mb_advantages.mean()) / (mb_advantages.std() + 1e-8)",
+                "    if args.norm_adv:\n"
+                "        mb_advantages = (mb_advantages - mb_advantages.mean()) / (mb_advantages.std() + 1e-8)",
             )
         ],
     )
@@ -212,7 +219,8 @@ def test_a_number_each_rank_computes_from_its_own_data_stops_every_rank_at_the_f
         [
             (
                 "    return {name: value.item() for name, value in losses.items()}, sync_time",
-                '    args.vf_coef = 0.5 + float(logged["approx_kl"])  # this rank\'s own KL\n    return {name: value.item() for name, value in losses.items()}, sync_time',
+                '    args.vf_coef = 0.5 + float(logged["approx_kl"])  # this rank\'s own KL\n'
+                "    return {name: value.item() for name, value in losses.items()}, sync_time",
             )
         ],
     )

@@ -76,7 +76,7 @@ def test_a_copy_in_another_folder_runs_with_nprocs_and_names_itself_in_its_error
     result = run_outside([sys.executable, str(copy), *tiny_flags(VPG, 2), "--nprocs", "2"], cwd)
     assert_trained_two_epochs_of_two_ranks(result, cwd)
     refused = run_outside([sys.executable, str(copy), "--gamma", "2"], cwd)
-    assert refused.returncode == 2 and refused.stderr == "my_vpg.py: error: --gamma must be at most 1.0, got 2.0\n"
+    assert refused.returncode == 2 and refused.stderr == "my_vpg.py: error: --gamma must be at most 1, got 2.0\n"
 
 
 def test_a_copy_beside_the_original_runs_from_the_repository_root(tmp_path):

@@ -316,7 +316,7 @@ BAD_INPUT = [
     ),
     (["--resume", "--run-name", "new"], {}, False, "--resume found no checkpoint in runs/new/checkpoints"),
     (["--run-name", "old"], {}, True, "runs/old already exists: pass --resume to continue it"),
-    (["--dist-timeout", "0"], {}, False, "--dist-timeout must be at least 5.0, got 0.0"),
+    (["--dist-timeout", "0"], {}, False, "--dist-timeout must be at least 5, got 0.0"),
 ]
 
 
