@@ -453,7 +453,7 @@ def main(args: Args) -> Agent | None:
     run = ddrl.launch(args)  # every flag checked first; --nprocs N: this command as N ranks
     env_support.silence_settotalmass_warning()
     if args.eval_checkpoint is not None:
-        return evaluation.evaluate_checkpoint(args, Agent, make_env)
+        return evaluation.evaluate_checkpoint(args, Agent, make_env, gym.spaces.Box, gym.spaces.Box)
     given = f"--env-id {args.env_id!r}"
     spaces = env_support.check_env(make_env(args), given, gym.spaces.Box, gym.spaces.Box)
     observation_space, action_space = spaces

@@ -316,9 +316,9 @@ def main(args: Args) -> Agent | None:
     """Train (or, with --eval-checkpoint, evaluate); returns this rank's trained agent."""
     run = ddrl.launch(args, unit="epoch")  # every flag checked first; --nprocs N: N ranks
     env_support.silence_settotalmass_warning()
-    if args.eval_checkpoint is not None:
-        return evaluation.evaluate_checkpoint(args, Agent, make_env)
     action_kinds = gym.spaces.Box | gym.spaces.Discrete
+    if args.eval_checkpoint is not None:
+        return evaluation.evaluate_checkpoint(args, Agent, make_env, gym.spaces.Box, action_kinds)
     spaces = env_support.check_env(
         make_env(args), f"--env-id {args.env_id!r}", gym.spaces.Box, action_kinds
     )

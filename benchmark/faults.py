@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> Path:
         "| wall s | s lost (beyond unkilled) | s lost per fault | final return | unkilled run's final return"
     )
     facts = [
-        f"every run: `{SCRIPT} --seed {args.seed} {shlex.join(SCRIPT_ARGS)}` then `{shlex.join(extra)}` under "
+        f"every run: `{shlex.join([SCRIPT, '--seed', str(args.seed), *SCRIPT_ARGS, *extra])}` under "
         f"torchrun --standalone; the unkilled run: {args.ranks} rank(s), {unkilled.seconds:.1f} s",
         f"kills: SIGKILL to a random rank past random shares (10-80%) of {total:,} steps; resize: SIGTERM to every "
         f"rank past 1/{len(args.world_sizes)}, 2/{len(args.world_sizes)}, ... of them; every attempt trains "

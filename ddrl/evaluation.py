@@ -35,14 +35,6 @@ def play(agent: nn.Module, envs: gym.vector.VectorEnv, args) -> list[float]:
         action = rollout_agent.get_action_and_value(obs)[0]
         if isinstance(space, gym.spaces.Box):
             action = np.clip(action, space.low, space.high)
-        if not space.contains(
-            action[0].astype(space.dtype) if isinstance(space, gym.spaces.Box) else action[0]
-        ):
-            fail(
-                f"the Agent's action {failures.shown(action[0])} is none of the env's {space}: "
-                f"the model file's env is not one this {failures.script} trains; evaluate it with "
-                "the script that wrote it"
-            )
         obs, reward, terminated, truncated, _ = envs.step(action)
         episode_return += float(reward[0])
         if terminated[0] or truncated[0]:
@@ -59,7 +51,13 @@ def build_agent(agent_class: type, envs: gym.vector.VectorEnv, args) -> nn.Modul
     return agent_class(envs, **{name: getattr(args, name) for name in names if hasattr(args, name)})
 
 
-def evaluate_checkpoint(args, agent_class: type, make_env: Callable) -> None:
+def evaluate_checkpoint(
+    args,
+    agent_class: type,
+    make_env: Callable,
+    observations: type = gym.Space,
+    actions: type = gym.Space,
+) -> None:
     """--eval-checkpoint: play the model file (or a training checkpoint) on rank 0, with the env and
     network its args describe (`make_env(args, video_folder)` builds one env), and print one `eval:`
     line. The file's args size the Agent: it is built on no device first, compared with the file's
@@ -70,7 +68,8 @@ def evaluate_checkpoint(args, agent_class: type, make_env: Callable) -> None:
     checks.check_video_support(
         args.capture_video, lambda: env_support.render_one_frame(saved.env_id)
     )
-    env_support.check_env(make_env(saved), f"the env_id of {path}, {saved.env_id!r},")
+    given = f"the env_id of {path}, {saved.env_id!r},"
+    env_support.check_env(make_env(saved), given, observations, actions)  # what the script trains
     if failures.this_rank() != 0:
         return
     if video_folder:

@@ -275,16 +275,7 @@ ANOTHER_KIND = [  # the env a file names, which the script cannot play: refused 
     (ATARI, "Hopper-v5", "unknown or unusable the env_id of {path}, 'Hopper-v5', (TypeError: "),
     (ATARI, "ALE/Breakout-ram-v5", "unknown or unusable the env_id of {path}, 'ALE/Breakout-ram-v5', ("),
     (CONTINUOUS, "ALE/Breakout-v5", "{path}"),  # unknown, or pixels that fit no weights of InvertedPendulum's
-    pytest.param(
-        CONTINUOUS,
-        "CartPole-v1",
-        "the env_id of {path}, 'CartPole-v1', has Discrete actions",
-        marks=pytest.mark.xfail(
-            reason="ddrl/evaluation.py checks the file's env without the script's action kind: InvertedPendulum's "
-            "weights fit CartPole's Agent, and the first Gaussian action fails CartPole's step in a traceback",
-            strict=True,
-        ),
-    ),
+    (CONTINUOUS, "CartPole-v1", "the env_id of {path}, 'CartPole-v1', has Discrete actions"),  # its weights fit
     (VPG, "ALE/Pong-v5", "{path}"),  # unknown, or pixels that fit no weights of CartPole's
 ]
 
