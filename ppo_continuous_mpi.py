@@ -190,7 +190,9 @@ def make_env(args: Args, video_folder: str | None = None) -> Callable[[], gym.En
         env = gym.make(args.env_id, render_mode="rgb_array" if video_folder else None)
         if video_folder:
             env = gym.wrappers.RecordVideo(env, video_folder, episode_trigger=lambda episode: True)
-        return gym.wrappers.FlattenObservation(env)
+        if len(env.observation_space.shape) != 1:  # the Agent takes flat observations
+            env = gym.wrappers.FlattenObservation(env)
+        return env
 
     return thunk
 

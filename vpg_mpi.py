@@ -162,7 +162,8 @@ def make_env(args: Args, video_folder: str | None = None) -> Callable[[], gym.En
         env = gym.make(args.env_id, render_mode="rgb_array" if video_folder else None)
         if video_folder:
             env = gym.wrappers.RecordVideo(env, video_folder, episode_trigger=lambda episode: True)
-        env = gym.wrappers.FlattenObservation(env)
+        if len(env.observation_space.shape) != 1:  # the Agent takes flat observations
+            env = gym.wrappers.FlattenObservation(env)
         return gym.wrappers.TimeLimit(env, max_episode_steps=args.max_ep_len)
 
     return thunk
