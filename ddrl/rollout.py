@@ -308,7 +308,7 @@ class NumpyNormal:
         shape = (
             self.loc.shape
             if self.loc.shape == self.scale.shape
-            else np.broadcast_shapes(self.loc.shape, self.scale.shape)
+            else np.broadcast(self.loc, self.scale).shape
         )
         noise = np.random.standard_normal((*sample_shape, *shape)).astype(self.loc.dtype)
         value = self.loc + self.scale * noise
