@@ -23,7 +23,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Annotated
 
-import ale_py
 import gymnasium as gym
 import numpy as np
 import torch
@@ -37,18 +36,18 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddrl
 from ddrl import (
+    atari,
     checks,
     collectives,
     cuda_graphs,
     env_support,
     evaluation,
-    failures,
     machine,
     preemption,
     progress,
     rollout,
 )
-from ddrl.failures import NonFiniteError, fail, warn
+from ddrl.failures import NonFiniteError, fail
 from ddrl.flags import Finite, FolderName, RuntimeArgs
 
 
@@ -73,15 +72,13 @@ class Args(RuntimeArgs):
     save_model: bool = False
     """if toggled, rank 0 writes `runs/{run_name}/model.safetensors` at the end of training"""
     bf16: bool = False
-    """if toggled, the CNN trunk runs under bfloat16 autocast (weights, Adam, heads, losses:
-    float32)"""
+    """if toggled, the CNN trunk runs under bfloat16 autocast (weights, heads, losses: float32)"""
     compile: bool = False
     """if toggled, the update's Agent calls run through torch.compile (CPU: needs a C++ compiler)"""
     cuda_graph: bool = True
     """if toggled, on a GPU a rollout step is one CUDA graph replay per group of envs; else eager"""
     capture_update: bool = False
-    """if toggled, on a GPU the update's minibatch step is one compiled region replayed as CUDA
-    graphs (not yet measured on a GPU: docs/gpus.md); else eager"""
+    """if toggled, on a GPU the update's minibatch step is captured as CUDA graphs (docs/gpus.md)"""
 
     # Algorithm specific arguments (names and defaults as in CleanRL's ppo_atari.py)
     env_id: str = "BreakoutNoFrameskip-v4"
@@ -97,8 +94,7 @@ class Args(RuntimeArgs):
     env_threads: Annotated[int, Interval(ge=0, le=2**16)] = 0
     """AtariVectorEnv threads per rank; 0 = one per env, at most the cores idle at start per rank"""
     env_groups: Annotated[int, Ge(1)] = 1
-    """the envs step in this many groups in turn, the acting for one group overlapping the others'
-    env step (2 hides a GPU's acting behind the envs; not yet measured on a GPU: docs/gpus.md)"""
+    """the envs step in this many groups in turn, one group's acting beside the others' env step"""
     anneal_lr: bool = True
     """if toggled, the learning rate decays linearly to zero over the iterations"""
     gamma: Annotated[float, Interval(ge=0, le=1)] = 0.99
@@ -155,11 +151,6 @@ def derive_batch_sizes(args: Args, world_size: int) -> list[tuple[str, object, o
     args.world_size = world_size
     args.local_batch_size = args.local_num_envs * args.num_steps
     args.batch_size = args.local_batch_size * world_size
-    if args.local_num_envs % args.env_groups:
-        fail(
-            f"--local-num-envs {args.local_num_envs} does not split into --env-groups "
-            f"{args.env_groups}"
-        )
     if args.local_batch_size % args.num_minibatches:
         fail(
             f"the local batch of --local-num-envs {args.local_num_envs} x --num-steps "
@@ -208,40 +199,8 @@ def rollout_memory(args: Args, frame_bytes: int, activation_bytes: int) -> tuple
 
 
 # --- environment, agent -------------------------------------------------------------------------
-def atari_settings(env_id: str, given: str = "--env-id") -> dict:
-    """AtariVectorEnv's game and protocol arguments for a gymnasium Atari id (others stop here;
-    `given` says where the id comes from). `{Game}NoFrameskip-v4` plays without sticky actions,
-    `ALE/{Game}-v5` with probability 0.25."""
-    gym.register_envs(ale_py)
-    example = "such as BreakoutNoFrameskip-v4"
-    try:
-        spec = gym.spec(env_id)  # `module:EnvId` imports the module first
-    except Exception as error:  # an unknown id, or a module that does not import
-        fail(
-            f"unknown {given} {env_id!r} ({type(error).__name__}: {error}); pass an Atari game "
-            f"{example}"
-        )
-    given = f"{given} {env_id}"
-    if spec.entry_point not in ("ale_py.env:AtariEnv", ale_py.env.AtariEnv):
-        fail(f"{given} is not an Atari game; {failures.script} trains ALE games {example}")
-    kwargs = spec.kwargs
-    if kwargs.get("obs_type", "rgb") == "ram":
-        fail(
-            f"{given} observes RAM; {failures.script} learns from pixels: use the id without '-ram'"
-        )
-    if not isinstance(kwargs.get("frameskip", 1), int):
-        fix = "use the NoFrameskip-v4 or ALE/...-v5 id of the game"
-        fail(f"{given} skips a random number of frames, which AtariVectorEnv cannot do; {fix}")
-    return {
-        "game": kwargs["game"],
-        "repeat_action_probability": kwargs.get("repeat_action_probability", 0.25),
-        "full_action_space": kwargs.get("full_action_space", False),
-        "max_num_frames_per_episode": kwargs.get("max_num_frames_per_episode") or 108_000,
-    }
-
-
 def make_env(settings: dict, num_envs: int, num_threads: int) -> AtariVectorEnv:
-    """This rank's envs, C++ threads with the DQN preprocessing; `settings` from atari_settings.
+    """This rank's envs, C++ threads with the DQN preprocessing; `settings` from atari.settings.
     Rewards stay raw (the learner clips them). A lost life is a terminal, but the game plays on.
     Same-step autoreset keeps every transition real (final frames: info["final_obs"])."""
     return AtariVectorEnv(
@@ -251,47 +210,6 @@ def make_env(settings: dict, num_envs: int, num_threads: int) -> AtariVectorEnv:
         # a reset presses FIRE for one frame, then plays 0-28 no-op frames (0-29 without FIRE)
         use_fire_reset=True, noop_max=30,
     )  # fmt: skip
-
-
-def env_groups(num_envs: int, groups: int) -> list[slice]:
-    """The envs of a rank as `groups` equal slices, which step in turn: while one group steps, the
-    acting for the next one runs (on a GPU, the env step then hides the acting; on a CPU one group
-    computes as it always did)."""
-    size = num_envs // groups
-    return [slice(start, start + size) for start in range(0, num_envs, size)]
-
-
-def fire_action(envs: AtariVectorEnv) -> int | None:
-    """The index of FIRE among the game's actions, None without it (FireResetEnv's test)."""
-    action_set = list(envs.ale.get_action_set())
-    return action_set.index(ale_py.Action.FIRE) if ale_py.Action.FIRE in action_set else None
-
-
-class GameTracker:
-    """Raw score and length (agent steps) of every env's current game, across its lives. A lost
-    life lowers `lives` while `episode_frame_number` runs on. A game over resets both at once."""
-
-    def __init__(self, info: dict):
-        self.lives = info["lives"].copy()
-        self.frames = info["episode_frame_number"].copy()
-        self.returns = np.zeros(len(self.lives))
-        self.lengths = np.zeros(len(self.lives), np.int64)
-
-    def step(self, rewards: np.ndarray, terminated: np.ndarray, truncated: np.ndarray, info: dict):
-        """One step: the mask of the games it ended, and their raw returns and lengths."""
-        self.returns += rewards
-        self.lengths += 1
-        lives = info["lives"]
-        frames = info["episode_frame_number"]
-        lost_life = terminated & ~truncated & (lives < self.lives) & (frames > self.frames)
-        game_over = (terminated | truncated) & ~lost_life
-        returns = self.returns[game_over]
-        lengths = self.lengths[game_over]
-        self.returns[game_over] = 0.0
-        self.lengths[game_over] = 0
-        self.lives = lives.copy()
-        self.frames = frames.copy()
-        return game_over, returns, lengths
 
 
 def layer_init(layer: nn.Module, std: float = np.sqrt(2), bias_const: float = 0.0) -> nn.Module:
@@ -369,12 +287,7 @@ def minibatch_loss(
     and std; and the numbers logged as `losses/NAME` (the world's mean, averaged once per epoch)."""
     _, newlogprob, entropy, newvalue = model(mb["obs"], mb["actions"])  # Agent.get_action_and_value
     newvalue = newvalue.view(-1)
-    if newlogprob.shape != mb["log_probs"].shape or newvalue.shape != mb["values"].shape:
-        fail(
-            f"Agent.get_action_and_value gives {tuple(newlogprob.shape)} log-probabilities and "
-            f"{tuple(newvalue.shape)} values for a minibatch of {tuple(mb['log_probs'].shape)}: "
-            "it and minibatches() must agree on what a minibatch holds"
-        )
+    checks.check_minibatch_scores(newlogprob, newvalue, mb)  # one per row
     logratio = newlogprob - mb["log_probs"]
     ratio = logratio.exp()
     with torch.no_grad():  # calculate approx_kl http://joschu.net/blog/kl-approx.html
@@ -442,15 +355,7 @@ def update(
     # this rank's share of each world minibatch, times the ranks: the ranks' mean is the union's
     weights = (sizes[rank].double() * len(sizes) / sizes.sum(0)).tolist()
     unequal = bool((sizes != sizes[0, 0]).any())  # a preempted rollout's minibatches are smaller
-    # may differ by rank: it says so
-    if sum(local_sizes) != orders.shape[1] or min(local_sizes) < 1:
-        fail(
-            f"this rank's minibatch sizes {local_sizes} do not cut an epoch's order of "
-            f"{orders.shape[1]} into non-empty pieces: main's orders and minibatch_sizes must "
-            "count the same things (samples, or whole envs for sequences), at least one per "
-            "minibatch",
-            any_rank=True,
-        )
+    checks.check_minibatch_cut(local_sizes, orders.shape[1])
     if args.norm_adv:  # every world minibatch's mean and std, of all epochs, in one collective
         start = time.perf_counter()
         advantages = {"advantages": batch["advantages"]}
@@ -504,23 +409,17 @@ def update(
     return {name: value.item() for name, value in losses.items()}, sync_time
 
 
-def has_native_bf16(device: torch.device) -> bool:
-    """Whether bfloat16 runs natively here (AVX512-BF16 or AMX CPUs, Ampere or newer GPUs)."""
-    if device.type == "cuda":
-        return torch.cuda.is_bf16_supported(including_emulation=False)
-    return torch.ops.mkldnn._is_mkldnn_bf16_supported()
-
-
 def main(args: Args) -> Agent | None:
     """Train (or, with --eval-checkpoint, evaluate); returns this rank's trained agent."""
     run = ddrl.launch(args)  # every flag checked first; --nprocs N: this command as N ranks
     if args.eval_checkpoint is not None:
-        return evaluation.evaluate_checkpoint(args, Agent, env_support.atari_eval_env)
-    settings = atari_settings(args.env_id)  # refuses ids whose pixels AtariVectorEnv cannot play
+        return evaluation.evaluate_checkpoint(args, Agent, atari.eval_env)
+    settings = atari.settings(args.env_id)  # refuses ids whose pixels AtariVectorEnv cannot play
     checks.check_video_support(
         args.capture_video, lambda: env_support.render_one_frame(args.env_id)
     )
     batch_table = derive_batch_sizes(args, run.world_size)
+    groups = atari.env_groups(args.local_num_envs, args.env_groups)  # which step in turn
     probe_envs = make_env(settings, 1, 1)
     frame_bytes = int(np.prod(probe_envs.single_observation_space.shape))  # uint8 pixels
     memory = rollout_memory(args, frame_bytes, machine.activation_bytes(Agent, probe_envs))
@@ -531,8 +430,7 @@ def main(args: Args) -> Agent | None:
         device = run.device
         gpu = device.type == "cuda"
 
-        # --- envs (in groups that step in turn), the Agent (rank 0's initial weights: DDP), seeds -
-        groups = env_groups(args.local_num_envs, args.env_groups)
+        # --- envs (in their groups), the Agent (rank 0's initial weights: DDP), seeds -
         threads = max(1, (args.env_threads or min(run.cores, args.local_num_envs)) // len(groups))
         envs = [make_env(settings, group.stop - group.start, threads) for group in groups]
         first_env = run.first_env_index + run.rank * args.local_num_envs  # after earlier attempts'
@@ -542,17 +440,14 @@ def main(args: Args) -> Agent | None:
             for group, group_envs in zip(groups, envs, strict=True)
         ]
         next_obs = np.concatenate([frames for frames, _ in resets])
-        trackers = [GameTracker(info) for _, info in resets]  # each group's games
+        trackers = [atari.GameTracker(info) for _, info in resets]  # each group's games
         observation_space = envs[0].single_observation_space
-        fire = fire_action(envs[0])
+        fire = atari.fire_action(envs[0])
         relaunch = np.zeros(args.local_num_envs, dtype=bool)  # a life was lost: FIRE next
         torch.manual_seed(args.seed)
-        # cuDNN's, oneDNN's layout
-        agent = Agent(envs[0]).to(device, memory_format=torch.channels_last)
+        agent = Agent(envs[0]).to(device, memory_format=torch.channels_last)  # cuDNN's, oneDNN's
         if args.bf16:  # the trunk only: the heads, the losses and Adam stay float32
-            if run.rank == 0 and not has_native_bf16(device):
-                warn(f"this {device.type} emulates bfloat16, so --bf16 is slower here")
-            cuda_graphs.run_in_bfloat16(agent.network)
+            cuda_graphs.run_in_bfloat16(agent.network)  # says so where bfloat16 is emulated
         model = ActionAndValue(agent)  # what the update calls; DDP broadcasts rank 0's weights
         if args.compile:  # the update's calls, not the acting; preemption varies their shapes
             model.compile(fullgraph=True, dynamic=args.preempt_fraction > 0)
@@ -571,10 +466,10 @@ def main(args: Args) -> Agent | None:
                 minibatch_loss, mode="reduce-overhead", dynamic=args.preempt_fraction > 0
             )
         iteration, global_step = run.resume(agent=agent, optimizer=optimizer)  # if resuming
-        # the Agent, no autograd
-        rollout_agent = rollout.derive(agent, observation_space, numpy_layers=False)
+        rollout_agent = rollout.derive(agent, observation_space, numpy_layers=False)  # no autograd
         probe = rollout.probe(rollout_agent, observation_space, device, count=32)
-        rollout.check(agent, probe, "at start", "the Agent acting on frames", rows=32)
+        acting_kind = "the Agent acting on frames"  # what the rollout checks name
+        rollout.check(agent, probe, "at start", acting_kind, rows=32)
 
         # --- rollout storage: a row per step of this rank's envs, on the device (frames in uint8) -
         shape = (args.num_steps, args.local_num_envs)
@@ -585,7 +480,7 @@ def main(args: Args) -> Agent | None:
         act = cuda_graphs.acting_step(
             agent, obs, actions, logprobs, values, groups, graph=args.cuda_graph and gpu
         )
-        final_values = torch.zeros(shape)  # V(final observation) where a game was truncated
+        final_values = np.zeros(shape, np.float32)  # V(final observation) where truncated
         rewards = np.zeros(shape, np.float32)  # GAE's inputs, on the host with the envs
         terminations = np.zeros(shape, np.float32)
         episode_ends = np.zeros(shape, np.float32)  # terminated or truncated
@@ -608,8 +503,7 @@ def main(args: Args) -> Agent | None:
                         row = step - 1
                         frames, reward, terminated, truncated, info = group_envs.recv()
                         next_obs[group] = frames
-                        # clipped for the learner; logged raw
-                        rewards[row, group] = np.clip(reward, -1, 1)
+                        rewards[row, group] = np.clip(reward, -1, 1)  # for the learner; logged raw
                         terminations[row, group] = terminated
                         episode_ends[row, group] = terminated | truncated
                         game_over, scores, lengths = games.step(reward, terminated, truncated, info)
@@ -621,12 +515,8 @@ def main(args: Args) -> Agent | None:
                             cut = truncated & ~terminated
                             # truncated, not terminated: bootstrap from V(final observation)
                             if cut.any():
-                                final_value = rollout_agent.get_value(
-                                    info["final_obs"][cut]
-                                ).flatten()
-                                final_values[row, group][torch.from_numpy(cut)] = torch.from_numpy(
-                                    final_value
-                                )
+                                final_value = rollout_agent.get_value(info["final_obs"][cut])
+                                final_values[row, group][cut] = final_value.flatten()
                     if acting:
                         # row `step` of obs, actions, ...
                         env_action = act(step, next_obs[group], group)
@@ -651,12 +541,12 @@ def main(args: Args) -> Agent | None:
             ends = torch.from_numpy(episode_ends[rows])
             kept_values = values[rows].cpu()
             next_values = torch.cat([kept_values[1:], last_values.unsqueeze(0)])
-            next_values = torch.where(ends > 0, final_values[rows], next_values)
+            next_values = torch.where(ends > 0, torch.from_numpy(final_values[rows]), next_values)
             advantages, returns = compute_gae(
                 torch.from_numpy(rewards[rows]), kept_values, next_values,
                 torch.from_numpy(terminations[rows]), ends, args.gamma, args.gae_lambda,
             )  # fmt: skip
-            final_values.zero_()
+            final_values[:] = 0.0
             batch = {
                 "obs": obs[rows].flatten(0, 1),
                 "actions": actions[rows].flatten(0, 1),
@@ -665,13 +555,7 @@ def main(args: Args) -> Agent | None:
                 "advantages": advantages.flatten().to(device),
                 "returns": returns.flatten().to(device),
             }
-            rollout.check(
-                agent,
-                batch,
-                f"at iteration {iteration}",
-                "the Agent acting on frames",
-                groups[0].stop,
-            )
+            rollout.check(agent, batch, f"at iteration {iteration}", acting_kind, groups[0].stop)
 
             # --- update (through DDP) ---
             update_start = time.perf_counter()
@@ -691,12 +575,9 @@ def main(args: Args) -> Agent | None:
             scalars |= {f"losses/{name}": value for name, value in losses.items()}
             explained_variance = progress.explained_variance(batch["returns"], batch["values"])
             scalars["losses/explained_variance"] = explained_variance
-            perf = {
-                "rollout_time": rollout_time,
-                "update_time": update_time,
-                "sync_time": sync_time,
-            }
-            scalars |= {f"perf/{key}": value for key, value in perf.items()}
+            scalars["perf/rollout_time"] = rollout_time
+            scalars["perf/update_time"] = update_time
+            scalars["perf/sync_time"] = sync_time
             run.log(iteration, global_step, totals, scalars)
             run.check_in_sync(iteration, agent, optimizer)  # every --check-sync-every iterations
             stopping = totals["stops"] > 0
@@ -706,7 +587,7 @@ def main(args: Args) -> Agent | None:
                 break
         for group_envs in envs:
             group_envs.close()
-        run.finish(agent, stopping, env_support.atari_eval_env)
+        run.finish(agent, stopping, atari.eval_env)
     except (NonFiniteError, RuntimeError) as error:  # met alike on every rank: one line, no hang
         run.stop_on_error(
             error, "lower --learning-rate or check the env's observations and rewards"

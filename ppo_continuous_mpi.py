@@ -44,6 +44,7 @@ from ddrl import (
 )
 from ddrl.failures import NonFiniteError, fail
 from ddrl.flags import Finite, FolderName, RuntimeArgs
+from ddrl.normalization import NORM_CLIP, NORM_EPS, RunningMeanStd
 
 
 @dataclass
@@ -177,11 +178,7 @@ def rollout_memory(args: Args, obs_dim: int, action_dim: int) -> tuple[int, str]
     return args.local_batch_size * per_sample + args.local_num_envs * 4 * 2**20, sized_by
 
 
-# --- environment, normalisation, agent ----------------------------------------------------------
-NORM_CLIP = 10.0  # normalised observations and scaled rewards are clipped to +-10, as in CleanRL
-NORM_EPS = 1e-8
-
-
+# --- environment, agent ----------------------------------------------------------
 def make_env(args: Args, video_folder: str | None = None) -> Callable[[], gym.Env]:
     """A thunk building one env (the world's statistics that normalise it live in the Agent)."""
 
@@ -195,57 +192,6 @@ def make_env(args: Args, video_folder: str | None = None) -> Callable[[], gym.En
         return env
 
     return thunk
-
-
-def refuse_impossible_statistics(module: nn.Module, state_dict: dict, prefix: str, *_) -> None:
-    """Before statistics load: refuse what no data gives (a count below 1, unless they are the
-    empty statistics of an untrained Agent; a negative variance)."""
-    count = state_dict.get(f"{prefix}count")
-    mean = state_dict.get(f"{prefix}mean")
-    var = state_dict.get(f"{prefix}var")
-    if count is None or mean is None or var is None:  # load_state_dict names what is missing
-        return
-    empty = count == 0 and bool((mean == 0).all() and (var == 1).all())
-    if not (count >= 1 or empty):
-        raise ValueError(
-            f"its {prefix}count is {count.item():g}, where data counts at least 1 sample"
-        )
-    if not (var >= 0).all():
-        raise ValueError(f"its {prefix}var holds negative numbers, where a variance is at least 0")
-
-
-class RunningMeanStd(nn.Module):
-    """Running mean and population variance in float64 buffers, empty at first (no pseudo-count);
-    data is normalised with float32 copies of the mean and the std, kept up to date."""
-
-    def __init__(self, shape: tuple[int, ...]):
-        super().__init__()
-        self.register_buffer("mean", torch.zeros(shape, dtype=torch.float64))
-        self.register_buffer("var", torch.ones(shape, dtype=torch.float64))
-        self.register_buffer("count", torch.zeros((), dtype=torch.float64))
-        self.register_buffer("shift", torch.zeros(shape), persistent=False)
-        self.register_buffer("scale", torch.ones(shape), persistent=False)
-        self.register_load_state_dict_pre_hook(refuse_impossible_statistics)
-        self.register_load_state_dict_post_hook(lambda module, keys: module.refresh())
-
-    @torch.no_grad()
-    def update(self, count: torch.Tensor, mean: torch.Tensor, m2: torch.Tensor) -> None:
-        """Merge a batch's moments (parallel variance update) into the statistics of all data."""
-        total = self.count + count
-        delta = mean - self.mean
-        self.var.copy_((self.var * self.count + m2 + delta**2 * self.count * count / total) / total)
-        self.mean += delta * count / total
-        self.count.copy_(total)
-        self.refresh()
-
-    @torch.no_grad()
-    def refresh(self) -> None:
-        self.shift.copy_(self.mean)
-        self.scale.copy_(torch.sqrt(self.var + NORM_EPS))
-
-    def normalize(self, x: torch.Tensor) -> torch.Tensor:
-        """`x` standardised with these statistics, clipped."""
-        return torch.clamp((x - self.shift) / self.scale, -NORM_CLIP, NORM_CLIP)
 
 
 def layer_init(layer: nn.Linear, std: float = math.sqrt(2), bias_const: float = 0.0) -> nn.Linear:
@@ -317,12 +263,7 @@ def minibatch_loss(
     allreduce)."""
     _, newlogprob, entropy, newvalue = agent.get_action_and_value(mb["obs"], mb["actions"])
     newvalue = newvalue.view(-1)
-    if newlogprob.shape != mb["log_probs"].shape or newvalue.shape != mb["values"].shape:
-        fail(
-            f"Agent.get_action_and_value gives {tuple(newlogprob.shape)} log-probabilities and "
-            f"{tuple(newvalue.shape)} values for a minibatch of {tuple(mb['log_probs'].shape)}: "
-            "it and minibatches() must agree on what a minibatch holds"
-        )
+    checks.check_minibatch_scores(newlogprob, newvalue, mb)  # one per row
     logratio = newlogprob - mb["log_probs"]
     ratio = logratio.exp()
     with torch.no_grad():  # calculate approx_kl http://joschu.net/blog/kl-approx.html
@@ -405,15 +346,7 @@ def update(
     local_sizes = sizes[rank].tolist()
     weights = (sizes[rank].double() * len(sizes) / sizes.sum(0)).tolist()
     unequal = bool((sizes != sizes[0, 0]).any())  # a preempted rollout's minibatches are smaller
-    # may differ by rank: it says so
-    if sum(local_sizes) != orders.shape[1] or min(local_sizes) < 1:
-        fail(
-            f"this rank's minibatch sizes {local_sizes} do not cut an epoch's order of "
-            f"{orders.shape[1]} into non-empty pieces: main's orders and minibatch_sizes must "
-            "count the same things (samples, or whole envs for sequences), at least one per "
-            "minibatch",
-            any_rank=True,
-        )
+    checks.check_minibatch_cut(local_sizes, orders.shape[1])
     sync_time = 0.0
     clipfrac_sum = 0.0
     for epoch in range(args.update_epochs):
@@ -615,12 +548,9 @@ def main(args: Args) -> Agent | None:
             scalars |= {f"losses/{name}": value for name, value in losses.items()}
             explained_variance = progress.explained_variance(batch["returns"], batch["values"])
             scalars["losses/explained_variance"] = explained_variance
-            perf = {
-                "rollout_time": rollout_time,
-                "update_time": update_time,
-                "sync_time": sync_time,
-            }
-            scalars |= {f"perf/{key}": value for key, value in perf.items()}
+            scalars["perf/rollout_time"] = rollout_time
+            scalars["perf/update_time"] = update_time
+            scalars["perf/sync_time"] = sync_time
             run.log(iteration, global_step, totals, scalars)
             run.check_in_sync(iteration, agent, optimizer)  # every --check-sync-every iterations
             stopping = totals["stops"] > 0

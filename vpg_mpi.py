@@ -451,12 +451,9 @@ def main(args: Args) -> Agent | None:
             scalars |= {f"losses/{name}": value for name, value in losses.items()}
             explained_variance = progress.explained_variance(batch["returns"], batch["values"])
             scalars["losses/explained_variance"] = explained_variance
-            perf = {
-                "rollout_time": rollout_time,
-                "update_time": update_time,
-                "sync_time": sync_time,
-            }
-            scalars |= {f"perf/{key}": value for key, value in perf.items()}
+            scalars["perf/rollout_time"] = rollout_time
+            scalars["perf/update_time"] = update_time
+            scalars["perf/sync_time"] = sync_time
             run.log(epoch, global_step, totals, scalars)
             run.check_in_sync(epoch, agent, optimizer)  # every --check-sync-every epochs
             stopping = totals["stops"] > 0

@@ -21,7 +21,7 @@ import torch
 from annotated_types import Ge
 
 from benchmark import common
-from ddrl import cuda_graphs, machine
+from ddrl import atari, cuda_graphs, machine
 
 ENV_ID = "BreakoutNoFrameskip-v4"
 PARTS = ("acting", "env step", "bookkeeping")
@@ -51,7 +51,7 @@ class Args(common.TimingArgs):
 def make_envs(num_envs: int, threads: int):
     """`num_envs` envs as the script makes them, reset with its seeds (env j: seed 1 + 10,000 j)."""
     module = common.load_script(common.ATARI)
-    envs = module.make_env(module.atari_settings(ENV_ID), num_envs, threads)
+    envs = module.make_env(atari.settings(ENV_ID), num_envs, threads)
     frames, info = envs.reset(seed=np.array([1 + 10_000 * j for j in range(num_envs)]))
     return module, envs, frames, info
 
@@ -63,8 +63,8 @@ class Stepper:
         module, self.envs, self.next_obs, info = make_envs(num_envs, threads)
         self.device = device
         self.rows = num_steps
-        self.games = module.GameTracker(info)
-        self.fire = module.fire_action(self.envs)
+        self.games = atari.GameTracker(info)
+        self.fire = atari.fire_action(self.envs)
         self.relaunch = np.zeros(num_envs, dtype=bool)
         self.rewards = np.zeros((num_steps, num_envs), np.float32)
         torch.manual_seed(1)

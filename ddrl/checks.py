@@ -112,6 +112,30 @@ def check_one_per_row(log_probs, values, count: int, methods: str) -> None:
             )
 
 
+def check_minibatch_scores(log_probs: torch.Tensor, values: torch.Tensor, minibatch: dict) -> None:
+    """Stop unless the Agent scored a minibatch with one log-probability and one value per row that
+    the minibatch holds (an edit may change what a row is in one place and not the other)."""
+    if log_probs.shape != minibatch["log_probs"].shape or values.shape != minibatch["values"].shape:
+        fail(
+            f"Agent.get_action_and_value gives {tuple(log_probs.shape)} log-probabilities and "
+            f"{tuple(values.shape)} values for a minibatch of "
+            f"{tuple(minibatch['log_probs'].shape)}: it and minibatches() must agree on what a "
+            "minibatch holds"
+        )
+
+
+def check_minibatch_cut(local_sizes: list[int], order_length: int) -> None:
+    """Stop unless this rank's minibatch sizes cut an epoch's order into non-empty pieces. The
+    sizes may differ by rank, so the rank that meets it says so."""
+    if sum(local_sizes) != order_length or min(local_sizes) < 1:
+        fail(
+            f"this rank's minibatch sizes {local_sizes} do not cut an epoch's order of "
+            f"{order_length} into non-empty pieces: main's orders and minibatch_sizes must count "
+            "the same things (samples, or whole envs for sequences), at least one per minibatch",
+            any_rank=True,
+        )
+
+
 def digest(data: bytes) -> int:
     """A 63-bit digest of `data`, to compare across ranks in an int64 tensor."""
     return int.from_bytes(hashlib.sha256(data).digest()[:8], "little") >> 1

@@ -10,7 +10,8 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from ddrl.failures import fail
+from ddrl import collectives, machine
+from ddrl.failures import fail, warn
 
 
 def acting_step(
@@ -100,7 +101,11 @@ def captured_acting_step(
 
 def run_in_bfloat16(module: nn.Module) -> None:
     """From now on `module` (a network's trunk) runs under bfloat16 autocast and hands on float32:
-    its forward is wrapped on this instance, its class, weights and state dict unchanged."""
+    its forward is wrapped on this instance, its class, weights and state dict unchanged. Rank 0
+    warns where bfloat16 is emulated (slower, not faster)."""
+    device = next(module.parameters()).device
+    if collectives.rank_in() == 0 and not machine.has_native_bf16(device):
+        warn(f"this {device.type} emulates bfloat16, so --bf16 is slower here")
 
     def forward_in_bfloat16(self, x: torch.Tensor) -> torch.Tensor:
         with torch.autocast(x.device.type, dtype=torch.bfloat16):

@@ -1,6 +1,6 @@
 """What env libraries need beside the algorithm: MuJoCo's console without its one deprecation
-warning, one frame rendered before a --capture-video run trains, and the Atari script's training
-protocol on one gymnasium env (for evaluation and videos, which AtariVectorEnv cannot record)."""
+warning, an env's spaces checked before training, and one frame rendered before a --capture-video
+run trains."""
 
 import contextlib
 import os
@@ -8,7 +8,6 @@ import sys
 from collections.abc import Callable
 
 import gymnasium as gym
-import numpy as np
 
 from ddrl import failures
 from ddrl.failures import fail, shown
@@ -92,88 +91,3 @@ def render_one_frame(env_id: str) -> None:
     with contextlib.closing(gym.make(env_id, render_mode="rgb_array")) as env:
         env.reset(seed=0)
         env.render()
-
-
-def area_resize_matrix(source: int, target: int) -> np.ndarray:
-    """[target, source] pixel overlaps: `rows @ image @ cols.T` is OpenCV's INTER_AREA resize."""
-    edges = np.arange(target + 1) * source / target
-    pixels = np.arange(source)
-    overlap = np.minimum(edges[1:, None], pixels + 1) - np.maximum(edges[:-1, None], pixels)
-    return np.clip(overlap, 0.0, None) * target / source
-
-
-class TrainingProtocol(gym.Wrapper):
-    """The Atari script's make_env protocol on one gymnasium ALE env (grayscale, frameskip=1), for
-    evaluation: its resets, 4 frames per action (the last two max-pooled), 84x84 by area, 4 stacked,
-    FIRE after a lost life. An episode is a whole game."""
-
-    def __init__(
-        self,
-        env: gym.Env,
-        frameskip: int = 4,
-        stack_num: int = 4,
-        noop_max: int = 30,
-        size: int = 84,
-    ):
-        super().__init__(env)
-        self.frameskip = frameskip
-        self.noop_max = noop_max
-        height, width = env.observation_space.shape
-        self.rows = area_resize_matrix(height, size)
-        self.cols = area_resize_matrix(width, size)
-        self.stack = np.zeros((stack_num, size, size), dtype=np.uint8)
-        self.observation_space = gym.spaces.Box(0, 255, self.stack.shape, np.uint8)
-        meanings = env.unwrapped.get_action_meanings()
-        self.fire = meanings.index("FIRE") if "FIRE" in meanings else None
-        self.lives = 0
-        self.relaunch = False
-
-    def _push(self, frame: np.ndarray) -> np.ndarray:
-        self.stack[:-1] = self.stack[1:]
-        self.stack[-1] = np.clip(np.rint(self.rows @ frame @ self.cols.T), 0, 255)
-        return self.stack.copy()
-
-    def _repeat(self, action: int):
-        total = 0.0
-        frames = []
-        for _ in range(self.frameskip):
-            frame, reward, terminated, truncated, info = self.env.step(action)
-            frames.append(frame)
-            total += float(reward)
-            if terminated or truncated:
-                break
-        return np.max(frames[-2:], axis=0), total, terminated, truncated, info
-
-    def reset(self, *, seed: int | None = None, options: dict | None = None):
-        frame, info = self.env.reset(seed=seed, options=options)
-        self.stack[:] = 0
-        if self.fire is not None:
-            frame, _, _, _, info = self.env.step(self.fire)
-        for _ in range(self.np_random.integers(0, self.noop_max) - (self.fire is not None)):
-            frame, _, _, _, info = self.env.step(0)
-        self.lives = info["lives"]
-        self.relaunch = False
-        return self._push(frame), info
-
-    def step(self, action: int):
-        action = self.fire if self.relaunch else action
-        frame, reward, terminated, truncated, info = self._repeat(action)
-        lost_life = info["lives"] < self.lives and not (terminated or truncated)
-        self.relaunch = self.fire is not None and lost_life
-        self.lives = info["lives"]
-        return self._push(frame), reward, terminated, truncated, info
-
-
-def atari_eval_env(args, video_folder: str | None = None) -> Callable[[], gym.Env]:
-    """A thunk building one gymnasium ALE env of `args.env_id` with the Atari script's preprocessing
-    and protocol (evaluation, video)."""
-
-    def thunk() -> gym.Env:
-        register_atari()
-        render_mode = "rgb_array" if video_folder else None
-        env = gym.make(args.env_id, obs_type="grayscale", frameskip=1, render_mode=render_mode)
-        if video_folder:
-            env = gym.wrappers.RecordVideo(env, video_folder, episode_trigger=lambda episode: True)
-        return TrainingProtocol(env)
-
-    return thunk

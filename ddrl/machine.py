@@ -92,3 +92,10 @@ def activation_bytes(agent_class: type, envs) -> int:
     for hook in hooks:
         hook.remove()
     return 2 * sum(outputs)
+
+
+def has_native_bf16(device: torch.device) -> bool:
+    """Whether bfloat16 runs natively here (AVX512-BF16 or AMX CPUs, Ampere or newer GPUs)."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported(including_emulation=False)
+    return torch.ops.mkldnn._is_mkldnn_bf16_supported()

@@ -193,9 +193,8 @@ def launch(args, unit: str = "iteration") -> Run:
     and mpirun and mpi4py exist, else torchrun) and exit as they do."""
     script = os.path.abspath(sys.modules[type(args).__module__].__file__)
     # torch.distributions' argument checks cost a few ops per distribution made, and a NaN they
-    # would meet raises
-    # a traceback mid-update; without them a NaN reaches the loss, which stops every rank in one
-    # line
+    # would meet raises a traceback mid-update; without them a NaN reaches the loss, which stops
+    # every rank in one line
     torch.distributions.Distribution.set_default_validate_args(False)
     failures.script = os.path.basename(script)
     # until training starts (Run.start)

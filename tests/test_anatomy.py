@@ -23,7 +23,6 @@ PACKAGE = sorted((ROOT / "ddrl").glob("*.py"))
 ALGORITHM_ORDER = ("Args", "derive_batch_sizes", "make_env", "layer_init", "Agent", "compute_gae", "update", "main")
 ALSO_IN_ORDER = {  # a script's own pieces, where its reader meets them
     "ppo_continuous_mpi.py": (
-        "RunningMeanStd",
         "Agent",
         "compute_gae",
         "minibatch_loss",
@@ -35,10 +34,7 @@ ALSO_IN_ORDER = {  # a script's own pieces, where its reader meets them
     ),
     "vpg_mpi.py": ("mlp", "Agent", "compute_gae", "average_gradients", "update", "main"),
     "ppo_atari_multigpu.py": (
-        "atari_settings",
         "make_env",
-        "env_groups",
-        "GameTracker",
         "Agent",
         "compute_gae",
         "ActionAndValue",

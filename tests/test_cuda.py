@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import ppo_atari_multigpu as ppo
-from ddrl import cuda_graphs, rollout
+from ddrl import atari, cuda_graphs, rollout
 from tests.helpers import (
     assert_ok,
     assert_same_parameters,
@@ -72,7 +72,7 @@ def test_atari_rollout_acts_as_the_agent_on_the_gpu_with_fresh_draws_every_step(
             "log_probs": torch.zeros((steps, envs), device=device),
             "values": torch.zeros((steps, envs), device=device),
         }
-        groups = ppo.env_groups(envs, 2)  # as a GPU run steps them: in turn
+        groups = atari.env_groups(envs, 2)  # as a GPU run steps them: in turn
         act = cuda_graphs.acting_step(agent, *storage.values(), groups, graph=graph)
         assert act.__name__ == ("act_by_graph_replay" if graph else "act_eagerly")
         sent = [np.concatenate([act(step, frames[group].numpy(), group) for group in groups]) for step in range(steps)]

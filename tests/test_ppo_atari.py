@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import ppo_atari_multigpu as ppo
-from ddrl import checkpoints, cuda_graphs, env_support
+from ddrl import atari, checkpoints, cuda_graphs
 from tests.helpers import (
     LOG_KEYS,
     assert_minibatch_loss_is_cleanrls,
@@ -27,7 +27,7 @@ from tests.helpers import (
     union_orders,
 )
 
-BREAKOUT = ppo.atari_settings("BreakoutNoFrameskip-v4")
+BREAKOUT = atari.settings("BreakoutNoFrameskip-v4")
 FOUR_ACTIONS = SimpleNamespace(single_action_space=gym.spaces.Discrete(4))  # what Agent reads of Breakout's envs
 FIRE = 1  # in Breakout's minimal action set: NOOP, FIRE, RIGHT, LEFT
 
@@ -38,7 +38,7 @@ def random_actions(seed: int, steps: int, num_envs: int, num_actions: int) -> np
 
 def eval_env(env_id: str) -> gym.Env:
     """The evaluation env of `env_id`, as --eval-checkpoint builds it."""
-    return env_support.atari_eval_env(ppo.Args(env_id=env_id))()
+    return atari.eval_env(ppo.Args(env_id=env_id))()
 
 
 # --- the environment on the real ROMs ------------------------------------------------------------------
@@ -46,15 +46,15 @@ def eval_env(env_id: str) -> gym.Env:
 
 def test_env_ids_map_to_the_game_and_its_protocol():
     assert BREAKOUT["game"] == "breakout" and BREAKOUT["repeat_action_probability"] == 0.0
-    v5 = ppo.atari_settings("ALE/Breakout-v5")
+    v5 = atari.settings("ALE/Breakout-v5")
     assert v5["game"] == "breakout" and v5["repeat_action_probability"] == 0.25
-    assert ppo.atari_settings("SpaceInvadersNoFrameskip-v4")["game"] == "space_invaders"
+    assert atari.settings("SpaceInvadersNoFrameskip-v4")["game"] == "space_invaders"
 
 
 def test_life_losses_end_learner_episodes_but_logged_games_are_whole_and_raw():
     """Play the training envs and, in lockstep, the same seeds without life-loss signals (the truth of a game).
     SpaceInvaders: three lives, and raw scores that clipped rewards could not reach so fast."""
-    settings = ppo.atari_settings("SpaceInvadersNoFrameskip-v4")
+    settings = atari.settings("SpaceInvadersNoFrameskip-v4")
     num_envs = 2
     steps = 1500
     envs = ppo.make_env(settings, num_envs, 1)
@@ -68,7 +68,7 @@ def test_life_losses_end_learner_episodes_but_logged_games_are_whole_and_raw():
     seeds = np.array([3, 10_003])
     _, info = envs.reset(seed=seeds)
     truth.reset(seed=seeds)
-    games = ppo.GameTracker(info)
+    games = atari.GameTracker(info)
     logged = []
     true_games = []
     learner_terminals = 0
@@ -103,8 +103,8 @@ def test_evaluation_preprocessing_resizes_as_the_vector_env():
     small = ppo.AtariVectorEnv("breakout", 1, num_threads=1)
     full_obs, _ = full.reset(seed=np.array([5]))
     small_obs, _ = small.reset(seed=np.array([5]))
-    rows = env_support.area_resize_matrix(210, 84)
-    cols = env_support.area_resize_matrix(160, 84)
+    rows = atari.area_resize_matrix(210, 84)
+    cols = atari.area_resize_matrix(160, 84)
     for actions in random_actions(1, 40, 1, 4):
         resized = np.rint(rows @ full_obs[0, -1] @ cols.T)
         assert np.abs(resized - small_obs[0, -1]).max() <= 1  # rounding only
@@ -147,7 +147,7 @@ def test_evaluation_env_resets_and_plays_as_the_training_env(env_id):
     """ale-py's reset (FIRE for one frame where the game has FIRE, then 0-28 no-op frames, 0-29 without FIRE) draws
     its no-ops from its own C++ generator, so the two envs agree in distribution, not draw for draw: a reset with the
     same number of no-op frames (its episode_frame_number) must give the same observation, and the same play."""
-    settings = ppo.atari_settings(env_id)
+    settings = atari.settings(env_id)
     has_fire = env_id.startswith("Breakout")
     training = ppo.make_env(settings, 1, 1)
     evaluation = eval_env(env_id)
@@ -406,8 +406,8 @@ def evaluate_in_process(monkeypatch, checkpoint: str, **flags) -> list[int]:
 
         return thunk
 
-    make_eval_env = env_support.atari_eval_env
-    monkeypatch.setattr(env_support, "atari_eval_env", recording_eval_env)
+    make_eval_env = atari.eval_env
+    monkeypatch.setattr(atari, "eval_env", recording_eval_env)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # one frame a step, as the suite's workers compute: more threads only wait for each other
     try:
