@@ -45,6 +45,7 @@ ALSO_IN_ORDER = {  # a script's own pieces, where its reader meets them
         "main",
     ),
 }
+SCRIPT_LINES = 600  # docs/design.md, "Budgets"
 RUN_LIFE = ("start", "resume", "log", "check_in_sync", "checkpoint", "finish")  # the Run's calls, in main's order
 
 
@@ -91,6 +92,8 @@ def test_the_algorithm_comes_in_a_cleanrl_readers_order_and_main_last(script):
     assert max(sizes, key=sizes.get) == "main", f"{script}: main is not its largest definition: {sizes}"
     source = (ROOT / script).read_text()
     assert source.rstrip().endswith('if __name__ == "__main__":\n    main(tyro.cli(Args))')
+    lines = source.count("\n")
+    assert lines <= SCRIPT_LINES, f"{script}: {lines} lines, over the {SCRIPT_LINES} a reader reads whole (design.md)"
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
@@ -105,6 +108,57 @@ def test_a_script_imports_the_runtime_and_defines_none_of_it(script):
         node for node in tree.body if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("ddrl")
     ]
     assert imported, f"{script} does not import ddrl"
+
+
+def code_nodes(node: ast.AST):
+    """ast.walk without annotations: a type named is not code that runs."""
+    todo = [node]
+    while todo:
+        current = todo.pop()
+        yield current
+        for field, value in ast.iter_fields(current):
+            children = value if isinstance(value, list) else [value]
+            if field not in ("annotation", "returns"):
+                todo += [child for child in children if isinstance(child, ast.AST)]
+
+
+def reached_in_one_iteration(script: str) -> set[str]:
+    """The script's definitions one iteration of main's loop reaches, walking statically from the loop through the
+    names it uses: functions, a class's __init__ and forward where it is built, methods by the attribute called."""
+    found, main, _ = parts(script)
+    methods = {}
+    for class_name, node in found.items():
+        for item in node.body if isinstance(node, ast.ClassDef) else []:
+            if isinstance(item, ast.FunctionDef):
+                methods.setdefault(item.name, []).append((f"{class_name}.{item.name}", item))
+    loop = next(node for node in ast.walk(main) if isinstance(node, ast.While))
+    reached = {}
+    todo = [loop]
+    while todo:
+        for node in code_nodes(todo.pop()):
+            targets = []
+            if isinstance(node, ast.Name) and node.id in found and node.id != "main":
+                target = found[node.id]
+                if isinstance(target, ast.ClassDef):
+                    built = [item for item in target.body if getattr(item, "name", "") in ("__init__", "forward")]
+                    targets += [(f"{node.id}.{item.name}", item) for item in built]
+                else:
+                    targets.append((node.id, target))
+            if isinstance(node, ast.Attribute):
+                targets += methods.get(node.attr, [])
+            for name, target in targets:
+                if name not in reached:
+                    reached[name] = target
+                    todo.append(target)
+    return set(reached)
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_one_iteration_reaches_a_dozen_definitions_at_most(script):
+    """CleanRL's iteration reaches 2 definitions of its file, read in order; ours may reach 12 (design.md, "Budgets"):
+    the rest of what an iteration runs is the package's, called by module name."""
+    reached = reached_in_one_iteration(script)
+    assert 1 < len(reached) <= 12, f"{script}: one iteration reaches {len(reached)} definitions: {sorted(reached)}"
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
