@@ -696,12 +696,10 @@ def world_change(header: dict, world_size: int) -> str:
     if written == world_size:
         return ""
     new = (
-        f"; ranks {span(written, world_size)} are seeded by the rank-offset rule"
-        if world_size > written
-        else ""
+        f"; the rank-offset rule seeds {span(written, world_size)}" if world_size > written else ""
     )
     gone = (
-        f"; the random streams of its ranks {span(world_size, written)} end here"
+        f"; the random streams of its {span(world_size, written)} end here"
         if written > world_size
         else ""
     )
@@ -714,7 +712,7 @@ def world_change(header: dict, world_size: int) -> str:
 
 def span(first: int, end: int) -> str:
     """Ranks first to end - 1, as a message names them."""
-    return str(first) if end - first == 1 else f"{first}-{end - 1}"
+    return f"rank {first}" if end - first == 1 else f"ranks {first}-{end - 1}"
 
 
 # --- finding the run to resume --------------------------------------------------------------------

@@ -55,8 +55,8 @@ def digest(folder: Path) -> dict[str, str]:
 
 def world_change(path: str, written: int, continued: int) -> str:
     """The resume line's words for a checkpoint of `written` ranks continued by `continued` (ddrl/checkpoints.py)."""
-    new = "; ranks 1 are seeded by the rank-offset rule" if continued > written else ""
-    gone = "; the random streams of its ranks 1 end here" if written > continued else ""
+    new = "; the rank-offset rule seeds rank 1" if continued > written else ""
+    gone = "; the random streams of its rank 1 end here" if written > continued else ""
     return (
         f"resuming from {path}, written by {written} ranks and continued by {continued}: the batch table's world sizes "
         "are this run's, the env steps and learning-rate schedule go on from its step count, every env starts a fresh "
