@@ -11,7 +11,6 @@ import numpy as np
 from ale_py.vector_env import AtariVectorEnv
 
 from ddrl import failures
-from ddrl.env_support import register_atari
 from ddrl.failures import fail
 
 
@@ -165,7 +164,7 @@ def eval_env(args, video_folder: str | None = None) -> Callable[[], gym.Env]:
     and protocol (evaluation, video)."""
 
     def thunk() -> gym.Env:
-        register_atari()
+        gym.register_envs(ale_py)
         render_mode = "rgb_array" if video_folder else None
         env = gym.make(args.env_id, obs_type="grayscale", frameskip=1, render_mode=render_mode)
         if video_folder:
