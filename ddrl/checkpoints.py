@@ -28,7 +28,7 @@ from safetensors.torch import load as load_bytes
 from safetensors.torch import save as save_bytes
 
 from ddrl import checks, failures, flags, run_folders
-from ddrl.failures import fail, shown
+from ddrl.failures import fail, first_line, shown
 
 if TYPE_CHECKING:
     from ddrl.run import Run
@@ -210,7 +210,7 @@ def save(run: Run, iteration: int, global_step: int, **states) -> None:
             failures.tell(f"checkpoint saved to {path}")
         # a full disk, a folder made unwritable, a link
         except (OSError, RuntimeError, SafetensorError) as error:
-            problem = f"could not write {path} ({str(error).splitlines()[0]})"
+            problem = f"could not write {path} ({first_line(error)})"
     stop_if_unwritten(
         run, path, problem, "free disk space or make the folder writable, then --resume"
     )
@@ -331,10 +331,6 @@ def depth(value) -> int:
                 (child, level + 1) for child in (item.values() if isinstance(item, dict) else item)
             )
     return deepest
-
-
-def first_line(error: Exception) -> str:
-    return shown((str(error) or type(error).__name__).strip().splitlines()[0])[1:-1]
 
 
 def file_problem(path: str) -> str | None:

@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ddrl import collectives, flags
-from ddrl.failures import fail, shown
+from ddrl.failures import fail, first_line, shown
 
 
 def environment_int(
@@ -191,9 +191,9 @@ def check_video_support(capture_video: bool, render_frame: Callable[[], object])
     try:
         render_frame()
     except Exception as error:
-        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         fail(
-            f"--capture-video cannot render a frame ({reason}): for MuJoCo without a display use "
-            "MUJOCO_GL=egl (apt-get install libegl1) or MUJOCO_GL=osmesa (apt-get install "
-            "libosmesa6); for classic-control envs pip install pygame; or drop --capture-video"
+            f"--capture-video cannot render a frame ({first_line(error)}): for MuJoCo without a "
+            "display use MUJOCO_GL=egl (apt-get install libegl1) or MUJOCO_GL=osmesa (apt-get "
+            "install libosmesa6); for classic-control envs pip install pygame; or drop "
+            "--capture-video"
         )

@@ -10,7 +10,7 @@ from collections.abc import Callable
 import gymnasium as gym
 
 from ddrl import failures
-from ddrl.failures import fail, shown
+from ddrl.failures import fail, first_line, shown
 
 
 def silence_settotalmass_warning() -> None:
@@ -26,7 +26,7 @@ def silence_settotalmass_warning() -> None:
         gl = os.environ.get("MUJOCO_GL", "")
         fail(
             f"MUJOCO_GL={shown(gl)} names no renderer MuJoCo can load "
-            f"({str(error).splitlines()[0]}): unset it, or set it to egl, osmesa or glfw"
+            f"({first_line(error)}): unset it, or set it to egl, osmesa or glfw"
         )
 
     def warn(message: str) -> None:
@@ -70,10 +70,6 @@ def check_env(
                 f"{given} has {type(space).__name__} {kind}; {failures.script} needs {names} {kind}"
             )
     return env.observation_space, env.action_space
-
-
-def first_line(error: Exception) -> str:
-    return shown((str(error) or type(error).__name__).strip().splitlines()[0])[1:-1]
 
 
 def register_atari() -> None:

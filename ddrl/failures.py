@@ -87,6 +87,13 @@ def shown(value: object) -> str:
     return cut(repr(value))
 
 
+def first_line(error: BaseException) -> str:
+    """The first line of what `error` says (its type's name where it says nothing), escaped and cut
+    as a value a message quotes."""
+    said = str(error).strip() or type(error).__name__
+    return cut(repr(said.splitlines()[0])[1:-1])
+
+
 def cut(text: str) -> str:
     """`text`, or its first MAX_VALUE_CHARS characters and how many there were."""
     return (

@@ -119,7 +119,7 @@ def finish(run: Run, model: nn.Module, stopped: bool, make_env: Callable | None)
                 checkpoints.write_model(path, args, model)
                 saved = f", model {path}"
             except (OSError, RuntimeError, SafetensorError) as error:
-                problem = f"trained, but could not write {path} ({str(error).splitlines()[0]})"
+                problem = f"trained, but could not write {path} ({failures.first_line(error)})"
         if args.capture_video and not stopped and make_env is not None:
             video_folder = f"{folder}/videos"
             run_folders.real_folder(video_folder)

@@ -679,7 +679,8 @@ def traced(agent: nn.Module, example: np.ndarray, numpy_layers: bool) -> dict:
     try:
         found = {method: trace(agent, method) for method in ("get_action_and_value", "get_value")}
     except Exception as error:  # data-dependent control flow, a call torch.fx cannot follow
-        found["reason"] = f"torch.fx cannot trace it ({type(error).__name__}: {first_line(error)})"
+        said = f"{type(error).__name__}: {failures.first_line(error)}"
+        found["reason"] = f"torch.fx cannot trace it ({said})"
     if numpy_layers and "reason" not in found:
         state = np.random.get_state()  # the trial's draws leave the rank's stream as it was
         try:
@@ -688,7 +689,7 @@ def traced(agent: nn.Module, example: np.ndarray, numpy_layers: bool) -> dict:
             found["reason"] = f"{error} has no numpy version in ddrl/rollout.py"
         except Exception as error:
             found["reason"] = (
-                f"its numpy version failed ({type(error).__name__}: {first_line(error)})"
+                f"its numpy version failed ({type(error).__name__}: {failures.first_line(error)})"
             )
         finally:
             np.random.set_state(state)
@@ -706,10 +707,6 @@ def numpy_agent(methods: dict, deterministic: bool = False) -> NumpyAgent:
     act = compiled(*program(*methods["get_action_and_value"], True, deterministic))
     value = compiled(*program(*methods["get_value"], True))
     return NumpyAgent(act, value)
-
-
-def first_line(error: Exception) -> str:
-    return (str(error) or type(error).__name__).strip().splitlines()[0]
 
 
 def derive(

@@ -63,7 +63,7 @@ def pytest_runtest_protocol(item, nextitem):
 @pytest.fixture(scope="session")
 def saved(tmp_path_factory):
     """script -> (its training checkpoint of iteration 2, its model file) from a real one-rank run of its tiny flags,
-    each as tests.helpers.read_checkpoint reads it: the header, its tensors under "tensors"; made once per session."""
+    each as tests.helpers.read_checkpoint reads it: the header, its tensors under "tensors"; made once per test run."""
     from tests.helpers import read_checkpoint, tiny_flags, train_ranks
 
     made = {}

@@ -24,6 +24,7 @@ import torch
 import tyro
 from safetensors.torch import save_file
 
+from ddrl import failures
 from tests.helpers import (
     ROOT,
     assert_ok,
@@ -465,6 +466,14 @@ def test_a_long_value_is_cut_in_the_error_line(tmp_path, monkeypatch, capsys):
     env_id = "x" * 2**20
     line = refused(CONTINUOUS, ["--env-id", env_id], tmp_path, monkeypatch, capsys)
     assert len(line) < 2000 and f"... ({2**20 + 2} characters)" in line, line[:300]
+
+
+def test_what_an_error_says_is_quoted_by_its_first_line_escaped_and_cut():
+    """An exception's message in a refusal (a renderer's, the OS's, safetensors'): its first line only, a terminal's
+    control bytes visible, and past 200 characters cut with its length said whole."""
+    assert failures.first_line(ValueError("bad\x1b[2J\nforged: error: line")) == "bad\\x1b[2J"
+    assert failures.first_line(OSError("")) == "OSError"
+    assert failures.first_line(RuntimeError("x" * 300)).endswith("x... (300 characters)")
 
 
 LAUNCHER_VARIABLES = [
