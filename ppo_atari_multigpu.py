@@ -449,7 +449,7 @@ def main(args: Args) -> Agent | None:
         if args.bf16:  # the trunk only: the heads, the losses and Adam stay float32
             cuda_graphs.run_in_bfloat16(agent.network)  # says so where bfloat16 is emulated
         model = ActionAndValue(agent)  # what the update calls; DDP broadcasts rank 0's weights
-        if args.compile:  # the update's calls, not the acting; preemption varies their shapes
+        if args.compile and machine.can_compile(device):  # the update's calls, not the acting
             model.compile(fullgraph=True, dynamic=args.preempt_fraction > 0)
         if run.world_size > 1:
             model = DDP(model, device_ids=[device.index] if gpu else None)

@@ -37,6 +37,7 @@ from ddrl import (
     collectives,
     env_support,
     evaluation,
+    machine,
     one_learner,
     preemption,
     progress,
@@ -67,8 +68,9 @@ class Args(RuntimeArgs):
     """if toggled, rank 0 films evaluation episodes into `runs/{run_name}/videos` (needs moviepy)"""
     save_model: bool = False
     """if toggled, rank 0 writes `runs/{run_name}/model.safetensors` (weights, statistics)"""
-    compile: bool = False
-    """if toggled, the update's loss runs through torch.compile (on CPU: needs a C++ compiler)"""
+    compile: bool = True
+    """if toggled, the update's loss and its backward run through torch.compile (on CPU where a C++
+    compiler exists, else one line and the eager loss); --no-compile starts training sooner"""
     numpy_rollout: bool = True
     """if toggled, the rollout runs numpy versions of the Agent's methods (fast), else the Agent"""
 
@@ -325,7 +327,7 @@ def average_gradients(
     gradients = [torch.zeros_like(p) if p.grad is None else p.grad for p in parameters]
     flat = torch.cat([*(gradient.reshape(-1) for gradient in gradients), logged])
     collectives.allreduce_mean(flat, group)
-    if not torch.isfinite(flat).all():
+    if not flat.sum().isfinite():  # one reduction: any NaN or inf makes the sum one
         raise NonFiniteError("a non-finite loss or gradient")
     sizes = [p.numel() for p in parameters]
     for parameter, mean in zip(parameters, flat[: sum(sizes)].split(sizes), strict=True):
@@ -376,7 +378,7 @@ def update(
             gradients = flat[:num_weights]
             gradients.mul_(torch.clamp(args.max_grad_norm / (gradients.norm() + 1e-6), max=1.0))
             optimizer.step()
-            losses = dict(zip(logged, flat[num_weights:], strict=True))
+        losses = dict(zip(logged, flat[num_weights:], strict=True))  # the epoch's last minibatch
         # the KL is the world's, carried by the last gradient allreduce: every rank stops together
         if args.target_kl is not None and losses["approx_kl"] > args.target_kl:
             break
@@ -418,7 +420,7 @@ def main(args: Args) -> Agent | None:
         torch.backends.cudnn.deterministic = args.torch_deterministic
         optimizer = optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5, fused=True)
         loss_fn = minibatch_loss
-        if args.compile:  # fixed shapes, unless preemption cuts rollouts
+        if args.compile and machine.can_compile(device):  # fixed shapes, unless preemption cuts
             loss_fn = torch.compile(
                 minibatch_loss, fullgraph=True, dynamic=args.preempt_fraction > 0
             )

@@ -249,7 +249,7 @@ def average_gradients(
     gradients = [torch.zeros_like(p) if p.grad is None else p.grad for p in parameters]
     flat = torch.cat([*(gradient.reshape(-1) for gradient in gradients), logged])
     collectives.allreduce_mean(flat, group)
-    if not torch.isfinite(flat).all():
+    if not flat.sum().isfinite():  # one reduction: any NaN or inf makes the sum one
         raise NonFiniteError("a non-finite loss or gradient")
     sizes = [p.numel() for p in parameters]
     for parameter, mean in zip(parameters, flat[: sum(sizes)].split(sizes), strict=True):

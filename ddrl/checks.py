@@ -6,7 +6,6 @@ import hashlib
 import importlib.util
 import os
 import re
-import shutil
 from collections.abc import Callable
 
 import torch
@@ -57,13 +56,6 @@ def max_restarts() -> int:
 def machine_problem(args) -> str | None:
     """What this machine lacks for the flags (not a checkpoint's args: those may come from another
     machine)."""
-    compiler = os.environ.get("CXX", "g++")  # torch.compile builds C++ kernels on CPU
-    on_gpu = getattr(args, "cuda", False) and torch.cuda.is_available()
-    if getattr(args, "compile", False) and not on_gpu and shutil.which(compiler) is None:
-        return (
-            f"--compile on CPU needs a C++ compiler and {compiler!r} is not on PATH: install g++ "
-            "or drop --compile"
-        )
     if args.track and importlib.util.find_spec("wandb") is None:
         return (
             "--track needs Weights and Biases, which is not installed: pip install wandb, or "

@@ -2,10 +2,14 @@
 rank takes; its memory, against what an iteration's data takes."""
 
 import os
+import shutil
 import time
 
 import numpy as np
 import torch
+import torch.distributed as dist
+
+from ddrl import failures
 
 
 def load_sample() -> np.ndarray:
@@ -99,3 +103,17 @@ def has_native_bf16(device: torch.device) -> bool:
     if device.type == "cuda":
         return torch.cuda.is_bf16_supported(including_emulation=False)
     return torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def can_compile(device: torch.device) -> bool:
+    """Whether torch.compile can build kernels here: on a GPU always, on CPU where the C++ compiler
+    (CXX, else g++) is on PATH; else one line says the update runs eagerly."""
+    compiler = os.environ.get("CXX", "g++")
+    if device.type == "cuda" or shutil.which(compiler) is not None:
+        return True
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        failures.warn(
+            f"no C++ compiler ({compiler!r} is not on PATH), so the update runs eagerly: install "
+            "g++ for the compiled update, or pass --no-compile"
+        )
+    return False

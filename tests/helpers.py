@@ -471,7 +471,8 @@ def refuse(module, flags: list[str], monkeypatch, capsys, **env: str | None) -> 
 TINY_RUNS = {  # each script's smallest run: (flags, env steps of one iteration: the world's in VPG, a rank's in PPO)
     "vpg_mpi.py": (["--env-id", "CartPole-v1", "--steps-per-epoch", "200", "--train-v-iters", "2"], 200),
     "ppo_continuous_mpi.py": (
-        ["--env-id", "InvertedPendulum-v5", "--num-steps", "64", "--num-minibatches", "2", "--update-epochs", "1"],
+        ["--env-id", "InvertedPendulum-v5", "--num-steps", "64", "--num-minibatches", "2", "--update-epochs", "1"]
+        + ["--no-compile"],
         64,
     ),
     "ppo_atari_multigpu.py": (

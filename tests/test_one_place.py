@@ -24,6 +24,7 @@ from tests.helpers import (
 
 FLAGS = {
     "ppo_continuous_mpi.py": ["--env-id", "InvertedPendulum-v5", "--num-steps", "128", "--total-timesteps", "256"]
+    + ["--no-compile"]
     + ["--num-minibatches", "4", "--update-epochs", "2"],
     "vpg_mpi.py": ["--env-id", "CartPole-v1", "--steps-per-epoch", "200", "--total-timesteps", "400"]
     + ["--train-v-iters", "5"],

@@ -331,7 +331,7 @@ def test_two_ranks_train_alike_on_world_statistics_log_and_evaluate_to_their_ret
     target_kl = 0.03
     flags = ["--env-id", "InvertedPendulum-v5", "--local-num-envs", str(envs), "--num-steps", str(steps)]
     flags += ["--total-timesteps", str(iterations * 2 * envs * steps), "--num-minibatches", "8", "--seed", str(seed)]
-    flags += ["--learning-rate", str(learning_rate), "--save-model", "--target-kl", str(target_kl)]
+    flags += ["--learning-rate", str(learning_rate), "--save-model", "--target-kl", str(target_kl), "--no-compile"]
     results, result = train_ranks("ppo_continuous_mpi.py", flags, tmp_path, worker=recording_rank)
     assert progress_lines(result.stdout) == list(range(1, iterations + 1))
     states = [rank_result["state"] for rank_result in results]

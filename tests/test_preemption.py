@@ -14,7 +14,8 @@ from tests.helpers import assert_same_parameters, read_scalars, run_dirs, run_ra
 # (flags of a tiny run, env steps per env of a full rollout, envs per rank, seconds rank 1 sleeps per env step)
 SCRIPTS = {
     "ppo_continuous_mpi": (
-        ["--env-id", "Hopper-v5", "--num-steps", "64", "--num-minibatches", "4", "--update-epochs", "2"],
+        ["--env-id", "Hopper-v5", "--num-steps", "64", "--num-minibatches", "4", "--update-epochs", "2"]
+        + ["--no-compile"],
         64,
         1,
         0.01,

@@ -1,0 +1,115 @@
+"""Seconds per update of the MLP scripts at their defaults, in one process, call by call: this checkout's `update`
+eager and compiled (its `--compile`) beside another checkout's, on one rank with one torch thread.
+
+    git worktree add ../before COMMIT
+    taskset -c 0 python -m benchmark.update --compare-with ../before --rounds 10 --out benchmark/results/update
+
+Each variant updates its own Agent (the script's, for its default env, the same initial weights) with the script's
+optimizer on one random batch of the default size; the variants take turns within every round, so a slow spell of
+the machine falls on all of them. A minibatch step is the update's time over its minibatch steps (PPO: epochs x
+minibatches; VPG: one policy step and --train-v-iters value steps).
+"""
+
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated
+
+import torch
+from annotated_types import Ge
+
+from benchmark import common
+
+SCRIPTS = ("ppo_continuous_mpi.py", "vpg_mpi.py")
+"""the scripts whose update runs on CPU one minibatch at a time (Atari's CNN update: benchmark.atari_step)"""
+
+
+@dataclass(kw_only=True)
+class Args(common.TimingArgs):
+    compare_with: Path | None = None
+    """another checkout whose scripts' updates run beside this one's (`git worktree add ../before COMMIT`)"""
+    rounds: Annotated[int, Ge(1)] = 10
+    """rounds; in each, every variant runs one update"""
+    scripts: tuple[str, ...] = SCRIPTS
+    """which scripts' updates to time"""
+    out: Path = Path("benchmark/results/update")
+
+
+def random_batch(obs_space, action_space, size: int) -> dict[str, torch.Tensor]:
+    """A batch of `size` rows as the scripts' rollouts store it (float32, by name)."""
+    actions = torch.randn(size, *action_space.shape) if action_space.shape else torch.randint(action_space.n, (size,))
+    return {
+        "obs": torch.randn(size, *obs_space.shape),
+        "actions": actions.float(),
+        "log_probs": torch.randn(size) - 5.0,
+        "values": torch.randn(size),
+        "advantages": torch.randn(size),
+        "returns": torch.randn(size),
+    }
+
+
+def one_update(script: str, root: Path, compiled: bool) -> tuple[Callable[[], object], int]:
+    """A call that runs the `root` checkout's update of `script` once on its defaults, and its minibatch steps."""
+    module = common.load_script(script, root)
+    args = module.Args()
+    obs_space, action_space = common.env_spaces(script)
+    torch.manual_seed(0)
+    agent = common.load_script(script, root).Agent(
+        type("Spaces", (), {"single_observation_space": obs_space, "single_action_space": action_space}),
+        *([args.hidden_sizes] if "vpg" in script else []),
+    )
+    if "vpg" in script:
+        module.derive_batch_sizes(args, 1)
+        policy = [p for name, p in agent.named_parameters() if not name.startswith("critic.")]
+        groups = [{"params": policy, "lr": args.pi_lr}, {"params": list(agent.critic.parameters()), "lr": args.vf_lr}]
+        optimizer = torch.optim.Adam(groups)
+        batch = random_batch(obs_space, action_space, args.local_steps_per_epoch)
+        return (lambda: module.update(agent, optimizer, batch, args)), 1 + args.train_v_iters
+    module.derive_batch_sizes(args, 1)
+    optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5, fused=True)
+    batch = random_batch(obs_space, action_space, args.local_batch_size)
+    orders = torch.stack([torch.randperm(args.local_batch_size) for _ in range(args.update_epochs)])
+    sizes = module.minibatch_sizes([args.local_batch_size], args.num_minibatches)
+    loss_fn = torch.compile(module.minibatch_loss, fullgraph=True) if compiled else module.minibatch_loss
+    steps = args.update_epochs * args.num_minibatches
+    return (lambda: module.update(agent, optimizer, batch, args, orders, sizes, loss_fn)), steps
+
+
+def main(argv: list[str] | None = None) -> None:
+    args, argv, _ = common.cli(Args, argv)
+    load = common.check_load(args.max_load)
+    torch.set_num_threads(1)
+    roots = {"this": common.ROOT} | ({"other": args.compare_with.resolve()} if args.compare_with else {})
+    rows = []
+    for script in args.scripts:
+        variants = {f"{name} eager": (root, False) for name, root in roots.items()}
+        if "vpg" not in script:
+            variants["this compiled"] = (common.ROOT, True)
+        calls = {name: one_update(script, root, compiled) for name, (root, compiled) in variants.items()}
+        for call, _ in calls.values():  # the first calls compile and warm up
+            call()
+            call()
+        seconds = {name: [] for name in calls}
+        for _ in range(args.rounds):
+            for name, (call, _) in calls.items():
+                start = time.perf_counter()
+                call()
+                seconds[name].append(time.perf_counter() - start)
+        base = statistics.median(seconds["other eager" if args.compare_with else "this eager"])
+        for name, times in seconds.items():
+            median = statistics.median(times)
+            per_step = median / calls[name][1] * 1e6
+            rows.append([script, name, f"{median * 1e3:.1f}", f"{per_step:.0f}", f"{base / median:.2f}x"])
+        print(*rows[-len(seconds) :], sep="\n", file=sys.stderr)
+    other = f"other = {common.code_version(roots['other'])}" if args.compare_with else "no other checkout"
+    facts = [f"{args.rounds} rounds, one torch thread; {other} (its scripts, beside this checkout's ddrl package)"]
+    base = "other eager" if args.compare_with else "this eager"
+    header = f"script | variant | ms per update (median) | us per minibatch step | speed-up over {base}"
+    common.write_results(args, argv, "Update time per iteration", facts, common.markdown_table(header, rows), load)
+
+
+if __name__ == "__main__":
+    main()
