@@ -264,13 +264,12 @@ def update(
     args: Args,
     group: collectives.Group = None,
 ) -> tuple[dict[str, float], float]:
-    """One VPG epoch on this rank's batch, gradients averaged over `group`: the policy step (the
-    optimizer's first parameter group), then the value steps (its second). Each step's loss rides in
-    its gradients' allreduce, so a non-finite one stops every rank before that step, not earlier
-    ones. Returns the world-averaged losses (the first value loss) by name and the collectives'
-    time."""
-    policy_parameters = optimizer.param_groups[0]["params"]
-    value_parameters = optimizer.param_groups[1]["params"]
+    """One VPG epoch on this rank's batch, gradients averaged over `group`: the policy step, then
+    the value steps, each averaging the gradient of every parameter its loss reached, whichever of
+    the optimizer's groups holds it (a trunk the policy and the value share too). Each step's loss
+    rides in its gradients' allreduce, so a non-finite one stops every rank before that step, not
+    earlier ones. Returns the world-averaged losses (the first value loss) by name and the
+    collectives' time."""
     obs = batch["obs"]
     returns = batch["returns"]
     start = time.perf_counter()
@@ -285,9 +284,10 @@ def update(
     optimizer.zero_grad()
     policy_loss.backward()
     start = time.perf_counter()
-    average_gradients(policy_parameters, policy_loss.detach().reshape(1), group)
+    reached = [p for p in agent.parameters() if p.grad is not None]  # the same on every rank
+    average_gradients(reached, policy_loss.detach().reshape(1), group)
     sync_time += time.perf_counter() - start
-    optimizer.step()  # the value function's parameters have no gradient: Adam leaves them
+    optimizer.step()  # the value function's own parameters have no gradient: Adam leaves them
 
     # value regression on the rewards-to-go
     for i in range(args.train_v_iters):
@@ -297,7 +297,8 @@ def update(
         optimizer.zero_grad()
         value_loss.backward()
         start = time.perf_counter()
-        average_gradients(value_parameters, value_loss.detach().reshape(1), group)
+        reached = [p for p in agent.parameters() if p.grad is not None]
+        average_gradients(reached, value_loss.detach().reshape(1), group)
         sync_time += time.perf_counter() - start
         optimizer.step()
 

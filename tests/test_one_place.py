@@ -234,3 +234,30 @@ def test_a_number_each_rank_computes_from_its_own_data_stops_every_rank_at_the_f
     ), line
     assert "a number computed from this rank's data alone" in line
     assert progress_lines(result.stdout) == [1]
+
+
+VPG_SHARED_TRUNK = [  # SpinningUp's core.py with one trunk for the policy and the value: the Agent alone edited
+    (
+        "        self.actor = mlp(obs_dim, hidden_sizes, num_outputs)\n"
+        "        self.critic = mlp(obs_dim, hidden_sizes, 1)\n",
+        "        self.trunk = nn.Sequential(layer_init(nn.Linear(obs_dim, hidden_sizes[0])), nn.Tanh())\n"
+        "        self.actor = mlp(hidden_sizes[0], hidden_sizes[1:], num_outputs)\n"
+        "        self.critic = mlp(hidden_sizes[0], hidden_sizes[1:], 1)\n",
+    ),
+    ("        return self.critic(x)\n", "        return self.critic(self.trunk(x))\n"),
+    ("        logits = self.actor(x)\n", "        logits = self.actor(self.trunk(x))\n"),
+    (
+        "        return action, log_prob, entropy, self.critic(x)\n",
+        "        return action, log_prob, entropy, self.critic(self.trunk(x))\n",
+    ),
+]
+
+
+def test_a_trunk_the_policy_and_the_value_share_trains_in_sync_with_the_update_untouched(tmp_path):
+    """The trunk sits in the optimizer's policy group, and the value steps reach it: every step averages the gradient
+    of every parameter its loss reached, whichever group holds it, so the ranks' weights agree at every check."""
+    copy = edited_copy(tmp_path, "vpg_mpi.py", VPG_SHARED_TRUNK)
+    flags = [*FLAGS["vpg_mpi.py"], "--torch-threads", "1", "--check-sync-every", "1"]
+    result = run_command(torchrun_with(["--standalone"], str(copy), flags), tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert progress_lines(result.stdout) == [1, 2]
