@@ -247,6 +247,18 @@ class Agent(nn.Module):
         return action, probs.log_prob(action), probs.entropy(), self.critic(hidden)
 
 
+@torch.inference_mode()
+def store_forced_action(
+    agent: Agent, frames: torch.Tensor, actions: torch.Tensor, log_probs: torch.Tensor,
+    envs: np.ndarray, action: int,
+) -> None:  # fmt: skip
+    """A rollout row's `envs` act `action` whatever the policy sampled (FIRE after a lost life, as
+    CleanRL's FireResetEnv presses it): store it, and its log-probability under the policy that
+    acted, so the loss learns from the action the env received."""
+    actions[envs] = action
+    log_probs[envs] = agent.get_action_and_value(frames[envs], actions[envs])[1]
+
+
 # --- GAE ------------------------------------------------------------------------------------------
 def compute_gae(
     rewards: torch.Tensor, values: torch.Tensor, next_values: torch.Tensor,
@@ -520,8 +532,12 @@ def main(args: Args) -> Agent | None:
                     if acting:
                         # row `step` of obs, actions, ...
                         env_action = act(step, next_obs[group], group)
-                        # FireResetEnv: FIRE after a lost life, not the sampled action
-                        if fire is not None:
+                        # FireResetEnv: FIRE after a lost life, stored as the action taken
+                        if fire is not None and relaunch[group].any():
+                            fired = np.flatnonzero(relaunch[group]) + group.start
+                            store_forced_action(
+                                agent, obs[step], actions[step], logprobs[step], fired, fire
+                            )
                             env_action = np.where(relaunch[group], fire, env_action)
                         group_envs.send(env_action)  # the envs step while the next group acts
                 if not acting:

@@ -478,10 +478,10 @@ class RecordingVectorEnv:
 
 
 def recording_rank(rank: int, world_size: int, script: str, cwd: str, flags: list[str]) -> dict:
-    """train_rank with a RecordingVectorEnv around each group of envs, recording the actions the Agent sampled (each
-    update's batch, [steps, envs]), whether torch.compile compiled, this rank's torch seed, and how far each compiled
-    update's weights and numbers lie from those of the eager Agent's update in DDP, run beside it from the same state
-    on the same batch."""
+    """train_rank with a RecordingVectorEnv around each group of envs, recording the actions the rollout stored (each
+    update's batch, [steps, envs]) and how far their log-probabilities lie from the Agent's, whether torch.compile
+    compiled, this rank's torch seed, and how far each compiled update's weights and numbers lie from those of the
+    eager Agent's update in DDP, run beside it from the same state on the same batch."""
     make_env = ppo.make_env
     groups = []
 
@@ -490,11 +490,16 @@ def recording_rank(rank: int, world_size: int, script: str, cwd: str, flags: lis
         return groups[-1]
 
     update = ppo.update
-    sampled = []
+    stored = []
+    log_prob_gaps = []
     gaps = []
 
     def update_beside_eager(model, optimizer, batch, args, *rest):
-        sampled.append(batch["actions"].view(-1, args.local_num_envs).cpu().numpy().copy())  # storage is reused
+        stored.append(batch["actions"].view(-1, args.local_num_envs).cpu().numpy().copy())  # storage is reused
+        agent_of_model = getattr(model, "module", model).agent
+        with torch.no_grad():
+            _, log_probs, _, _ = agent_of_model.get_action_and_value(batch["obs"], batch["actions"])
+        log_prob_gaps.append((log_probs - batch["log_probs"]).abs().max().item())
         if not args.compile:
             return update(model, optimizer, batch, args, *rest)
         agent = getattr(model, "module", model).agent  # the compiled ActionAndValue's (in DDP, with ranks)
@@ -527,7 +532,8 @@ def recording_rank(rank: int, world_size: int, script: str, cwd: str, flags: lis
         "torch_seed": torch.initial_seed(),
         "seeds": [seed for group in stepped for seed in group.seeds],
         "reset_lives": np.concatenate([group.reset_lives for group in stepped]),
-        "sampled": np.concatenate(sampled),
+        "stored": np.concatenate(stored),
+        "log_prob_gaps": log_prob_gaps,
         **recorded,
     }
 
@@ -537,7 +543,8 @@ def test_two_ranks_train_alike_press_fire_after_a_lost_life_and_log_what_one_gro
     """Two iterations of two ranks of two envs, with --save-model: once in one group of envs, once in two that step in
     turn (where on a GPU the acting for one group hides behind the other group's env step). Each run: every rank ends
     with the same weights, which the model file holds; the envs are seeded as Args documents; after a lost life FIRE
-    goes to the env, else the action the Agent sampled; the log holds every key and whole games' raw scores. The two
+    goes to the env, else the action the Agent sampled, and the rollout stores the action the env received with its
+    log-probability; the log holds every key and whole games' raw scores. The two
     runs: every env plays the same game (on the CPU, whose sampling draws row by row, the same actions), and the log is
     the same, but for the rounding of a forward pass on half the frames."""
     steps = 128
@@ -558,14 +565,16 @@ def test_two_ranks_train_alike_press_fire_after_a_lost_life_and_log_what_one_gro
         assert_same_parameters([states[0], {key.removeprefix("model."): t for key, t in model.items()}])
         assert [seed for rank in results for seed in rank["seeds"]] == [seed + 10_000 * env for env in range(4)]
         assert [rank["torch_seed"] for rank in results] == [seed, seed + 10_000]
-        for rank in results:  # FIRE after a lost life (the game goes on), else the sampled action
+        for rank in results:  # FIRE after a lost life (the game goes on), stored as the action taken
             lives = rank["lives"]
             terminated = rank["terminated"]
             previous_lives = np.concatenate([rank["reset_lives"][None], lives[:-1]])
             lost_life = terminated & ~rank["truncated"] & (lives < previous_lives)
             relaunch = np.concatenate([np.zeros((1, envs), dtype=bool), lost_life[:-1]])
             assert relaunch.sum() >= 2
-            np.testing.assert_array_equal(rank["sent"], np.where(relaunch, FIRE, rank["sampled"]))
+            assert (rank["sent"][relaunch] == FIRE).all()
+            np.testing.assert_array_equal(rank["stored"], rank["sent"])  # what the env received, FIRE too
+            assert max(rank["log_prob_gaps"]) < 1e-4  # and its log-probability under the policy that acted
         scalars = read_scalars(run_dir)
         assert [step for step, _ in scalars["charts/SPS"]] == [512, 1024]
         for key in LOG_KEYS:  # every iteration logs each key, and the episodic ones where a game ended
