@@ -138,38 +138,73 @@ def check_in_sync(
 ) -> None:
     """Stop every rank unless all hold the same training state: the module's parameters and buffers,
     each optimizer's options (its learning rate, say), and the numbers among `args` (a coefficient
-    an edit changes as it trains): a checksum of their bytes, one gather."""
-    tensors = [
-        t.detach().reshape(-1).double().cpu() for t in (*module.parameters(), *module.buffers())
-    ]
-    numbers = [
-        value
-        for optimizer in optimizers
-        for group in optimizer.param_groups
-        for value in group.values()
-    ]
-    numbers += list(vars(args).values()) if args is not None else []
-    numbers = [
-        float(value)
-        for value in numbers
-        if isinstance(value, int | float) and not isinstance(value, bool)
-    ]
-    flat = torch.cat([*tensors, torch.tensor(numbers, dtype=torch.float64)])
-    checksums = collectives.gather_ints_to_all(
-        [digest(flat.numpy().tobytes())], next(module.parameters()).device
-    )
-    checksums = checksums[:, 0]
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    if differ := (checksums != checksums[rank]).nonzero().flatten().tolist():
-        fail(
-            f"the training state of ranks {differ} differs from this rank's at {unit} {iteration} "
-            "(weights, statistics, the optimizer's options or a number in args): the ranks no "
-            "longer train one model. Likely causes: an edit of the update that skips or changes "
-            "the gradients' allreduce for some parameters, a number computed from this rank's "
-            "data alone (a KL coefficient from the local KL), a random draw in the update that "
-            "differs by rank, or a faulty node. Undo that edit (python -m ddrl.verify checks a "
-            "copy), then resume from the last checkpoint with --resume"
+    an edit changes as it trains), by checksums of each, in one gather. The message names what
+    differs and whether those parameters' gradients were averaged in the last step (then alike on
+    every rank), so it blames the right thing."""
+    state = dict(module.named_parameters()) | dict(module.named_buffers())
+    gradients = {name: p.grad for name, p in module.named_parameters()}
+    numbers = {
+        "the optimizer's options": [
+            value for optimizer in optimizers for group in optimizer.param_groups
+            for value in group.values()
+        ],
+        "the numbers in args": list(vars(args).values()) if args is not None else [],
+    }  # fmt: skip
+    numbers = {
+        what: torch.tensor(
+            [float(v) for v in values if isinstance(v, int | float) and not isinstance(v, bool)],
+            dtype=torch.float64,
         )
+        for what, values in numbers.items()
+    }
+    checked = [*state.items(), *numbers.items()]
+    checked += [(f"{name}.grad", gradient) for name, gradient in gradients.items()]
+    checksums = collectives.gather_ints_to_all(
+        [
+            0 if t is None else digest(t.detach().double().cpu().numpy().tobytes())
+            for _, t in checked
+        ],
+        next(module.parameters()).device,
+    )
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    same = checksums.eq(checksums[rank])
+    differ = (~same.all(1)).nonzero().flatten().tolist()
+    if not differ:
+        return
+    names = [
+        name for (name, _), alike in zip(checked, same.all(0).tolist(), strict=True) if not alike
+    ]
+    differing = [name for name in names if not name.endswith(".grad")]
+    unaveraged = [name.removesuffix(".grad") for name in names if name.endswith(".grad")]
+    averaged = [name for name in differing if name in gradients and gradients[name] is not None]
+    shown_names = ", ".join(differing[:4]) + (
+        f" and {len(differing) - 4} more" if len(differing) > 4 else ""
+    )
+    if unaveraged:
+        blame = (
+            f"the gradients of {', '.join(unaveraged[:4])} differed in the last step, so they were "
+            "not averaged: an edit of the update that skips or changes the gradients' allreduce "
+            "for some parameters"
+        )
+    elif averaged:
+        blame = (
+            "their gradients were averaged in the last step, so they diverged elsewhere: a "
+            "number computed from this rank's data alone (a KL coefficient from the local KL), "
+            "a per-rank optimizer option, a random draw in the update that differs by rank, or a "
+            "faulty node"
+        )
+    else:
+        blame = (
+            "likely a number computed from this rank's data alone (a KL coefficient from the "
+            "local KL), a per-rank option, or a faulty node"
+        )
+    fail(
+        f"the training state of ranks {differ} differs from this rank's at {unit} {iteration} "
+        f"({shown_names}): the ranks no longer train one model. Likely causes: {blame}. One "
+        "launch trains one model, its gradients averaged; to sweep a number, start one launch "
+        "per value. Undo that edit (python -m ddrl.verify checks a copy), then resume from the "
+        "last checkpoint with --resume"
+    )
 
 
 def check_video_support(capture_video: bool, render_frame: Callable[[], object]) -> None:

@@ -137,7 +137,8 @@ def test_an_edit_that_breaks_the_sync_stops_the_run_in_one_line_with_the_default
     unit = "epoch" if script == VPG else "iteration"
     [line] = result.stderr.splitlines()  # rank 0's, the only one to speak
     assert line.startswith(f"{script}: error: the training state of ranks [1] differs from this rank's at {unit} 1 ")
-    assert "Likely causes: an edit of the update that skips or changes the gradients' allreduce" in line
+    assert "so they were not averaged: an edit of the update that skips or changes the gradients' allreduce" in line
+    assert "One launch trains one model, its gradients averaged; to sweep a number, start one launch per value" in line
     assert progress_lines(result.stdout) == [1]  # stopped after the first iteration, before a second one
 
 
