@@ -25,9 +25,12 @@ from ddrl import checks, failures
 # observations of the probe at start, and rows of each batch checked against the Agent
 PROBE_SAMPLES = 256
 LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
-DISTRIBUTION = D.Distribution  # kept: tracing replaces the names of its subclasses for a while
+# kept: tracing replaces the names of their subclasses for a while
+RECORDED = (D.Distribution, D.Transform)
 # the place of the entropy among get_action_and_value's results: a rollout never needs it
 ENTROPY = 2
+# the file name of a derived program, by which a failure in it is traced to the line that failed
+PROGRAM_FILE = "<the Agent's method, derived by ddrl.rollout>"
 
 
 # --- tracing the Agent ----------------------------------------------------------------------------
@@ -45,23 +48,40 @@ class AgentMethod(nn.Module):
         return self.agent.get_action_and_value(x, action)
 
 
+def holds(value, kinds: type | types.UnionType) -> bool:
+    """Whether `value` is, or a list, tuple or dict of it holds, an instance of `kinds`."""
+    if isinstance(value, kinds):
+        return True
+    if isinstance(value, tuple | list):
+        return any(holds(item, kinds) for item in value)
+    if isinstance(value, dict):
+        return any(holds(item, kinds) for item in value.values())
+    return False
+
+
 class DistributionTracer(fx.Tracer):
-    """torch.fx's tracer, keeping transforms and other constants in the graph as they are, and
-    buffers (statistics that change as the run goes) as references, never as the values they had
-    when traced."""
+    """torch.fx's tracer, keeping distributions and transforms built of constants in the graph as
+    they are, and buffers (statistics that change as the run goes) as references, never as the
+    values they had when traced."""
 
     proxy_buffer_attributes = True
 
     def create_arg(self, a):
-        if isinstance(a, D.Transform | D.Distribution):
+        if isinstance(a, RECORDED):
+            # traced values inside an object: the graph would not have them as inputs
+            if holds(getattr(a, "__dict__", {}), fx.Proxy):
+                raise TypeError(
+                    f"the {type(a).__name__} holds traced tensors, built under a name ddrl does "
+                    "not record (a class of torch.distributions, or a name in the Agent's module)"
+                )
             return a
         return super().create_arg(a)
 
 
 def distribution_namespaces(agent: nn.Module) -> list[dict]:
-    """The namespaces where the Agent's code may find a distribution class: the globals of its
-    modules' methods (a script's, whatever name it was imported under), torch.distributions and its
-    submodules."""
+    """The namespaces where the Agent's code may find a distribution or transform class: the globals
+    of its modules' methods (a script's, whatever name it was imported under), torch.distributions
+    and its submodules."""
     namespaces = {}
     for module in agent.modules():
         for cls in type(module).__mro__:
@@ -74,27 +94,31 @@ def distribution_namespaces(agent: nn.Module) -> list[dict]:
 
 def trace(agent: nn.Module, method: str) -> tuple[AgentMethod, fx.Graph]:
     """`agent.method(x)` (get_value, or get_action_and_value with action=None) as a torch.fx graph.
-    A distribution the Agent builds from traced values becomes one node, its class the node's target
-    (its methods, nodes of their own)."""
+    A distribution or transform the Agent builds from tensors (traced values, its buffers and
+    parameters) becomes one node, its class the node's target (its methods, nodes of their own), so
+    that every tensor it holds is an input in the graph."""
     tracer = DistributionTracer()
+    # how many real distributions and transforms are being built: torch's own code inside their
+    # constructors builds its parts for real
+    building = [0]
 
     def record(cls):
         @functools.wraps(cls)
         def build(*args, **kwargs):
-            if any(isinstance(arg, fx.Proxy) for arg in (*args, *kwargs.values())):
+            if building[0] == 0 and holds((args, kwargs), fx.Proxy | torch.Tensor):
                 return tracer.create_proxy("call_function", cls, args, kwargs)
-            return cls(*args, **kwargs)
+            building[0] += 1
+            try:
+                return cls(*args, **kwargs)
+            finally:
+                building[0] -= 1
 
         return build
 
     patched = []
     for namespace in distribution_namespaces(agent):
         for name, value in list(namespace.items()):
-            if (
-                isinstance(value, type)
-                and issubclass(value, DISTRIBUTION)
-                and value is not DISTRIBUTION
-            ):
+            if isinstance(value, type) and issubclass(value, RECORDED) and value not in RECORDED:
                 patched.append((namespace, name, value))
                 namespace[name] = record(value)
     root = AgentMethod(agent, method)
@@ -160,6 +184,13 @@ def cast(x, *args, **kwargs):
     return x if wanted is None else x.astype(wanted)
 
 
+def gelu(x, approximate="none"):
+    """torch's GELU where it is its tanh approximation: numpy has no erf for the exact one."""
+    if approximate != "tanh":
+        raise no_numpy_version("the function torch.nn.functional.gelu", F.gelu)
+    return 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x**3)))
+
+
 def split(x, size, dim=0):
     return np.split(x, range(size, x.shape[dim], size), axis=dim)
 
@@ -193,6 +224,8 @@ FUNCTIONS = {  # torch's functions an Agent calls, and their numpy versions
     F.softmax: softmax,
     F.log_softmax: log_softmax,
     F.silu: lambda x, inplace=False: x * sigmoid(x),
+    F.gelu: gelu,
+    F.hardtanh: lambda x, min_val=-1.0, max_val=1.0, inplace=False: np.clip(x, min_val, max_val),
     F.elu: lambda x, alpha=1.0, inplace=False: np.where(
         x > 0, x, alpha * np.expm1(np.minimum(x, 0))
     ),
@@ -223,12 +256,21 @@ METHODS = {  # tensor methods an Agent calls, as functions of a numpy array
     "unsqueeze": lambda x, dim: np.expand_dims(x, dim),
     "exp": np.exp,
     "log": np.log,
+    "log1p": np.log1p,
     "tanh": np.tanh,
+    "atanh": np.arctanh,
     "sigmoid": sigmoid,
+    "square": np.square,
+    "add": lambda x, other, alpha=1: x + alpha * other,
+    "sub": lambda x, other, alpha=1: x - alpha * other,
+    "mul": operator.mul,
+    "div": operator.truediv,
     "sqrt": np.sqrt,
     "abs": np.abs,
     "clamp": clamp,
     "clip": clamp,
+    "clamp_min": lambda x, min: np.maximum(x, min),  # noqa: A006 (torch's name)
+    "clamp_max": lambda x, max: np.minimum(x, max),  # noqa: A006 (torch's name)
     "pow": np.power,
     "neg": np.negative,
     "float": lambda x: x.astype(np.float32),
@@ -241,6 +283,8 @@ METHODS = {  # tensor methods an Agent calls, as functions of a numpy array
     "contiguous": lambda x: x,
     "detach": lambda x: x,
     "argmax": lambda x, dim=None, keepdim=False: x.argmax(dim, keepdims=keepdim),
+    "amax": lambda x, dim=None, keepdim=False: x.max(dim, keepdims=keepdim),
+    "amin": lambda x, dim=None, keepdim=False: x.min(dim, keepdims=keepdim),
     "chunk": np.array_split,
     "split": split,
     "size": lambda x, dim=None: x.shape if dim is None else x.shape[dim],
@@ -268,6 +312,7 @@ ACTIVATIONS = {
     nn.ELU: lambda module: lambda x: np.where(x > 0, x, module.alpha * np.expm1(np.minimum(x, 0))),
     nn.LeakyReLU: lambda module: lambda x: np.where(x > 0, x, module.negative_slope * x),
     nn.Softplus: lambda module: lambda x: np.logaddexp(0, module.beta * x) / module.beta,
+    nn.Hardtanh: lambda module: lambda x: np.clip(x, module.min_val, module.max_val),
     nn.Softmax: lambda module: lambda x: softmax(x, module.dim),
     nn.LogSoftmax: lambda module: lambda x: log_softmax(x, module.dim),
     nn.Flatten: lambda module: lambda x: flatten(x, module.start_dim, module.end_dim),
@@ -292,11 +337,15 @@ def numpy_layer(module: nn.Module):
         )
     if type(module) in ACTIVATIONS:
         return ACTIVATIONS[type(module)](module)
+    if type(module) is nn.GELU and module.approximate == "tanh":
+        return lambda x: gelu(x, "tanh")
     return None
 
 
 class NumpyNormal:
     """torch.distributions.Normal on numpy arrays, drawing from numpy's seeded generator."""
+
+    event_dims = 0  # its event is one number
 
     def __init__(self, loc, scale, validate_args=None):
         self.loc = loc
@@ -338,10 +387,16 @@ class NumpyNormal:
     def stddev(self):
         return self.scale
 
+    @property
+    def variance(self):
+        return self.scale**2
+
 
 class NumpyCategorical:
     """torch.distributions.Categorical on numpy arrays: sampled by inverse CDF from numpy's seeded
     generator."""
+
+    event_dims = 0  # its event is one number
 
     def __init__(self, probs=None, logits=None, validate_args=None):
         self.logits = (
@@ -376,6 +431,8 @@ log_gamma = np.vectorize(math.lgamma, otypes=[np.float64])
 class NumpyBeta:
     """torch.distributions.Beta on numpy arrays, drawing from numpy's seeded generator."""
 
+    event_dims = 0  # its event is one number
+
     def __init__(self, concentration1, concentration0, validate_args=None):
         self.alpha, self.beta = np.broadcast_arrays(concentration1, concentration0)
 
@@ -406,75 +463,191 @@ class NumpyIndependent:
     """torch.distributions.Independent on numpy arrays: the last dims summed into one event."""
 
     def __init__(self, base_distribution, reinterpreted_batch_ndims, validate_args=None):
-        self.base = base_distribution
+        self.base_dist = base_distribution
         self.axes = tuple(range(-reinterpreted_batch_ndims, 0))
+        self.event_dims = base_distribution.event_dims + reinterpreted_batch_ndims
 
     def sample(self, sample_shape=()):
-        return self.base.sample(sample_shape)
+        return self.base_dist.sample(sample_shape)
 
     rsample = sample
 
     def log_prob(self, value):
-        return self.base.log_prob(value).sum(self.axes)
+        return self.base_dist.log_prob(value).sum(self.axes)
 
     def entropy(self):
-        return self.base.entropy().sum(self.axes)
+        return self.base_dist.entropy().sum(self.axes)
 
     @property
     def mode(self):
-        return self.base.mode
+        return self.base_dist.mode
 
     @property
     def mean(self):
-        return self.base.mean
+        return self.base_dist.mean
+
+
+def sum_rightmost(value, dims: int):
+    """`value` summed over its last `dims` dims (torch.distributions' _sum_rightmost)."""
+    if dims == 0:
+        return value
+    return value.reshape(*value.shape[: value.ndim - dims], -1).sum(-1)
 
 
 class NumpyTransform:
-    """An elementwise torch.distributions transform on numpy arrays: forward, inverse, log |det J|
-    (log_abs_det_jacobian)."""
+    """A torch.distributions transform on numpy arrays: forward, inverse, log |det J|
+    (log_abs_det_jacobian), summed over its last `event_dim` dims."""
 
-    def __init__(self, forward, inverse, log_abs_det_jacobian):
+    def __init__(self, forward, inverse, log_abs_det_jacobian, event_dim: int = 0):
         self.forward = forward
         self.inverse = inverse
         self.log_abs_det_jacobian = log_abs_det_jacobian
+        self.event_dim = event_dim
+
+    def __call__(self, x):
+        return self.forward(x)
+
+    @property
+    def inv(self) -> "NumpyTransform":
+        jacobian = self.log_abs_det_jacobian
+        return NumpyTransform(
+            self.inverse, self.forward, lambda y, x: -jacobian(x, y), self.event_dim
+        )
+
+
+def tanh_transform(cache_size: int = 0) -> NumpyTransform:
+    return NumpyTransform(
+        np.tanh, np.arctanh, lambda x, y: 2.0 * (math.log(2.0) - x - softplus(-2.0 * x))
+    )
+
+
+def exp_transform(cache_size: int = 0) -> NumpyTransform:
+    return NumpyTransform(np.exp, np.log, lambda x, y: x)
+
+
+def sigmoid_transform(cache_size: int = 0) -> NumpyTransform:
+    return NumpyTransform(
+        sigmoid, lambda y: np.log(y) - np.log1p(-y), lambda x, y: -softplus(-x) - softplus(x)
+    )
+
+
+def softplus_transform(cache_size: int = 0) -> NumpyTransform:
+    return NumpyTransform(softplus, lambda y: y + np.log(-np.expm1(-y)), lambda x, y: -softplus(-x))
+
+
+def affine_transform(loc, scale, event_dim: int = 0, cache_size: int = 0) -> NumpyTransform:
+    """loc + scale * x; a Python number stays one, so that float32 rows stay float32."""
+    number = isinstance(scale, int | float)
+    log_abs_scale = math.log(abs(scale)) if number else np.log(np.abs(scale))
+    return NumpyTransform(
+        lambda x: loc + scale * x,
+        lambda y: (y - loc) / scale,
+        lambda x, y: sum_rightmost(np.broadcast_to(log_abs_scale, x.shape), event_dim),
+        event_dim,
+    )
+
+
+def power_transform(exponent, cache_size: int = 0) -> NumpyTransform:
+    return NumpyTransform(
+        lambda x: x**exponent,
+        lambda y: y ** (1 / exponent),
+        lambda x, y: np.log(np.abs(exponent * y / x)),
+    )
+
+
+def independent_transform(
+    base_transform: NumpyTransform, reinterpreted_batch_ndims: int, cache_size: int = 0
+) -> NumpyTransform:
+    base_jacobian = base_transform.log_abs_det_jacobian
+    return NumpyTransform(
+        base_transform.forward,
+        base_transform.inverse,
+        lambda x, y: sum_rightmost(base_jacobian(x, y), reinterpreted_batch_ndims),
+        base_transform.event_dim + reinterpreted_batch_ndims,
+    )
+
+
+def compose_transform(parts: list, cache_size: int = 0) -> NumpyTransform:
+    """The parts applied in order; log |det J|, each part's summed over the dims of the whole's
+    event."""
+    event_dim = max([part.event_dim for part in parts], default=0)
+
+    def forward(x):
+        for part in parts:
+            x = part.forward(x)
+        return x
+
+    def inverse(y):
+        for part in reversed(parts):
+            y = part.inverse(y)
+        return y
+
+    def log_abs_det_jacobian(x, y):
+        total = 0.0
+        for part in parts:
+            y = part.forward(x)
+            total = total + sum_rightmost(
+                part.log_abs_det_jacobian(x, y), event_dim - part.event_dim
+            )
+            x = y
+        return total
+
+    return NumpyTransform(forward, inverse, log_abs_det_jacobian, event_dim)
+
+
+# torch's transforms, their numpy versions, and the attributes of a torch transform that are the
+# numpy version's arguments
+TRANSFORMS = {
+    D.TanhTransform: (tanh_transform, ()),
+    D.ExpTransform: (exp_transform, ()),
+    D.SigmoidTransform: (sigmoid_transform, ()),
+    D.SoftplusTransform: (softplus_transform, ()),
+    D.AffineTransform: (affine_transform, ("loc", "scale", "event_dim")),
+    D.PowerTransform: (power_transform, ("exponent",)),
+    D.IndependentTransform: (
+        independent_transform,
+        ("base_transform", "reinterpreted_batch_ndims"),
+    ),
+    D.ComposeTransform: (compose_transform, ("parts",)),
+}
+
+
+def as_numpy(value):
+    """A transform's argument as its numpy version takes it: a tensor as a numpy view of it, a
+    transform as its numpy version (None where it has none)."""
+    if torch.is_tensor(value):
+        return value.detach().cpu().numpy()
+    if isinstance(value, D.Transform):
+        return numpy_transform(value)
+    if isinstance(value, list | tuple):
+        return [as_numpy(item) for item in value]
+    return value
 
 
 def numpy_transform(transform: D.Transform) -> NumpyTransform | None:
-    """The numpy version of a torch transform (tanh, affine, exp, sigmoid), or None."""
-    if isinstance(transform, D.TanhTransform):
-        return NumpyTransform(
-            np.tanh, np.arctanh, lambda x, y: 2.0 * (math.log(2.0) - x - softplus(-2.0 * x))
-        )
-    if isinstance(transform, D.AffineTransform) and transform.event_dim == 0:
-        loc = np.asarray(transform.loc.cpu() if torch.is_tensor(transform.loc) else transform.loc)
-        scale = np.asarray(
-            transform.scale.cpu() if torch.is_tensor(transform.scale) else transform.scale
-        )
-        return NumpyTransform(
-            lambda x: loc + scale * x,
-            lambda y: (y - loc) / scale,
-            lambda x, y: np.broadcast_to(np.log(np.abs(scale)), x.shape),
-        )
-    if isinstance(transform, D.ExpTransform):
-        return NumpyTransform(np.exp, np.log, lambda x, y: x)
-    if isinstance(transform, D.SigmoidTransform):
-        return NumpyTransform(
-            sigmoid, lambda y: np.log(y) - np.log1p(-y), lambda x, y: -softplus(-x) - softplus(x)
-        )
-    return None
+    """The numpy version of a torch transform built of constants (its tensors are viewed, not
+    copied), or None."""
+    if type(transform) not in TRANSFORMS:
+        return None
+    build, names = TRANSFORMS[type(transform)]
+    arguments = [as_numpy(getattr(transform, name)) for name in names]
+    if holds(arguments, type(None)):  # a part without a numpy version
+        return None
+    return build(*arguments)
 
 
 class NumpyTransformed:
-    """torch.distributions.TransformedDistribution on numpy arrays, for elementwise transforms."""
+    """torch.distributions.TransformedDistribution on numpy arrays, its log-probability summed over
+    the dims of its event as torch sums it."""
 
     def __init__(self, base_distribution, transforms, validate_args=None):
-        self.base = base_distribution
+        self.base_dist = base_distribution
         self.transforms = transforms if isinstance(transforms, list) else [transforms]
-        if any(transform is None for transform in self.transforms):
-            raise NotImplementedError("a transform without a numpy version")
+        domain_dims = max([transform.event_dim for transform in self.transforms], default=0)
+        self.event_dims = max(base_distribution.event_dims, domain_dims)
 
     def sample(self, sample_shape=()):
-        x = self.base.sample(sample_shape)
+        x = self.base_dist.sample(sample_shape)
         for transform in self.transforms:
             x = transform.forward(x)
         return x
@@ -486,9 +659,16 @@ class NumpyTransformed:
         y = value
         for transform in reversed(self.transforms):
             x = transform.inverse(y)
-            log_prob = log_prob - transform.log_abs_det_jacobian(x, y)
+            jacobian = transform.log_abs_det_jacobian(x, y)
+            log_prob = log_prob - sum_rightmost(jacobian, self.event_dims - transform.event_dim)
             y = x
-        return log_prob + self.base.log_prob(y)
+        base = self.base_dist.log_prob(y)
+        return log_prob + sum_rightmost(base, self.event_dims - self.base_dist.event_dims)
+
+
+def log_normal(loc, scale, validate_args=None) -> NumpyTransformed:
+    """torch.distributions.LogNormal: a Normal under exp, as torch defines it."""
+    return NumpyTransformed(NumpyNormal(loc, scale), [exp_transform()])
 
 
 DISTRIBUTIONS = {
@@ -497,19 +677,66 @@ DISTRIBUTIONS = {
     D.Beta: NumpyBeta,
     D.Independent: NumpyIndependent,
     D.TransformedDistribution: NumpyTransformed,
+    D.LogNormal: log_normal,
 }
 
 
 # --- a traced method as a Python function ---------------------------------------------------------
 class NoNumpyVersion(Exception):
-    """Something the Agent's method does that ddrl has no numpy version of."""
+    """Something the Agent's method does that ddrl has no numpy version of, said in full: what it
+    is, and what to write instead where there is an alternative."""
+
+
+INSTEAD = {  # constructs without a numpy version, and what to write instead
+    D.MultivariateNormal: (
+        "with a diagonal covariance, Independent(Normal(loc, scale), 1) is the same distribution "
+        "and has one"
+    ),
+    nn.GELU: 'nn.GELU(approximate="tanh"), its tanh approximation, has one',
+    F.gelu: 'F.gelu(x, approximate="tanh"), its tanh approximation, has one',
+    ".max()": ".amax(dim) has one (the maxima alone)",
+    ".min()": ".amin(dim) has one (the minima alone)",
+}
+
+
+def no_numpy_version(what: str, construct) -> NoNumpyVersion:
+    """The refusal of `what` (its class, function or `.method()` `construct`), with what to write
+    instead where INSTEAD knows it."""
+    said = f"{what} has no numpy version in ddrl/rollout.py"
+    instead = INSTEAD.get(construct)
+    return NoNumpyVersion(said if instead is None else f"{said}; {instead}")
+
+
+def describe(node: fx.Node, root: nn.Module, objects: dict) -> str:
+    """What a node of the trace calls, as a line names it: a layer, a function, a tensor method, a
+    distribution or transform class, or a method or attribute of what one of those built."""
+    if node.op == "call_module":
+        module = root.get_submodule(node.target)
+        return f"the layer {type(module).__name__} ({node.target.removeprefix('agent.')})"
+    if node.op == "call_method":
+        receiver = objects.get(node.args[0])
+        if receiver is None:
+            return f"the tensor method .{node.target}()"
+        return f"the method {receiver}.{node.target}()"
+    target = node.target
+    if target is getattr:
+        return f"the attribute {objects.get(node.args[0], 'tensor')}.{node.args[1]}"
+    if isinstance(target, type) and issubclass(target, D.Distribution):
+        return f"the distribution {target.__name__}"
+    if isinstance(target, type) and issubclass(target, D.Transform):
+        return f"the transform {target.__name__}"
+    name = getattr(target, "__name__", str(target))
+    module = getattr(target, "__module__", None)
+    if module == "_operator":
+        return f"the operator {name}"
+    return f"the function {module}.{name}" if module else f"the function {name}"
 
 
 def program(root: nn.Module, graph: fx.Graph, to_numpy: bool, deterministic: bool = False):
     """The traced method as Python source, run over a namespace of what its nodes call: numpy
-    versions (`to_numpy`), or the torch ones themselves. The entropy of get_action_and_value is
-    never computed; with `deterministic`, a distribution's `sample()` is its mode. Returns (source,
-    namespace)."""
+    versions (`to_numpy`), or the torch ones themselves; each line ends in a comment naming what
+    it calls. The entropy of get_action_and_value is never computed; with `deterministic`, a
+    distribution's `sample()` is its mode. Returns (source, namespace)."""
     nodes = list(graph.nodes)
     output = nodes[-1]
     results = output.args[0]
@@ -552,64 +779,79 @@ def program(root: nn.Module, graph: fx.Graph, to_numpy: bool, deterministic: boo
             return repr(arg)
         if to_numpy and isinstance(arg, torch.dtype):
             if arg not in DTYPES:
-                raise NoNumpyVersion(f"the dtype {arg}")
+                raise no_numpy_version(f"the dtype {arg}", arg)
             return constant(DTYPES[arg])
         if to_numpy and isinstance(arg, D.Transform):
             if (transform := numpy_transform(arg)) is None:
-                raise NoNumpyVersion(f"the transform {type(arg).__name__}")
+                raise no_numpy_version(f"the transform {type(arg).__name__}", type(arg))
             return constant(transform)
         return constant(arg)
 
-    # the nodes that make a distribution: their methods are called on it directly
-    distributions = set()
+    def statement(node: fx.Node, what: str) -> str:
+        """The right-hand side of `node`'s line: what it calls, on what."""
+        args = [render(arg) for arg in node.args] + [
+            f"{key}={render(value)}" for key, value in node.kwargs.items()
+        ]
+        if node.op == "call_module":
+            module = root.get_submodule(node.target)
+            layer = numpy_layer(module) if to_numpy else module
+            if layer is None:
+                raise no_numpy_version(what, type(module))
+            return f"{constant(layer)}({', '.join(args)})"
+        if node.op == "call_function":
+            target = node.target
+            if to_numpy:
+                target = (
+                    DISTRIBUTIONS.get(target)
+                    or TRANSFORMS.get(target, (None,))[0]
+                    or FUNCTIONS.get(target)
+                )
+                if target is None:
+                    raise no_numpy_version(what, node.target)
+            return f"{constant(target)}({', '.join(args)})"
+        receiver, *rest = args
+        if deterministic and node.target in ("sample", "rsample"):
+            return f"{receiver}.mode"
+        if node.args[0] in built or not to_numpy:
+            return f"{receiver}.{node.target}({', '.join(rest)})"
+        if node.target in SAME_IN_NUMPY and not node.kwargs:  # numpy's method takes torch's args
+            return f"{receiver}.{SAME_IN_NUMPY[node.target]}({', '.join(rest)})"
+        if node.target in METHODS:
+            return f"{constant(METHODS[node.target])}({', '.join(args)})"
+        if node.args[0] in objects:  # an attribute of a distribution: a distribution, or an array
+            return f"{receiver}.{node.target}({', '.join(rest)})"
+        raise no_numpy_version(what, f".{node.target}()")
+
+    # the nodes that build a distribution or transform, whose methods are called on it directly;
+    # and those, with what they reach through attributes, named for the lines
+    built = set()
+    objects = {}
     for node in nodes[:-1]:
         if node not in live:
             continue
         name = f"v{len(names)}"
         names[node] = name
-        args = [render(arg) for arg in node.args] + [
-            f"{key}={render(value)}" for key, value in node.kwargs.items()
-        ]
         if node.op == "placeholder":
             lines.append(f"    {name} = x")
-        elif node.op == "get_attr":
+            continue
+        if node.op == "get_attr":
             tensor = operator.attrgetter(node.target)(root)
             names[node] = constant(tensor.detach().cpu().numpy() if to_numpy else tensor)
-        elif node.op == "call_module":
-            module = root.get_submodule(node.target)
-            layer = numpy_layer(module) if to_numpy else module
-            if layer is None:
-                raise NoNumpyVersion(
-                    f"the layer {type(module).__name__} ({node.target.removeprefix('agent.')})"
-                )
-            lines.append(f"    {name} = {constant(layer)}({', '.join(args)})")
-        elif node.op == "call_function":
-            target = node.target
-            if isinstance(target, type) and issubclass(target, DISTRIBUTION):
-                distributions.add(node)
-            if to_numpy:
-                target = DISTRIBUTIONS.get(target) or FUNCTIONS.get(target)
-                if target is None:
-                    module = getattr(node.target, "__module__", "")
-                    raise NoNumpyVersion(
-                        f"the function {module}.{getattr(node.target, '__name__', node.target)}"
-                    )
-            lines.append(f"    {name} = {constant(target)}({', '.join(args)})")
-        elif node.op == "call_method":
-            receiver, *rest = args
-            if deterministic and node.target in ("sample", "rsample"):
-                lines.append(f"    {name} = {receiver}.mode")
-            elif node.args[0] in distributions or not to_numpy:
-                lines.append(f"    {name} = {receiver}.{node.target}({', '.join(rest)})")
-            # numpy's method takes torch's arguments
-            elif node.target in SAME_IN_NUMPY and not node.kwargs:
-                lines.append(
-                    f"    {name} = {receiver}.{SAME_IN_NUMPY[node.target]}({', '.join(rest)})"
-                )
-            elif node.target in METHODS:
-                lines.append(f"    {name} = {constant(METHODS[node.target])}({', '.join(args)})")
-            else:
-                raise NoNumpyVersion(f"the tensor method .{node.target}()")
+            continue
+        what = describe(node, root, objects)
+        try:
+            line = f"    {name} = {statement(node, what)}  # {what}"
+        except NoNumpyVersion:
+            raise
+        except Exception as error:  # a numpy version that cannot take these arguments
+            raise NoNumpyVersion(failed(what, error)) from error
+        lines.append(line)
+        target = node.target
+        if node.op == "call_function" and isinstance(target, type) and issubclass(target, RECORDED):
+            built.add(node)
+            objects[node] = target.__name__
+        elif node.op == "call_function" and target is getattr and node.args[0] in objects:
+            objects[node] = f"{objects[node.args[0]]}.{node.args[1]}"
     returned = (
         [render(result) if place != ENTROPY else "None" for place, result in enumerate(results)]
         if isinstance(results, tuple)
@@ -623,10 +865,37 @@ def program(root: nn.Module, graph: fx.Graph, to_numpy: bool, deterministic: boo
     return "\n".join(lines), namespace
 
 
+def failed(what: str, error: Exception) -> str:
+    """The line for a numpy version of `what` that raised `error`."""
+    said = f"{type(error).__name__}: {failures.first_line(error)}"
+    return f"the numpy version of {what} failed ({said})"
+
+
+def failed_in_program(error: Exception) -> str:
+    """The line for `error`, raised while a derived program ran: it names what the program's line
+    that failed calls (the comment that ends it); an attribute or method that a numpy version lacks
+    (raised by that line itself) has none."""
+    what = None
+    lacks = False
+    step = error.__traceback__
+    while step is not None:
+        if step.tb_frame.f_code.co_filename == PROGRAM_FILE:
+            line = step.tb_frame.f_globals["SOURCE"].splitlines()[step.tb_lineno - 1]
+            what = line.partition("  # ")[2] or None
+            lacks = step.tb_next is None and isinstance(error, AttributeError)
+        step = step.tb_next
+    if what is None:
+        return f"its numpy version failed ({type(error).__name__}: {failures.first_line(error)})"
+    if lacks:
+        return f"{what} has no numpy version in ddrl/rollout.py"
+    return failed(what, error)
+
+
 def compiled(source: str, namespace: dict):
-    """The function `source` defines, its globals `namespace`."""
-    scope = dict(namespace)
-    exec(compile(source, "<the Agent's method, derived by ddrl.rollout>", "exec"), scope)  # noqa: S102
+    """The function `source` defines, its globals `namespace` (and the source, by which a failure
+    names its line)."""
+    scope = {**namespace, "SOURCE": source}
+    exec(compile(source, PROGRAM_FILE, "exec"), scope)  # noqa: S102
     return scope["method"]
 
 
@@ -684,13 +953,13 @@ def traced(agent: nn.Module, example: np.ndarray, numpy_layers: bool) -> dict:
     if numpy_layers and "reason" not in found:
         state = np.random.get_state()  # the trial's draws leave the rank's stream as it was
         try:
-            numpy_agent(found).get_action_and_value(example)
-        except (NoNumpyVersion, NotImplementedError) as error:
-            found["reason"] = f"{error} has no numpy version in ddrl/rollout.py"
+            trial = numpy_agent(found)
+            trial.get_action_and_value(example)
+            trial.get_value(example)
+        except NoNumpyVersion as error:
+            found["reason"] = str(error)
         except Exception as error:
-            found["reason"] = (
-                f"its numpy version failed ({type(error).__name__}: {failures.first_line(error)})"
-            )
+            found["reason"] = failed_in_program(error)
         finally:
             np.random.set_state(state)
     if numpy_layers and "reason" in found and failures.this_rank() == 0:
