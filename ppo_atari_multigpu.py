@@ -55,7 +55,7 @@ from ddrl.flags import Finite, FolderName, RuntimeArgs
 class Args(RuntimeArgs):
     exp_name: Annotated[str, FolderName] = os.path.basename(__file__)[: -len(".py")]
     """the name of this experiment (part of the run folder's name)"""
-    seed: Annotated[int, Interval(ge=0, lt=2**31)] = 1
+    seed: Annotated[int, Interval(ge=0, lt=2**30)] = 1
     """seed of the experiment; rank r uses `seed + 10_000 * r`, env g uses `seed + 10_000 * g`"""
     torch_deterministic: bool = True
     """if toggled, `torch.backends.cudnn.deterministic=True`"""

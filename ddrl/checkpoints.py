@@ -46,6 +46,13 @@ MAX_METADATA_CHARS = 2**20  # ddrl's JSON in it: args and optimizer options, a f
 MAX_DEPTH = 8
 # env steps and iterations a run can reach (float64 counts them exactly up to here)
 MAX_STEPS = 2**53
+MAX_RESTARTS = 10**6  # the attempts a file counts: a run resumed more often writes this bound again
+# the scripts' seeds: rank r seeds its generators with seed + SEED_STRIDE * r, env g (counted over
+# every attempt of the run) with seed + SEED_STRIDE * g; every env library takes a seed below
+# SEED_LIMIT (ale-py's are int32), so a run's envs are at most MAX_ENVS_SEEDED, over all attempts
+SEED_STRIDE = 10_000
+SEED_LIMIT = 2**31
+MAX_ENVS_SEEDED = (SEED_LIMIT - 1) // SEED_STRIDE + 1
 # how an optimizer runs, not what
 IMPLEMENTATION_OPTIONS = {"foreach", "fused", "capturable", "differentiable"}
 RANDOM_STREAMS = {  # the tensors of every rank's random streams: name, dtype, shape after the ranks
@@ -55,6 +62,25 @@ RANDOM_STREAMS = {  # the tensors of every rank's random streams: name, dtype, s
     # its position, whether a gaussian is cached, that gaussian
     "rng.numpy_state": (torch.float64, (3,)),
 }
+MT_WORDS = 624  # a Mersenne Twister's key, 32-bit words; its position lies in [0, 624]
+# a gaussian a generator caches is below 12.1 in size (numpy's polar method on 53-bit uniforms;
+# Python's and torch's Box-Muller: 8.6): one beyond this no draw gave
+MAX_GAUSSIAN = 16.0
+# torch's CPU generator state (at::CPUGeneratorImplState, as torch.get_rng_state() returns it): by
+# byte offset, its `left` and `seeded` (int32), `next`, the key (624 uint64 words), the cached
+# normal (a double) and whether it is valid (int32), the cached float normal and whether it is valid
+TORCH_STATE_BYTES = 5056
+TORCH_FIELDS = {
+    "left": (8, "<i4"),
+    "seeded": (12, "<i4"),
+    "next": (16, "<u8"),
+    "normal": (5024, "<f8"),
+    "normal_valid": (5040, "<i4"),
+    "float_normal": (5048, "<f4"),
+    "float_valid": (5052, "u1"),
+}
+TORCH_KEY_OFFSET = 24
+STREAM_ROWS = 256  # ranks' streams checked at once: memory bounded, whatever world a file claims
 
 
 # --- where checkpoints live -----------------------------------------------------------------------
@@ -63,7 +89,7 @@ def checkpoint_path(run_name: str, iteration: int) -> str:
 
 
 def model_path(run_name: str) -> str:
-    return os.path.join("runs", run_name, f"model{SUFFIX}")
+    return os.path.join("runs", run_name, run_folders.MODEL_FILE)
 
 
 def find_latest_checkpoint(run_name: str) -> str | None:
@@ -87,27 +113,37 @@ def last_good_checkpoint(run_name: str) -> str:
 
 
 # --- writing --------------------------------------------------------------------------------------
-def write(path: str, tensors: dict[str, torch.Tensor], header: dict) -> None:
+def write(path: str, tensors: dict[str, torch.Tensor], header: dict) -> str:
     """`tensors` and the JSON `header` as one safetensors file at `path`, atomically and never
     through a link: the bytes go to a new file made exclusively beside it, which then takes `path`'s
     place (a link there is replaced, not followed). A kill at any moment leaves the old file; a
-    failed write leaves no part behind."""
+    failed write leaves no part behind. Returns '' once written, else why not, in words that name
+    the fix: the caller stops every rank with it, as only this rank knows."""
     folder = os.path.dirname(path) or "."
-    run_folders.real_folder(folder)
-    on_host = {name: tensor.detach().cpu().contiguous() for name, tensor in tensors.items()}
-    data = save_bytes(on_host, metadata={FORMAT: json.dumps(header)})
-    descriptor, temporary = tempfile.mkstemp(
-        dir=folder, prefix=f".{os.path.basename(path)}.", suffix=".tmp"
-    )
+    if problem := run_folders.folder_problem(folder, make=True):
+        return f"could not write {path}: {problem}"
+    temporary = ""
     try:
+        on_host = {name: tensor.detach().cpu().contiguous() for name, tensor in tensors.items()}
+        data = save_bytes(on_host, metadata={FORMAT: json.dumps(header)})
+        descriptor, temporary = tempfile.mkstemp(
+            dir=folder, prefix=f".{os.path.basename(path)}.", suffix=".tmp"
+        )
         os.fchmod(descriptor, 0o644)  # readable as a file open() makes, not mkstemp's owner-only
         with os.fdopen(descriptor, "wb") as file:
             file.write(data)
         os.replace(temporary, path)
-    except BaseException:
-        if os.path.lexists(temporary):
+        temporary = ""
+    # a full disk, a folder made unwritable, a folder where the file goes
+    except (OSError, RuntimeError, SafetensorError) as error:
+        return (
+            f"could not write {path} ({first_line(error)}): free disk space or make the folder "
+            "writable"
+        )
+    finally:
+        if temporary and os.path.lexists(temporary):
             os.remove(temporary)
-        raise
+    return ""
 
 
 def header_of(args, kind: Literal["training", "model"], model: nn.Module, **fields) -> dict:
@@ -128,10 +164,11 @@ def header_of(args, kind: Literal["training", "model"], model: nn.Module, **fiel
     }
 
 
-def write_model(path: str, args, model: nn.Module) -> None:
-    """The model file of --save-model: the Agent's weights and buffers, and what wrote them."""
+def write_model(path: str, args, model: nn.Module) -> str:
+    """The model file of --save-model: the Agent's weights and buffers, and what wrote them. Returns
+    '' once written, else why not (write)."""
     tensors = {f"model.{name}": tensor for name, tensor in model.state_dict().items()}
-    write(path, tensors, header_of(args, "model", model))
+    return write(path, tensors, header_of(args, "model", model))
 
 
 def optimizer_entries(
@@ -203,17 +240,18 @@ def save(run: Run, iteration: int, global_step: int, **states) -> None:
             run.args, "training", model, **progress, restarts=run.restarts, envs_seeded=envs_seeded
         )
         header["optimizers"] = optimizers
-        try:
-            write(path, tensors, header)
-            if run.writer is not None:
+        problem = write(path, tensors, header)
+        if not problem and run.writer is not None:
+            try:
                 run.writer.flush()  # the curves on disk reach the checkpoint, whatever happens next
+            except OSError as error:
+                problem = (
+                    f"could not write TensorBoard's events in runs/{run.name} "
+                    f"({first_line(error)}): free disk space or make the folder writable"
+                )
+        if not problem:
             failures.tell(f"checkpoint saved to {path}")
-        # a full disk, a folder made unwritable, a link
-        except (OSError, RuntimeError, SafetensorError) as error:
-            problem = f"could not write {path} ({first_line(error)})"
-    stop_if_unwritten(
-        run, path, problem, "free disk space or make the folder writable, then --resume"
-    )
+    stop_if_unwritten(run, path, problem, "then --resume")
 
 
 def random_streams() -> dict[str, torch.Tensor]:
@@ -237,15 +275,15 @@ def random_streams() -> dict[str, torch.Tensor]:
 
 def stop_if_unwritten(run: Run, path: str, problem: str, fix: str) -> None:
     """Stop every rank, in one line naming the last good checkpoint, if rank 0 could not write
-    `path` (`problem`). Rank 0's outcome reaches the others through the store, not a gather: a
-    gather left as the group's last work can deadlock its teardown (gloo's thread frees it needing
-    the GIL the destroying thread holds)."""
+    `path` (`problem`, which names what to do about it; `fix` says how to go on). Rank 0's outcome
+    reaches the others through the store, not a gather: a gather left as the group's last work can
+    deadlock its teardown (gloo's thread frees it needing the GIL the destroying thread holds)."""
     if run.world_size > 1:
         if run.rank == 0:
             run.store.set(f"written/{path}", problem)
         problem = run.store.get(f"written/{path}").decode()
     if problem:
-        fail(f"{problem}: {last_good_checkpoint(run.name)}; {fix} --run-name {run.name}")
+        fail(f"{problem}; {last_good_checkpoint(run.name)}; {fix} --run-name {run.name}")
 
 
 # --- reading: the file, then its header, each refused in one line ---------------------------------
@@ -409,7 +447,7 @@ def read_model(path: str, args_type: type, env_id: str) -> tuple[dict, object]:
     """--eval-checkpoint's file (a model file, or a training checkpoint: both hold the Agent),
     checked like a command line: the file, its env id, then its args by the script's rules. Returns
     its header and its args."""
-    fix = f"pass the model{SUFFIX} that --save-model wrote"
+    fix = f"pass the {run_folders.MODEL_FILE} that --save-model wrote"
     if not os.path.lexists(path):
         fail(f"--eval-checkpoint {shown(path)} does not exist; {fix}")
     header, _ = read(path, fix)
@@ -638,51 +676,147 @@ def say_changed_options(
 
 
 def load_random_streams(path: str, header: dict, found: dict, rank: int) -> None:
-    """This rank's random streams where the checkpoint left them; a rank the checkpoint's world did
-    not have keeps the streams the rank-offset rule seeded. What does not fit is one line."""
-    world_size = header["world_size"]
-    wanted = {
-        name: ((world_size, *shape), dtype) for name, (dtype, shape) in RANDOM_STREAMS.items()
-    }
-    faults = misfits({name: found[name] for name in wanted if name in found}, wanted, "")
-    torch_shape, torch_dtype = found.get("rng.torch", ((), ""))
-    if not faults and (torch_shape[:1] != (world_size,) or torch_dtype != "U8"):
-        faults = f"rng.torch {torch_shape} {shown(torch_dtype)}, not ({world_size}, ...) U8"
-    if faults:
-        fail(
-            f"{path}: its random streams do not fit its {world_size} ranks ({faults}); delete it "
-            "to resume from the one before"
-        )
-    if rank >= world_size:
+    """This rank's random streams where the checkpoint left them, once every rank's are found to be
+    states their generators leave (check_random_streams); a rank the checkpoint's world did not have
+    keeps the streams the rank-offset rule seeded. What does not fit is one line."""
+    check_random_streams(path, header, found)
+    if rank >= header["world_size"]:
         return
+    names = [*RANDOM_STREAMS, "rng.torch"]
     # copies: torch.set_rng_state misreads a view into the stacked ranks' states (rank r's starts
     # past offset 0)
-    streams = {
-        name: tensor[rank].clone()
-        for name, tensor in load_tensors(path, [*RANDOM_STREAMS, "rng.torch"]).items()
-    }
+    streams = {name: rows[0].clone() for name, rows in load_rows(path, names, rank, 1).items()}
     try:
         python_state = tuple(int(word) for word in streams["rng.python"])
         gauss = float(streams["rng.python_gauss"])
         random.setstate((3, python_state, None if np.isnan(gauss) else gauss))
         position, has_gauss, cached = streams["rng.numpy_state"].tolist()
-        keys = streams["rng.numpy"].numpy()
-        if keys.min() < 0 or keys.max() >= 2**32:
-            raise ValueError("numpy's key holds numbers outside [0, 2**32)")
-        np.random.set_state(
-            ("MT19937", keys.astype(np.uint32), int(position), int(has_gauss), cached)
-        )
+        keys = streams["rng.numpy"].numpy().astype(np.uint32)
+        np.random.set_state(("MT19937", keys, int(position), int(has_gauss), cached))
         torch.set_rng_state(streams["rng.torch"])
         if "rng.cuda" in found and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(
-                [state.clone() for state in load_tensors(path, ["rng.cuda"])["rng.cuda"][rank]]
-            )
+            # the GPUs both machines have: a rank uses one, cuda:LOCAL_RANK
+            cuda = load_rows(path, ["rng.cuda"], rank, 1)["rng.cuda"][0]
+            devices = torch.cuda.device_count()
+            torch.cuda.set_rng_state_all([state.clone() for state in cuda[:devices]])
     except (LookupError, TypeError, ValueError, OverflowError, RuntimeError) as error:
         fail(
             f"{path}: its random streams of rank {rank} do not fit this run "
             f"({first_line(error)}); delete it to resume from the one before",
             any_rank=True,  # this rank's alone: rank 0 may have loaded its own
         )
+
+
+def check_random_streams(path: str, header: dict, found: dict) -> None:
+    """Stop in one line naming the file, the rank and the stream unless the checkpoint holds every
+    rank's random streams (Python's, numpy's, torch's, CUDA's where it has them) in the shapes its
+    world gives, each a state its generator leaves: a key that is no zeros, a position within it, a
+    cached gaussian that a draw gives. numpy resumed from a key of zeros would hang in its next
+    gaussian; a NaN cached would reach the first actions. Read STREAM_ROWS ranks at a time."""
+    world_size = header["world_size"]
+    wanted = {
+        name: ((world_size, *shape), dtype) for name, (dtype, shape) in RANDOM_STREAMS.items()
+    }
+    wanted["rng.torch"] = ((world_size, TORCH_STATE_BYTES), torch.uint8)
+    faults = misfits({name: found[name] for name in wanted if name in found}, wanted, "")
+    cuda_shape, cuda_dtype = found.get("rng.cuda", ((world_size, 1, 16), "U8"))
+    if not faults and (
+        len(cuda_shape) != 3 or cuda_shape[::2] != (world_size, 16) or cuda_dtype != "U8"
+    ):
+        faults = f"rng.cuda {cuda_shape} {shown(cuda_dtype)}, not ({world_size}, devices, 16) U8"
+    if faults:
+        fail(
+            f"{path}: its random streams do not fit its {world_size} ranks ({faults}); delete it "
+            "to resume from the one before"
+        )
+    names = [*wanted, *(["rng.cuda"] if "rng.cuda" in found else [])]
+    for first in range(0, world_size, STREAM_ROWS):
+        rows = {
+            name: tensor.numpy()
+            for name, tensor in load_rows(path, names, first, STREAM_ROWS).items()
+        }
+        for ranks, fault in stream_faults(rows):
+            if ranks.any():
+                fail(
+                    f"{path}: its random streams of rank {first + int(ranks.argmax())} do not fit "
+                    f"this run ({fault}), a state no generator leaves: it is damaged; delete it to "
+                    "resume from the one before"
+                )
+
+
+def load_rows(path: str, names: list[str], first: int, count: int) -> dict[str, torch.Tensor]:
+    """Rows `first` to `first + count` (at most) of the named tensors of the file at `path` (checked
+    before: they exist, with the shapes and dtypes wanted), read without the rest."""
+    try:
+        with safe_open(path, framework="pt") as opened:
+            return {name: opened.get_slice(name)[first : first + count] for name in names}
+    except Exception as error:  # the file changed since it was checked, or the OS refused to map it
+        fail(
+            f"{path} could not be read ({type(error).__name__}: {first_line(error)}); use a "
+            "checkpoint from before"
+        )
+
+
+def stream_faults(rows: dict[str, np.ndarray]) -> list[tuple[np.ndarray, str]]:
+    """Each way the ranks' random streams in `rows` (a row a rank) can hold a state no generator
+    leaves: which rows do, and what a message says of it."""
+    python = rows["rng.python"]
+    gauss = rows["rng.python_gauss"]
+    position, has_gauss, cached = rows["rng.numpy_state"].T
+    faults = mersenne_faults("Python's", python[:, :MT_WORDS], python[:, MT_WORDS])
+    # NaN: none cached, as the file writes Python's None
+    faults.append((np.abs(gauss) > MAX_GAUSSIAN, "Python's cached gaussian is no draw's"))
+    faults += mersenne_faults("numpy's", rows["rng.numpy"], position)
+    faults.append((~np.isin(has_gauss, (0, 1)), "numpy's has_gauss is neither 0 nor 1"))
+    faults.append((~(np.abs(cached) <= MAX_GAUSSIAN), "numpy's cached gaussian is no draw's"))
+    faults += torch_faults(rows["rng.torch"])
+    if "rng.cuda" in rows:
+        offsets = rows["rng.cuda"][..., 8:16].copy().view("<i8")[..., 0]
+        # CUDA's Philox offset: torch refuses one that is no multiple of 4, and never counts back
+        wrong = ((offsets < 0) | (offsets % 4 != 0)).any(axis=1)
+        faults.append((wrong, "CUDA's offset is negative or no multiple of 4"))
+    return faults
+
+
+def mersenne_faults(
+    name: str, key: np.ndarray, position: np.ndarray | None
+) -> list[tuple[np.ndarray, str]]:
+    """stream_faults' of a Mersenne Twister's `key` (a row of 624 words a rank) and `position`
+    (None: the caller checks it): words that are no 32-bit numbers (Python's and torch's generators
+    would cut them), a position outside the key, and a key whose 19937 bits (the first word's top
+    bit, the other words) are zeros, which no seeding leaves and from which the generator draws
+    zeros forever."""
+    outside = ((key < 0) | (key >= 2**32)).any(axis=1)
+    zeros = (key[:, 0] % 2**32 < 2**31) & ~key[:, 1:].any(axis=1)
+    faults = [(outside, f"{name} key holds numbers outside [0, 2**32)")]
+    if position is not None:
+        placed = (position >= 0) & (position <= MT_WORDS) & (position == np.floor(position))
+        faults.append((~placed, f"{name} position lies outside [0, {MT_WORDS}]"))
+    faults.append((zeros, f"{name} key is zeros, from which it would draw nothing but zeros"))
+    return faults
+
+
+def torch_faults(states: np.ndarray) -> list[tuple[np.ndarray, str]]:
+    """stream_faults' of torch's CPU generator states (a row of TORCH_STATE_BYTES bytes a rank):
+    its key as mersenne_faults checks it, a generator never seeded, a position past the key's end
+    (`left` words to draw from `next` on: a seeded generator has left 1 and next 0, and from its
+    first draw on left + next is 625), and cached normals no draw gives."""
+    fields = {
+        name: states[:, offset : offset + np.dtype(kind).itemsize].copy().view(kind)[:, 0]
+        for name, (offset, kind) in TORCH_FIELDS.items()
+    }
+    key = states[:, TORCH_KEY_OFFSET : TORCH_KEY_OFFSET + 8 * MT_WORDS].copy().view("<u8")
+    left = fields["left"].astype(np.int64)
+    after = left + fields["next"].astype(np.float64)
+    placed = (left >= 1) & (left <= MT_WORDS) & (fields["next"] <= MT_WORDS)
+    faults = [(fields["seeded"] != 1, "torch's generator was never seeded")]
+    faults.append((~(placed & (after <= MT_WORDS + 1)), "torch's position lies outside its key"))
+    faults += mersenne_faults("torch's", key, None)
+    for cached, valid in (("normal", "normal_valid"), ("float_normal", "float_valid")):
+        size = np.abs(fields[cached].astype(np.float64))
+        wrong = ~np.isin(fields[valid], (0, 1)) | ((fields[valid] == 1) & ~(size <= MAX_GAUSSIAN))
+        faults.append((wrong, f"torch's cached {cached.replace('_', ' ')} is no draw's"))
+    return faults
 
 
 def world_change(header: dict, world_size: int) -> str:
@@ -767,7 +901,7 @@ def find_run_to_resume(args, total_steps: int) -> tuple[str, dict | None]:
         return name, None
     fix = "delete it to resume from the one before"
     run_folders.refuse_link(path)
-    header, _ = read(path, fix)
+    header, found = read(path, fix)
     if header["kind"] != "training":
         fail(
             f"{path} is a {shown(header['kind'])} file, not a training checkpoint: it is damaged; "
@@ -777,9 +911,9 @@ def find_run_to_resume(args, total_steps: int) -> tuple[str, dict | None]:
         "iteration": MAX_STEPS,
         "global_step": MAX_STEPS,
         "world_size": 2**20,
-        "restarts": 10**6,
+        "restarts": MAX_RESTARTS,
+        "envs_seeded": MAX_ENVS_SEEDED,
     }
-    bounds["envs_seeded"] = MAX_STEPS
     for key, bound in bounds.items():
         value = header.get(key)
         if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= bound:
@@ -806,4 +940,31 @@ def find_run_to_resume(args, total_steps: int) -> tuple[str, dict | None]:
             f"{header['world_size']} ranks, of --total-timesteps {saved.total_timesteps}, which "
             f"no run reaches: it is damaged; {fix}"
         )
+    check_random_streams(path, header, found)
     return name, {**header, "path": path}
+
+
+def env_seeds_problem(args, world_size: int, envs_seeded: int, name: str) -> str:
+    """Why this attempt's envs cannot all be seeded ('' if they can): env g of the run, counted
+    over its attempts from `envs_seeded` (the earlier attempts' envs of runs/NAME) on, is seeded
+    with seed + SEED_STRIDE * g, which every env library takes below SEED_LIMIT."""
+    envs = world_size * args.local_num_envs
+    last = args.seed + SEED_STRIDE * (envs_seeded + envs - 1)
+    if last < SEED_LIMIT:
+        return ""
+    rule = f"seed + {SEED_STRIDE:_} x env, up to {last}, where envs take seeds below 2**31"
+    these = f"{envs} env(s), {world_size} rank(s) x --local-num-envs {args.local_num_envs}"
+    room = (SEED_LIMIT - 1 - args.seed) // SEED_STRIDE + 1 - envs_seeded
+    if envs_seeded == 0:
+        largest = SEED_LIMIT - 1 - SEED_STRIDE * (envs - 1)
+        fix = f"pass --seed {largest} or less" if largest >= 0 else f"use {room} envs or fewer"
+        return f"--seed {args.seed} cannot seed {these} ({rule}): {fix}"
+    fix = (
+        f"resume with {room} envs or fewer, or start a new run"
+        if room > 0
+        else "no env seed is left to it: start a new run"
+    )
+    return (
+        f"runs/{name}'s earlier attempts seeded {envs_seeded} envs, and --seed {args.seed} cannot "
+        f"seed {these} more ({rule}): {fix}"
+    )

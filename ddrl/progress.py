@@ -17,7 +17,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from safetensors import SafetensorError
 
 from ddrl import checkpoints, collectives, evaluation, failures, machine, run_folders, stopping
 from ddrl.failures import NonFiniteError, fail
@@ -106,7 +105,8 @@ def finish(run: Run, model: nn.Module, stopped: bool, make_env: Callable | None)
     folder = f"runs/{run.name}"
     path = checkpoints.model_path(run.name)
     saved = ""  # the summary's mention of the model file
-    problem = ""
+    problem = ""  # rank 0's: what it could not write, which stops every rank
+    fix = "then write it with --resume --save-model"
     if run.rank == 0 and stopped:
         reason = run.stop_requested or "SIGTERM or Ctrl-C on another rank"
         failures.tell(
@@ -115,25 +115,25 @@ def finish(run: Run, model: nn.Module, stopped: bool, make_env: Callable | None)
         )
     if run.rank == 0:
         if args.save_model and not stopped:
-            try:
-                checkpoints.write_model(path, args, model)
-                saved = f", model {path}"
-            except (OSError, RuntimeError, SafetensorError) as error:
-                problem = f"trained, but could not write {path} ({failures.first_line(error)})"
-        if args.capture_video and not stopped and make_env is not None:
+            written = checkpoints.write_model(path, args, model)
+            problem = f"trained, but {written}" if written else ""
+            saved = "" if written else f", model {path}"
+        if args.capture_video and not stopped and make_env is not None and not problem:
             video_folder = f"{folder}/videos"
-            run_folders.real_folder(video_folder)
-            envs = gym.vector.SyncVectorEnv(
-                [make_env(args, video_folder)], autoreset_mode=gym.vector.AutoresetMode.SAME_STEP
-            )
-            evaluation.play(model, envs, args)
+            if unfit := run_folders.folder_problem(video_folder, make=True):
+                problem = f"trained, but could not film into {video_folder}: {unfit}"
+                fix = "then film it with --resume --capture-video"
+            else:
+                envs = gym.vector.SyncVectorEnv(
+                    [make_env(args, video_folder)],
+                    autoreset_mode=gym.vector.AutoresetMode.SAME_STEP,
+                )
+                evaluation.play(model, envs, args)
         if run.writer is not None:
             run.writer.close()
         if run.wandb_run:
             run.wandb_run.finish()
-    checkpoints.stop_if_unwritten(
-        run, path, problem, "free disk space, then write it with --resume --save-model"
-    )
+    checkpoints.stop_if_unwritten(run, path, problem, fix)
     dist.barrier()  # every rank leaves the group together
     stopping.disarm()
     dist.destroy_process_group()

@@ -94,18 +94,23 @@ class Run:
         if problem := machine.memory_problem(rollout_bytes, sized_by, self.local_world_size):
             fail(problem)
         self.name, self.resumed_from = checkpoints.find_run_to_resume(self.args, total_steps)
-        self.collectives = launching.join_process_group(self)
         if self.resumed_from:
             self.resumed_iteration = self.resumed_from["iteration"]
-            self.restarts = self.resumed_from["restarts"] + 1
+            # at most the bound a file is read with: what this attempt writes, the next one reads
+            self.restarts = min(self.resumed_from["restarts"] + 1, checkpoints.MAX_RESTARTS)
             self.first_env_index = self.resumed_from["envs_seeded"]
+        seeds = checkpoints.env_seeds_problem(
+            self.args, self.world_size, self.first_env_index, self.name
+        )
+        if seeds:
+            fail(seeds)
+        self.collectives = launching.join_process_group(self)
         launching.check_same_command(self)
+        # rank 0 finds every path the run writes in its folder fit (no link) before the first
+        # iteration, and tells every rank
         run_folders.create_run_folder(
             self, resumed=self.resumed_from is not None or checks.restart_count() > 0
         )
-        # found now, not after training: the model file is never written through a link
-        if self.args.save_model:
-            run_folders.refuse_link(checkpoints.model_path(self.name))
         if self.rank == 0:
             lines = [f"{'':18}{'per rank':>12}{'world':>12}"]
             lines += [f"{row:18}{local!s:>12}{world!s:>12}" for row, local, world in batch_table]
@@ -208,6 +213,12 @@ def launch(args, unit: str = "iteration") -> Run:
         # headless: MuJoCo's GPU-or-CPU EGL renderer, read when mujoco loads
         os.environ["MUJOCO_GL"] = "egl"
     rank, world_size, local_rank, local_world_size = launching.read_launcher_environment()
+    # a new run's env seeds, before --nprocs launches its ranks (Run.start adds earlier attempts')
+    ranks = args.nprocs if world_size == 1 else world_size
+    evaluated = args.eval_checkpoint is not None  # one env, seeded with --seed
+    seeds = "" if evaluated else checkpoints.env_seeds_problem(args, ranks, 0, args.run_name)
+    if seeds:
+        fail(seeds)
     run = Run(args, script, unit, rank, world_size, local_rank, local_world_size)
     if args.nprocs > 1 and world_size == 1:
         launching.relaunch_as_ranks(args, script)

@@ -24,29 +24,64 @@ if TYPE_CHECKING:
     from ddrl.run import Run
 
 LOCK_FILE = "run.lock"  # in every run folder: locked by the run's rank 0, and who holds it
+# what else a run writes in its folder, besides TensorBoard's events (their names end in a random
+# suffix): each a real folder, or a file written beside its place and renamed over it
+WRITTEN_FOLDERS = ("checkpoints", "videos")
+MODEL_FILE = "model.safetensors"
 
 
 def refuse_link(path: str) -> None:
     """Stop in one line if `path` is a symbolic link: a run reads and writes nothing through one."""
     if os.path.islink(path):
-        fail(
-            f"{path} is a symbolic link, which a run never reads or writes through: replace it "
-            "with the real folder or file"
-        )
+        fail(link_problem(path))
+
+
+def link_problem(path: str) -> str:
+    """What a message says of `path`, a symbolic link."""
+    return (
+        f"{path} is a symbolic link, which a run never reads or writes through: replace it with "
+        "the real folder or file"
+    )
 
 
 def real_folder(path: str) -> None:
     """Make the folder `path` if it is missing (runs/NAME/checkpoints, videos); stop in one line if
     it is a link or no folder, or holds a link, so that nothing is written through a link."""
-    refuse_link(path)
+    if problem := folder_problem(path, make=True):
+        fail(problem)
+
+
+def folder_problem(path: str, make: bool) -> str:
+    """Why a run cannot write files into the folder `path` without a link ('' if it can): it is a
+    link or no folder, or holds a link, or (`make`: made where missing) cannot be made or read."""
+    if os.path.islink(path):
+        return link_problem(path)
     try:
-        os.mkdir(path)
-    except FileExistsError:
+        if make and not os.path.lexists(path):
+            os.mkdir(path)
+        if not os.path.lexists(path):
+            return ""
         if not stat.S_ISDIR(os.lstat(path).st_mode):
-            fail(f"{path} is no folder: move it away")
-    for entry in os.scandir(path):
-        if entry.is_symlink():
-            refuse_link(entry.path)
+            return f"{path} is no folder: move it away"
+        links = [entry.path for entry in os.scandir(path) if entry.is_symlink()]
+    except OSError as error:
+        return f"cannot make or read the folder {path} ({error.strerror}): make it writable"
+    return link_problem(sorted(links)[0]) if links else ""
+
+
+def run_folder_problem(name: str, save_model: bool) -> str:
+    """Why the run cannot write its files in runs/NAME ('' if it can), found by rank 0 before the
+    first iteration rather than at the first checkpoint: the folder, its checkpoints/ and videos/
+    each a real folder that holds no link (its run.lock, a checkpoint, the model file), and with
+    `save_model` a model file that is no folder."""
+    folder = os.path.join("runs", name)
+    for path in (folder, *(os.path.join(folder, child) for child in WRITTEN_FOLDERS)):
+        if problem := folder_problem(path, make=False):
+            return problem
+    model = os.path.join(folder, MODEL_FILE)
+    if save_model and os.path.isdir(model):
+        return f"{model} is a folder, where --save-model writes the model file: move it away"
+    return ""
 
 
 def is_one_folder(name: str) -> bool:
@@ -62,8 +97,9 @@ def is_one_folder(name: str) -> bool:
 
 def create_run_folder(run: Run, resumed: bool) -> None:
     """The run's name, on every rank (run.name: the name given, or a default from rank 0's clock,
-    suffixed where taken): rank 0 creates its folder (`resumed`: finds it) and locks it for the
-    run's life (run.lock); every rank stops with rank 0's one line if it could not."""
+    suffixed where taken): rank 0 creates its folder (`resumed`: finds it), finds every path the
+    run writes there fit (run_folder_problem) and locks it for the run's life (run.lock); every
+    rank stops with rank 0's one line if it could not."""
     args = run.args
     default_name = f"{args.env_id.replace('/', '-')}__{args.exp_name}__{args.seed}__"
     start_time = int(time.time())
@@ -73,8 +109,10 @@ def create_run_folder(run: Run, resumed: bool) -> None:
         suffix, problem = make_run_folder(
             run.name or f"{default_name}{start_time}", not run.name, resumed
         )
+        name = (run.name or f"{default_name}{start_time}") + (f"-{suffix}" if suffix else "")
         if not problem:
-            name = (run.name or f"{default_name}{start_time}") + (f"-{suffix}" if suffix else "")
+            problem = run_folder_problem(name, args.save_model)
+        if not problem:
             run.lock, problem = lock_run_folder(name)
     start_time, suffix, failed = collectives.gather_ints_to_all(
         [start_time, suffix, len(problem)], run.device
