@@ -1,0 +1,128 @@
+"""`python -m ddrl.verify COPY` passes only what it ran and compared: a file that is no script is refused in one line
+(exit code 2) in bounded time, a learning rate per rank fails in one line that names it, a worker killed by a signal
+is named, and an edit that keeps the promise passes with a wide margin in float64."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import ROOT, clean_env
+
+VPG = (ROOT / "vpg_mpi.py").read_text()
+NOT_SCRIPTS = {  # file name, its text, what the one line says, verify's extra flags
+    "a README": ("README.md", (ROOT / "README.md").read_text(), "README.md is no Python script (a .py file)", []),
+    "no .py suffix": ("vpg_mpi", VPG, "vpg_mpi is no Python script (a .py file)", []),
+    "an empty file": ("empty.py", "", "empty.py defines no Args, main, update", []),
+    "a syntax error": (
+        "syntax.py",
+        VPG.replace("def layer_init(", "def layer_init((", 1),
+        "syntax.py does not compile: SyntaxError: ",
+        [],
+    ),
+    "a missing import": (
+        "missing.py",
+        "import ddrl_no_such_module\n" + VPG,
+        "importing missing.py needs the module 'ddrl_no_such_module', which is not installed",
+        [],
+    ),
+    "sys.exit at import": ("exits.py", "import sys\n\nsys.exit(0)\n" + VPG, "exits.py exits when imported", []),
+    "a loop at import": (
+        "loops.py",
+        "while True:\n    pass\n" + VPG,
+        "loops.py did not finish importing within 3 s",
+        ["--import-timeout", "3"],
+    ),
+}
+PER_RANK_LR = [  # a sweep over the policy's learning rate inside one launch
+    ('"lr": args.pi_lr}', '"lr": args.pi_lr * (1 + run.rank)}')
+]
+VPG_STATE_DEPENDENT_LOG_STD = [
+    (
+        "self.log_std = nn.Parameter(torch.full((num_outputs,), -0.5))",
+        "self.log_std = layer_init(nn.Linear(obs_dim, num_outputs))",
+    ),
+    ("torch.exp(self.log_std)", "torch.exp(self.log_std(x))"),
+]
+FLOAT32_CRITIC = [  # an update that cannot run in float64: verify runs it in float32 and says so
+    (
+        "    def get_value(self, x: torch.Tensor) -> torch.Tensor:\n        return self.critic(x)\n",
+        "    def get_value(self, x: torch.Tensor) -> torch.Tensor:\n        return self.critic(x.float())\n",
+    )
+]
+RANK_1_KILLED = [
+    (
+        '    obs = batch["obs"]\n    returns = batch["returns"]\n',
+        '    obs = batch["obs"]\n    returns = batch["returns"]\n'
+        "    if collectives.rank_in(group) == 1:\n"
+        "        import os\n        import signal\n\n"
+        "        os.kill(os.getpid(), signal.SIGKILL)\n",
+    )
+]
+
+
+def edited_copy(directory: Path, script: str, edits: list[tuple[str, str]]) -> Path:
+    """`script` copied into `directory` with every (old, new) edit applied; each `old` must occur exactly once, so an
+    edit that no longer applies fails here instead of testing the unmodified script."""
+    directory.mkdir(parents=True, exist_ok=True)
+    source = (ROOT / script).read_text()
+    for old, new in edits:
+        assert source.count(old) == 1, f"{script}: expected {old!r} once"
+        source = source.replace(old, new)
+    (directory / script).write_text(source)
+    return directory / script
+
+
+def verify(copy: Path, *flags: str) -> subprocess.CompletedProcess:
+    """`python -m ddrl.verify COPY` from the copy's folder, as a user runs it after README's install."""
+    command = [sys.executable, "-m", "ddrl.verify", *flags, copy.name]
+    return subprocess.run(command, cwd=copy.parent, env=clean_env(), capture_output=True, text=True, timeout=240)
+
+
+@pytest.mark.parametrize("case", list(NOT_SCRIPTS))
+def test_a_file_that_is_no_script_is_refused_in_one_line(case, tmp_path):
+    """Nothing of it runs in verify's own process: an exit or a loop at import is refused as a syntax error is."""
+    name, text, said, flags = NOT_SCRIPTS[case]
+    (tmp_path / name).write_text(text)
+    result = verify(tmp_path / name, *flags)
+    assert result.returncode == 2 and result.stdout == "", (result.returncode, result.stdout)
+    [line] = result.stderr.splitlines()
+    assert line.startswith(f"verify: error: {said}"), line
+
+
+def test_a_learning_rate_per_rank_fails_naming_it_and_that_one_launch_trains_one_model(tmp_path):
+    """Each rank keeps the optimizer it built: a sweep inside one launch is not hidden by the reference's rates."""
+    result = verify(edited_copy(tmp_path, "vpg_mpi.py", PER_RANK_LR))
+    assert result.returncode == 1 and result.stdout == "", (result.returncode, result.stdout)
+    [line] = result.stderr.splitlines()
+    assert line.startswith(
+        "verify: at two ranks (allreduce, shares of 32 and 32 batch rows), rank 1's optimizer sets lr in parameter "
+        "group 0 to 0.0006 as its first update starts, where the one-rank run's sets it to 0.0003: "
+    ), line
+    assert "one launch trains one model, its gradients averaged" in line and "one launch per value" in line
+
+
+def test_a_state_dependent_log_std_passes_with_a_wide_margin_in_float64(tmp_path):
+    """The update runs in float64: float32 reordering, which took this copy to 6.5e-06 of a 1e-05 tolerance, is gone."""
+    result = verify(edited_copy(tmp_path, "vpg_mpi.py", VPG_STATE_DEPENDENT_LOG_STD))
+    assert result.returncode == 0, result.stderr
+    found = re.search(r"within (\S+) in float64 \(largest difference (\S+)\)", result.stdout)
+    assert found, result.stdout
+    assert float(found[2]) < float(found[1]) / 1000, result.stdout
+
+
+def test_an_update_that_cannot_run_in_float64_is_compared_in_float32_saying_so(tmp_path):
+    result = verify(edited_copy(tmp_path, "vpg_mpi.py", FLOAT32_CRITIC))
+    assert result.returncode == 0, result.stderr
+    assert "within 1e-05 in float32, as its update does not run in float64 (RuntimeError: " in result.stdout
+
+
+def test_a_worker_killed_by_a_signal_is_named_in_one_line(tmp_path):
+    result = verify(edited_copy(tmp_path, "vpg_mpi.py", RANK_1_KILLED))
+    assert result.returncode == 1 and result.stdout == "", (result.returncode, result.stdout)
+    [line] = result.stderr.splitlines()
+    assert line == (
+        "verify: the two-rank run (allreduce) stopped before its first update ended: rank 1 was killed by SIGKILL"
+    )
