@@ -99,8 +99,8 @@ ZERO_GRAD_AGAIN = {  # CleanRL's reflex, once more after the step: the gradients
     ],
     "vpg_mpi.py": [
         (
-            "    optimizer.step()  # the value function's parameters have no gradient: Adam leaves them\n",
-            "    optimizer.step()  # the value function's parameters have no gradient: Adam leaves them\n"
+            "    optimizer.step()  # the value function's own parameters have no gradient: Adam leaves them\n",
+            "    optimizer.step()  # the value function's own parameters have no gradient: Adam leaves them\n"
             "    optimizer.zero_grad()\n",
         )
     ],
