@@ -86,8 +86,9 @@ class RuntimeArgs:
     GPU)"""
     nprocs: Annotated[int, Interval(ge=1, le=4096)] = 1
     """if > 1, re-launch as that many ranks: mpirun if --collectives allows MPI, else torchrun"""
-    collectives: Literal["auto", "mpi", "torch"] = "auto"
-    """CPU collectives via mpi4py or gloo; auto: mpi if MPI started the ranks and mpi4py imports"""
+    collectives: Literal["auto", "mpi", "shm", "torch"] = "auto"
+    """CPU collectives via mpi4py, shared memory or gloo; auto: mpi if MPI started the ranks and
+    mpi4py imports, else shm where every rank is on one node"""
     backend: Annotated[str, pydantic.AfterValidator(torch_backend)] = ""
     """torch.distributed backend; empty = gloo, and NCCL for CUDA tensors with --cuda"""
     dist_timeout: Annotated[float, Interval(ge=5, le=10**7)] = 1800.0

