@@ -42,7 +42,8 @@ ATARI = "ppo_atari_multigpu.py"
 ArgsT = TypeVar("ArgsT")
 PINNED = (
     "`taskset -c C0,..,C(N-1) env PYTHONPATH=benchmark/pin_rank DDRL_PIN_CORES=C0,..,C(N-1) python SCRIPT --nprocs N "
-    "--collectives torch` (`mpi` under mpirun), benchmark/pin_rank/sitecustomize.py pinning local rank r to core Cr"
+    "--collectives shm` (torchrun, CPU collectives through shared memory; `mpi` under mpirun), "
+    "benchmark/pin_rank/sitecustomize.py pinning local rank r to core Cr"
 )
 """how script_command launches N pinned ranks, as a results file says it"""
 PROGRESS_LINE = re.compile(r"^(?:iteration|epoch) (\d+)/(\d+) step (\d+) SPS (\d+) return (\S+)")
@@ -161,7 +162,7 @@ def script_command(
     """`python SCRIPT ARGS` as `ranks` ranks by the script's own `--nprocs`, with `cores` pinned as PINNED says."""
     command = [sys.executable, str(script)]
     if ranks > 1:
-        collectives = {"torchrun": ["--collectives", "torch"], "mpirun": ["--collectives", "mpi"], "": []}[launcher]
+        collectives = {"torchrun": ["--collectives", "shm"], "mpirun": ["--collectives", "mpi"], "": []}[launcher]
         command += ["--nprocs", str(ranks), *collectives]
     if not cores:
         return [*command, *args]

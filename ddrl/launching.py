@@ -46,8 +46,8 @@ WAIT_NOTICE_SECONDS = 10  # a rank still waiting for its peers after this long s
 
 def relaunch_as_ranks(args, script: str) -> NoReturn:
     """--nprocs N without a launcher: run this command again as N ranks (SpinningUp's mpi_fork:
-    under mpirun where --collectives allows MPI and mpirun and mpi4py exist, else torchrun) and exit
-    as they do."""
+    under mpirun where --collectives allows MPI (auto, mpi) and mpirun and mpi4py exist, else
+    torchrun) and exit as they do."""
     cores = len(os.sched_getaffinity(0))
     if args.nprocs > cores:
         fail(
@@ -62,7 +62,8 @@ def relaunch_as_ranks(args, script: str) -> NoReturn:
         "--standalone",
         f"--nproc_per_node={args.nprocs}",
     ]
-    if args.collectives != "torch" and mpirun and importlib.util.find_spec("mpi4py") is not None:
+    with_mpi = args.collectives in ("auto", "mpi")  # torch and shm: torchrun
+    if with_mpi and mpirun and importlib.util.find_spec("mpi4py") is not None:
         with socket.socket() as sock:  # a free port for rank 0's store; mpirun's ranks inherit it
             sock.bind(("127.0.0.1", 0))
             os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(sock.getsockname()[1]))

@@ -201,7 +201,7 @@ def test_scaling_builds_pinned_one_thread_commands_for_every_script_and_mode():
     # N ranks: the script's own --nprocs launch, each rank pinned as it starts by benchmark/pin_rank/sitecustomize.py
     pin_path = os.pathsep.join(filter(None, [str(ROOT / "benchmark" / "pin_rank"), os.environ.get("PYTHONPATH")]))
     pin = [f"PYTHONPATH={pin_path}"]
-    for launcher, collectives in (("torchrun", "torch"), ("mpirun", "mpi")):
+    for launcher, collectives in (("torchrun", "shm"), ("mpirun", "mpi")):
         assert common.script_command(ROOT / "ppo_atari_multigpu.py", args, 2, launcher, cores) == [
             *("taskset", "-c", "3,5", "env", *pin, "DDRL_PIN_CORES=3,5", sys.executable),
             *(str(ROOT / "ppo_atari_multigpu.py"), "--nprocs", "2", "--collectives", collectives, *args),
@@ -303,7 +303,7 @@ def test_scaling_two_ranks_on_two_cores_then_the_model_from_its_table(tmp_path):
             assert "pin_rank" not in log
         else:
             assert f"taskset -c {cores[0]},{cores[1]} env PYTHONPATH=" in log
-            assert f"{sys.executable} {ROOT / 'vpg_mpi.py'} --nprocs 2 --collectives torch " in log
+            assert f"{sys.executable} {ROOT / 'vpg_mpi.py'} --nprocs 2 --collectives shm " in log
             assert f"pin_rank: local rank 0 on core {cores[0]}\n" in log
             assert f"pin_rank: local rank 1 on core {cores[1]}\n" in log
         speedup = sps[ranks] / sps[1]  # against the 1-rank row of the same mode
