@@ -54,10 +54,11 @@ TABLE_HEADERS = (
 """the columns of a script's table (--model-from reads them back)"""
 
 
-Variant = Literal["gloo", "NCCL", "MPI", "linear", "fitted"]
+Variant = Literal["gloo", "NCCL", "shm", "waits", "MPI", "linear", "fitted"]
 GATHERED = "gather, broadcast x (N-1)"
 VARIANTS: dict[str, dict[Variant, str]] = {
     "allreduce": {"gloo": "gloo ring: latency x (N-1)", "NCCL": "NCCL tree: latency x log2 N"},
+    "allreduce shm": {"shm": "shared memory, one node: c x (N-1)", "waits": "shared memory, one node: c x log2 N"},
     "allreduce mpirun": {"MPI": "Open MPI, one node: latency x log2 N"},
     "gather": {"linear": f"update x N; {GATHERED}", "fitted": f"update fitted at 1, 2 ranks; {GATHERED}"},
 }
@@ -87,7 +88,7 @@ class Args(common.RunsArgs):
     """also run, per script and N, N independent 1-rank copies at once, one per core (INDEPENDENT_MEANS)"""
     model_from: Path | None = None
     """no runs: the model's predictions from this results file of benchmark.scaling (its 1- and 2-rank rows)"""
-    predict: tuple[Annotated[int, Ge(1)], ...] = (8, 64, 512)
+    predict: tuple[Annotated[int, Ge(1)], ...] = (8, 16, 64, 512)
     """with --model-from, the rank counts to predict (2, the measured one, is shown beside its measurement)"""
     out: Path = Path("benchmark_results/scaling")
 
@@ -258,7 +259,7 @@ def efficiency(seconds: Seconds, mode: str, ranks: int, variant: Variant) -> flo
         per_rank = seconds.learner if variant == "linear" else max(seconds.learner2 - seconds.learner, 0.0)
         learner = seconds.learner + per_rank * (ranks - 1)
         return seconds.iteration / (outside_update + learner + seconds.sync1 + seconds.added * (ranks - 1))
-    growth = ranks - 1 if variant == "gloo" else math.log2(ranks)  # g(N), an allreduce's time in units of N = 2's
+    growth = ranks - 1 if variant in ("gloo", "shm") else math.log2(ranks)  # g(N): an allreduce's time, N = 2's as 1
     return seconds.iteration / (outside_update + seconds.update + seconds.added * growth)
 
 
@@ -284,7 +285,10 @@ removes). The efficiency at N ranks is T(1) / T(N), the SPS relative to 1 rank N
   and c is latency: the MLPs' flat gradients are tens of kB (a ring's bandwidth term, 2(N-1)/N, at most doubles).
   Gloo runs rings on CPU, 2(N-1) steps: g(N) = N-1. NCCL switches small messages to trees, and under mpirun
   (`allreduce mpirun`) Open MPI's tuned allreduce takes recursive doubling for messages this small (log2 N rounds
-  through shared memory): g(N) = log2 N. Both are 1 at N = 2.
+  through shared memory): g(N) = log2 N. Both are 1 at N = 2. The MLP scripts' `allreduce` rows under torchrun on one
+  node go through ddrl's shared-memory segment, where every rank reads every rank's input (g(N) = N-1, pessimistic)
+  and waits for the slowest; where c is mostly that wait (the sync of 2 ranks, minus one allreduce's microseconds
+  per step), it grows as the largest of N ranks' step times does, about log2 N (g(N) = log2 N, optimistic).
 - **gather** (either launcher): T(N) = T(1) - u + L(N) + s + c x (N-1): rank 0 learns alone on the N ranks' rollouts
   in L(N) seconds, and receives N-1 rollouts and sends the weights to N-1 peers. *update x N*: L(N) = N x (u - s),
   linear in the world batch; pessimistic, as an update of a fixed number of minibatches (PPO) or steps (VPG) costs
@@ -315,6 +319,7 @@ def write_model(args: Args, argv) -> Path:
         learner_ratio = f"{seconds.learner2 / max(seconds.learner, 1e-9):.2f}" if gather else ""
         inputs.append([script, mode, *(f"{number:.3f}" for number in numbers), learner_ratio])
         kind = "gather" if gather else "allreduce mpirun" if mode.endswith("mpirun") else "allreduce"
+        kind = "allreduce shm" if mode == "allreduce" else kind  # the MLP scripts under torchrun, on one node
         for variant, label in VARIANTS[kind].items():
             for ranks in sorted({2, *args.predict}):
                 eff = efficiency(seconds, mode, ranks, variant)
@@ -360,7 +365,8 @@ def write_tables(args: Args, argv, rounds: dict, ranks_to_run: list[int], cores:
     results: dict[tuple[str, str], list[common.Measurement]] = {}
     in_order = sorted(rounds.items(), key=lambda item: item[0][1] == INDEPENDENT)  # the ceiling's rows last
     for (script, mode, _), measurements in in_order:
-        results.setdefault((script, mode), []).append(sorted(measurements, key=lambda m: m.sps)[(args.rounds - 1) // 2])
+        median_run = sorted(measurements, key=lambda m: m.sps)[(len(measurements) - 1) // 2]  # of the rounds so far
+        results.setdefault((script, mode), []).append(median_run)
     png_path, image = common.draw(args, lambda axes: plot(results, axes), "scaling", (1, 2), (12, 5.5))
     facts = ["weak scaling: each rank keeps its batch, the world's grows with N", *pinned_facts(args, cores)]
     body = image

@@ -13,6 +13,7 @@ minibatches; VPG: one policy step and --train-v-iters value steps).
 import statistics
 import sys
 import time
+import types
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,10 +58,8 @@ def one_update(script: str, root: Path, compiled: bool) -> tuple[Callable[[], ob
     args = module.Args()
     obs_space, action_space = common.env_spaces(script)
     torch.manual_seed(0)
-    agent = common.load_script(script, root).Agent(
-        type("Spaces", (), {"single_observation_space": obs_space, "single_action_space": action_space}),
-        *([args.hidden_sizes] if "vpg" in script else []),
-    )
+    spaces = types.SimpleNamespace(single_observation_space=obs_space, single_action_space=action_space)
+    agent = module.Agent(spaces, *([args.hidden_sizes] if "vpg" in script else []))
     if "vpg" in script:
         module.derive_batch_sizes(args, 1)
         policy = [p for name, p in agent.named_parameters() if not name.startswith("critic.")]
@@ -78,9 +77,67 @@ def one_update(script: str, root: Path, compiled: bool) -> tuple[Callable[[], ob
     return (lambda: module.update(agent, optimizer, batch, args, orders, sizes, loss_fn)), steps
 
 
-def main(argv: list[str] | None = None) -> None:
+def step_parts(script: str, rounds: int) -> list[list[str]]:
+    """Where one compiled minibatch step of `script` (continuous PPO) goes, part by part in the order the update
+    runs them, each timed over a whole epoch's minibatches, the parts taking turns: the median microseconds of each,
+    and the compiled loss and backward again on 8 rows, whose arithmetic is nil (its fixed cost per call)."""
+    module = common.load_script(script)
+    args = module.Args()
+    module.derive_batch_sizes(args, 1)
+    obs_space, action_space = common.env_spaces(script)
+    torch.manual_seed(0)
+    agent = module.Agent(types.SimpleNamespace(single_observation_space=obs_space, single_action_space=action_space))
+    parameters = list(agent.parameters())
+    num_weights = sum(p.numel() for p in parameters)
+    optimizer = torch.optim.Adam(parameters, lr=args.learning_rate, eps=1e-5, fused=True)
+    loss_fn = torch.compile(module.minibatch_loss, fullgraph=True)
+    batch = random_batch(obs_space, action_space, args.local_batch_size)
+    minibatches = module.minibatches(batch, torch.randperm(args.local_batch_size), [args.local_minibatch_size] * 32)
+    tiny = module.minibatches(batch, torch.arange(8), [8])[0]
+    state = {}
+
+    def loss_and_backward(minibatch) -> None:
+        state["loss"], state["logged"] = loss_fn(agent, minibatch, None, None, args)
+        optimizer.zero_grad()
+        state["loss"].backward()
+
+    def sync() -> None:
+        state["flat"] = module.average_gradients(parameters, torch.stack(list(state["logged"].values())))
+
+    def clip() -> None:
+        gradients = state["flat"][:num_weights]
+        gradients.mul_(torch.clamp(args.max_grad_norm / (gradients.norm() + 1e-6), max=1.0))
+
+    parts = {
+        "compiled loss and backward, 64 rows": lambda mb: loss_and_backward(mb),
+        "optimizer.zero_grad()": lambda mb: optimizer.zero_grad(),
+        "average_gradients (one rank: pack, check, unpack)": lambda mb: (loss_and_backward(mb), sync()),
+        "clip to --max-grad-norm": lambda mb: clip(),
+        "optimizer.step() (fused Adam)": lambda mb: optimizer.step(),
+        "compiled loss and backward, 8 rows": lambda mb: loss_and_backward(tiny),
+    }
+    loss_and_backward(tiny)  # compile both shapes first
+    for minibatch in minibatches[:3]:
+        loss_and_backward(minibatch)
+        sync()
+    micros = {name: [] for name in parts}
+    for _ in range(rounds):
+        for name, part in parts.items():
+            start = time.perf_counter()
+            for minibatch in minibatches:
+                part(minibatch)
+            micros[name].append((time.perf_counter() - start) / len(minibatches) * 1e6)
+    backward = statistics.median(micros["compiled loss and backward, 64 rows"])
+    micros["average_gradients (one rank: pack, check, unpack)"] = [
+        t - backward for t in micros["average_gradients (one rank: pack, check, unpack)"]
+    ]  # timed after its loss and backward, which it needs
+    return [[name, f"{statistics.median(times):.0f}"] for name, times in micros.items()]
+
+
+def main(argv: list[str] | None = None) -> Path:
     args, argv, _ = common.cli(Args, argv)
     load = common.check_load(args.max_load)
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)
     roots = {"this": common.ROOT} | ({"other": args.compare_with.resolve()} if args.compare_with else {})
     rows = []
@@ -108,7 +165,16 @@ def main(argv: list[str] | None = None) -> None:
     facts = [f"{args.rounds} rounds, one torch thread; {other} (its scripts, beside this checkout's ddrl package)"]
     base = "other eager" if args.compare_with else "this eager"
     header = f"script | variant | ms per update (median) | us per minibatch step | speed-up over {base}"
-    common.write_results(args, argv, "Update time per iteration", facts, common.markdown_table(header, rows), load)
+    body = "\n" + common.markdown_table(header, rows)
+    if "ppo_continuous_mpi.py" in args.scripts:
+        body += (
+            "\nWhere a compiled minibatch step of ppo_continuous_mpi.py goes (64 rows, one rank, one thread), each "
+            "part timed alone over an epoch's minibatches, the parts taking turns; the 8-row line is the compiled "
+            "loss and backward's fixed cost per call:\n\n"
+        )
+        body += common.markdown_table("part | us per minibatch step", step_parts("ppo_continuous_mpi.py", args.rounds))
+    torch.set_num_threads(threads)
+    return common.write_results(args, argv, "Update time per iteration", facts, body, load)
 
 
 if __name__ == "__main__":

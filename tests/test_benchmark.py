@@ -312,7 +312,7 @@ def test_scaling_two_ranks_on_two_cores_then_the_model_from_its_table(tmp_path):
     model_path = scaling.main(["--model-from", str(table_path), "--out", str(tmp_path / "model")])
     predictions = common.table_rows(model_path.read_text(), "script | mode | model: what grows with N")
     assert [(row[1], row[3]) for row in predictions] == [
-        ("allreduce", n) for _ in range(2) for n in ("2", "8", "64", "512")
+        ("allreduce", n) for _ in range(2) for n in ("2", "8", "16", "64", "512")
     ]
     assert predictions[0][6] == rows[1][6]  # the measured 2-rank efficiency beside the model's
 
@@ -403,9 +403,9 @@ def test_scaling_model_reads_back_the_scaling_table(tmp_path):
     model_text = scaling.main(["--model-from", str(source), "--out", str(tmp_path / "model")]).read_text()
     assert f"THE INPUT WAS MEASURED UNDER LOAD ({source} says so)" in model_text.splitlines()[2]
     predictions = common.table_rows(model_text, "script | mode | model: what grows with N")
-    gloo_8 = next(row for row in predictions if row[1] == "allreduce" and row[3] == "8" and "gloo" in row[2])
-    assert gloo_8[4:6] == [f"{8 / (1 + 0.125 * 7):.2f}", f"{1 / (1 + 0.125 * 7):.0%}"]
-    assert "- vpg_mpi.py allreduce (gloo ring: latency x (N-1)): below 50% from 10 ranks" in model_text
+    linear_8 = next(row for row in predictions if row[1] == "allreduce" and row[3] == "8" and "(N-1)" in row[2])
+    assert linear_8[4:6] == [f"{8 / (1 + 0.125 * 7):.2f}", f"{1 / (1 + 0.125 * 7):.0%}"]
+    assert "- vpg_mpi.py allreduce (shared memory, one node: c x (N-1)): below 50% from 10 ranks" in model_text
 
 
 def test_grad_sync_table_with_few_repetitions(tmp_path):
@@ -474,3 +474,14 @@ def test_faults_kills_and_resizes_runs_that_go_on_beside_an_unkilled_one(tmp_pat
     assert len([count for count in trained if count]) == 5 and min(count for count in trained if count) >= 2
     assert rows["kills"][-2:] == [final_return(logs["kills_1"]), final_return(logs["unkilled_1"])]
     assert rows["resize"][-2:] == [final_return(logs["resize_1"] + logs["resize_2"]), final_return(logs["unkilled_1"])]
+
+
+def test_update_table_times_each_variant_beside_the_other_checkout(tmp_path):
+    """benchmark.update with this checkout as the other one: each variant's row, and the same code beside itself."""
+    from benchmark import update as update_times
+
+    argv = ["--scripts", "vpg_mpi.py", "--rounds", "1", "--compare-with", str(ROOT), "--max-load", "-1"]
+    text = update_times.main([*argv, "--out", str(tmp_path / "update")])
+    rows = common.table_rows(text.read_text(), "script")
+    assert [row[:2] for row in rows] == [["vpg_mpi.py", "this eager"], ["vpg_mpi.py", "other eager"]]
+    assert all(float(row[2]) > 0 and int(row[3]) > 0 for row in rows), rows
