@@ -8,7 +8,8 @@
 #   cuda_tests       tests/test_cuda.py, one test at a time: the default and each new path, on its own and together
 #   env_only         the env-only ceiling of 8 and 32 envs by env threads, and where a rollout step's time goes
 #                    (benchmark.atari_step, no training runs)
-#   beside           at 8 envs, CleanRL's batch: ours at the defaults, with --env-groups 2, --capture-update and both,
+#   beside           at 8 envs, CleanRL's batch: ours at the defaults, with --env-groups 2, --capture-update, both, and
+#                    --compile (the update's calls compiled, without CUDA graphs),
 #                    CleanRL's ppo_atari.py (--cleanrl) and the older checkout's script (--old), alternating
 #                    (benchmark.throughput)
 #   scaling          the host's ceiling first, as many independent one-rank copies as cores, then that many ranks
@@ -118,7 +119,7 @@ thread_counts=() # env threads 1, 2, 4, ... and all the cores
 for ((count = 1; count < cores; count *= 2)); do thread_counts+=("$count"); done
 thread_counts+=("$cores")
 new_paths=("ppo_atari_multigpu.py --env-groups 2" "ppo_atari_multigpu.py --capture-update"
-    "ppo_atari_multigpu.py --env-groups 2 --capture-update")
+    "ppo_atari_multigpu.py --env-groups 2 --capture-update" "ppo_atari_multigpu.py --compile")
 if [ "$dry" = 0 ]; then
     env_only=(--devices cuda --envs 8 32 --steps 50 --env-seconds 2 --thread-counts "${thread_counts[@]}")
     beside=(--iterations 4 --env-seconds 1)
