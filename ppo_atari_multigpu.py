@@ -248,15 +248,15 @@ class Agent(nn.Module):
 
 
 @torch.inference_mode()
-def store_forced_action(
-    agent: Agent, frames: torch.Tensor, actions: torch.Tensor, log_probs: torch.Tensor,
-    envs: np.ndarray, action: int,
+def score_forced_actions(
+    agent: Agent, obs: torch.Tensor, actions: torch.Tensor, log_probs: torch.Tensor,
+    forced: np.ndarray,
 ) -> None:  # fmt: skip
-    """A rollout row's `envs` act `action` whatever the policy sampled (FIRE after a lost life, as
-    CleanRL's FireResetEnv presses it): store it, and its log-probability under the policy that
-    acted, so the loss learns from the action the env received."""
-    actions[envs] = action
-    log_probs[envs] = agent.get_action_and_value(frames[envs], actions[envs])[1]
+    """The rollout's `forced` rows acted the action stored there whatever the policy sampled (FIRE
+    after a lost life, as CleanRL's FireResetEnv presses it): store its log-probability under the
+    policy that acted, in one forward of them all, so the loss learns from what the env did."""
+    rows = torch.from_numpy(forced).to(obs.device)
+    log_probs[rows] = agent.get_action_and_value(obs[rows], actions[rows])[1]
 
 
 # --- GAE ------------------------------------------------------------------------------------------
@@ -496,6 +496,7 @@ def main(args: Args) -> Agent | None:
         rewards = np.zeros(shape, np.float32)  # GAE's inputs, on the host with the envs
         terminations = np.zeros(shape, np.float32)
         episode_ends = np.zeros(shape, np.float32)  # terminated or truncated
+        forced = np.zeros(shape, dtype=bool)  # rows that acted FIRE, not the sampled action
 
         while global_step < run.total_steps:  # the world's env steps: preemption collects fewer
             iteration += 1
@@ -534,16 +535,17 @@ def main(args: Args) -> Agent | None:
                         env_action = act(step, next_obs[group], group)
                         # FireResetEnv: FIRE after a lost life, stored as the action taken
                         if fire is not None and relaunch[group].any():
-                            fired = np.flatnonzero(relaunch[group]) + group.start
-                            store_forced_action(
-                                agent, obs[step], actions[step], logprobs[step], fired, fire
-                            )
                             env_action = np.where(relaunch[group], fire, env_action)
+                            actions[step, group] = torch.from_numpy(env_action)
+                            forced[step, group] = relaunch[group]
                         group_envs.send(env_action)  # the envs step while the next group acts
                 if not acting:
                     collected = step  # steps per env: all, unless preemption cut the rollout short
                     break
             preemption.rollout_finished(run, iteration)
+            if forced.any():  # their log-probabilities, under the weights that acted
+                score_forced_actions(agent, obs, actions, logprobs, forced)
+                forced[:] = False
             last_values = torch.from_numpy(rollout_agent.get_value(next_obs).flatten())
             rollout_time = time.perf_counter() - rollout_start
             sample_counts = [args.local_batch_size] * args.world_size  # each rank's samples
