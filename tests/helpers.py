@@ -66,6 +66,23 @@ def run_command(command: list[str], cwd: Path, timeout: float = 240, **env: str)
     return subprocess.run(command, cwd=cwd, env=clean_env(**env), capture_output=True, text=True, timeout=timeout)
 
 
+def edited_copy(directory: Path, script: str, edits: list[tuple[str, str]] = (), name: str = "") -> Path:
+    """`script` copied into `directory` (as `name`, by default its own) with every (old, new) edit applied; each `old`
+    must occur exactly once, so an edit that no longer applies fails here instead of testing the unmodified script."""
+    directory.mkdir(parents=True, exist_ok=True)
+    source = (ROOT / script).read_text()
+    for old, new in edits:
+        assert source.count(old) == 1, f"{script}: expected {old!r} once"
+        source = source.replace(old, new)
+    (directory / (name or script)).write_text(source)
+    return directory / (name or script)
+
+
+def verify(copy: Path, *flags: str) -> subprocess.CompletedProcess:
+    """`python -m ddrl.verify COPY` from the copy's folder, as a user runs it after README's install."""
+    return run_command([sys.executable, "-m", "ddrl.verify", *flags, copy.name], copy.parent)
+
+
 def _inherit(environment: dict[str, str], cwd: str, output_stem: str | None) -> None:
     """What a process forked from the fork server takes from the test that started it (a spawned child would inherit
     these): its environment and folder, and with `output_stem` stdout and stderr to OUTPUT_STEM.out and .err."""

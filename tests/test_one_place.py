@@ -5,7 +5,6 @@ still the one-rank update on the union of the ranks' batches."""
 
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,13 +12,14 @@ import pytest
 from tests.helpers import (
     ROOT,
     assert_ok,
-    clean_env,
+    edited_copy,
     progress_lines,
     read_scalars,
     run_command,
     run_dirs,
     run_python,
     torchrun_with,
+    verify,
 )
 
 FLAGS = {
@@ -100,18 +100,6 @@ SLOWER_EDITS = {
 }
 
 
-def edited_copy(directory: Path, script: str, edits: list[tuple[str, str]]) -> Path:
-    """`script` copied into `directory` with every (old, new) edit applied; each `old` must occur exactly once, so an
-    edit that no longer applies fails here instead of testing the unmodified script."""
-    directory.mkdir(parents=True, exist_ok=True)
-    source = (ROOT / script).read_text()
-    for old, new in edits:
-        assert source.count(old) == 1, f"{script}: expected {old!r} once"
-        source = source.replace(old, new)
-    (directory / script).write_text(source)
-    return directory / script
-
-
 def train(copy: Path, *extra: str) -> subprocess.CompletedProcess:
     """Two iterations of the copy at seed 1 with one rank, in its own folder."""
     result = run_python(copy, [*FLAGS[copy.name], "--seed", "1", *extra], copy.parent)
@@ -170,12 +158,6 @@ def test_minibatches_over_envs_with_sizes_in_samples_stop_in_one_line(tmp_path):
     result = run_python(copy, [*FLAGS[copy.name], "--local-num-envs", "4", "--num-steps", "32"], tmp_path)
     assert result.returncode == 2, result.stderr
     assert "main's orders and minibatch_sizes must count the same things" in result.stderr.strip().splitlines()[-1]
-
-
-def verify(copy: Path) -> subprocess.CompletedProcess:
-    """`python -m ddrl.verify COPY` from the copy's folder, as a user runs it after README's install."""
-    command = [sys.executable, "-m", "ddrl.verify", copy.name]
-    return subprocess.run(command, cwd=copy.parent, env=clean_env(), capture_output=True, text=True, timeout=240)
 
 
 @pytest.mark.parametrize("script", ["ppo_continuous_mpi.py", "vpg_mpi.py", "ppo_atari_multigpu.py"])

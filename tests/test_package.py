@@ -12,6 +12,7 @@ from tests.helpers import (
     ROOT,
     assert_ok,
     assert_same_parameters,
+    edited_copy,
     exit_code_rank,
     free_port,
     progress_lines,
@@ -25,17 +26,6 @@ from tests.helpers import (
 VPG = "vpg_mpi.py"
 
 
-def copied(script: str, folder: Path, name: str, edits: list[tuple[str, str]] = ()) -> Path:
-    """`script` copied to folder/name with every (old, new) edit applied (each `old` exactly once)."""
-    source = (ROOT / script).read_text()
-    for old, new in edits:
-        assert source.count(old) == 1, f"{script}: expected {old!r} once"
-        source = source.replace(old, new)
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / name).write_text(source)
-    return folder / name
-
-
 def run_outside(command: list[str], cwd: Path, timeout: float = 240):
     """`command` in `cwd` with no PYTHONPATH: ddrl comes from the installed package, as after README's install."""
     return run_command(command, cwd, timeout, PYTHONPATH="")
@@ -44,7 +34,7 @@ def run_outside(command: list[str], cwd: Path, timeout: float = 240):
 @pytest.fixture
 def elsewhere(tmp_path) -> tuple[Path, Path]:
     """A copy of vpg_mpi.py as my_vpg.py in one folder, and another folder to run it from."""
-    copy = copied(VPG, tmp_path / "research", "my_vpg.py")
+    copy = edited_copy(tmp_path / "research", VPG, name="my_vpg.py")
     cwd = tmp_path / "work"
     cwd.mkdir()
     return copy, cwd
@@ -80,7 +70,7 @@ def test_a_copy_in_another_folder_runs_with_nprocs_and_names_itself_in_its_error
 
 
 def test_a_copy_beside_the_original_runs_from_the_repository_root(tmp_path):
-    copy = copied(VPG, ROOT, f"vpg_copy_{tmp_path.name.replace('-', '_')}.py")
+    copy = edited_copy(ROOT, VPG, name=f"vpg_copy_{tmp_path.name.replace('-', '_')}.py")
     try:
         cwd = tmp_path / "work"
         cwd.mkdir()
@@ -120,8 +110,8 @@ def logged(folder: Path) -> dict:
 
 @pytest.mark.parametrize("script", list(ZERO_GRAD_AGAIN))
 def test_zero_grad_added_to_a_copys_update_keeps_the_ranks_in_sync_and_the_run_unchanged(script, tmp_path):
-    original = copied(script, tmp_path / "original", script)
-    edited = copied(script, tmp_path / "edited", script, ZERO_GRAD_AGAIN[script])
+    original = edited_copy(tmp_path / "original", script)
+    edited = edited_copy(tmp_path / "edited", script, ZERO_GRAD_AGAIN[script])
     flags = tiny_flags(script, 2, "--torch-threads", "1", "--check-sync-every", "1", ranks=2)  # compared each time
     for copy in (original, edited):
         states, _ = train_ranks(str(copy), flags, copy.parent)
@@ -131,7 +121,7 @@ def test_zero_grad_added_to_a_copys_update_keeps_the_ranks_in_sync_and_the_run_u
 
 @pytest.mark.parametrize("script", list(NO_SYNC))
 def test_an_edit_that_breaks_the_sync_stops_the_run_in_one_line_with_the_default_flags(script, tmp_path):
-    copy = copied(script, tmp_path, script, NO_SYNC[script])
+    copy = edited_copy(tmp_path, script, NO_SYNC[script])
     codes, result = train_ranks(str(copy), tiny_flags(script, 2, ranks=2), tmp_path, worker=exit_code_rank)
     assert codes == [2, 2], result.stderr[-3000:]
     unit = "epoch" if script == VPG else "iteration"
@@ -147,7 +137,7 @@ def test_a_logged_scalar_of_the_world_is_one_line(tmp_path):
     losses/grad_norm beside the others."""
     line = "        losses = dict(zip(logged, flat[num_weights:], strict=True))  # the epoch's last minibatch\n"
     edit = (line, line + '        losses["grad_norm"] = gradients.norm()\n')
-    copy = copied("ppo_continuous_mpi.py", tmp_path, "ppo_continuous_mpi.py", [edit])
+    copy = edited_copy(tmp_path, "ppo_continuous_mpi.py", [edit])
     states, _ = train_ranks(str(copy), tiny_flags("ppo_continuous_mpi.py", 2, ranks=2), tmp_path)
     assert_same_parameters(states)
     norms = logged(tmp_path)["losses/grad_norm"]

@@ -3,13 +3,10 @@
 is named, and an edit that keeps the promise passes with a wide margin in float64."""
 
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-from tests.helpers import ROOT, clean_env
+from tests.helpers import ROOT, edited_copy, verify
 
 VPG = (ROOT / "vpg_mpi.py").read_text()
 NOT_SCRIPTS = {  # file name, its text, what the one line says, verify's extra flags
@@ -61,24 +58,6 @@ RANK_1_KILLED = [
         "        os.kill(os.getpid(), signal.SIGKILL)\n",
     )
 ]
-
-
-def edited_copy(directory: Path, script: str, edits: list[tuple[str, str]]) -> Path:
-    """`script` copied into `directory` with every (old, new) edit applied; each `old` must occur exactly once, so an
-    edit that no longer applies fails here instead of testing the unmodified script."""
-    directory.mkdir(parents=True, exist_ok=True)
-    source = (ROOT / script).read_text()
-    for old, new in edits:
-        assert source.count(old) == 1, f"{script}: expected {old!r} once"
-        source = source.replace(old, new)
-    (directory / script).write_text(source)
-    return directory / script
-
-
-def verify(copy: Path, *flags: str) -> subprocess.CompletedProcess:
-    """`python -m ddrl.verify COPY` from the copy's folder, as a user runs it after README's install."""
-    command = [sys.executable, "-m", "ddrl.verify", *flags, copy.name]
-    return subprocess.run(command, cwd=copy.parent, env=clean_env(), capture_output=True, text=True, timeout=240)
 
 
 @pytest.mark.parametrize("case", list(NOT_SCRIPTS))
