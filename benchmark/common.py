@@ -133,11 +133,11 @@ def env_spaces(script: str) -> tuple:
         return env.observation_space, env.action_space
 
 
-def agent_of(script: str) -> torch.nn.Module:
-    """The script's Agent for its default env at its default sizes, built as its main builds it from a vector env's
-    spaces (here the env's own), VPG's with its hidden sizes."""
+def agent_of(script: str, root: Path = ROOT) -> torch.nn.Module:
+    """The script's Agent (of checkout `root`) for its default env at its default sizes, built as its main builds it
+    from a vector env's spaces (here the env's own), VPG's with its hidden sizes."""
     spaces = dict(zip(("single_observation_space", "single_action_space"), env_spaces(script), strict=True))
-    module = load_script(script)
+    module = load_script(script, root)
     return module.Agent(types.SimpleNamespace(**spaces), *([module.Args().hidden_sizes] if "vpg" in script else []))
 
 

@@ -13,7 +13,6 @@ minibatches; VPG: one policy step and --train-v-iters value steps).
 import statistics
 import sys
 import time
-import types
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,18 +55,16 @@ def one_update(script: str, root: Path, compiled: bool) -> tuple[Callable[[], ob
     """A call that runs the `root` checkout's update of `script` once on its defaults, and its minibatch steps."""
     module = common.load_script(script, root)
     args = module.Args()
+    module.derive_batch_sizes(args, 1)
     obs_space, action_space = common.env_spaces(script)
     torch.manual_seed(0)
-    spaces = types.SimpleNamespace(single_observation_space=obs_space, single_action_space=action_space)
-    agent = module.Agent(spaces, *([args.hidden_sizes] if "vpg" in script else []))
+    agent = common.agent_of(script, root)
     if "vpg" in script:
-        module.derive_batch_sizes(args, 1)
         policy = [p for name, p in agent.named_parameters() if not name.startswith("critic.")]
         groups = [{"params": policy, "lr": args.pi_lr}, {"params": list(agent.critic.parameters()), "lr": args.vf_lr}]
         optimizer = torch.optim.Adam(groups)
         batch = random_batch(obs_space, action_space, args.local_steps_per_epoch)
         return (lambda: module.update(agent, optimizer, batch, args)), 1 + args.train_v_iters
-    module.derive_batch_sizes(args, 1)
     optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5, fused=True)
     batch = random_batch(obs_space, action_space, args.local_batch_size)
     orders = torch.stack([torch.randperm(args.local_batch_size) for _ in range(args.update_epochs)])
@@ -86,7 +83,7 @@ def step_parts(script: str, rounds: int) -> list[list[str]]:
     module.derive_batch_sizes(args, 1)
     obs_space, action_space = common.env_spaces(script)
     torch.manual_seed(0)
-    agent = module.Agent(types.SimpleNamespace(single_observation_space=obs_space, single_action_space=action_space))
+    agent = common.agent_of(script)
     parameters = list(agent.parameters())
     num_weights = sum(p.numel() for p in parameters)
     optimizer = torch.optim.Adam(parameters, lr=args.learning_rate, eps=1e-5, fused=True)
