@@ -202,9 +202,9 @@ def join_process_group(run: "Run") -> str:
 
 
 def shared_memory_or_gloo(run: "Run") -> str:
-    """Where MPI does not carry them: the world's CPU collectives through a shared-memory segment
-    when every rank is on this node and computes on CPU (--collectives auto or shm), which every
-    rank takes or none; else through gloo. Returns what carries them, for the batch table."""
+    """The path of the world's CPU collectives outside an MPI launch: a shared-memory segment where
+    every rank runs on this node and computes on CPU (--collectives auto or shm), taken by every
+    rank or by none; else gloo. Returns the batch table's name for the path."""
     args = run.args
     if run.world_size == 1:
         problem = "needs 2 or more ranks on one node"

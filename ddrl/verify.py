@@ -37,7 +37,7 @@ from safetensors.torch import load_file, save_file
 from torch.nn.parallel import DistributedDataParallel
 
 from ddrl import one_learner
-from ddrl.failures import first_line, say
+from ddrl.failures import first_line, say, shown
 
 USAGE = "usage: python -m ddrl.verify [--import-timeout SECONDS] SCRIPT.py"
 # the largest weight difference allowed, by the precision the update ran in: in float64 the scripts
@@ -516,10 +516,11 @@ def alike(mine: object, other: object) -> bool:
 
 
 def shown_value(value: object) -> str:
-    """A plain value as a message quotes it: a float in 4 digits, `nothing` where it is missing."""
+    """A plain value as a message quotes it: a float in 4 digits, `nothing` where it is missing,
+    anything else as failures.shown quotes it (cut)."""
     if isinstance(value, float):
         return f"{value:.4g}"
-    return value if value is MISSING else repr(value)
+    return value if value is MISSING else shown(value)
 
 
 # --- inside a run ---------------------------------------------------------------------------------
