@@ -12,6 +12,7 @@ import math
 import operator
 import types
 import weakref
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -31,6 +32,8 @@ RECORDED = (D.Distribution, D.Transform)
 ENTROPY = 2
 # the file name of a derived program, by which a failure in it is traced to the line that failed
 PROGRAM_FILE = "<the Agent's method, derived by ddrl.rollout>"
+# the address of a tensor's memory: what a numpy view of it reads
+DATA_PTR = torch.Tensor.data_ptr
 
 
 # --- tracing the Agent ----------------------------------------------------------------------------
@@ -319,10 +322,28 @@ ACTIVATIONS = {
 }
 
 
+def view_of(holder: dict, name: str) -> np.ndarray:
+    """A numpy view of the tensor `holder[name]`: it shares the tensor's memory (no copy, the same
+    dtype), so it follows every change made in place."""
+    return holder[name].detach().numpy()
+
+
+def holder_of(module: nn.Module, name: str, tensor: torch.Tensor) -> dict:
+    """The dict in which `module` holds `tensor` as `name` (its parameters, buffers or attributes),
+    where a tensor put in its place is found; `{name: tensor}` where none does."""
+    places = (module._parameters, module._buffers, vars(module))
+    return next((place for place in places if name in place), {name: tensor})
+
+
+def layer_parameters(module: nn.Module) -> list[str]:
+    """The names of a layer's own parameters (not None: a Linear's missing bias is)."""
+    return [name for name, value in module._parameters.items() if value is not None]
+
+
 def numpy_layer(module: nn.Module):
     """A leaf module of the Agent as a function of numpy rows, over views of its parameters; None if
     it has none."""
-    params = {name: p.detach().cpu().numpy() for name, p in module.named_parameters(recurse=False)}
+    params = {name: view_of(module._parameters, name) for name in layer_parameters(module)}
     if type(module) is nn.Linear:
         weight = params["weight"].T
         bias = params.get("bias", 0.0)
@@ -536,14 +557,16 @@ def softplus_transform(cache_size: int = 0) -> NumpyTransform:
 
 
 def affine_transform(loc, scale, event_dim: int = 0, cache_size: int = 0) -> NumpyTransform:
-    """loc + scale * x; a Python number stays one, so that float32 rows stay float32."""
+    """loc + scale * x; a Python number stays one, so that float32 rows stay float32. An array's
+    log |scale| is taken at each call, from the view, never kept from when it was built."""
     number = isinstance(scale, int | float)
-    log_abs_scale = math.log(abs(scale)) if number else np.log(np.abs(scale))
+
+    def log_abs_det_jacobian(x, y):
+        log_abs_scale = math.log(abs(scale)) if number else np.log(np.abs(scale))
+        return sum_rightmost(np.broadcast_to(log_abs_scale, x.shape), event_dim)
+
     return NumpyTransform(
-        lambda x: loc + scale * x,
-        lambda y: (y - loc) / scale,
-        lambda x, y: sum_rightmost(np.broadcast_to(log_abs_scale, x.shape), event_dim),
-        event_dim,
+        lambda x: loc + scale * x, lambda y: (y - loc) / scale, log_abs_det_jacobian, event_dim
     )
 
 
@@ -634,6 +657,20 @@ def numpy_transform(transform: D.Transform) -> NumpyTransform | None:
     if holds(arguments, type(None)):  # a part without a numpy version
         return None
     return build(*arguments)
+
+
+def transform_tensors(transform: D.Transform) -> list[tuple[dict, str]]:
+    """(holder, name) of each tensor that a torch transform built of constants holds and its numpy
+    version views: in its attributes, or its parts'."""
+    found = []
+    for name in TRANSFORMS[type(transform)][1]:
+        value = getattr(transform, name)
+        for item in value if isinstance(value, list | tuple) else [value]:
+            if torch.is_tensor(item):
+                found.append((vars(transform) if name in vars(transform) else {name: item}, name))
+            elif isinstance(item, D.Transform):
+                found += transform_tensors(item)
+    return found
 
 
 class NumpyTransformed:
@@ -736,7 +773,10 @@ def program(root: nn.Module, graph: fx.Graph, to_numpy: bool, deterministic: boo
     """The traced method as Python source, run over a namespace of what its nodes call: numpy
     versions (`to_numpy`), or the torch ones themselves; each line ends in a comment naming what
     it calls. The entropy of get_action_and_value is never computed; with `deterministic`, a
-    distribution's `sample()` is its mode. Returns (source, namespace)."""
+    distribution's `sample()` is its mode. Returns (source, namespace, views): `views` lists, for
+    each tensor of the Agent a constant of the namespace is made from (a numpy view of it, a layer
+    or transform over views, or in torch the tensor), (holder, name, key, make), `make()` making
+    that constant anew from `holder[name]`."""
     nodes = list(graph.nodes)
     output = nodes[-1]
     results = output.args[0]
@@ -753,12 +793,19 @@ def program(root: nn.Module, graph: fx.Graph, to_numpy: bool, deterministic: boo
             live.add(node)
             pending.extend(node.all_input_nodes)
     namespace = {}
+    views = []
     names = {}
     lines = ["def method(x):"]
 
     def constant(value) -> str:
         key = f"k{len(namespace)}"
         namespace[key] = value
+        return key
+
+    def viewed(value, make: Callable[[], object], held: list[tuple[dict, str]]) -> str:
+        """The constant `value`, which `make` makes from the tensors `holder[name]` in `held`."""
+        key = constant(value)
+        views.extend((holder, name, key, make) for holder, name in held)
         return key
 
     def render(arg) -> str:
@@ -784,7 +831,8 @@ def program(root: nn.Module, graph: fx.Graph, to_numpy: bool, deterministic: boo
         if to_numpy and isinstance(arg, D.Transform):
             if (transform := numpy_transform(arg)) is None:
                 raise no_numpy_version(f"the transform {type(arg).__name__}", type(arg))
-            return constant(transform)
+            make = functools.partial(numpy_transform, arg)
+            return viewed(transform, make, transform_tensors(arg))
         return constant(arg)
 
     def statement(node: fx.Node, what: str) -> str:
@@ -794,10 +842,13 @@ def program(root: nn.Module, graph: fx.Graph, to_numpy: bool, deterministic: boo
         ]
         if node.op == "call_module":
             module = root.get_submodule(node.target)
-            layer = numpy_layer(module) if to_numpy else module
-            if layer is None:
+            if not to_numpy:
+                return f"{constant(module)}({', '.join(args)})"
+            if (layer := numpy_layer(module)) is None:
                 raise no_numpy_version(what, type(module))
-            return f"{constant(layer)}({', '.join(args)})"
+            held = [(module._parameters, name) for name in layer_parameters(module)]
+            key = viewed(layer, functools.partial(numpy_layer, module), held)
+            return f"{key}({', '.join(args)})"
         if node.op == "call_function":
             target = node.target
             if to_numpy:
@@ -835,8 +886,11 @@ def program(root: nn.Module, graph: fx.Graph, to_numpy: bool, deterministic: boo
             lines.append(f"    {name} = x")
             continue
         if node.op == "get_attr":
-            tensor = operator.attrgetter(node.target)(root)
-            names[node] = constant(tensor.detach().cpu().numpy() if to_numpy else tensor)
+            path, _, attribute = node.target.rpartition(".")
+            owner = root.get_submodule(path)
+            holder = holder_of(owner, attribute, getattr(owner, attribute))
+            make = functools.partial(view_of if to_numpy else operator.getitem, holder, attribute)
+            names[node] = viewed(make(), make, [(holder, attribute)])
             continue
         what = describe(node, root, objects)
         try:
@@ -862,7 +916,7 @@ def program(root: nn.Module, graph: fx.Graph, to_numpy: bool, deterministic: boo
         if isinstance(results, tuple)
         else f"    return {returned[0]}"
     )
-    return "\n".join(lines), namespace
+    return "\n".join(lines), namespace, views
 
 
 def failed(what: str, error: Exception) -> str:
@@ -899,15 +953,48 @@ def compiled(source: str, namespace: dict):
     return scope["method"]
 
 
+class Program:
+    """A derived program, called on the rollout's rows: `program`'s function over constants made
+    from the Agent's tensors, which follow every change made in place. Each call first compares the
+    memory of the tensors the Agent holds with the memory viewed (a microsecond), and makes those
+    constants anew where one was put in another's place (a buffer assigned, `param.data = ...`)."""
+
+    def __init__(self, source: str, namespace: dict, views: list[tuple]):
+        self.method = compiled(source, namespace)
+        self.views = views
+        self.holders = [holder for holder, _, _, _ in views]
+        self.names = [name for _, name, _, _ in views]
+        self.addresses = self.held()
+
+    def held(self) -> list[int] | None:
+        """The address of each viewed tensor's memory, as the Agent holds it now; None where one is
+        gone."""
+        try:
+            return list(map(DATA_PTR, map(dict.get, self.holders, self.names)))
+        except TypeError:  # None in a tensor's place
+            return None
+
+    def view_again(self) -> None:
+        """Every constant made from the Agent's tensors made anew, from those it holds now."""
+        for key, make in {key: make for _, _, key, make in self.views}.items():
+            self.method.__globals__[key] = make()
+        self.addresses = self.held()
+
+    def __call__(self, x):
+        if self.held() != self.addresses:
+            self.view_again()
+        return self.method(x)
+
+
 # --- the rollout's Agent --------------------------------------------------------------------------
 class NumpyAgent:
     """The Agent's get_action_and_value and get_value as numpy programs over views of its
-    parameters, as they are now (a rollout never changes them). Takes and returns numpy arrays; the
-    entropy is never computed (None)."""
+    parameters and buffers, which see the weights as they are at each call. Takes and returns numpy
+    arrays; the entropy is never computed (None)."""
 
     kind = "numpy versions of the Agent's methods"
 
-    def __init__(self, act, value):
+    def __init__(self, act: Program, value: Program):
         self.get_action_and_value = act
         self.get_value = value
 
@@ -919,7 +1006,7 @@ class TorchAgent:
 
     kind = "the Agent's own torch code"
 
-    def __init__(self, agent: nn.Module, act=None):
+    def __init__(self, agent: nn.Module, act: Program | None = None):
         self.agent = agent
         self.act = act or agent.get_action_and_value
         self.device = next(agent.parameters()).device
@@ -971,19 +1058,23 @@ def traced(agent: nn.Module, example: np.ndarray, numpy_layers: bool) -> dict:
 
 
 def numpy_agent(methods: dict, deterministic: bool = False) -> NumpyAgent:
-    """The numpy programs of the traced methods, over views of the Agent's parameters as they are
-    now."""
-    act = compiled(*program(*methods["get_action_and_value"], True, deterministic))
-    value = compiled(*program(*methods["get_value"], True))
+    """The numpy programs of the traced methods, over views of the Agent's parameters and
+    buffers."""
+    act = Program(*program(*methods["get_action_and_value"], True, deterministic))
+    value = Program(*program(*methods["get_value"], True))
     return NumpyAgent(act, value)
 
 
 def derive(
     agent: nn.Module, observation_space, numpy_layers: bool = True, deterministic: bool = False
 ) -> NumpyAgent | TorchAgent:
-    """The rollout's Agent, as the Agent is now: numpy programs derived from its methods, or
-    (without `numpy_layers`, on a GPU, or where something in them has no numpy version) its own
-    torch code. With `deterministic`, actions are each distribution's mode (evaluation)."""
+    """The rollout's Agent: numpy programs derived from its methods, or (without `numpy_layers`, on
+    a GPU, or where something in them has no numpy version) its own torch code. With
+    `deterministic`, actions are each distribution's mode (evaluation). Derived once, before the
+    loop: the programs read the parameters and buffers through numpy views that share their memory,
+    so they follow every in-place change (an optimizer step, copy_, load_state_dict, a broadcast);
+    a tensor the Agent replaces rather than changes is found by its address at the next call and
+    viewed anew, a check of about a microsecond where deriving anew takes a millisecond."""
     example = example_observations(observation_space, 1)
     on_cpu = next(agent.parameters()).device.type == "cpu"
     methods = traced(agent, example, numpy_layers and on_cpu)
@@ -996,7 +1087,7 @@ def derive(
             "--eval-deterministic needs the mode of the Agent's distribution, and "
             f"{methods['reason']}"
         )
-    return TorchAgent(agent, compiled(*program(*methods["get_action_and_value"], False, True)))
+    return TorchAgent(agent, Program(*program(*methods["get_action_and_value"], False, True)))
 
 
 def example_observations(observation_space, count: int) -> np.ndarray:

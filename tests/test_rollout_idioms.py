@@ -195,6 +195,44 @@ def test_the_mode_of_a_written_out_rescale_is_the_rescaled_tanh_of_the_mean(tmp_
     envs.close()
 
 
+def test_a_rollout_derived_once_follows_the_weights_as_training_changes_them(tmp_path):
+    """The scripts derive the rollout's Agent once, before the loop: after a fused Adam step and a statistics update
+    (RunningMeanStd.update's copy_ and +=), as an iteration makes them, and again after a parameter's data and a
+    buffer are put in another's place, it gives the Agent's log-probabilities and values at the new weights."""
+    agent, envs = edited_agent(tmp_path, [])
+    space = envs.single_observation_space
+    cpu = torch.device("cpu")
+    acting = rollout.derive(agent, space)
+    assert acting.kind == FAST
+
+    def follows(earlier: dict) -> dict:
+        """The rollout's probe now, which the Agent gives, where it no longer gives `earlier`'s."""
+        probe = rollout.probe(acting, space, cpu)
+        with torch.no_grad():
+            _, log_prob, _, value = agent.get_action_and_value(probe["obs"], probe["actions"])
+            _, moved, _, _ = agent.get_action_and_value(earlier["obs"], earlier["actions"])
+        assert (moved - earlier["log_probs"]).abs().max() > 0.1  # the weights changed
+        np.testing.assert_allclose(probe["log_probs"], log_prob, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(probe["values"], value.flatten(), rtol=1e-5, atol=1e-5)
+        values = acting.get_value(probe["obs"].numpy()).flatten()
+        np.testing.assert_allclose(values, value.flatten(), rtol=1e-5, atol=1e-5)
+        return probe
+
+    start = rollout.probe(acting, space, cpu)
+    optimizer = torch.optim.Adam(agent.parameters(), lr=0.01, eps=1e-5, fused=True)
+    _, log_prob, _, value = agent.get_action_and_value(start["obs"], start["actions"])
+    (value.square().mean() - log_prob.mean()).backward()
+    optimizer.step()
+    observations = 3.0 * torch.randn(64, space.shape[0], dtype=torch.float64) + 1.0
+    mean = observations.mean(0)
+    agent.obs_rms.update(torch.tensor(64.0, dtype=torch.float64), mean, ((observations - mean) ** 2).sum(0))
+    trained = follows(start)
+    agent.actor_logstd.data = torch.full_like(agent.actor_logstd, -0.5)
+    agent.obs_rms.shift = agent.obs_rms.shift + 0.5
+    follows(trained)
+    envs.close()
+
+
 @pytest.mark.parametrize("edit", list(SLOWER_EDITS))
 def test_a_construct_without_a_numpy_version_is_named_in_one_line(edit, tmp_path, capsys):
     """The rollout runs the Agent's own torch code (which agrees with it) and says so once, however often it is
