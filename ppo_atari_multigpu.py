@@ -509,7 +509,7 @@ def main(args: Args) -> Agent | None:
             finished = {"episodes": 0, "episode_return": 0.0, "episode_length": 0}  # whole games
             for step in range(args.num_steps + 1):
                 acting = step < args.num_steps and not preemption.rollout_preempted(
-                    run, iteration, step
+                    run.world, args, iteration, step
                 )
                 for group, group_envs, games in zip(groups, envs, trackers, strict=True):
                     if step > 0:  # the group's envs stepped while the groups after it acted
@@ -542,7 +542,7 @@ def main(args: Args) -> Agent | None:
                 if not acting:
                     collected = step  # steps per env: all, unless preemption cut the rollout short
                     break
-            preemption.rollout_finished(run, iteration)
+            preemption.rollout_finished(run.world, args, iteration)
             if forced.any():  # their log-probabilities, under the weights that acted
                 score_forced_actions(agent, obs, actions, logprobs, forced)
                 forced[:] = False

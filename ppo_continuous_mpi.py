@@ -455,11 +455,11 @@ def main(args: Args) -> Agent | None:
 
             # --- rollout (the Agent's statistics stay fixed: every rank normalises alike) ---
             rollout_start = time.perf_counter()
-            rollout_agent = rollout.derive(agent, observation_space, args.numpy_rollout)
             finished = {"episodes": 0, "episode_return": 0.0, "episode_length": 0}  # for the log
             collected = args.num_steps  # steps per env: all, unless preemption cuts it short
             for step in range(args.num_steps):
-                if preemption.rollout_preempted(run, iteration, step):  # DD-PPO: most are done
+                # DD-PPO: most ranks are done
+                if preemption.rollout_preempted(run.world, args, iteration, step):
                     collected = step
                     break
                 obs[step] = next_obs
@@ -487,7 +487,7 @@ def main(args: Args) -> Agent | None:
                     if cut.any():  # truncated, not terminated: bootstrap from V(final observation)
                         final_obs = np.stack(info["final_obs"][cut]).astype(np.float32)
                         final_values[step, cut] = rollout_agent.get_value(final_obs).flatten()
-            preemption.rollout_finished(run, iteration)
+            preemption.rollout_finished(run.world, args, iteration)
             rows = slice(collected)  # the rollout's rows
             last_values = rollout_agent.get_value(next_obs.astype(np.float32)).flatten()
             rollout_time = time.perf_counter() - rollout_start
@@ -536,8 +536,11 @@ def main(args: Args) -> Agent | None:
                 losses, sync_time = update(agent, optimizer, batch, args, orders, sizes, loss_fn)
             else:  # --sync gather: rank 0 runs the same update on the union of every rank's batch
                 losses, sync_time = one_learner.update_on_rank0(
-                    update, agent, optimizer, batch, args, orders, sizes, loss_fn
-                )
+                    lambda union, union_orders, union_sizes, group: update(
+                        agent, optimizer, union, args, union_orders, union_sizes, loss_fn, group
+                    ),
+                    agent, batch, orders, sizes,
+                )  # fmt: skip
             update_time = time.perf_counter() - update_start
             # the observation statistics take this rollout in only now: the update saw it as it was
             agent.obs_rms.update(count[0], mean[:obs_dim], m2[:obs_dim])

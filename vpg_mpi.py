@@ -386,7 +386,6 @@ def main(args: Args) -> Agent | None:
 
             # --- rollout ---
             rollout_start = time.perf_counter()
-            rollout_agent = rollout.derive(agent, observation_space, args.numpy_rollout)
             finished = {"episodes": 0, "episode_return": 0.0, "episode_length": 0}  # for the log
             for step in range(args.num_steps):
                 obs[step] = next_obs
@@ -440,7 +439,7 @@ def main(args: Args) -> Agent | None:
                 losses, sync_time = update(agent, optimizer, batch, args)
             else:  # --sync gather: rank 0 runs the same update on the union of every rank's batch
                 losses, sync_time = one_learner.update_on_rank0(
-                    update, agent, optimizer, batch, args
+                    lambda union, group: update(agent, optimizer, union, args, group), agent, batch
                 )
             update_time = time.perf_counter() - update_start
 

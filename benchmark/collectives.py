@@ -4,7 +4,7 @@ take: shared memory (ranks started by torchrun, `--collectives auto`), gloo (tor
 
     python -m benchmark.collectives --out benchmark/results/collectives
 
-Every rank joins the world as a script's Run.start does (launching.join_process_group, whose answer is the batch
+Every rank joins the world as a script's run.start does (launching.join_process_group, whose answer is the batch
 table's collectives row) and times `collectives.reduce_to_all` on its own tensor, back to back, as the MLP scripts'
 gradient allreduce runs once per minibatch; rank r is pinned to the r-th usable core under every launcher. Each call
 counts on the slowest rank; every result is checked against the sum of the ranks' tensors.
@@ -30,7 +30,6 @@ from annotated_types import Ge
 
 from benchmark import common
 from ddrl import collectives, failures, launching, machine
-from ddrl.run import Run
 
 CollectivesPath = Literal["shared memory", "gloo", "MPI"]
 FLAG_OF = {"shared memory": "auto", "gloo": "torch", "MPI": "mpi"}
@@ -57,10 +56,11 @@ def worker(args_dict: dict, path: str, result_path: str) -> None:
     rank 0 write the rows as JSON."""
     args = Args(**args_dict)
     failures.script = "benchmark.collectives"
-    rank, world_size, local_rank, local_world_size = launching.read_launcher_environment()
+    world = launching.read_launcher_environment()
+    rank = world.rank
+    world_size = world.world_size
     flags = dict(backend="", cuda=False, dist_timeout=300.0, torch_threads=1, collectives=FLAG_OF[path])
-    run = Run(types.SimpleNamespace(**flags), __file__, "iteration", rank, world_size, local_rank, local_world_size)
-    carried = launching.join_process_group(run)
+    carried = launching.join_process_group(types.SimpleNamespace(**flags), world)
     rows = []
     for size in args.sizes:
         mine = torch.randn(size, generator=torch.Generator().manual_seed(rank))

@@ -399,7 +399,7 @@ def wait_for_peers(number: int) -> None:
     """Until every rank has published collective `number`: with a core per rank, yield it for
     SPIN_SECONDS, then sleep in pauses that double up to LONGEST_PAUSE. A peer that exited, or one
     that keeps the others waiting past --dist-timeout, raises DistNetworkError, which ends every
-    rank in one line (progress.stop_training)."""
+    rank in one line (Run.stop_on_error)."""
     world = SharedMemoryWorld
     published = world.headers[:, PUBLISHED]
     started = time.monotonic()

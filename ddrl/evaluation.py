@@ -13,7 +13,16 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from ddrl import checkpoints, checks, env_support, failures, machine, rollout, run_folders
+from ddrl import (
+    checkpoint_files,
+    checkpoints,
+    checks,
+    env_support,
+    failures,
+    machine,
+    rollout,
+    run_folders,
+)
 from ddrl.failures import fail
 
 
@@ -79,12 +88,12 @@ def evaluate_checkpoint(
     )
     with torch.device("meta"):  # sizes only: nothing allocated
         shapes = build_agent(agent_class, envs, saved)
-    found = checkpoints.read(path, "")[1]
+    found = checkpoint_files.read(path, "")[1]
     wanted = {
         f"model.{name}": (tuple(tensor.shape), tensor.dtype)
         for name, tensor in shapes.state_dict().items()
     }
-    if faults := checkpoints.misfits(found, wanted, "model."):
+    if faults := checkpoint_files.misfits(found, wanted, "model."):
         fail(
             f"{path}, written by {checkpoints.writer_of(header)}: its weights do not fit this "
             f"{agent_class.__name__} ({faults}): undo the Agent's edit, or use the script that "
@@ -109,3 +118,15 @@ def evaluate_checkpoint(
         f"eval: episodes={len(returns)} return_mean={np.mean(returns):.2f} "
         f"return_std={np.std(returns):.2f}"
     )
+
+
+def film(agent: nn.Module, make_env: Callable, args, video_folder: str) -> str:
+    """--capture-video after training: rank 0 plays evaluation episodes into `video_folder` with one
+    env from `make_env(args, video_folder)`. Returns why it could not film ('' if it did)."""
+    if unfit := run_folders.folder_problem(video_folder, make=True):
+        return f"trained, but could not film into {video_folder}: {unfit}"
+    envs = gym.vector.SyncVectorEnv(
+        [make_env(args, video_folder)], autoreset_mode=gym.vector.AutoresetMode.SAME_STEP
+    )
+    play(agent, envs, args)
+    return ""

@@ -4,6 +4,7 @@ flag's rule is enforced. A rule is written beside its flag as annotated-types ma
 and every violation is one line naming the flag."""
 
 import json
+import os
 from dataclasses import asdict, dataclass
 from functools import cache
 from typing import Annotated, Literal
@@ -12,7 +13,6 @@ import pydantic
 import torch.distributed as dist
 from annotated_types import Ge, Interval
 
-from ddrl import run_folders
 from ddrl.failures import shown
 
 Finite = pydantic.AllowInfNan(False)
@@ -31,12 +31,23 @@ TRAINING_ONLY = ("resume", "run_name", "checkpoint_every", "save_model", "track"
 
 def one_folder_name(name: str) -> str:
     """--run-name's rule: empty (the default name), or one folder name right below runs/."""
-    if name and not run_folders.is_one_folder(name):
+    if name and not is_one_folder(name):
         raise ValueError(
             "is not one folder name below runs/: use printable characters without '/' or '\\', "
             "not '.' or '..', at most 200 bytes"
         )
     return name
+
+
+def is_one_folder(name: str) -> bool:
+    """Whether `name` names one folder right below runs/, never a path elsewhere."""
+    separators = {"/", "\\", os.sep, os.altsep or "/"}
+    return (
+        name not in (".", "..")
+        and name.isprintable()
+        and len(name.encode()) <= 200
+        and not separators & set(name)
+    )
 
 
 FolderName = pydantic.AfterValidator(one_folder_name)

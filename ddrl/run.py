@@ -7,26 +7,29 @@
     run.checkpoint(iteration, global_step, agent=agent, optimizer=optimizer)
     run.finish(agent, stopped, make_env)  # model file, videos, the group left, the folder let go
 
-The methods are short: each hands the Run to the module that holds its concern (launching,
-checkpoints, run_folders, progress, stopping), so each part reads on its own."""
+The Run composes the run's parts and is the only module that knows them all: each part keeps its
+own state in an object of its module (the World of launching, the RunFolder of run_folders, the
+Resumption of checkpoints, the Progress of progress, the StopRequest of stopping), and each method
+hands plain values to the part it calls."""
 
 from __future__ import annotations
 
+import gc
 import os
+import re
 import signal
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import IO, NoReturn
+from typing import NoReturn
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 from ddrl import (
     checkpoints,
     checks,
+    evaluation,
     failures,
     flags,
     launching,
@@ -35,47 +38,56 @@ from ddrl import (
     run_folders,
     stopping,
 )
-from ddrl.failures import fail
+from ddrl.failures import NonFiniteError, fail
+
+# words of the errors a lost or stalled peer raises in a collective
+LOST_PEER = ("gloo", "NCCL", "Connection closed", "Connection reset", "Timed out", "timed out")
 
 
 @dataclass
 class Run:
-    """What the runtime keeps of one run on each rank, and the calls of its life."""
+    """One run on this rank: its flags and script, and the state of each of its parts."""
 
     args: object  # the script's Args
     script: str  # the script's path, as launched
-    unit: str  # what the progress line and messages call an iteration ("epoch" in VPG)
-    rank: int  # this rank's place in the world, from the launcher's variables
-    world_size: int
-    local_rank: int
-    local_world_size: int
-    device: torch.device = torch.device("cpu")
-    # the cores idle at start, per rank of this node: the default torch and env threads
-    cores: int = 1
-    # the process group's key-value store (rollout preemption counts in it)
-    store: dist.Store | None = None
-    collectives: str = ""  # what carries the CPU collectives, for the batch table
-    name: str = ""  # the run folder's name below runs/
-    lock: IO | None = None  # rank 0's open run.lock, locked for the run's life (run_folders)
-    # the header of the checkpoint to resume, read and checked by start
-    resumed_from: dict | None = None
-    restarts: int = 0  # earlier attempts of this run (resumed or restarted)
-    # envs seeded by earlier attempts: this attempt's env g is seeded as env first + g
-    first_env_index: int = 0
+    world: launching.World  # this rank's place in the launch and the process group's
+    folder: run_folders.RunFolder = field(default_factory=run_folders.RunFolder)
+    resumption: checkpoints.Resumption = field(default_factory=checkpoints.Resumption)
+    progress: progress.Progress = field(default_factory=lambda: progress.Progress("iteration"))
+    stop: stopping.StopRequest = field(default_factory=stopping.StopRequest)
     total_steps: int = 0  # the world's env steps to train
-    start_step: int = 0  # the world's env steps when this attempt began
-    resumed_iteration: int = 0
-    iteration: int = 0  # the last iteration logged
-    global_step: int = 0  # the world's env steps at the last iteration logged
-    # why this rank asks every rank to stop after this iteration (SIGTERM, Ctrl-C, ...)
-    stop_requested: str = ""
-    writer: object = None  # rank 0's TensorBoard SummaryWriter, opened at the first log
-    wandb_run: object = None
-    launched_at: float = field(default_factory=time.time)
-    train_start: float = 0.0
-    load_since: np.ndarray | None = None  # machine.load_sample() at the last progress line
-    oversubscribed: bool = False  # the oversubscription warning was printed
-    last_return: str = "n/a"  # the last progress line's return, for the summary
+
+    @property
+    def rank(self) -> int:
+        return self.world.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.world.world_size
+
+    @property
+    def device(self) -> torch.device:
+        return self.world.device
+
+    @property
+    def cores(self) -> int:
+        """The cores idle at start, per rank of this node: the default torch and env threads."""
+        return self.world.cores
+
+    @property
+    def name(self) -> str:
+        """The run folder's name below runs/."""
+        return self.folder.name
+
+    @property
+    def first_env_index(self) -> int:
+        """Envs seeded by earlier attempts: this attempt's env g is seeded as env first + g."""
+        return self.resumption.envs_seeded
+
+    @property
+    def stop_requested(self) -> str:
+        """Why this rank asks every rank to stop after this iteration ('' if nothing asks)."""
+        return self.stop.reason
 
     def start(
         self,
@@ -91,67 +103,58 @@ class Run:
         from here on SIGTERM and Ctrl-C ask every rank to stop after the iteration."""
         self.total_steps = total_steps
         rollout_bytes, sized_by = memory
-        if problem := machine.memory_problem(rollout_bytes, sized_by, self.local_world_size):
+        if problem := machine.memory_problem(rollout_bytes, sized_by, self.world.local_world_size):
             fail(problem)
-        self.name, self.resumed_from = checkpoints.find_run_to_resume(self.args, total_steps)
-        if self.resumed_from:
-            self.resumed_iteration = self.resumed_from["iteration"]
-            # at most the bound a file is read with: what this attempt writes, the next one reads
-            self.restarts = min(self.resumed_from["restarts"] + 1, checkpoints.MAX_RESTARTS)
-            self.first_env_index = self.resumed_from["envs_seeded"]
-        seeds = checkpoints.env_seeds_problem(
-            self.args, self.world_size, self.first_env_index, self.name
-        )
-        if seeds:
+        name, self.resumption = checkpoints.find_run_to_resume(self.args, total_steps)
+        envs_seeded = self.resumption.envs_seeded
+        if seeds := checkpoints.env_seeds_problem(self.args, self.world_size, envs_seeded, name):
             fail(seeds)
-        self.collectives = launching.join_process_group(self)
-        launching.check_same_command(self)
+        launching.join_process_group(self.args, self.world)
+        resumed_iteration = self.resumption.iteration
+        launching.check_same_command(self.script, self.args, resumed_iteration, self.device)
         # rank 0 finds every path the run writes in its folder fit (no link) before the first
         # iteration, and tells every rank
-        run_folders.create_run_folder(
-            self, resumed=self.resumed_from is not None or checks.restart_count() > 0
-        )
+        resumed = self.resumption.header is not None or checks.restart_count() > 0
+        device = self.device
+        self.folder = run_folders.create_run_folder(self.args, name, self.rank, device, resumed)
         if self.rank == 0:
             lines = [f"{'':18}{'per rank':>12}{'world':>12}"]
             lines += [f"{row:18}{local!s:>12}{world!s:>12}" for row, local, world in batch_table]
             lines.append(f"{'memory':18}{machine.size(rollout_bytes):>12}{'':>12}")
-            lines.append(f"{'collectives':18}{self.collectives:>24}")
+            lines.append(f"{'collectives':18}{self.world.collectives:>24}")
             lines.append(f"{'run folder':18}{'runs/' + self.name:>24}")
             failures.tell("\n".join(lines))
-        stopping.arm(self)
+        self.stop = stopping.StopRequest(self.name)
+        stopping.arm(self.stop)
 
     def resume(self, **states) -> tuple[int, int]:
         """Load the checkpoint start found into `states` (the Agent under any name, the optimizers
         by name; this rank's random streams too), each compared with what this run built before any
         of it loads; nothing else. Returns the iteration and the world's env steps reached (0, 0 for
         a new run)."""
-        header = self.resumed_from
+        header = self.resumption.header
         if header:
             checkpoints.load_training_state(header["path"], header, self.rank, states)
             if self.rank == 0:
-                failures.tell(
-                    "resuming from "
-                    f"{header['path']}{checkpoints.world_change(header, self.world_size)}"
-                )
-        self.start_step = header["global_step"] if header else 0
-        self.train_start = time.time()
-        self.load_since = machine.load_sample()
-        return self.resumed_iteration, self.start_step
+                change = checkpoints.world_change(header, self.world_size)
+                failures.tell(f"resuming from {header['path']}{change}")
+        iteration = self.resumption.iteration
+        global_step = self.resumption.global_step
+        progress.start_clock(self.progress, self.total_steps, iteration, global_step, bool(header))
+        return iteration, global_step
 
     def log(
         self, iteration: int, global_step: int, totals: dict[str, float], scalars: dict[str, float]
     ) -> None:
         """Rank 0: the episodes that ended on any rank (`totals`: episodes, episode_return,
         episode_length, summed over ranks), SPS and `scalars` to TensorBoard at `global_step`, and
-        the progress line."""
-        self.iteration = iteration
-        self.global_step = global_step
-        if self.rank == 0 and self.writer is None:
-            resumed_step = self.resumed_from["global_step"] if self.resumed_from else None
-            self.writer, self.wandb_run = run_folders.open_tensorboard(
-                self.args, self.name, resumed_step
-            )
-        progress.log_iteration(self, iteration, global_step, totals, scalars)
+        the progress line; an output closed under it (`| head`) ends the run as a stop request
+        would, with a checkpoint."""
+        place = {"args": self.args, "name": self.name, "rank": self.rank, "cores": self.cores}
+        if not progress.log_iteration(
+            self.progress, iteration, global_step, totals, scalars, **place
+        ):
+            stopping.request(self.stop, "a closed output")
 
     def check_in_sync(
         self, iteration: int, agent: torch.nn.Module, *optimizers: torch.optim.Optimizer
@@ -161,7 +164,7 @@ class Run:
         (checks.check_in_sync)."""
         every = self.args.check_sync_every
         if every and (iteration - 1) % every == 0:
-            checks.check_in_sync(iteration, self.unit, agent, *optimizers, args=self.args)
+            checks.check_in_sync(iteration, self.progress.unit, agent, *optimizers, args=self.args)
 
     def checkpoint_due(self, iteration: int, stopping: bool) -> bool:
         """Whether this iteration ends with a checkpoint: every --checkpoint-every iterations, and
@@ -171,9 +174,17 @@ class Run:
 
     def checkpoint(self, iteration: int, global_step: int, **states) -> None:
         """Write the checkpoint of `iteration` (rank 0, atomically; every rank's random streams in
-        it): `states` are the Agent (under any name) and the optimizers, by the names resume() loads
-        them by."""
-        checkpoints.save(self, iteration, global_step, **states)
+        it) and TensorBoard's events so far: `states` are the Agent (under any name) and the
+        optimizers, by the names resume() loads them by. A write that fails stops every rank in one
+        line naming the last good checkpoint."""
+        place = (self.world.store, self.rank, self.world_size, self.name)
+        written = (self.args, self.resumption, iteration, global_step, states)
+        path, problem = checkpoints.save(*place, *written)
+        if self.rank == 0 and not problem:
+            problem = progress.flush_writer(self.progress, self.name)
+        checkpoints.stop_if_unwritten(*place, path, problem, "then --resume")
+        if self.rank == 0:
+            failures.tell(f"checkpoint saved to {path}")
 
     def finish(
         self, agent: torch.nn.Module, stopped: bool, make_env: Callable | None = None
@@ -182,13 +193,63 @@ class Run:
         (--save-model) and films evaluation episodes (--capture-video, with envs from
         `make_env(args, video_folder)`); every rank leaves the process group; rank 0 lets the run
         folder go (finished, or to be resumed) and sums the run up in one line."""
-        progress.finish(self, agent, stopped, make_env)
+        args = self.args
+        folder = f"runs/{self.name}"
+        path = checkpoints.model_path(self.name)
+        saved = ""  # the summary's mention of the model file
+        problem = ""  # rank 0's: what it could not write, which stops every rank
+        fix = "then write it with --resume --save-model"
+        if self.rank == 0 and stopped:
+            reason = self.stop.reason or "SIGTERM or Ctrl-C on another rank"
+            failures.tell(
+                f"stopped by {reason} at {self.progress.unit} {self.progress.iteration}; continue "
+                f"with --resume --run-name {self.name}"
+            )
+        if self.rank == 0:
+            if args.save_model and not stopped:
+                written = checkpoints.write_model(path, args, agent)
+                problem = f"trained, but {written}" if written else ""
+                saved = "" if written else f", model {path}"
+            if args.capture_video and not stopped and make_env is not None and not problem:
+                problem = evaluation.film(agent, make_env, args, f"{folder}/videos")
+                fix = "then film it with --resume --capture-video" if problem else fix
+            progress.close_writer(self.progress)
+        place = (self.world.store, self.rank, self.world_size, self.name)
+        checkpoints.stop_if_unwritten(*place, path, problem, fix)
+        dist.barrier()  # every rank leaves the group together
+        stopping.disarm()
+        dist.destroy_process_group()
+        # free gloo's worker threads now: left to interpreter shutdown they can abort the process
+        gc.collect()
+        run_folders.release_run_folder(self.folder, finished=not stopped)
+        if self.rank == 0:
+            saved += f"; continue with --resume --run-name {self.name}" if stopped else ""
+            failures.tell(progress.summary(self.progress, stopped, folder) + saved)
 
     def stop_on_error(self, error: Exception, nonfinite_fix: str) -> NoReturn:
         """End training on an error every rank met alike, in one line: a non-finite loss or gradient
-        (no rank applied that step; `nonfinite_fix` says what to try) or a lost peer. Anything else
-        is a bug: raised as is."""
-        progress.stop_training(self, self.iteration + 1, error, nonfinite_fix)
+        (no rank applied that step; `nonfinite_fix` says what to try) or a lost peer (each rank says
+        so). Anything else is a bug: raised as is."""
+        unit = self.progress.unit
+        iteration = self.progress.iteration + 1
+        if isinstance(error, NonFiniteError):
+            fail(
+                f"non-finite loss or gradient at {unit} {iteration}: every rank stopped before "
+                f"applying that step, earlier steps of the {unit} stand "
+                f"({checkpoints.last_good_checkpoint(self.name)}); {nonfinite_fix}, then --resume"
+            )
+        lost = isinstance(error, dist.DistError) or any(word in str(error) for word in LOST_PEER)
+        if not lost:
+            raise error
+        reason = re.sub(
+            r"^\[[^\]]*\]\s*", "", (str(error) or type(error).__name__).splitlines()[0]
+        ).split(". ")[0]
+        fail(
+            f"lost contact with another rank ({reason}): it died, or stalled longer than "
+            f"--dist-timeout {self.args.dist_timeout:g} s; see its log, then resume with --resume "
+            f"--run-name {self.name}",
+            every_rank=True,
+        )
 
 
 def launch(args, unit: str = "iteration") -> Run:
@@ -212,14 +273,14 @@ def launch(args, unit: str = "iteration") -> Run:
     if args.capture_video and "MUJOCO_GL" not in os.environ and not os.environ.get("DISPLAY"):
         # headless: MuJoCo's GPU-or-CPU EGL renderer, read when mujoco loads
         os.environ["MUJOCO_GL"] = "egl"
-    rank, world_size, local_rank, local_world_size = launching.read_launcher_environment()
+    world = launching.read_launcher_environment()
     # a new run's env seeds, before --nprocs launches its ranks (Run.start adds earlier attempts')
-    ranks = args.nprocs if world_size == 1 else world_size
+    ranks = args.nprocs if world.world_size == 1 else world.world_size
     evaluated = args.eval_checkpoint is not None  # one env, seeded with --seed
     seeds = "" if evaluated else checkpoints.env_seeds_problem(args, ranks, 0, args.run_name)
     if seeds:
         fail(seeds)
-    run = Run(args, script, unit, rank, world_size, local_rank, local_world_size)
-    if args.nprocs > 1 and world_size == 1:
+    run = Run(args, script, world, progress=progress.Progress(unit))
+    if args.nprocs > 1 and world.world_size == 1:
         launching.relaunch_as_ranks(args, script)
     return run

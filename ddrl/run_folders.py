@@ -1,8 +1,7 @@
 """Run folders: runs/NAME, one folder name below runs/, created by rank 0 exclusively so that no run
 writes into another's, and locked by it for the run's life so that no two launches train one run;
-its TensorBoard writer (and Weights and Biases run, with --track)."""
-
-from __future__ import annotations
+its TensorBoard writer (and Weights and Biases run, with --track). The folder's name and held lock
+are its `RunFolder`."""
 
 import contextlib
 import errno
@@ -14,20 +13,28 @@ import socket
 import stat
 import tempfile
 import time
-from dataclasses import asdict
-from typing import IO, TYPE_CHECKING
+from dataclasses import asdict, dataclass
+from typing import IO
+
+import torch
 
 from ddrl import collectives
 from ddrl.failures import fail
-
-if TYPE_CHECKING:
-    from ddrl.run import Run
 
 LOCK_FILE = "run.lock"  # in every run folder: locked by the run's rank 0, and who holds it
 # what else a run writes in its folder, besides TensorBoard's events (their names end in a random
 # suffix): each a real folder, or a file written beside its place and renamed over it
 WRITTEN_FOLDERS = ("checkpoints", "videos")
 MODEL_FILE = "model.safetensors"
+
+
+@dataclass
+class RunFolder:
+    """The run's folder below runs/ (its name; '' until known) and, on rank 0 from the folder's
+    creation to the run's end, its open run.lock, locked."""
+
+    name: str = ""
+    lock: IO | None = None
 
 
 def refuse_link(path: str) -> None:
@@ -84,42 +91,30 @@ def run_folder_problem(name: str, save_model: bool) -> str:
     return ""
 
 
-def is_one_folder(name: str) -> bool:
-    """Whether `name` names one folder right below runs/, never a path elsewhere."""
-    separators = {"/", "\\", os.sep, os.altsep or "/"}
-    return (
-        name not in (".", "..")
-        and name.isprintable()
-        and len(name.encode()) <= 200
-        and not separators & set(name)
-    )
-
-
-def create_run_folder(run: Run, resumed: bool) -> None:
-    """The run's name, on every rank (run.name: the name given, or a default from rank 0's clock,
-    suffixed where taken): rank 0 creates its folder (`resumed`: finds it), finds every path the
-    run writes there fit (run_folder_problem) and locks it for the run's life (run.lock); every
-    rank stops with rank 0's one line if it could not."""
-    args = run.args
+def create_run_folder(args, name: str, rank: int, device: torch.device, resumed: bool) -> RunFolder:
+    """The run's folder, on every rank: `name` (the name given or resumed), or a default from rank
+    0's clock, suffixed where taken. Rank 0 creates it (`resumed`: finds it), finds every path the
+    run writes there fit (run_folder_problem) and locks it for the run's life; every rank stops with
+    rank 0's one line if it could not."""
+    folder = RunFolder()
     default_name = f"{args.env_id.replace('/', '-')}__{args.exp_name}__{args.seed}__"
     start_time = int(time.time())
     suffix = 0
     problem = ""
-    if run.rank == 0:
-        suffix, problem = make_run_folder(
-            run.name or f"{default_name}{start_time}", not run.name, resumed
-        )
-        name = (run.name or f"{default_name}{start_time}") + (f"-{suffix}" if suffix else "")
+    if rank == 0:
+        suffix, problem = make_run_folder(name or f"{default_name}{start_time}", not name, resumed)
+        made = (name or f"{default_name}{start_time}") + (f"-{suffix}" if suffix else "")
         if not problem:
-            problem = run_folder_problem(name, args.save_model)
+            problem = run_folder_problem(made, args.save_model)
         if not problem:
-            run.lock, problem = lock_run_folder(name)
+            folder.lock, problem = lock_run_folder(made)
     start_time, suffix, failed = collectives.gather_ints_to_all(
-        [start_time, suffix, len(problem)], run.device
+        [start_time, suffix, len(problem)], device
     )[0].tolist()
     if failed:
         fail(problem)
-    run.name = (run.name or f"{default_name}{start_time}") + (f"-{suffix}" if suffix else "")
+    folder.name = (name or f"{default_name}{start_time}") + (f"-{suffix}" if suffix else "")
+    return folder
 
 
 def lock_run_folder(name: str) -> tuple[IO | None, str]:
@@ -182,14 +177,14 @@ def write_lock_record(lock: IO, finished: bool) -> None:
     lock.flush()
 
 
-def release_run_folder(run: Run, finished: bool) -> None:
+def release_run_folder(folder: RunFolder, finished: bool) -> None:
     """Rank 0 marks the run finished (or not: stopped, it can be resumed) and lets its folder go."""
-    if run.lock is None:
+    if folder.lock is None:
         return
     with contextlib.suppress(OSError):
-        write_lock_record(run.lock, finished)
-    run.lock.close()
-    run.lock = None
+        write_lock_record(folder.lock, finished)
+    folder.lock.close()
+    folder.lock = None
 
 
 def make_run_folder(name: str, suffixed: bool, resumed: bool) -> tuple[int, str]:

@@ -1,36 +1,39 @@
 """Stopping a run on purpose: SIGTERM (a scheduler's preemption), Ctrl-C and a console that went
 away each ask every rank to stop after the current iteration, with a checkpoint; a second Ctrl-C
-stops at once."""
-
-from __future__ import annotations
+stops at once. This rank's request is its `StopRequest`."""
 
 import os
 import signal
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 from ddrl import failures
 
-if TYPE_CHECKING:
-    from ddrl.run import Run
+
+@dataclass
+class StopRequest:
+    """Why this rank asks every rank to stop after this iteration ('' while nothing asks), which
+    the iteration's sum over ranks reads; `run_name` is the folder a second Ctrl-C names."""
+
+    run_name: str = ""
+    reason: str = ""
 
 
-def arm(run: Run) -> None:
-    """From here on SIGTERM and Ctrl-C (SIGINT) set run.stop_requested, which the iteration's sum
-    over ranks reads."""
-    signal.signal(signal.SIGTERM, lambda signum, frame: request(run, "SIGTERM"))
-    signal.signal(signal.SIGINT, lambda signum, frame: request(run, "Ctrl-C"))
+def arm(stop: StopRequest) -> None:
+    """From here on SIGTERM and Ctrl-C (SIGINT) set `stop`'s reason."""
+    signal.signal(signal.SIGTERM, lambda signum, frame: request(stop, "SIGTERM"))
+    signal.signal(signal.SIGINT, lambda signum, frame: request(stop, "Ctrl-C"))
 
 
-def request(run: Run, reason: str) -> None:
+def request(stop: StopRequest, reason: str) -> None:
     """Ask every rank to stop after this iteration; a second Ctrl-C stops this process at once, in
     one line."""
-    if reason == "Ctrl-C" and run.stop_requested:
+    if reason == "Ctrl-C" and stop.reason:
         failures.say(
             f"{failures.script}: stopped at once by a second Ctrl-C; continue from the run's last "
-            f"checkpoint with --resume --run-name {run.name}"
+            f"checkpoint with --resume --run-name {stop.run_name}"
         )
         os._exit(130)  # at once: no checkpoint, no teardown that could wait on other ranks
-    run.stop_requested = run.stop_requested or reason
+    stop.reason = stop.reason or reason
 
 
 def disarm() -> None:

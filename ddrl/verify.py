@@ -17,6 +17,7 @@ one line naming the mode and what differs. The runs go in a temporary folder; no
 beside the script."""
 
 import dataclasses
+import functools
 import importlib.util
 import inspect
 import json
@@ -539,10 +540,10 @@ def worker(mode: str, script: str, work: str, precision: str) -> int:
         args = module.Args(**flags)
         if mode == "gather":
             one_learner.update_on_rank0 = gathered_update(
-                one_learner.update_on_rank0, module.update, args, work, precision
+                one_learner.update_on_rank0, module, args, work, precision
             )
         else:
-            module.update = replaced_update(module.update, mode, args, work, precision)
+            module.update = replaced_update(module, mode, args, work, precision)
         module.main(args)
     except Stop:
         sys.stdout.flush()
@@ -556,37 +557,56 @@ def worker(mode: str, script: str, work: str, precision: str) -> int:
     return 1
 
 
-def replaced_update(update, mode: str, args, work: Path, precision: str):
-    """The script's update, called as main calls it, on verify's batch and minibatches (worker)."""
+def replaced_update(script, mode: str, args, work: Path, precision: str):
+    """The script's update, called as main calls it, on verify's batch and minibatches (worker):
+    its arguments bound to its signature, so that verify finds them by name."""
+    update = script.update
 
     def verify_update(*arguments, **options):
-        bound = prepared(update, arguments, options, mode, args, work, precision)
+        bound = inspect.signature(update).bind(*arguments, **options)
+        model = model_of(bound.arguments)
+        prepared(bound.arguments, model, script, mode, args, work, precision)
         try:
             result = update(*bound.args, **bound.kwargs)
         except Exception as error:
             note_failure(error, mode, work, precision)
             raise
-        finish(bound, mode, args, work)
+        finish(bound.arguments, model, mode, args, work)
         return result
 
     return verify_update
 
 
-def gathered_update(update_on_rank0, update, args, work: Path, precision: str):
+def gathered_update(update_on_rank0, script, args, work: Path, precision: str):
     """one_learner.update_on_rank0, called as main calls it, on verify's batch and minibatches (see
-    worker)."""
+    worker). The optimizers (and any other module) are the ones the update it is handed holds."""
 
-    def verify_update_on_rank0(script_update, *arguments):
-        bound = prepared(update, arguments, {}, "gather", args, work, precision)
+    def verify_update_on_rank0(update_union, model, batch, orders=None, sizes=None):
+        called = {"model": model, "batch": batch}
+        if orders is not None:
+            called |= {"orders": orders, "sizes": sizes}
+        called |= {f"held {index}": value for index, value in enumerate(held_by(update_union))}
+        prepared(called, model, script, "gather", args, work, precision)
+        data = [called["batch"], called.get("orders"), called.get("sizes")]
         try:
-            result = update_on_rank0(script_update, *bound.args)
+            result = update_on_rank0(update_union, model, *data)
         except Exception as error:
             note_failure(error, "gather", work, precision)
             raise
-        finish(bound, "gather", args, work)
+        finish(called, model, "gather", args, work)
         return result
 
     return verify_update_on_rank0
+
+
+def held_by(update_union) -> list:
+    """What the update main hands one_learner.update_on_rank0 holds: a lambda's (or a nested
+    function's) variables of main (its Agent, optimizer, args, ...), a partial's arguments."""
+    if isinstance(update_union, functools.partial):
+        return [*held_by(update_union.func), *update_union.args, *update_union.keywords.values()]
+    if inspect.isfunction(update_union):
+        return list(inspect.getclosurevars(update_union).nonlocals.values())
+    return []
 
 
 def note_failure(error: Exception, mode: str, work: Path, precision: str) -> None:
@@ -597,15 +617,15 @@ def note_failure(error: Exception, mode: str, work: Path, precision: str) -> Non
         (work / f"{name}.float64").write_text(f"{type(error).__name__}: {first_line(error)}")
 
 
-def prepared(update, arguments: tuple, options: dict, mode: str, args, work: Path, precision: str):
-    """The update's arguments, bound to its signature, with verify's batch, orders and sizes, the
-    reference's buffers (the data's statistics) at two ranks, and everything in `precision`. What
-    the rank set itself up with is recorded first and kept: its weights, its optimizer's options
-    and learning rates, the numbers in its args."""
-    bound = inspect.signature(update).bind(*arguments, **options)
-    called = bound.arguments
+def prepared(
+    called: dict, module: nn.Module, script, mode: str, args, work: Path, precision: str
+) -> None:
+    """The update's values by name (`called`: its batch, orders and sizes, optimizers, modules)
+    made verify's, in place: verify's batch, orders and sizes, the reference's buffers (the data's
+    statistics) in `module` at two ranks, and everything in `precision`. What the rank set itself
+    up with is recorded first and kept: its weights, its optimizer's options and learning rates,
+    the numbers in its args."""
     batch = called["batch"]
-    module = model_of(called)
     optimizers = [value for value in called.values() if isinstance(value, torch.optim.Optimizer)]
     takes_orders = "orders" in called
     rank = int(os.environ.get("RANK", "0"))
@@ -656,7 +676,7 @@ def prepared(update, arguments: tuple, options: dict, mode: str, args, work: Pat
         orders = load_file(work / "orders.safetensors")
         rank_orders = [orders[f"orders.{r}"] for r in range(2)]
         # the script's own
-        sizes = sys.modules[update.__module__].minibatch_sizes(shares, called["sizes"].shape[1])
+        sizes = script.minibatch_sizes(shares, called["sizes"].shape[1])
     if mode == "reference" and takes_orders:
         called["orders"] = one_learner.union_orders(rank_orders, sizes).to(called["orders"].device)
         called["sizes"] = sizes.sum(0)[None]
@@ -668,7 +688,6 @@ def prepared(update, arguments: tuple, options: dict, mode: str, args, work: Pat
             called["sizes"] = sizes
         take_buffers(module, load_file(work / "reference.0.before.safetensors"))
     called["batch"] = in_precision(called, batch, precision)
-    return bound
 
 
 def take_buffers(module: nn.Module, reference: dict[str, torch.Tensor]) -> None:
@@ -755,14 +774,14 @@ def state(module: nn.Module) -> dict[str, torch.Tensor]:
     }
 
 
-def finish(bound, mode: str, args, work: Path) -> None:
-    """Write the state the update ended with, the optimizer's options and the numbers in args
-    after it, and end the run."""
+def finish(called: dict, module: nn.Module, mode: str, args, work: Path) -> None:
+    """Write the state `module` ended the update with, the optimizer's options and the numbers in
+    args after it, and end the run."""
     name = f"{mode}.{os.environ.get('RANK', '0')}"
-    optimizers = [v for v in bound.arguments.values() if isinstance(v, torch.optim.Optimizer)]
+    optimizers = [v for v in called.values() if isinstance(v, torch.optim.Optimizer)]
     record = {"options after": options_of(optimizers), "args after": plain_fields(args)}
     (work / f"{name}.finish.json").write_text(json.dumps(record))
-    save_file(state(model_of(bound.arguments)), work / f"{name}.after.safetensors")
+    save_file(state(module), work / f"{name}.after.safetensors")
     raise Stop
 
 

@@ -333,3 +333,155 @@ def test_no_top_level_name_is_one_of_torch_or_gymnasium(path):
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
             names.update(target.id for target in targets if isinstance(target, ast.Name))
     assert not {name: taken[name] for name in names if name in taken}
+
+
+def package_reached_in_one_iteration(script: str, root: Path = ROOT) -> dict[str, int]:
+    """The ddrl definitions one iteration of `script`'s loop reaches, with each one's lines: a static walk from main's
+    loop that follows the script's own definitions (as reached_in_one_iteration does) and every name into the
+    package: `module.name`, a name imported from a ddrl module or defined in the module it is used in, `run.method`
+    (the Run), `self.method` (the enclosing class), a class built (its __init__, __post_init__ and forward), and a
+    method called on a name assigned from a package call, for the package classes that call's return annotation
+    names. A method inside a counted class is not counted twice."""
+    trees = {path.stem: tree_of(path) for path in sorted((root / "ddrl").glob("*.py")) if path.stem != "__init__"}
+    trees["<script>"] = tree_of(root / script)
+    found = {}  # (module, "name" or "Class.method") -> node
+    scopes = {}  # module -> {name used there: (module, name) or ("<module>", module)}
+    for module, tree in trees.items():
+        scope = {}
+        for node in tree.body:
+            if isinstance(node, ast.FunctionDef | ast.ClassDef):
+                found[(module, node.name)] = node
+                scope[node.name] = (module, node.name)
+            for item in node.body if isinstance(node, ast.ClassDef) else []:
+                if isinstance(item, ast.FunctionDef):
+                    found[(module, f"{node.name}.{item.name}")] = item
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module == "ddrl":
+                scope |= {alias.asname or alias.name: ("<module>", alias.name) for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("ddrl."):
+                imported = node.module.split(".")[1]
+                scope |= {alias.asname or alias.name: (imported, alias.name) for alias in node.names}
+        scopes[module] = scope
+
+    def built(key: tuple[str, str]) -> list[tuple[str, str]]:
+        node = found.get(key)
+        if not isinstance(node, ast.ClassDef):
+            return [key] if key in found else []
+        return [(key[0], f"{key[1]}.{item}") for item in ("__init__", "__post_init__", "forward")]
+
+    def annotated_classes(function: ast.AST, module: str) -> list[tuple[str, str]]:
+        returns = getattr(function, "returns", None)
+        names = [node.id for node in ast.walk(returns) if isinstance(node, ast.Name)] if returns else []
+        return [scopes[module][name] for name in names if name in scopes[module]]
+
+    def target_of(node: ast.AST, module: str) -> tuple[str, str] | None:
+        scope = scopes[module]
+        if isinstance(node, ast.Name) and node.id in scope and scope[node.id][0] != "<module>":
+            return scope[node.id]
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in scope:
+            home = scope[node.value.id]
+            return (home[1], node.attr) if home[0] == "<module>" else None
+        return None
+
+    script_methods = {}
+    for module, name in found:
+        if module == "<script>" and "." in name:
+            script_methods.setdefault(name.split(".")[1], []).append((module, name))
+    main = found[("<script>", "main")]
+    loop = next(node for node in ast.walk(main) if isinstance(node, ast.While))
+    typed = {"run": [("run", "Run")]}  # names whose package classes are known, from main and the package alike
+    for node in ast.walk(main):
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call):
+            called = target_of(node.value.func, "<script>")
+            if called in found:
+                built_here = isinstance(found[called], ast.ClassDef)
+                kinds = [called] if built_here else annotated_classes(found[called], called[0])
+                for target in node.targets:
+                    if isinstance(target, ast.Name) and kinds:
+                        typed[target.id] = kinds
+    reached = {}
+    todo = [("<script>", None, loop)]
+    while todo:
+        module, home_class, body = todo.pop()
+        for node in code_nodes(body):
+            keys = []
+            if isinstance(node, ast.Name | ast.Attribute) and (key := target_of(node, module)):
+                keys += [] if key == ("<script>", "main") else built(key)
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+                owner = node.value.id
+                if owner == "self" and home_class:
+                    keys.append((module, f"{home_class}.{node.attr}"))
+                for kind_module, kind in typed.get(owner, []) if owner != "self" else []:
+                    keys.append((kind_module, f"{kind}.{node.attr}"))
+                if module == "<script>":
+                    keys += script_methods.get(node.attr, [])
+            for key in keys:
+                if key in found and key not in reached:
+                    reached[key] = found[key]
+                    owner_class = key[1].split(".")[0] if "." in key[1] else None
+                    todo.append((key[0], owner_class, found[key]))
+    counted = {key: node for key, node in reached.items() if key[0] != "<script>"}
+    return {
+        f"{module}.{name}": node.end_lineno - node.lineno + 1
+        for (module, name), node in counted.items()
+        if not ("." in name and (module, name.split(".")[0]) in counted)
+    }
+
+
+def package_imports() -> dict[str, set[str]]:
+    """Each ddrl module's imports of other ddrl modules, counting every import statement (those under
+    `if TYPE_CHECKING:` and inside functions too)."""
+    modules = {path.stem for path in PACKAGE} - {"__init__"}
+    imports = {}
+    for path in PACKAGE:
+        found = set()
+        for node in ast.walk(tree_of(path)):
+            if isinstance(node, ast.ImportFrom) and node.module == "ddrl":
+                found |= {alias.name for alias in node.names if alias.name in modules}
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("ddrl."):
+                found.add(node.module.split(".")[1])
+            elif isinstance(node, ast.Import):
+                found |= {alias.name.split(".")[1] for alias in node.names if alias.name.startswith("ddrl.")}
+        imports[path.stem] = found - {path.stem}
+    return imports
+
+
+def test_the_package_is_layered_without_a_circle():
+    """No module imports, through any chain of imports (TYPE_CHECKING ones included), a module that imports it: the
+    package reads bottom up, each module against the ones below it (docs/design.md, "The package")."""
+    imports = package_imports()
+    imports.pop("__init__")
+    for start in imports:
+        todo = list(imports[start])
+        seen = set()
+        while todo:
+            module = todo.pop()
+            assert module != start, f"ddrl.{start} reaches itself through its imports"
+            if module not in seen:
+                seen.add(module)
+                todo += imports.get(module, [])
+
+
+def test_only_run_knows_the_run_and_the_run_holds_a_dozen_fields_at_most():
+    """Each part of a run keeps its state in an object of its own module; the Run composes them, and no other module
+    is written against it."""
+    for path in PACKAGE:
+        named = {
+            alias.name
+            for node in ast.walk(tree_of(path))
+            if isinstance(node, ast.ImportFrom) and node.module in ("ddrl.run", "ddrl")
+            for alias in node.names
+        }
+        assert path.stem in ("run", "__init__") or "Run" not in named, f"ddrl/{path.name} imports the Run"
+    run_class = package_definitions()["run"]["Run"]
+    fields = [node.target.id for node in run_class.body if isinstance(node, ast.AnnAssign)]
+    assert len(fields) <= 12, f"Run has {len(fields)} fields: {fields}"
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_one_iteration_reaches_what_the_algorithm_needs_of_the_package(script):
+    """What an iteration runs of the package is the algorithm's: the rollout's Agent is derived before the loop, and
+    the checks that can run once run at start (docs/design.md, "Budgets")."""
+    reached = package_reached_in_one_iteration(script)
+    derivation = {"rollout.derive", "rollout.trace", "rollout.program", "rollout.traced"}
+    assert not derivation & set(reached), f"{script}'s loop derives the rollout: {sorted(derivation & set(reached))}"

@@ -16,7 +16,7 @@ import torch
 
 import ppo_continuous_mpi
 import vpg_mpi
-from ddrl import checkpoints
+from ddrl import checkpoint_files, checkpoints, launching, run_folders
 from ddrl.run import Run
 from tests.helpers import (
     ROOT,
@@ -267,9 +267,8 @@ def test_a_checkpoint_round_trip_restores_every_tensor_and_random_stream_bit_for
     monkeypatch.chdir(tmp_path)
     agent, optimizer = trained_agent(seed=1)
     args = ppo_continuous_mpi.Args(env_id="InvertedPendulum-v5")
-    run = Run(args, str(ROOT / CONTINUOUS), "iteration", rank=0, world_size=1, local_rank=0, local_world_size=1)
-    run.name = "run"
-    run.store = torch.distributed.HashStore()
+    world = launching.World(store=torch.distributed.HashStore())
+    run = Run(args, str(ROOT / CONTINUOUS), world, folder=run_folders.RunFolder("run"))
     (tmp_path / "runs/run").mkdir(parents=True)
     random.seed(5)
     np.random.seed(5)
@@ -309,7 +308,7 @@ def test_a_file_whose_header_length_begins_with_a_pickles_first_byte_is_read(how
         write_checkpoint({**checkpoint, "padding": "x" * padding}, path)
         if path.read_bytes()[0] == 0x80:
             break
-    assert path.read_bytes()[0] == 0x80 and checkpoints.file_problem(str(path)) is None
+    assert path.read_bytes()[0] == 0x80 and checkpoint_files.file_problem(str(path)) is None
     argv = tiny_flags(VPG, 4, "--resume", "--run-name", "old")  # two iterations on from the checkpoint's second
     argv = argv if how == "resume" else ["--eval-checkpoint", str(path), "--eval-episodes", "1"]
     result = run_python(ROOT / VPG, argv, tmp_path)

@@ -135,6 +135,27 @@ def test_minibatch_loss_equals_cleanrl_loss_written_out_independently(clip_vloss
     assert_minibatch_loss_is_cleanrls(ppo.minibatch_loss, agent, agent, batch, args)
 
 
+def gathered_update(
+    agent: ppo.Agent,
+    optimizer: torch.optim.Optimizer,
+    batch: dict[str, torch.Tensor],
+    args: ppo.Args,
+    orders: torch.Tensor,
+    sizes: torch.Tensor,
+) -> tuple[dict[str, float], float]:
+    """ppo.update under --sync gather, called as main calls it: rank 0 updates on the union, every rank gets its
+    weights."""
+    return one_learner.update_on_rank0(
+        lambda union, union_orders, union_sizes, group: ppo.update(
+            agent, optimizer, union, args, union_orders, union_sizes, group=group
+        ),
+        agent,
+        batch,
+        orders,
+        sizes,
+    )
+
+
 def update_rank(rank: int, world_size: int, sizes: list[int]) -> dict[str, tuple[dict, dict, int]]:
     """Rank r updates on its `sizes[r]` samples of fixed_batch (unequal: rollouts cut short by preemption), from the
     same start in each --sync mode: (weights, logged numbers, epochs stepped) by mode."""
@@ -149,7 +170,7 @@ def update_rank(rank: int, world_size: int, sizes: list[int]) -> dict[str, tuple
         if sync == "allreduce":
             stats, _ = ppo.update(*arguments)
         else:
-            stats, _ = one_learner.update_on_rank0(ppo.update, *arguments)
+            stats, _ = gathered_update(*arguments)
         outcome[sync] = (agent.state_dict(), stats, adam_steps(optimizer) // MINIBATCHES)
     return outcome
 
@@ -227,7 +248,7 @@ def target_kl_rank(rank: int, world_size: int) -> dict:
 
     ppo.update(agent, optimizer, batch, args, orders, sizes)  # with a local check one rank runs on: a hang
     learner, learner_optimizer = new_learner()
-    one_learner.update_on_rank0(ppo.update, learner, learner_optimizer, batch, args, orders, sizes)
+    gathered_update(learner, learner_optimizer, batch, args, orders, sizes)
     return {
         "kls": torch.stack(local_kls),
         "epochs": adam_steps(optimizer),  # one minibatch an epoch

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import vpg_mpi
-from ddrl import checkpoints
+from ddrl import checkpoint_files, checkpoints
 from tests.helpers import (
     exit_code_rank,
     progress_lines,
@@ -43,12 +43,14 @@ def resume_argv(checkpoint: dict, cwd: Path, *extra: str) -> list[str]:
 
 
 def torch_state(row: torch.Tensor, **fields: float) -> torch.Tensor:
-    """A copy of torch's CPU generator state `row` with the named fields (checkpoints.TORCH_FIELDS) set, or (`key`)
+    """A copy of torch's CPU generator state `row` with the named fields (checkpoint_files.TORCH_FIELDS) set, or (`key`)
     its 624 words."""
     raw = row.numpy().copy()
     for name, value in fields.items():
-        offset, kind = (checkpoints.TORCH_KEY_OFFSET, "<u8") if name == "key" else checkpoints.TORCH_FIELDS[name]
-        count = checkpoints.MT_WORDS if name == "key" else 1
+        offset, kind = (
+            (checkpoint_files.TORCH_KEY_OFFSET, "<u8") if name == "key" else checkpoint_files.TORCH_FIELDS[name]
+        )
+        count = checkpoint_files.MT_WORDS if name == "key" else 1
         raw[offset : offset + np.dtype(kind).itemsize * count] = np.full(count, value, dtype=kind).view(np.uint8)
     return torch.from_numpy(raw)
 
@@ -69,7 +71,7 @@ def python_words(**words: int):
 
     def change(row: torch.Tensor) -> torch.Tensor:
         for place, value in words.items():
-            row[int(place[1:]) if place != "position" else checkpoints.MT_WORDS] = value
+            row[int(place[1:]) if place != "position" else checkpoint_files.MT_WORDS] = value
         return row
 
     return change
@@ -152,23 +154,23 @@ def test_torch_generator_fields_are_where_ddrl_reads_them():
     generator = torch.Generator().manual_seed(7)
 
     def field(name: str) -> float:
-        offset, kind = checkpoints.TORCH_FIELDS[name]
+        offset, kind = checkpoint_files.TORCH_FIELDS[name]
         return np.frombuffer(generator.get_state().numpy().tobytes(), kind, 1, offset)[0].item()
 
-    assert generator.get_state().numel() == checkpoints.TORCH_STATE_BYTES
-    key = np.frombuffer(generator.get_state().numpy().tobytes(), "<u8", checkpoints.MT_WORDS, 24)
+    assert generator.get_state().numel() == checkpoint_files.TORCH_STATE_BYTES
+    key = np.frombuffer(generator.get_state().numpy().tobytes(), "<u8", checkpoint_files.MT_WORDS, 24)
     assert (field("left"), field("next"), field("seeded"), key[0]) == (1, 0, 1, 7)
     torch.rand(5, generator=generator)
-    assert field("left") + field("next") == checkpoints.MT_WORDS + 1
+    assert field("left") + field("next") == checkpoint_files.MT_WORDS + 1
     torch.randn(1, dtype=torch.float64, generator=generator)
     cached = field("normal")
     assert field("normal_valid") == 1 and torch.randn(1, dtype=torch.float64, generator=generator).item() == cached
-    first = checkpoints.random_streams()
+    first = checkpoint_files.random_streams()
     random.gauss(0, 1)  # a gaussian cached in Python's and numpy's streams too
     np.random.standard_normal()
-    second = checkpoints.random_streams()
+    second = checkpoint_files.random_streams()
     rows = {name: torch.stack([first[name], second[name]]).numpy() for name in first}
-    assert not [fault for ranks, fault in checkpoints.stream_faults(rows) if ranks.any()]
+    assert not [fault for ranks, fault in checkpoint_files.stream_faults(rows) if ranks.any()]
 
 
 # --- counters: what they seed must fit, and what a run writes it reads again -------------------------------------

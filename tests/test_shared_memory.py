@@ -13,7 +13,6 @@ import torch.distributed as dist
 
 import vpg_mpi
 from ddrl import collectives, launching
-from ddrl.run import Run
 from tests.helpers import (
     ROOT,
     assert_ok,
@@ -54,8 +53,8 @@ def joined_rank(rank: int, world_size: int, choices: tuple[str, ...]) -> dict:
     inputs_of(rank) through ddrl's collectives, and through torch.distributed's (gloo) for reference: every result by
     name, and how many collectives the segment carried."""
     args = types.SimpleNamespace(backend="", cuda=False, dist_timeout=60.0, torch_threads=1, collectives=choices[rank])
-    run = Run(args, VPG, "epoch", rank, world_size, rank, world_size)
-    results = {"row": launching.join_process_group(run)}
+    world = launching.World(rank, world_size, rank, world_size)
+    results = {"row": launching.join_process_group(args, world)}
     for dtype, mine in inputs_of(rank).items():
         for op in ("sum", "max"):
             gloo = mine.clone()

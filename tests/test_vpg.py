@@ -168,6 +168,16 @@ def float64_learner() -> tuple[vpg_mpi.Agent, torch.optim.Optimizer]:
         torch.set_default_dtype(torch.float32)
 
 
+def gathered_update(
+    agent: vpg_mpi.Agent, optimizer: torch.optim.Optimizer, batch: dict[str, torch.Tensor], args: vpg_mpi.Args
+) -> tuple[dict[str, float], float]:
+    """vpg_mpi.update under --sync gather, called as main calls it: rank 0 updates on the union, every rank gets its
+    weights."""
+    return one_learner.update_on_rank0(
+        lambda union, group: vpg_mpi.update(agent, optimizer, union, args, group), agent, batch
+    )
+
+
 def vpg_rank(rank: int, world_size: int) -> dict[str, tuple[dict, dict]]:
     """One update on this rank's half of the fixed batch, in each sync mode from the same start."""
     half = BATCH // world_size
@@ -178,7 +188,7 @@ def vpg_rank(rank: int, world_size: int) -> dict[str, tuple[dict, dict]]:
         if sync == "allreduce":
             stats, _ = vpg_mpi.update(agent, optimizer, local, UPDATE_ARGS)
         else:
-            stats, _ = one_learner.update_on_rank0(vpg_mpi.update, agent, optimizer, local, UPDATE_ARGS)
+            stats, _ = gathered_update(agent, optimizer, local, UPDATE_ARGS)
         outcome[sync] = (agent.state_dict(), stats)
     return outcome
 
@@ -274,7 +284,7 @@ def test_gather_mode_hands_every_collective_tensors_on_the_weights_device(monkey
     monkeypatch.setattr(dist, "gather", gather)
     monkeypatch.setattr(dist, "broadcast", broadcast)
     with pytest.raises(BroadcastReached):
-        one_learner.update_on_rank0(vpg_mpi.update, agent, optimizer, batch, vpg_mpi.Args())
+        gathered_update(agent, optimizer, batch, vpg_mpi.Args())
     meta = torch.device("meta")
     assert handed == [("gather", meta), ("broadcast", meta)]
 
@@ -290,9 +300,9 @@ def recording_rank(rank: int, world_size: int, script: str, cwd: str, flags: lis
     update_on_rank0 = one_learner.update_on_rank0
     batches = []
 
-    def recording_update_on_rank0(update, agent, optimizer, batch, *rest):
+    def recording_update_on_rank0(update_union, model, batch, *rest):
         batches.append({key: batch[key].double().numpy() for key in ("returns", "values")})
-        return update_on_rank0(update, agent, optimizer, batch, *rest)
+        return update_on_rank0(update_union, model, batch, *rest)
 
     one_learner.update_on_rank0 = recording_update_on_rank0  # main calls it by its name in the module
     state = train_rank(rank, world_size, script, cwd, flags)
