@@ -427,7 +427,7 @@ def main(args: Args) -> Agent | None:
     if args.eval_checkpoint is not None:
         return evaluation.evaluate_checkpoint(args, Agent, atari.eval_env)
     settings = atari.settings(args.env_id)  # refuses ids whose pixels AtariVectorEnv cannot play
-    checks.check_video_support(
+    env_support.check_video_support(
         args.capture_video, lambda: env_support.render_one_frame(args.env_id)
     )
     batch_table = derive_batch_sizes(args, run.world_size)

@@ -395,7 +395,7 @@ def main(args: Args) -> Agent | None:
     spaces = env_support.check_env(make_env(args), given, gym.spaces.Box, gym.spaces.Box)
     observation_space, action_space = spaces
     obs_dim = observation_space.shape[0]
-    checks.check_video_support(
+    env_support.check_video_support(
         args.capture_video, lambda: env_support.render_one_frame(args.env_id)
     )
     batch_table = derive_batch_sizes(args, run.world_size)

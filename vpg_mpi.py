@@ -35,7 +35,7 @@ from annotated_types import Ge, Gt, Interval, Le, MaxLen
 from torch.distributions import Categorical, Normal
 
 import ddrl
-from ddrl import checks, collectives, env_support, evaluation, one_learner, progress, rollout
+from ddrl import collectives, env_support, evaluation, one_learner, progress, rollout
 from ddrl.failures import NonFiniteError, fail
 from ddrl.flags import Finite, FolderName, RuntimeArgs
 
@@ -327,7 +327,7 @@ def main(args: Args) -> Agent | None:
     observation_space, action_space = spaces
     obs_dim = observation_space.shape[0]
     continuous = isinstance(action_space, gym.spaces.Box)
-    checks.check_video_support(
+    env_support.check_video_support(
         args.capture_video, lambda: env_support.render_one_frame(args.env_id)
     )
     batch_table = derive_batch_sizes(args, run.world_size)

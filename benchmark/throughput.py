@@ -8,7 +8,7 @@ Each script runs (--ranks ranks, by its own --nprocs) beside its bound (the MLP 
 script's fp32 eager compute limit), its variants, the other checkout's script and CleanRL's file (by cleanrl_compat.py).
 A run's SPS: env steps over the wall time from its first to its last `charts/SPS` event (iteration 1 left out); its
 start-up: seconds from the launch to its batch table, its first progress line and its exit. The weight check
-(ddrl.checks.check_in_sync) is timed beside the bound. Contenders, loads and core settings alternate every round, the
+(ddrl.in_sync.check_in_sync) is timed beside the bound. Contenders, loads and core settings alternate every round, the
 two checkouts swapping places, so drift affects all; cells: medians over the rounds.
 """
 
@@ -29,7 +29,7 @@ import torch
 from annotated_types import Ge
 
 from benchmark import common, grad_sync, stragglers
-from ddrl import checks
+from ddrl import in_sync
 
 REFERENCE = {"ppo_continuous_mpi.py": "ppo_continuous_action.py", common.ATARI: "ppo_atari.py"}
 """CleanRL's file that each PPO script follows, run beside it with --cleanrl"""
@@ -153,12 +153,12 @@ def bound(script: str, seconds: float) -> tuple[float, list[float]]:
 
 
 def check_seconds(script: str, seconds: float) -> tuple[float, int]:
-    """Seconds per weight check (ddrl.checks.check_in_sync in one process: the checksum of the script's Agent for its
+    """Seconds per weight check (ddrl.in_sync.check_in_sync in one process: the checksum of the script's Agent for its
     default env, an Adam's options and its default args) and the Agent's parameter count."""
     agent = common.agent_of(script)
     optimizer = torch.optim.Adam(agent.parameters())
     args = common.defaults(script)
-    check = common.rate(lambda: checks.check_in_sync(1, "iteration", agent, optimizer, args=args), seconds)
+    check = common.rate(lambda: in_sync.check_in_sync(1, "iteration", agent, optimizer, args=args), seconds)
     return check, sum(p.numel() for p in agent.parameters())
 
 
@@ -387,7 +387,7 @@ def write_tables(args: Args, argv, facts: list[str], measured: dict, load: tuple
     headers += f"per iteration at --check-sync-every {CHECK_EVERY}"
     body += "\n## The weight check\n\n" + common.markdown_table(headers, check_rows(runs, measured["checked"]))
     body += (
-        "\nThe check: ddrl.checks.check_in_sync in this process (a world of one: no gather) on the script's Agent for "
+        "\nThe check: ddrl.in_sync.check_in_sync in this process (a world of one: no gather) on the script's Agent for "
         "its default env, an Adam's options and its default args; the iteration: this checkout's perf/rollout_time + "
         "perf/update_time (medians).\n"
     )

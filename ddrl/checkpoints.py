@@ -19,7 +19,7 @@ import torch.nn as nn
 from safetensors.torch import load as load_bytes
 from safetensors.torch import save as save_bytes
 
-from ddrl import checkpoint_files, checks, failures, flags, run_folders
+from ddrl import checkpoint_files, failures, flags, launching, run_folders
 from ddrl.failures import fail, first_line, shown
 
 # env steps and iterations a run can reach (float64 counts them exactly up to here)
@@ -84,7 +84,7 @@ def find_run_to_resume(args, total_steps: int) -> tuple[str, Resumption]:
     # again by it
     run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
     in_launch = run_id not in ("", "none")
-    if not name and (args.resume or checks.max_restarts() > 0):
+    if not name and (args.resume or launching.max_restarts() > 0):
         if not in_launch:
             flag = "--resume" if args.resume else "torchrun --max-restarts"
             fail(
@@ -98,7 +98,7 @@ def find_run_to_resume(args, total_steps: int) -> tuple[str, Resumption]:
                 "name below runs/: unset it, or pass --run-name NAME",
                 any_rank=True,
             )
-    restart_count = checks.restart_count()
+    restart_count = launching.restart_count()
     restarted = restart_count > 0
     folder = os.path.join("runs", name)
     exists = bool(name) and os.path.lexists(folder)

@@ -87,3 +87,22 @@ def render_one_frame(env_id: str) -> None:
     with contextlib.closing(gym.make(env_id, render_mode="rgb_array")) as env:
         env.reset(seed=0)
         env.render()
+
+
+def check_video_support(capture_video: bool, render_frame: Callable[[], object]) -> None:
+    """With --capture-video, render one frame now rather than fail after training."""
+    if not capture_video:
+        return
+    try:
+        import moviepy  # noqa: F401
+    except ImportError:
+        fail("--capture-video needs moviepy: pip install moviepy")
+    try:
+        render_frame()
+    except Exception as error:
+        fail(
+            f"--capture-video cannot render a frame ({first_line(error)}): for MuJoCo without a "
+            "display use MUJOCO_GL=egl (apt-get install libegl1) or MUJOCO_GL=osmesa (apt-get "
+            "install libosmesa6); for classic-control envs pip install pygame; or drop "
+            "--capture-video"
+        )

@@ -16,7 +16,6 @@ import torch.nn as nn
 from ddrl import (
     checkpoint_files,
     checkpoints,
-    checks,
     env_support,
     failures,
     machine,
@@ -74,7 +73,7 @@ def evaluate_checkpoint(
     path = args.eval_checkpoint
     header, saved = checkpoints.read_model(path, type(args), args.env_id)
     video_folder = os.path.join(os.path.dirname(path), "videos") if args.capture_video else None
-    checks.check_video_support(
+    env_support.check_video_support(
         args.capture_video, lambda: env_support.render_one_frame(saved.env_id)
     )
     given = f"the env_id of {path}, {saved.env_id!r},"

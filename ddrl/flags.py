@@ -3,8 +3,10 @@ flag's rule is enforced. A rule is written beside its flag as annotated-types ma
 (`Annotated[int, Ge(1)]`); pydantic checks a command line and a file's saved args by the same rules,
 and every violation is one line naming the flag."""
 
+import importlib.util
 import json
 import os
+import re
 from dataclasses import asdict, dataclass
 from functools import cache
 from typing import Annotated, Literal
@@ -178,3 +180,22 @@ def saved_args(saved: dict, args_type: type):
     except pydantic.ValidationError as error:
         return None, [violation(detail) for detail in error.errors()]
     return args, violations(args)
+
+
+def machine_problem(args) -> str | None:
+    """What this machine lacks for the flags (not a checkpoint's args: those may come from another
+    machine)."""
+    if args.track and importlib.util.find_spec("wandb") is None:
+        return (
+            "--track needs Weights and Biases, which is not installed: pip install wandb, or "
+            "drop --track"
+        )
+    missing = [
+        name for name in re.split("[,:]", args.backend) if name in BACKENDS and not BACKENDS[name]()
+    ]
+    if missing:
+        return (
+            f"--backend {args.backend} needs {', '.join(missing)}, which this build of torch "
+            "lacks: pass gloo"
+        )
+    return None

@@ -12,15 +12,14 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from datetime import timedelta
-from pathlib import Path
 from typing import NoReturn
 
 import torch
 import torch.distributed as dist
 
-from ddrl import checks, collectives, failures, machine
+from ddrl import collectives, failures, machine
 from ddrl.failures import fail, shown
 
 LAUNCHER_VARIABLES = (
@@ -104,14 +103,14 @@ def read_launcher_environment() -> World:
     for rank_key, size_key, local_rank_key, local_size_key in LAUNCHER_VARIABLES:
         if rank_key not in os.environ or size_key not in os.environ:
             continue
-        world_size = checks.environment_int(size_key, 1, MAX_RANKS)
-        rank = checks.environment_int(rank_key, 0, world_size - 1, f"{size_key}={world_size}")
+        world_size = environment_int(size_key, 1, MAX_RANKS)
+        rank = environment_int(rank_key, 0, world_size - 1, f"{size_key}={world_size}")
         # SLURM may write "2(x3)"; without a per-node count we assume one node
         local_sizes = os.environ.get(local_size_key, str(world_size)).split("(")[0].split(",")[0]
-        local_world_size = checks.environment_int(
+        local_world_size = environment_int(
             local_size_key, 1, world_size, f"{size_key}={world_size}", local_sizes
         )
-        local_rank = checks.environment_int(
+        local_rank = environment_int(
             local_rank_key,
             0,
             local_world_size - 1,
@@ -168,7 +167,7 @@ def join_process_group(args, world: World) -> str:
             store, _, _ = next(
                 dist.rendezvous("env://", rank=world.rank, world_size=world_size, timeout=timeout)
             )
-            world.store = dist.PrefixStore(f"restart{checks.restart_count()}", store)
+            world.store = dist.PrefixStore(f"restart{restart_count()}", store)
         dist.init_process_group(
             backend, store=world.store, rank=world.rank, world_size=world_size, timeout=timeout
         )
@@ -254,7 +253,7 @@ def check_master_address() -> None:
             "0's host",
             any_rank=True,
         )
-    checks.environment_int("MASTER_PORT", 1, 65535)
+    environment_int("MASTER_PORT", 1, 65535)
 
 
 def say_waiting(args, world: World, since: float) -> None:
@@ -270,36 +269,38 @@ def say_waiting(args, world: World, since: float) -> None:
     )
 
 
-def source_digests(script: str) -> list[int]:
-    """Digests of the script's text and of ddrl's, which every rank must share."""
-    package = b"".join(path.read_bytes() for path in sorted(Path(__file__).parent.glob("*.py")))
-    return [checks.digest(Path(script).read_bytes()), checks.digest(package)]
+def environment_int(
+    name: str, low: int, high: int, because: str = "", text: str | None = None, unset: str = ""
+) -> int:
+    """The environment variable `name` (`unset` where it is not set, or `text` read from it) as an
+    integer in [low, high], else one line, printed by this process whatever its rank (a rank number
+    that is wrong cannot decide who speaks)."""
+    text = os.environ.get(name, unset) if text is None else text
+    try:
+        value = int(text)
+    except ValueError:
+        fail(
+            f"the launcher's variable {name}={shown(text)} is no integer: unset it, or launch "
+            "with torchrun, mpirun or srun",
+            any_rank=True,
+        )
+    if not low <= value <= high:
+        where = f" (with {because})" if because else ""
+        fail(
+            f"the launcher's variable {name}={value} lies outside [{low}, {high}]{where}: unset "
+            "it, or launch with torchrun, mpirun or srun",
+            any_rank=True,
+        )
+    return value
 
 
-def check_same_command(script: str, args, resumed_iteration: int, device: torch.device) -> None:
-    """Stop every rank unless all run the same script and ddrl with the same arguments from the same
-    checkpoint (`resumed_iteration`: its iteration, 0 for none)."""
-    arguments = checks.digest(repr(sorted(asdict(args).items())).encode())
-    table = collectives.gather_ints_to_all(
-        [*source_digests(script), arguments, resumed_iteration], device
-    )
-    for column, problem, fix in (
-        (
-            0,
-            f"run a different copy of {failures.script} than rank 0",
-            "copy the same script to every node",
-        ),
-        (1, "run a different version of ddrl than rank 0", "install the same ddrl on every node"),
-        (
-            2,
-            "were given different arguments than rank 0",
-            "launch every rank with the same command line",
-        ),
-        (
-            3,
-            "resume from a different checkpoint than rank 0",
-            "put runs/ on a filesystem every node shares",
-        ),
-    ):
-        if differ := (table[:, column] != table[0, column]).nonzero().flatten().tolist():
-            fail(f"ranks {differ} {problem}; {fix}")
+def restart_count() -> int:
+    """How many times torchrun restarted this launch's group (TORCHELASTIC_RESTART_COUNT; 0 outside
+    torchrun)."""
+    return environment_int("TORCHELASTIC_RESTART_COUNT", 0, 10**6, unset="0")
+
+
+def max_restarts() -> int:
+    """How many restarts torchrun allows this launch (TORCHELASTIC_MAX_RESTARTS; 0 outside
+    torchrun)."""
+    return environment_int("TORCHELASTIC_MAX_RESTARTS", 0, 10**6, unset="0")

@@ -28,10 +28,10 @@ import torch.distributed as dist
 
 from ddrl import (
     checkpoints,
-    checks,
     evaluation,
     failures,
     flags,
+    in_sync,
     launching,
     machine,
     progress,
@@ -111,10 +111,10 @@ class Run:
             fail(seeds)
         launching.join_process_group(self.args, self.world)
         resumed_iteration = self.resumption.iteration
-        launching.check_same_command(self.script, self.args, resumed_iteration, self.device)
+        in_sync.check_same_command(self.script, self.args, resumed_iteration, self.device)
         # rank 0 finds every path the run writes in its folder fit (no link) before the first
         # iteration, and tells every rank
-        resumed = self.resumption.header is not None or checks.restart_count() > 0
+        resumed = self.resumption.header is not None or launching.restart_count() > 0
         device = self.device
         self.folder = run_folders.create_run_folder(self.args, name, self.rank, device, resumed)
         if self.rank == 0:
@@ -161,10 +161,10 @@ class Run:
     ) -> None:
         """Every --check-sync-every iterations from the first: stop every rank unless all hold the
         same Agent (parameters and buffers), optimizer options and numbers in args
-        (checks.check_in_sync)."""
+        (in_sync.check_in_sync)."""
         every = self.args.check_sync_every
         if every and (iteration - 1) % every == 0:
-            checks.check_in_sync(iteration, self.progress.unit, agent, *optimizers, args=self.args)
+            in_sync.check_in_sync(iteration, self.progress.unit, agent, *optimizers, args=self.args)
 
     def checkpoint_due(self, iteration: int, stopping: bool) -> bool:
         """Whether this iteration ends with a checkpoint: every --checkpoint-every iterations, and
@@ -266,7 +266,7 @@ def launch(args, unit: str = "iteration") -> Run:
     # until training starts (Run.start)
     signal.signal(signal.SIGINT, launching.stop_before_training)
     problems = flags.violations(args) or [
-        problem for problem in [checks.machine_problem(args)] if problem
+        problem for problem in [flags.machine_problem(args)] if problem
     ]
     if problems:
         failures.fail_all(problems)

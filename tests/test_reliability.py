@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 import vpg_mpi
-from ddrl import checks
+from ddrl import in_sync
 from ddrl.failures import NonFiniteError
 from tests.helpers import (
     RANK_ENTRY,
@@ -225,7 +225,7 @@ def disagreement_rank(rank: int, world_size: int, folder: str) -> dict:
             elif case == "a number in args":
                 args.gamma = 0.98
         try:
-            checks.check_in_sync(1, "iteration", layer, optimizer, args=args)
+            in_sync.check_in_sync(1, "iteration", layer, optimizer, args=args)
             outcome[case] = "passed"
         except SystemExit as stop:
             outcome[case] = stop.code
