@@ -14,54 +14,6 @@ from ddrl import failures
 from ddrl.failures import fail
 
 
-def settings(env_id: str, given: str = "--env-id") -> dict:
-    """AtariVectorEnv's game and protocol arguments for a gymnasium Atari id (others stop here;
-    `given` says where the id comes from). `{Game}NoFrameskip-v4` plays without sticky actions,
-    `ALE/{Game}-v5` with probability 0.25."""
-    gym.register_envs(ale_py)
-    example = "such as BreakoutNoFrameskip-v4"
-    try:
-        spec = gym.spec(env_id)  # `module:EnvId` imports the module first
-    except Exception as error:  # an unknown id, or a module that does not import
-        fail(
-            f"unknown {given} {env_id!r} ({type(error).__name__}: {error}); pass an Atari game "
-            f"{example}"
-        )
-    given = f"{given} {env_id}"
-    if spec.entry_point not in ("ale_py.env:AtariEnv", ale_py.env.AtariEnv):
-        fail(f"{given} is not an Atari game; {failures.script} trains ALE games {example}")
-    kwargs = spec.kwargs
-    if kwargs.get("obs_type", "rgb") == "ram":
-        fail(
-            f"{given} observes RAM; {failures.script} learns from pixels: use the id without '-ram'"
-        )
-    if not isinstance(kwargs.get("frameskip", 1), int):
-        fix = "use the NoFrameskip-v4 or ALE/...-v5 id of the game"
-        fail(f"{given} skips a random number of frames, which AtariVectorEnv cannot do; {fix}")
-    return {
-        "game": kwargs["game"],
-        "repeat_action_probability": kwargs.get("repeat_action_probability", 0.25),
-        "full_action_space": kwargs.get("full_action_space", False),
-        "max_num_frames_per_episode": kwargs.get("max_num_frames_per_episode") or 108_000,
-    }
-
-
-def env_groups(num_envs: int, groups: int) -> list[slice]:
-    """The envs of a rank as `groups` equal slices, which step in turn: while one group steps, the
-    acting for the next one runs (on a GPU, the env step then hides the acting; on a CPU one group
-    computes as it always did)."""
-    if num_envs % groups:
-        fail(f"--local-num-envs {num_envs} does not split into --env-groups {groups}")
-    size = num_envs // groups
-    return [slice(start, start + size) for start in range(0, num_envs, size)]
-
-
-def fire_action(envs: AtariVectorEnv) -> int | None:
-    """The index of FIRE among the game's actions, None without it (FireResetEnv's test)."""
-    action_set = list(envs.ale.get_action_set())
-    return action_set.index(ale_py.Action.FIRE) if ale_py.Action.FIRE in action_set else None
-
-
 class GameTracker:
     """Raw score and length (agent steps) of every env's current game, across its lives. A lost
     life lowers `lives` while `episode_frame_number` runs on. A game over resets both at once."""
@@ -87,14 +39,6 @@ class GameTracker:
         self.lives = lives.copy()
         self.frames = frames.copy()
         return game_over, returns, lengths
-
-
-def area_resize_matrix(source: int, target: int) -> np.ndarray:
-    """[target, source] pixel overlaps: `rows @ image @ cols.T` is OpenCV's INTER_AREA resize."""
-    edges = np.arange(target + 1) * source / target
-    pixels = np.arange(source)
-    overlap = np.minimum(edges[1:, None], pixels + 1) - np.maximum(edges[:-1, None], pixels)
-    return np.clip(overlap, 0.0, None) * target / source
 
 
 class TrainingProtocol(gym.Wrapper):
@@ -157,6 +101,62 @@ class TrainingProtocol(gym.Wrapper):
         self.relaunch = self.fire is not None and lost_life
         self.lives = info["lives"]
         return self._push(frame), reward, terminated, truncated, info
+
+
+def settings(env_id: str, given: str = "--env-id") -> dict:
+    """AtariVectorEnv's game and protocol arguments for a gymnasium Atari id (others stop here;
+    `given` says where the id comes from). `{Game}NoFrameskip-v4` plays without sticky actions,
+    `ALE/{Game}-v5` with probability 0.25."""
+    gym.register_envs(ale_py)
+    example = "such as BreakoutNoFrameskip-v4"
+    try:
+        spec = gym.spec(env_id)  # `module:EnvId` imports the module first
+    except Exception as error:  # an unknown id, or a module that does not import
+        fail(
+            f"unknown {given} {env_id!r} ({type(error).__name__}: {error}); pass an Atari game "
+            f"{example}"
+        )
+    given = f"{given} {env_id}"
+    if spec.entry_point not in ("ale_py.env:AtariEnv", ale_py.env.AtariEnv):
+        fail(f"{given} is not an Atari game; {failures.script} trains ALE games {example}")
+    kwargs = spec.kwargs
+    if kwargs.get("obs_type", "rgb") == "ram":
+        fail(
+            f"{given} observes RAM; {failures.script} learns from pixels: use the id without '-ram'"
+        )
+    if not isinstance(kwargs.get("frameskip", 1), int):
+        fix = "use the NoFrameskip-v4 or ALE/...-v5 id of the game"
+        fail(f"{given} skips a random number of frames, which AtariVectorEnv cannot do; {fix}")
+    return {
+        "game": kwargs["game"],
+        "repeat_action_probability": kwargs.get("repeat_action_probability", 0.25),
+        "full_action_space": kwargs.get("full_action_space", False),
+        "max_num_frames_per_episode": kwargs.get("max_num_frames_per_episode") or 108_000,
+    }
+
+
+def env_groups(num_envs: int, groups: int) -> list[slice]:
+    """The envs of a rank as `groups` equal slices, which step in turn: while one group steps, the
+    acting for the next one runs (on a GPU, the env step then hides the acting; on a CPU one group
+    computes as it always did)."""
+    if num_envs % groups:
+        fail(f"--local-num-envs {num_envs} does not split into --env-groups {groups}")
+    size = num_envs // groups
+    return [slice(start, start + size) for start in range(0, num_envs, size)]
+
+
+def fire_action(envs: AtariVectorEnv) -> int | None:
+    """The index of FIRE among the game's actions, None without it (FireResetEnv's test)."""
+    action_set = list(envs.ale.get_action_set())
+    return action_set.index(ale_py.Action.FIRE) if ale_py.Action.FIRE in action_set else None
+
+
+def area_resize_matrix(source: int, target: int) -> np.ndarray:
+    """[target, source] pixel overlaps: `rows @ image @ cols.T` is OpenCV's INTER_AREA resize."""
+    edges = np.arange(target + 1) * source / target
+    pixels = np.arange(source)
+    overlap = np.minimum(edges[1:, None], pixels + 1) - np.maximum(edges[:-1, None], pixels)
+    return np.clip(overlap, 0.0, None) * target / source
 
 
 def eval_env(args, video_folder: str | None = None) -> Callable[[], gym.Env]:

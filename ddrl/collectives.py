@@ -57,12 +57,6 @@ class SharedMemoryWorld:
     exits: object = None  # a select.poll of the pidfds, readable once a peer exited
 
 
-def group_size(group: Group = None) -> int:
-    """Ranks in `group` (the world by default); 1 without a process group, so the helpers do
-    nothing."""
-    return dist.get_world_size(group) if dist.is_initialized() else 1
-
-
 def rank_in(group: Group = None) -> int:
     """This rank's place in `group` (the world by default); 0 without a process group."""
     return dist.get_rank(group) if dist.is_initialized() else 0
@@ -120,28 +114,6 @@ def moments_over_ranks(
     return count, mean, m2
 
 
-def through_mpi(tensor: torch.Tensor, group: Group = None) -> bool:
-    return (
-        MPIWorld.comm is not None
-        and group is None
-        and tensor.device.type == "cpu"
-        and tensor.is_contiguous()
-    )
-
-
-def through_shared_memory(tensor: torch.Tensor, group: Group = None) -> bool:
-    """Whether the segment carries this collective: the world's, of a contiguous CPU tensor of a
-    dtype numpy sums as gloo does, that fits a slot (the same answer on every rank)."""
-    return (
-        SharedMemoryWorld.slots is not None
-        and group is None
-        and tensor.device.type == "cpu"
-        and tensor.is_contiguous()
-        and tensor.dtype in SHARED_DTYPES
-        and tensor.numel() * tensor.element_size() <= SharedMemoryWorld.slots.shape[2]
-    )
-
-
 def reduce_to_all(tensor: torch.Tensor, op: str = "sum", group: Group = None) -> torch.Tensor:
     """Every rank of `group` (the world by default) gets the sum (or "max", "min") of their
     `tensor`s, in place."""
@@ -169,18 +141,6 @@ def reduce_to_all(tensor: torch.Tensor, op: str = "sum", group: Group = None) ->
             os.sched_yield()
     work.wait()  # a dead peer still fails the wait
     return tensor
-
-
-def gather_to_all(tensor: torch.Tensor, group: Group = None) -> torch.Tensor:
-    """[ranks in `group`, *tensor.shape] on every rank of `group`: each rank's `tensor`."""
-    gathered = tensor.new_empty((dist.get_world_size(group), *tensor.shape))
-    if through_mpi(tensor, group):
-        MPIWorld.comm.Allgather(tensor.detach().numpy(), gathered.numpy())
-    elif through_shared_memory(tensor, group):
-        np.copyto(gathered.numpy().reshape(len(gathered), -1), exchange(tensor))
-    else:
-        dist.all_gather(list(gathered.unbind(0)), tensor, group=group)
-    return gathered
 
 
 def gather_to_rank0(tensor: torch.Tensor) -> torch.Tensor | None:
@@ -221,6 +181,46 @@ def gather_ints_to_all(values: list[int], device: torch.device) -> torch.Tensor:
     if group_size() == 1:
         return tensor.unsqueeze(0).cpu()
     return gather_to_all(tensor).cpu()
+
+
+def group_size(group: Group = None) -> int:
+    """Ranks in `group` (the world by default); 1 without a process group, so the helpers do
+    nothing."""
+    return dist.get_world_size(group) if dist.is_initialized() else 1
+
+
+def gather_to_all(tensor: torch.Tensor, group: Group = None) -> torch.Tensor:
+    """[ranks in `group`, *tensor.shape] on every rank of `group`: each rank's `tensor`."""
+    gathered = tensor.new_empty((dist.get_world_size(group), *tensor.shape))
+    if through_mpi(tensor, group):
+        MPIWorld.comm.Allgather(tensor.detach().numpy(), gathered.numpy())
+    elif through_shared_memory(tensor, group):
+        np.copyto(gathered.numpy().reshape(len(gathered), -1), exchange(tensor))
+    else:
+        dist.all_gather(list(gathered.unbind(0)), tensor, group=group)
+    return gathered
+
+
+def through_mpi(tensor: torch.Tensor, group: Group = None) -> bool:
+    return (
+        MPIWorld.comm is not None
+        and group is None
+        and tensor.device.type == "cpu"
+        and tensor.is_contiguous()
+    )
+
+
+def through_shared_memory(tensor: torch.Tensor, group: Group = None) -> bool:
+    """Whether the segment carries this collective: the world's, of a contiguous CPU tensor of a
+    dtype numpy sums as gloo does, that fits a slot (the same answer on every rank)."""
+    return (
+        SharedMemoryWorld.slots is not None
+        and group is None
+        and tensor.device.type == "cpu"
+        and tensor.is_contiguous()
+        and tensor.dtype in SHARED_DTYPES
+        and tensor.numel() * tensor.element_size() <= SharedMemoryWorld.slots.shape[2]
+    )
 
 
 # --- the shared-memory segment --------------------------------------------------------------------

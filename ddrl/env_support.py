@@ -72,6 +72,14 @@ def check_env(
     return env.observation_space, env.action_space
 
 
+def render_one_frame(env_id: str) -> None:
+    """Render one frame of `env_id`: what --capture-video will need, tried before training."""
+    register_atari()
+    with contextlib.closing(gym.make(env_id, render_mode="rgb_array")) as env:
+        env.reset(seed=0)
+        env.render()
+
+
 def register_atari() -> None:
     """Make gymnasium know the ALE's games, where ale-py is installed."""
     try:
@@ -79,14 +87,6 @@ def register_atari() -> None:
     except ImportError:
         return
     gym.register_envs(ale_py)
-
-
-def render_one_frame(env_id: str) -> None:
-    """Render one frame of `env_id`: what --capture-video will need, tried before training."""
-    register_atari()
-    with contextlib.closing(gym.make(env_id, render_mode="rgb_array")) as env:
-        env.reset(seed=0)
-        env.render()
 
 
 def check_video_support(capture_video: bool, render_frame: Callable[[], object]) -> None:

@@ -25,40 +25,6 @@ from ddrl import (
 from ddrl.failures import fail
 
 
-def play(agent: nn.Module, envs: gym.vector.VectorEnv, args) -> list[float]:
-    """Play `args.eval_episodes` whole episodes on `envs` (one env) and return their returns; Box
-    actions are clipped to the action space, as in training."""
-    # the MLP scripts' flag; Atari acts with its torch code
-    numpy_layers = getattr(args, "numpy_rollout", False)
-    rollout_agent = rollout.derive(
-        agent, envs.single_observation_space, numpy_layers, args.eval_deterministic
-    )
-    space = envs.single_action_space
-    returns = []
-    episode_return = 0.0
-    obs, _ = envs.reset(seed=args.seed)
-    while len(returns) < args.eval_episodes:
-        if np.issubdtype(obs.dtype, np.floating):
-            obs = obs.astype(np.float32)
-        action = rollout_agent.get_action_and_value(obs)[0]
-        if isinstance(space, gym.spaces.Box):
-            action = np.clip(action, space.low, space.high)
-        obs, reward, terminated, truncated, _ = envs.step(action)
-        episode_return += float(reward[0])
-        if terminated[0] or truncated[0]:
-            returns.append(episode_return)
-            episode_return = 0.0
-    envs.close()
-    return returns
-
-
-def build_agent(agent_class: type, envs: gym.vector.VectorEnv, args) -> nn.Module:
-    """The Agent as a script's main builds it: from the envs, and the args its other parameters name
-    (`hidden_sizes` in VPG)."""
-    names = list(inspect.signature(agent_class).parameters)[1:]
-    return agent_class(envs, **{name: getattr(args, name) for name in names if hasattr(args, name)})
-
-
 def evaluate_checkpoint(
     args,
     agent_class: type,
@@ -119,6 +85,13 @@ def evaluate_checkpoint(
     )
 
 
+def build_agent(agent_class: type, envs: gym.vector.VectorEnv, args) -> nn.Module:
+    """The Agent as a script's main builds it: from the envs, and the args its other parameters name
+    (`hidden_sizes` in VPG)."""
+    names = list(inspect.signature(agent_class).parameters)[1:]
+    return agent_class(envs, **{name: getattr(args, name) for name in names if hasattr(args, name)})
+
+
 def film(agent: nn.Module, make_env: Callable, args, video_folder: str) -> str:
     """--capture-video after training: rank 0 plays evaluation episodes into `video_folder` with one
     env from `make_env(args, video_folder)`. Returns why it could not film ('' if it did)."""
@@ -129,3 +102,30 @@ def film(agent: nn.Module, make_env: Callable, args, video_folder: str) -> str:
     )
     play(agent, envs, args)
     return ""
+
+
+def play(agent: nn.Module, envs: gym.vector.VectorEnv, args) -> list[float]:
+    """Play `args.eval_episodes` whole episodes on `envs` (one env) and return their returns; Box
+    actions are clipped to the action space, as in training."""
+    # the MLP scripts' flag; Atari acts with its torch code
+    numpy_layers = getattr(args, "numpy_rollout", False)
+    rollout_agent = rollout.derive(
+        agent, envs.single_observation_space, numpy_layers, args.eval_deterministic
+    )
+    space = envs.single_action_space
+    returns = []
+    episode_return = 0.0
+    obs, _ = envs.reset(seed=args.seed)
+    while len(returns) < args.eval_episodes:
+        if np.issubdtype(obs.dtype, np.floating):
+            obs = obs.astype(np.float32)
+        action = rollout_agent.get_action_and_value(obs)[0]
+        if isinstance(space, gym.spaces.Box):
+            action = np.clip(action, space.low, space.high)
+        obs, reward, terminated, truncated, _ = envs.step(action)
+        episode_return += float(reward[0])
+        if terminated[0] or truncated[0]:
+            returns.append(episode_return)
+            episode_return = 0.0
+    envs.close()
+    return returns

@@ -16,6 +16,19 @@ script = os.path.basename(sys.argv[0]) or "ddrl"
 MAX_VALUE_CHARS = 200  # a value quoted in a message longer than this is cut, its length said
 
 
+class NonFiniteError(Exception):
+    """A non-finite loss or gradient, found alike on every rank (in numbers they all share) before
+    it is applied."""
+
+
+def fail_all(messages: list[str]) -> NoReturn:
+    """Stop as fail() does, with one line per message (every flag that breaks its rule, say)."""
+    for message in messages[:-1]:
+        if this_rank() == 0:
+            say(f"{script}: error: {message}")
+    fail(messages[-1])
+
+
 def fail(message: str, every_rank: bool = False, any_rank: bool = False) -> NoReturn:
     """Stop with one line naming the fix, exit code 2: printed by rank 0; with `every_rank` (a lost
     peer) by each rank, which says its rank; with `any_rank` (the launcher's variables, which may
@@ -34,14 +47,6 @@ def fail(message: str, every_rank: bool = False, any_rank: bool = False) -> NoRe
         # at once: the broken group's threads can abort an orderly interpreter exit (SIGABRT)
         os._exit(2)
     raise SystemExit(2)
-
-
-def fail_all(messages: list[str]) -> NoReturn:
-    """Stop as fail() does, with one line per message (every flag that breaks its rule, say)."""
-    for message in messages[:-1]:
-        if this_rank() == 0:
-            say(f"{script}: error: {message}")
-    fail(messages[-1])
 
 
 def warn(message: str) -> None:
@@ -122,8 +127,3 @@ def dist_world_size() -> int:
         return int(os.environ.get("WORLD_SIZE", "1"))
     except ValueError:
         return 1
-
-
-class NonFiniteError(Exception):
-    """A non-finite loss or gradient, found alike on every rank (in numbers they all share) before
-    it is applied."""

@@ -117,10 +117,15 @@ class RuntimeArgs:
     = never"""
 
 
-@cache
-def rules(args_type: type) -> pydantic.TypeAdapter:
-    """pydantic's validator of `args_type`, built once: the rules beside its fields."""
-    return pydantic.TypeAdapter(args_type)
+def saved_args(saved: dict, args_type: type):
+    """A file's saved args as `args_type` (entries it lacks take their defaults; others are
+    ignored), read by the rules of the command line, strictly typed as JSON; returns (args, []) or
+    (None, the violations)."""
+    try:
+        args = rules(args_type).validate_json(json.dumps(saved, allow_nan=True), strict=True)
+    except pydantic.ValidationError as error:
+        return None, [violation(detail) for detail in error.errors()]
+    return args, violations(args)
 
 
 def violations(args) -> list[str]:
@@ -142,6 +147,12 @@ def violations(args) -> list[str]:
                 "belong(s) to training: drop them, or drop --eval-checkpoint to train"
             )
     return found
+
+
+@cache
+def rules(args_type: type) -> pydantic.TypeAdapter:
+    """pydantic's validator of `args_type`, built once: the rules beside its fields."""
+    return pydantic.TypeAdapter(args_type)
 
 
 def violation(detail: dict) -> str:
@@ -169,17 +180,6 @@ def violation(detail: dict) -> str:
         return f"{flag} {shown(value)} {rule.get('error')}"
     expected = kind.removesuffix("_type").removesuffix("_parsing")
     return f"{flag} holds {shown(value)}, which is no {expected}"
-
-
-def saved_args(saved: dict, args_type: type):
-    """A file's saved args as `args_type` (entries it lacks take their defaults; others are
-    ignored), read by the rules of the command line, strictly typed as JSON; returns (args, []) or
-    (None, the violations)."""
-    try:
-        args = rules(args_type).validate_json(json.dumps(saved, allow_nan=True), strict=True)
-    except pydantic.ValidationError as error:
-        return None, [violation(detail) for detail in error.errors()]
-    return args, violations(args)
 
 
 def machine_problem(args) -> str | None:

@@ -90,12 +90,6 @@ def check_in_sync(
     )
 
 
-def source_digests(script: str) -> list[int]:
-    """Digests of the script's text and of ddrl's, which every rank must share."""
-    package = b"".join(path.read_bytes() for path in sorted(Path(__file__).parent.glob("*.py")))
-    return [digest(Path(script).read_bytes()), digest(package)]
-
-
 def check_same_command(script: str, args, resumed_iteration: int, device: torch.device) -> None:
     """Stop every rank unless all run the same script and ddrl with the same arguments from the same
     checkpoint (`resumed_iteration`: its iteration, 0 for none)."""
@@ -123,6 +117,12 @@ def check_same_command(script: str, args, resumed_iteration: int, device: torch.
     ):
         if differ := (table[:, column] != table[0, column]).nonzero().flatten().tolist():
             fail(f"ranks {differ} {problem}; {fix}")
+
+
+def source_digests(script: str) -> list[int]:
+    """Digests of the script's text and of ddrl's, which every rank must share."""
+    package = b"".join(path.read_bytes() for path in sorted(Path(__file__).parent.glob("*.py")))
+    return [digest(Path(script).read_bytes()), digest(package)]
 
 
 def digest(data: bytes) -> int:

@@ -269,6 +269,18 @@ def say_waiting(args, world: World, since: float) -> None:
     )
 
 
+def restart_count() -> int:
+    """How many times torchrun restarted this launch's group (TORCHELASTIC_RESTART_COUNT; 0 outside
+    torchrun)."""
+    return environment_int("TORCHELASTIC_RESTART_COUNT", 0, 10**6, unset="0")
+
+
+def max_restarts() -> int:
+    """How many restarts torchrun allows this launch (TORCHELASTIC_MAX_RESTARTS; 0 outside
+    torchrun)."""
+    return environment_int("TORCHELASTIC_MAX_RESTARTS", 0, 10**6, unset="0")
+
+
 def environment_int(
     name: str, low: int, high: int, because: str = "", text: str | None = None, unset: str = ""
 ) -> int:
@@ -292,15 +304,3 @@ def environment_int(
             any_rank=True,
         )
     return value
-
-
-def restart_count() -> int:
-    """How many times torchrun restarted this launch's group (TORCHELASTIC_RESTART_COUNT; 0 outside
-    torchrun)."""
-    return environment_int("TORCHELASTIC_RESTART_COUNT", 0, 10**6, unset="0")
-
-
-def max_restarts() -> int:
-    """How many restarts torchrun allows this launch (TORCHELASTIC_MAX_RESTARTS; 0 outside
-    torchrun)."""
-    return environment_int("TORCHELASTIC_MAX_RESTARTS", 0, 10**6, unset="0")

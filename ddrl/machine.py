@@ -12,6 +12,17 @@ import torch.distributed as dist
 from ddrl import failures
 
 
+def idle_cores(local_world_size: int) -> int:
+    """The usable cores idle over 0.2 s, shared out among the ranks of this node (at least 1 each):
+    the default torch and env threads, as a torch thread on a busy core stalls every op."""
+    before = load_sample()
+    time.sleep(0.2)
+    busy, total, _, _ = load_sample() - before
+    return max(
+        1, round(len(os.sched_getaffinity(0)) * (1 - busy / max(total, 1))) // local_world_size
+    )
+
+
 def load_sample() -> np.ndarray:
     """Busy and all clock ticks of the usable cores since boot (Linux's /proc/stat), this process's
     CPU seconds, now."""
@@ -26,28 +37,6 @@ def load_sample() -> np.ndarray:
     )
 
 
-def idle_cores(local_world_size: int) -> int:
-    """The usable cores idle over 0.2 s, shared out among the ranks of this node (at least 1 each):
-    the default torch and env threads, as a torch thread on a busy core stalls every op."""
-    before = load_sample()
-    time.sleep(0.2)
-    busy, total, _, _ = load_sample() - before
-    return max(
-        1, round(len(os.sched_getaffinity(0)) * (1 - busy / max(total, 1))) // local_world_size
-    )
-
-
-def available_memory() -> int:
-    """Bytes this machine can still give a process without swapping (Linux's MemAvailable), or its
-    physical memory."""
-    try:
-        with open("/proc/meminfo") as meminfo:
-            fields = dict(line.split(":", 1) for line in meminfo)
-        return int(fields["MemAvailable"].split()[0]) * 1024
-    except (OSError, KeyError, ValueError):
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
 def memory_problem(bytes_per_rank: int, sized_by: str, ranks_here: int) -> str | None:
     """Whether `ranks_here` ranks, each holding `bytes_per_rank` for an iteration's data (whose size
     the flags `sized_by` set), outgrow the memory available: the message naming the fix, or None."""
@@ -60,6 +49,17 @@ def memory_problem(bytes_per_rank: int, sized_by: str, ranks_here: int) -> str |
         f"{size(available)} this machine has available: lower {sized_by}, or spread the ranks "
         "over more nodes"
     )
+
+
+def available_memory() -> int:
+    """Bytes this machine can still give a process without swapping (Linux's MemAvailable), or its
+    physical memory."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            fields = dict(line.split(":", 1) for line in meminfo)
+        return int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def size(count: int) -> str:

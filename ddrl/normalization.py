@@ -9,23 +9,6 @@ NORM_CLIP = 10.0  # clipped to +-10, as CleanRL's wrappers clip
 NORM_EPS = 1e-8
 
 
-def refuse_impossible_statistics(module: nn.Module, state_dict: dict, prefix: str, *_) -> None:
-    """Before statistics load: refuse what no data gives (a count below 1, unless they are the
-    empty statistics of an untrained Agent; a negative variance)."""
-    count = state_dict.get(f"{prefix}count")
-    mean = state_dict.get(f"{prefix}mean")
-    var = state_dict.get(f"{prefix}var")
-    if count is None or mean is None or var is None:  # load_state_dict names what is missing
-        return
-    empty = count == 0 and bool((mean == 0).all() and (var == 1).all())
-    if not (count >= 1 or empty):
-        raise ValueError(
-            f"its {prefix}count is {count.item():g}, where data counts at least 1 sample"
-        )
-    if not (var >= 0).all():
-        raise ValueError(f"its {prefix}var holds negative numbers, where a variance is at least 0")
-
-
 class RunningMeanStd(nn.Module):
     """Running mean and population variance in float64 buffers, empty at first (no pseudo-count);
     data is normalised with float32 copies of the mean and the std, kept up to date."""
@@ -58,3 +41,20 @@ class RunningMeanStd(nn.Module):
     def normalize(self, x: torch.Tensor) -> torch.Tensor:
         """`x` standardised with these statistics, clipped."""
         return torch.clamp((x - self.shift) / self.scale, -NORM_CLIP, NORM_CLIP)
+
+
+def refuse_impossible_statistics(module: nn.Module, state_dict: dict, prefix: str, *_) -> None:
+    """Before statistics load: refuse what no data gives (a count below 1, unless they are the
+    empty statistics of an untrained Agent; a negative variance)."""
+    count = state_dict.get(f"{prefix}count")
+    mean = state_dict.get(f"{prefix}mean")
+    var = state_dict.get(f"{prefix}var")
+    if count is None or mean is None or var is None:  # load_state_dict names what is missing
+        return
+    empty = count == 0 and bool((mean == 0).all() and (var == 1).all())
+    if not (count >= 1 or empty):
+        raise ValueError(
+            f"its {prefix}count is {count.item():g}, where data counts at least 1 sample"
+        )
+    if not (var >= 0).all():
+        raise ValueError(f"its {prefix}var holds negative numbers, where a variance is at least 0")

@@ -126,12 +126,6 @@ def warn_if_oversubscribed(since: np.ndarray, torch_threads: int, idle_cores: in
     return oversubscribed
 
 
-def clock(seconds: float) -> str:
-    """`h:mm:ss`, or `m:ss` under an hour."""
-    hours, rest = divmod(int(seconds), 3600)
-    return f"{hours}:{rest // 60:02d}:{rest % 60:02d}" if hours else f"{rest // 60}:{rest % 60:02d}"
-
-
 def flush_writer(progress: Progress, name: str) -> str:
     """Rank 0's TensorBoard events on disk, so that the curves reach the checkpoint whatever happens
     next; what went wrong ('' if nothing)."""
@@ -163,3 +157,9 @@ def summary(progress: Progress, stopped: bool, folder: str) -> str:
         f"{ended}: {progress.global_step} env steps in {spent}, last return "
         f"{progress.last_return}; TensorBoard run {folder}"
     )
+
+
+def clock(seconds: float) -> str:
+    """`h:mm:ss`, or `m:ss` under an hour."""
+    hours, rest = divmod(int(seconds), 3600)
+    return f"{hours}:{rest // 60:02d}:{rest % 60:02d}" if hours else f"{rest // 60}:{rest % 60:02d}"

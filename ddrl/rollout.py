@@ -34,9 +34,34 @@ ENTROPY = 2
 PROGRAM_FILE = "<the Agent's method, derived by ddrl.rollout>"
 # the address of a tensor's memory: what a numpy view of it reads
 DATA_PTR = torch.Tensor.data_ptr
+SAME_IN_NUMPY = {  # tensor methods a numpy array has, and their names in numpy
+    "sum": "sum",
+    "mean": "mean",
+    "view": "reshape",
+    "reshape": "reshape",
+    "argmax": "argmax",
+}
+DTYPES = {  # torch's dtypes an Agent names, and numpy's
+    torch.float32: np.float32,
+    torch.float64: np.float64,
+    torch.int64: np.int64,
+    torch.long: np.int64,
+}
+log_gamma = np.vectorize(math.lgamma, otypes=[np.float64])
+INSTEAD = {  # constructs without a numpy version, and what to write instead
+    D.MultivariateNormal: (
+        "with a diagonal covariance, Independent(Normal(loc, scale), 1) is the same distribution "
+        "and has one"
+    ),
+    nn.GELU: 'nn.GELU(approximate="tanh"), its tanh approximation, has one',
+    F.gelu: 'F.gelu(x, approximate="tanh"), its tanh approximation, has one',
+    ".max()": ".amax(dim) has one (the maxima alone)",
+    ".min()": ".amin(dim) has one (the minima alone)",
+}
+# agent: its traced methods, or why the rollout runs its torch code
+DERIVED = weakref.WeakKeyDictionary()
 
 
-# --- tracing the Agent ----------------------------------------------------------------------------
 class AgentMethod(nn.Module):
     """One method of the Agent as a module's forward, which torch.fx traces."""
 
@@ -49,17 +74,6 @@ class AgentMethod(nn.Module):
         if self.method == "get_value":
             return self.agent.get_value(x)
         return self.agent.get_action_and_value(x, action)
-
-
-def holds(value, kinds: type | types.UnionType) -> bool:
-    """Whether `value` is, or a list, tuple or dict of it holds, an instance of `kinds`."""
-    if isinstance(value, kinds):
-        return True
-    if isinstance(value, tuple | list):
-        return any(holds(item, kinds) for item in value)
-    if isinstance(value, dict):
-        return any(holds(item, kinds) for item in value.values())
-    return False
 
 
 class DistributionTracer(fx.Tracer):
@@ -81,20 +95,338 @@ class DistributionTracer(fx.Tracer):
         return super().create_arg(a)
 
 
-def distribution_namespaces(agent: nn.Module) -> list[dict]:
-    """The namespaces where the Agent's code may find a distribution or transform class: the globals
-    of its modules' methods (a script's, whatever name it was imported under), torch.distributions
-    and its submodules."""
-    namespaces = {}
-    for module in agent.modules():
-        for cls in type(module).__mro__:
-            for value in vars(cls).values():
-                if isinstance(value, types.FunctionType):
-                    namespaces[id(value.__globals__)] = value.__globals__
-    modules = [D, *(value for value in vars(D).values() if isinstance(value, types.ModuleType))]
-    return [*namespaces.values(), *(vars(module) for module in modules)]
+class NumpyNormal:
+    """torch.distributions.Normal on numpy arrays, drawing from numpy's seeded generator."""
+
+    event_dims = 0  # its event is one number
+
+    def __init__(self, loc, scale, validate_args=None):
+        self.loc = loc
+        self.scale = scale
+        # the last sample and its standard normal noise: its log-probability needs no division
+        self.drawn = None
+
+    def sample(self, sample_shape=()):
+        shape = (
+            self.loc.shape
+            if self.loc.shape == self.scale.shape
+            else np.broadcast(self.loc, self.scale).shape
+        )
+        noise = np.random.standard_normal((*sample_shape, *shape)).astype(self.loc.dtype)
+        value = self.loc + self.scale * noise
+        self.drawn = (value, noise)
+        return value
+
+    rsample = sample
+
+    def log_prob(self, value):
+        noise = (
+            self.drawn[1]
+            if self.drawn is not None and value is self.drawn[0]
+            else (value - self.loc) / self.scale
+        )
+        return -0.5 * noise**2 - np.log(self.scale) - LOG_SQRT_2PI
+
+    def entropy(self):
+        return 0.5 + LOG_SQRT_2PI + np.log(self.scale)
+
+    @property
+    def mode(self):
+        return self.loc
+
+    mean = mode
+
+    @property
+    def stddev(self):
+        return self.scale
+
+    @property
+    def variance(self):
+        return self.scale**2
 
 
+class NumpyCategorical:
+    """torch.distributions.Categorical on numpy arrays: sampled by inverse CDF from numpy's seeded
+    generator."""
+
+    event_dims = 0  # its event is one number
+
+    def __init__(self, probs=None, logits=None, validate_args=None):
+        self.logits = (
+            log_softmax(logits)
+            if logits is not None
+            else np.log(probs / probs.sum(-1, keepdims=True))
+        )
+
+    def sample(self, sample_shape=()):
+        uniform = np.random.random_sample((*sample_shape, *self.logits.shape[:-1], 1))
+        below = (np.exp(self.logits).cumsum(-1) < uniform).sum(-1)
+        return np.minimum(below, self.logits.shape[-1] - 1)
+
+    def log_prob(self, value):
+        return np.take_along_axis(self.logits, value[..., None].astype(np.int64), -1)[..., 0]
+
+    def entropy(self):
+        return -(np.exp(self.logits) * self.logits).sum(-1)
+
+    @property
+    def mode(self):
+        return self.logits.argmax(-1)
+
+    @property
+    def probs(self):
+        return np.exp(self.logits)
+
+
+class NumpyBeta:
+    """torch.distributions.Beta on numpy arrays, drawing from numpy's seeded generator."""
+
+    event_dims = 0  # its event is one number
+
+    def __init__(self, concentration1, concentration0, validate_args=None):
+        self.alpha, self.beta = np.broadcast_arrays(concentration1, concentration0)
+
+    def sample(self, sample_shape=()):
+        shape = (*sample_shape, *self.alpha.shape)
+        return np.random.beta(self.alpha, self.beta, shape).astype(self.alpha.dtype)
+
+    rsample = sample
+
+    def log_prob(self, value):
+        a = self.alpha.astype(np.float64)
+        b = self.beta.astype(np.float64)
+        normaliser = log_gamma(a) + log_gamma(b) - log_gamma(a + b)
+        return ((a - 1) * np.log(value) + (b - 1) * np.log1p(-value) - normaliser).astype(
+            self.alpha.dtype
+        )
+
+    @property
+    def mean(self):
+        return self.alpha / (self.alpha + self.beta)
+
+    @property
+    def mode(self):
+        return (self.alpha - 1) / (self.alpha + self.beta - 2)
+
+
+class NumpyIndependent:
+    """torch.distributions.Independent on numpy arrays: the last dims summed into one event."""
+
+    def __init__(self, base_distribution, reinterpreted_batch_ndims, validate_args=None):
+        self.base_dist = base_distribution
+        self.axes = tuple(range(-reinterpreted_batch_ndims, 0))
+        self.event_dims = base_distribution.event_dims + reinterpreted_batch_ndims
+
+    def sample(self, sample_shape=()):
+        return self.base_dist.sample(sample_shape)
+
+    rsample = sample
+
+    def log_prob(self, value):
+        return self.base_dist.log_prob(value).sum(self.axes)
+
+    def entropy(self):
+        return self.base_dist.entropy().sum(self.axes)
+
+    @property
+    def mode(self):
+        return self.base_dist.mode
+
+    @property
+    def mean(self):
+        return self.base_dist.mean
+
+
+class NumpyTransform:
+    """A torch.distributions transform on numpy arrays: forward, inverse, log |det J|
+    (log_abs_det_jacobian), summed over its last `event_dim` dims."""
+
+    def __init__(self, forward, inverse, log_abs_det_jacobian, event_dim: int = 0):
+        self.forward = forward
+        self.inverse = inverse
+        self.log_abs_det_jacobian = log_abs_det_jacobian
+        self.event_dim = event_dim
+
+    def __call__(self, x):
+        return self.forward(x)
+
+    @property
+    def inv(self) -> "NumpyTransform":
+        jacobian = self.log_abs_det_jacobian
+        return NumpyTransform(
+            self.inverse, self.forward, lambda y, x: -jacobian(x, y), self.event_dim
+        )
+
+
+class NumpyTransformed:
+    """torch.distributions.TransformedDistribution on numpy arrays, its log-probability summed over
+    the dims of its event as torch sums it."""
+
+    def __init__(self, base_distribution, transforms, validate_args=None):
+        self.base_dist = base_distribution
+        self.transforms = transforms if isinstance(transforms, list) else [transforms]
+        domain_dims = max([transform.event_dim for transform in self.transforms], default=0)
+        self.event_dims = max(base_distribution.event_dims, domain_dims)
+
+    def sample(self, sample_shape=()):
+        x = self.base_dist.sample(sample_shape)
+        for transform in self.transforms:
+            x = transform.forward(x)
+        return x
+
+    rsample = sample
+
+    def log_prob(self, value):
+        log_prob = 0.0
+        y = value
+        for transform in reversed(self.transforms):
+            x = transform.inverse(y)
+            jacobian = transform.log_abs_det_jacobian(x, y)
+            log_prob = log_prob - sum_rightmost(jacobian, self.event_dims - transform.event_dim)
+            y = x
+        base = self.base_dist.log_prob(y)
+        return log_prob + sum_rightmost(base, self.event_dims - self.base_dist.event_dims)
+
+
+class NoNumpyVersion(Exception):
+    """Something the Agent's method does that ddrl has no numpy version of, said in full: what it
+    is, and what to write instead where there is an alternative."""
+
+
+class Program:
+    """A derived program, called on the rollout's rows: `program`'s function over constants made
+    from the Agent's tensors, which follow every change made in place. Each call first compares the
+    memory of the tensors the Agent holds with the memory viewed (a microsecond), and makes those
+    constants anew where one was put in another's place (a buffer assigned, `param.data = ...`)."""
+
+    def __init__(self, source: str, namespace: dict, views: list[tuple]):
+        self.method = compiled(source, namespace)
+        self.views = views
+        self.holders = [holder for holder, _, _, _ in views]
+        self.names = [name for _, name, _, _ in views]
+        self.addresses = self.held()
+
+    def held(self) -> list[int] | None:
+        """The address of each viewed tensor's memory, as the Agent holds it now; None where one is
+        gone."""
+        try:
+            return list(map(DATA_PTR, map(dict.get, self.holders, self.names)))
+        except TypeError:  # None in a tensor's place
+            return None
+
+    def view_again(self) -> None:
+        """Every constant made from the Agent's tensors made anew, from those it holds now."""
+        for key, make in {key: make for _, _, key, make in self.views}.items():
+            self.method.__globals__[key] = make()
+        self.addresses = self.held()
+
+    def __call__(self, x):
+        if self.held() != self.addresses:
+            self.view_again()
+        return self.method(x)
+
+
+class NumpyAgent:
+    """The Agent's get_action_and_value and get_value as numpy programs over views of its
+    parameters and buffers, which see the weights as they are at each call. Takes and returns numpy
+    arrays; the entropy is never computed (None)."""
+
+    kind = "numpy versions of the Agent's methods"
+
+    def __init__(self, act: Program, value: Program):
+        self.get_action_and_value = act
+        self.get_value = value
+
+
+class TorchAgent:
+    """The Agent's own get_action_and_value and get_value under inference mode, on tensors made from
+    numpy rows; with `act`, that program (the traced method with each distribution's mode for its
+    sample) instead."""
+
+    kind = "the Agent's own torch code"
+
+    def __init__(self, agent: nn.Module, act: Program | None = None):
+        self.agent = agent
+        self.act = act or agent.get_action_and_value
+        self.device = next(agent.parameters()).device
+
+    @torch.inference_mode()
+    def get_action_and_value(self, x: np.ndarray) -> tuple:
+        found = self.act(torch.as_tensor(x, device=self.device))
+        return tuple(None if item is None else item.cpu().numpy() for item in found)
+
+    @torch.inference_mode()
+    def get_value(self, x: np.ndarray) -> np.ndarray:
+        return self.agent.get_value(torch.as_tensor(x, device=self.device)).cpu().numpy()
+
+
+# --- the rollout's Agent --------------------------------------------------------------------------
+def derive(
+    agent: nn.Module, observation_space, numpy_layers: bool = True, deterministic: bool = False
+) -> NumpyAgent | TorchAgent:
+    """The rollout's Agent: numpy programs derived from its methods, or (without `numpy_layers`, on
+    a GPU, or where something in them has no numpy version) its own torch code. With
+    `deterministic`, actions are each distribution's mode (evaluation). Derived once, before the
+    loop: the programs read the parameters and buffers through numpy views that share their memory,
+    so they follow every in-place change (an optimizer step, copy_, load_state_dict, a broadcast);
+    a tensor the Agent replaces rather than changes is found by its address at the next call and
+    viewed anew, a check of about a microsecond where deriving anew takes a millisecond."""
+    example = example_observations(observation_space, 1)
+    on_cpu = next(agent.parameters()).device.type == "cpu"
+    methods = traced(agent, example, numpy_layers and on_cpu)
+    if numpy_layers and on_cpu and "reason" not in methods:
+        return numpy_agent(methods, deterministic)
+    if not deterministic:
+        return TorchAgent(agent)
+    if "reason" in methods and "get_value" not in methods:
+        failures.fail(
+            "--eval-deterministic needs the mode of the Agent's distribution, and "
+            f"{methods['reason']}"
+        )
+    return TorchAgent(agent, Program(*program(*methods["get_action_and_value"], False, True)))
+
+
+def traced(agent: nn.Module, example: np.ndarray, numpy_layers: bool) -> dict:
+    """The Agent's two methods traced, and whether their numpy versions run on `example`
+    observations: found once per Agent (its code does not change during a run); the slower path is
+    said then, in one line (rank 0)."""
+    if agent in DERIVED:
+        return DERIVED[agent]
+    found = {}
+    try:
+        found = {method: trace(agent, method) for method in ("get_action_and_value", "get_value")}
+    except Exception as error:  # data-dependent control flow, a call torch.fx cannot follow
+        said = f"{type(error).__name__}: {failures.first_line(error)}"
+        found["reason"] = f"torch.fx cannot trace it ({said})"
+    if numpy_layers and "reason" not in found:
+        state = np.random.get_state()  # the trial's draws leave the rank's stream as it was
+        try:
+            trial = numpy_agent(found)
+            trial.get_action_and_value(example)
+            trial.get_value(example)
+        except NoNumpyVersion as error:
+            found["reason"] = str(error)
+        except Exception as error:
+            found["reason"] = failed_in_program(error)
+        finally:
+            np.random.set_state(state)
+    if numpy_layers and "reason" in found and failures.this_rank() == 0:
+        failures.tell(
+            f"the rollout runs the Agent's own torch code, the slower path: {found['reason']}"
+        )
+    DERIVED[agent] = found
+    return found
+
+
+def numpy_agent(methods: dict, deterministic: bool = False) -> NumpyAgent:
+    """The numpy programs of the traced methods, over views of the Agent's parameters and
+    buffers."""
+    act = Program(*program(*methods["get_action_and_value"], True, deterministic))
+    value = Program(*program(*methods["get_value"], True))
+    return NumpyAgent(act, value)
+
+
+# --- tracing the Agent ----------------------------------------------------------------------------
 def trace(agent: nn.Module, method: str) -> tuple[AgentMethod, fx.Graph]:
     """`agent.method(x)` (get_value, or get_action_and_value with action=None) as a torch.fx graph.
     A distribution or transform the Agent builds from tensors (traced values, its buffers and
@@ -132,6 +464,20 @@ def trace(agent: nn.Module, method: str) -> tuple[AgentMethod, fx.Graph]:
         for namespace, name, value in patched:
             namespace[name] = value
     return root, graph
+
+
+def distribution_namespaces(agent: nn.Module) -> list[dict]:
+    """The namespaces where the Agent's code may find a distribution or transform class: the globals
+    of its modules' methods (a script's, whatever name it was imported under), torch.distributions
+    and its submodules."""
+    namespaces = {}
+    for module in agent.modules():
+        for cls in type(module).__mro__:
+            for value in vars(cls).values():
+                if isinstance(value, types.FunctionType):
+                    namespaces[id(value.__globals__)] = value.__globals__
+    modules = [D, *(value for value in vars(D).values() if isinstance(value, types.ModuleType))]
+    return [*namespaces.values(), *(vars(module) for module in modules)]
 
 
 # --- numpy versions of what an Agent calls --------------------------------------------------------
@@ -293,19 +639,6 @@ METHODS = {  # tensor methods an Agent calls, as functions of a numpy array
     "size": lambda x, dim=None: x.shape if dim is None else x.shape[dim],
     "type_as": lambda x, other: x.astype(other.dtype),
 }
-SAME_IN_NUMPY = {
-    "sum": "sum",
-    "mean": "mean",
-    "view": "reshape",
-    "reshape": "reshape",
-    "argmax": "argmax",
-}
-DTYPES = {
-    torch.float32: np.float32,
-    torch.float64: np.float64,
-    torch.int64: np.int64,
-    torch.long: np.int64,
-}
 ACTIVATIONS = {
     nn.Identity: lambda module: lambda x: x,
     nn.Tanh: lambda module: np.tanh,
@@ -320,220 +653,6 @@ ACTIVATIONS = {
     nn.LogSoftmax: lambda module: lambda x: log_softmax(x, module.dim),
     nn.Flatten: lambda module: lambda x: flatten(x, module.start_dim, module.end_dim),
 }
-
-
-def view_of(holder: dict, name: str) -> np.ndarray:
-    """A numpy view of the tensor `holder[name]`: it shares the tensor's memory (no copy, the same
-    dtype), so it follows every change made in place."""
-    return holder[name].detach().numpy()
-
-
-def holder_of(module: nn.Module, name: str, tensor: torch.Tensor) -> dict:
-    """The dict in which `module` holds `tensor` as `name` (its parameters, buffers or attributes),
-    where a tensor put in its place is found; `{name: tensor}` where none does."""
-    places = (module._parameters, module._buffers, vars(module))
-    return next((place for place in places if name in place), {name: tensor})
-
-
-def layer_parameters(module: nn.Module) -> list[str]:
-    """The names of a layer's own parameters (not None: a Linear's missing bias is)."""
-    return [name for name, value in module._parameters.items() if value is not None]
-
-
-def numpy_layer(module: nn.Module):
-    """A leaf module of the Agent as a function of numpy rows, over views of its parameters; None if
-    it has none."""
-    params = {name: view_of(module._parameters, name) for name in layer_parameters(module)}
-    if type(module) is nn.Linear:
-        weight = params["weight"].T
-        bias = params.get("bias", 0.0)
-        return lambda x: x @ weight + bias
-    if type(module) is nn.LayerNorm and len(module.normalized_shape) == 1:
-        weight = params.get("weight", 1.0)
-        bias = params.get("bias", 0.0)
-        eps = module.eps
-        return lambda x: (
-            (x - x.mean(-1, keepdims=True)) / np.sqrt(x.var(-1, keepdims=True) + eps) * weight
-            + bias
-        )
-    if type(module) in ACTIVATIONS:
-        return ACTIVATIONS[type(module)](module)
-    if type(module) is nn.GELU and module.approximate == "tanh":
-        return lambda x: gelu(x, "tanh")
-    return None
-
-
-class NumpyNormal:
-    """torch.distributions.Normal on numpy arrays, drawing from numpy's seeded generator."""
-
-    event_dims = 0  # its event is one number
-
-    def __init__(self, loc, scale, validate_args=None):
-        self.loc = loc
-        self.scale = scale
-        # the last sample and its standard normal noise: its log-probability needs no division
-        self.drawn = None
-
-    def sample(self, sample_shape=()):
-        shape = (
-            self.loc.shape
-            if self.loc.shape == self.scale.shape
-            else np.broadcast(self.loc, self.scale).shape
-        )
-        noise = np.random.standard_normal((*sample_shape, *shape)).astype(self.loc.dtype)
-        value = self.loc + self.scale * noise
-        self.drawn = (value, noise)
-        return value
-
-    rsample = sample
-
-    def log_prob(self, value):
-        noise = (
-            self.drawn[1]
-            if self.drawn is not None and value is self.drawn[0]
-            else (value - self.loc) / self.scale
-        )
-        return -0.5 * noise**2 - np.log(self.scale) - LOG_SQRT_2PI
-
-    def entropy(self):
-        return 0.5 + LOG_SQRT_2PI + np.log(self.scale)
-
-    @property
-    def mode(self):
-        return self.loc
-
-    mean = mode
-
-    @property
-    def stddev(self):
-        return self.scale
-
-    @property
-    def variance(self):
-        return self.scale**2
-
-
-class NumpyCategorical:
-    """torch.distributions.Categorical on numpy arrays: sampled by inverse CDF from numpy's seeded
-    generator."""
-
-    event_dims = 0  # its event is one number
-
-    def __init__(self, probs=None, logits=None, validate_args=None):
-        self.logits = (
-            log_softmax(logits)
-            if logits is not None
-            else np.log(probs / probs.sum(-1, keepdims=True))
-        )
-
-    def sample(self, sample_shape=()):
-        uniform = np.random.random_sample((*sample_shape, *self.logits.shape[:-1], 1))
-        below = (np.exp(self.logits).cumsum(-1) < uniform).sum(-1)
-        return np.minimum(below, self.logits.shape[-1] - 1)
-
-    def log_prob(self, value):
-        return np.take_along_axis(self.logits, value[..., None].astype(np.int64), -1)[..., 0]
-
-    def entropy(self):
-        return -(np.exp(self.logits) * self.logits).sum(-1)
-
-    @property
-    def mode(self):
-        return self.logits.argmax(-1)
-
-    @property
-    def probs(self):
-        return np.exp(self.logits)
-
-
-log_gamma = np.vectorize(math.lgamma, otypes=[np.float64])
-
-
-class NumpyBeta:
-    """torch.distributions.Beta on numpy arrays, drawing from numpy's seeded generator."""
-
-    event_dims = 0  # its event is one number
-
-    def __init__(self, concentration1, concentration0, validate_args=None):
-        self.alpha, self.beta = np.broadcast_arrays(concentration1, concentration0)
-
-    def sample(self, sample_shape=()):
-        shape = (*sample_shape, *self.alpha.shape)
-        return np.random.beta(self.alpha, self.beta, shape).astype(self.alpha.dtype)
-
-    rsample = sample
-
-    def log_prob(self, value):
-        a = self.alpha.astype(np.float64)
-        b = self.beta.astype(np.float64)
-        normaliser = log_gamma(a) + log_gamma(b) - log_gamma(a + b)
-        return ((a - 1) * np.log(value) + (b - 1) * np.log1p(-value) - normaliser).astype(
-            self.alpha.dtype
-        )
-
-    @property
-    def mean(self):
-        return self.alpha / (self.alpha + self.beta)
-
-    @property
-    def mode(self):
-        return (self.alpha - 1) / (self.alpha + self.beta - 2)
-
-
-class NumpyIndependent:
-    """torch.distributions.Independent on numpy arrays: the last dims summed into one event."""
-
-    def __init__(self, base_distribution, reinterpreted_batch_ndims, validate_args=None):
-        self.base_dist = base_distribution
-        self.axes = tuple(range(-reinterpreted_batch_ndims, 0))
-        self.event_dims = base_distribution.event_dims + reinterpreted_batch_ndims
-
-    def sample(self, sample_shape=()):
-        return self.base_dist.sample(sample_shape)
-
-    rsample = sample
-
-    def log_prob(self, value):
-        return self.base_dist.log_prob(value).sum(self.axes)
-
-    def entropy(self):
-        return self.base_dist.entropy().sum(self.axes)
-
-    @property
-    def mode(self):
-        return self.base_dist.mode
-
-    @property
-    def mean(self):
-        return self.base_dist.mean
-
-
-def sum_rightmost(value, dims: int):
-    """`value` summed over its last `dims` dims (torch.distributions' _sum_rightmost)."""
-    if dims == 0:
-        return value
-    return value.reshape(*value.shape[: value.ndim - dims], -1).sum(-1)
-
-
-class NumpyTransform:
-    """A torch.distributions transform on numpy arrays: forward, inverse, log |det J|
-    (log_abs_det_jacobian), summed over its last `event_dim` dims."""
-
-    def __init__(self, forward, inverse, log_abs_det_jacobian, event_dim: int = 0):
-        self.forward = forward
-        self.inverse = inverse
-        self.log_abs_det_jacobian = log_abs_det_jacobian
-        self.event_dim = event_dim
-
-    def __call__(self, x):
-        return self.forward(x)
-
-    @property
-    def inv(self) -> "NumpyTransform":
-        jacobian = self.log_abs_det_jacobian
-        return NumpyTransform(
-            self.inverse, self.forward, lambda y, x: -jacobian(x, y), self.event_dim
-        )
 
 
 def tanh_transform(cache_size: int = 0) -> NumpyTransform:
@@ -635,72 +754,11 @@ TRANSFORMS = {
 }
 
 
-def as_numpy(value):
-    """A transform's argument as its numpy version takes it: a tensor as a numpy view of it, a
-    transform as its numpy version (None where it has none)."""
-    if torch.is_tensor(value):
-        return value.detach().cpu().numpy()
-    if isinstance(value, D.Transform):
-        return numpy_transform(value)
-    if isinstance(value, list | tuple):
-        return [as_numpy(item) for item in value]
-    return value
-
-
-def numpy_transform(transform: D.Transform) -> NumpyTransform | None:
-    """The numpy version of a torch transform built of constants (its tensors are viewed, not
-    copied), or None."""
-    if type(transform) not in TRANSFORMS:
-        return None
-    build, names = TRANSFORMS[type(transform)]
-    arguments = [as_numpy(getattr(transform, name)) for name in names]
-    if holds(arguments, type(None)):  # a part without a numpy version
-        return None
-    return build(*arguments)
-
-
-def transform_tensors(transform: D.Transform) -> list[tuple[dict, str]]:
-    """(holder, name) of each tensor that a torch transform built of constants holds and its numpy
-    version views: in its attributes, or its parts'."""
-    found = []
-    for name in TRANSFORMS[type(transform)][1]:
-        value = getattr(transform, name)
-        for item in value if isinstance(value, list | tuple) else [value]:
-            if torch.is_tensor(item):
-                found.append((vars(transform) if name in vars(transform) else {name: item}, name))
-            elif isinstance(item, D.Transform):
-                found += transform_tensors(item)
-    return found
-
-
-class NumpyTransformed:
-    """torch.distributions.TransformedDistribution on numpy arrays, its log-probability summed over
-    the dims of its event as torch sums it."""
-
-    def __init__(self, base_distribution, transforms, validate_args=None):
-        self.base_dist = base_distribution
-        self.transforms = transforms if isinstance(transforms, list) else [transforms]
-        domain_dims = max([transform.event_dim for transform in self.transforms], default=0)
-        self.event_dims = max(base_distribution.event_dims, domain_dims)
-
-    def sample(self, sample_shape=()):
-        x = self.base_dist.sample(sample_shape)
-        for transform in self.transforms:
-            x = transform.forward(x)
-        return x
-
-    rsample = sample
-
-    def log_prob(self, value):
-        log_prob = 0.0
-        y = value
-        for transform in reversed(self.transforms):
-            x = transform.inverse(y)
-            jacobian = transform.log_abs_det_jacobian(x, y)
-            log_prob = log_prob - sum_rightmost(jacobian, self.event_dims - transform.event_dim)
-            y = x
-        base = self.base_dist.log_prob(y)
-        return log_prob + sum_rightmost(base, self.event_dims - self.base_dist.event_dims)
+def sum_rightmost(value, dims: int):
+    """`value` summed over its last `dims` dims (torch.distributions' _sum_rightmost)."""
+    if dims == 0:
+        return value
+    return value.reshape(*value.shape[: value.ndim - dims], -1).sum(-1)
 
 
 def log_normal(loc, scale, validate_args=None) -> NumpyTransformed:
@@ -719,56 +777,6 @@ DISTRIBUTIONS = {
 
 
 # --- a traced method as a Python function ---------------------------------------------------------
-class NoNumpyVersion(Exception):
-    """Something the Agent's method does that ddrl has no numpy version of, said in full: what it
-    is, and what to write instead where there is an alternative."""
-
-
-INSTEAD = {  # constructs without a numpy version, and what to write instead
-    D.MultivariateNormal: (
-        "with a diagonal covariance, Independent(Normal(loc, scale), 1) is the same distribution "
-        "and has one"
-    ),
-    nn.GELU: 'nn.GELU(approximate="tanh"), its tanh approximation, has one',
-    F.gelu: 'F.gelu(x, approximate="tanh"), its tanh approximation, has one',
-    ".max()": ".amax(dim) has one (the maxima alone)",
-    ".min()": ".amin(dim) has one (the minima alone)",
-}
-
-
-def no_numpy_version(what: str, construct) -> NoNumpyVersion:
-    """The refusal of `what` (its class, function or `.method()` `construct`), with what to write
-    instead where INSTEAD knows it."""
-    said = f"{what} has no numpy version in ddrl/rollout.py"
-    instead = INSTEAD.get(construct)
-    return NoNumpyVersion(said if instead is None else f"{said}; {instead}")
-
-
-def describe(node: fx.Node, root: nn.Module, objects: dict) -> str:
-    """What a node of the trace calls, as a line names it: a layer, a function, a tensor method, a
-    distribution or transform class, or a method or attribute of what one of those built."""
-    if node.op == "call_module":
-        module = root.get_submodule(node.target)
-        return f"the layer {type(module).__name__} ({node.target.removeprefix('agent.')})"
-    if node.op == "call_method":
-        receiver = objects.get(node.args[0])
-        if receiver is None:
-            return f"the tensor method .{node.target}()"
-        return f"the method {receiver}.{node.target}()"
-    target = node.target
-    if target is getattr:
-        return f"the attribute {objects.get(node.args[0], 'tensor')}.{node.args[1]}"
-    if isinstance(target, type) and issubclass(target, D.Distribution):
-        return f"the distribution {target.__name__}"
-    if isinstance(target, type) and issubclass(target, D.Transform):
-        return f"the transform {target.__name__}"
-    name = getattr(target, "__name__", str(target))
-    module = getattr(target, "__module__", None)
-    if module == "_operator":
-        return f"the operator {name}"
-    return f"the function {module}.{name}" if module else f"the function {name}"
-
-
 def program(root: nn.Module, graph: fx.Graph, to_numpy: bool, deterministic: bool = False):
     """The traced method as Python source, run over a namespace of what its nodes call: numpy
     versions (`to_numpy`), or the torch ones themselves; each line ends in a comment naming what
@@ -919,10 +927,127 @@ def program(root: nn.Module, graph: fx.Graph, to_numpy: bool, deterministic: boo
     return "\n".join(lines), namespace, views
 
 
-def failed(what: str, error: Exception) -> str:
-    """The line for a numpy version of `what` that raised `error`."""
-    said = f"{type(error).__name__}: {failures.first_line(error)}"
-    return f"the numpy version of {what} failed ({said})"
+def numpy_layer(module: nn.Module):
+    """A leaf module of the Agent as a function of numpy rows, over views of its parameters; None if
+    it has none."""
+    params = {name: view_of(module._parameters, name) for name in layer_parameters(module)}
+    if type(module) is nn.Linear:
+        weight = params["weight"].T
+        bias = params.get("bias", 0.0)
+        return lambda x: x @ weight + bias
+    if type(module) is nn.LayerNorm and len(module.normalized_shape) == 1:
+        weight = params.get("weight", 1.0)
+        bias = params.get("bias", 0.0)
+        eps = module.eps
+        return lambda x: (
+            (x - x.mean(-1, keepdims=True)) / np.sqrt(x.var(-1, keepdims=True) + eps) * weight
+            + bias
+        )
+    if type(module) in ACTIVATIONS:
+        return ACTIVATIONS[type(module)](module)
+    if type(module) is nn.GELU and module.approximate == "tanh":
+        return lambda x: gelu(x, "tanh")
+    return None
+
+
+def view_of(holder: dict, name: str) -> np.ndarray:
+    """A numpy view of the tensor `holder[name]`: it shares the tensor's memory (no copy, the same
+    dtype), so it follows every change made in place."""
+    return holder[name].detach().numpy()
+
+
+def holder_of(module: nn.Module, name: str, tensor: torch.Tensor) -> dict:
+    """The dict in which `module` holds `tensor` as `name` (its parameters, buffers or attributes),
+    where a tensor put in its place is found; `{name: tensor}` where none does."""
+    places = (module._parameters, module._buffers, vars(module))
+    return next((place for place in places if name in place), {name: tensor})
+
+
+def layer_parameters(module: nn.Module) -> list[str]:
+    """The names of a layer's own parameters (not None: a Linear's missing bias is)."""
+    return [name for name, value in module._parameters.items() if value is not None]
+
+
+def as_numpy(value):
+    """A transform's argument as its numpy version takes it: a tensor as a numpy view of it, a
+    transform as its numpy version (None where it has none)."""
+    if torch.is_tensor(value):
+        return value.detach().cpu().numpy()
+    if isinstance(value, D.Transform):
+        return numpy_transform(value)
+    if isinstance(value, list | tuple):
+        return [as_numpy(item) for item in value]
+    return value
+
+
+def numpy_transform(transform: D.Transform) -> NumpyTransform | None:
+    """The numpy version of a torch transform built of constants (its tensors are viewed, not
+    copied), or None."""
+    if type(transform) not in TRANSFORMS:
+        return None
+    build, names = TRANSFORMS[type(transform)]
+    arguments = [as_numpy(getattr(transform, name)) for name in names]
+    if holds(arguments, type(None)):  # a part without a numpy version
+        return None
+    return build(*arguments)
+
+
+def holds(value, kinds: type | types.UnionType) -> bool:
+    """Whether `value` is, or a list, tuple or dict of it holds, an instance of `kinds`."""
+    if isinstance(value, kinds):
+        return True
+    if isinstance(value, tuple | list):
+        return any(holds(item, kinds) for item in value)
+    if isinstance(value, dict):
+        return any(holds(item, kinds) for item in value.values())
+    return False
+
+
+def transform_tensors(transform: D.Transform) -> list[tuple[dict, str]]:
+    """(holder, name) of each tensor that a torch transform built of constants holds and its numpy
+    version views: in its attributes, or its parts'."""
+    found = []
+    for name in TRANSFORMS[type(transform)][1]:
+        value = getattr(transform, name)
+        for item in value if isinstance(value, list | tuple) else [value]:
+            if torch.is_tensor(item):
+                found.append((vars(transform) if name in vars(transform) else {name: item}, name))
+            elif isinstance(item, D.Transform):
+                found += transform_tensors(item)
+    return found
+
+
+def no_numpy_version(what: str, construct) -> NoNumpyVersion:
+    """The refusal of `what` (its class, function or `.method()` `construct`), with what to write
+    instead where INSTEAD knows it."""
+    said = f"{what} has no numpy version in ddrl/rollout.py"
+    instead = INSTEAD.get(construct)
+    return NoNumpyVersion(said if instead is None else f"{said}; {instead}")
+
+
+def describe(node: fx.Node, root: nn.Module, objects: dict) -> str:
+    """What a node of the trace calls, as a line names it: a layer, a function, a tensor method, a
+    distribution or transform class, or a method or attribute of what one of those built."""
+    if node.op == "call_module":
+        module = root.get_submodule(node.target)
+        return f"the layer {type(module).__name__} ({node.target.removeprefix('agent.')})"
+    if node.op == "call_method":
+        receiver = objects.get(node.args[0])
+        if receiver is None:
+            return f"the tensor method .{node.target}()"
+        return f"the method {receiver}.{node.target}()"
+    target = node.target
+    if target is getattr:
+        return f"the attribute {objects.get(node.args[0], 'tensor')}.{node.args[1]}"
+    if isinstance(target, type) and issubclass(target, D.Distribution):
+        return f"the distribution {target.__name__}"
+    if isinstance(target, type) and issubclass(target, D.Transform):
+        return f"the transform {target.__name__}"
+    name = getattr(target, "__name__", str(target))
+    module = getattr(target, "__module__", None)
+    if module == "_operator":
+        return f"the operator {name}"
+    return f"the function {module}.{name}" if module else f"the function {name}"
 
 
 def failed_in_program(error: Exception) -> str:
@@ -945,162 +1070,18 @@ def failed_in_program(error: Exception) -> str:
     return failed(what, error)
 
 
+def failed(what: str, error: Exception) -> str:
+    """The line for a numpy version of `what` that raised `error`."""
+    said = f"{type(error).__name__}: {failures.first_line(error)}"
+    return f"the numpy version of {what} failed ({said})"
+
+
 def compiled(source: str, namespace: dict):
     """The function `source` defines, its globals `namespace` (and the source, by which a failure
     names its line)."""
     scope = {**namespace, "SOURCE": source}
     exec(compile(source, PROGRAM_FILE, "exec"), scope)  # noqa: S102
     return scope["method"]
-
-
-class Program:
-    """A derived program, called on the rollout's rows: `program`'s function over constants made
-    from the Agent's tensors, which follow every change made in place. Each call first compares the
-    memory of the tensors the Agent holds with the memory viewed (a microsecond), and makes those
-    constants anew where one was put in another's place (a buffer assigned, `param.data = ...`)."""
-
-    def __init__(self, source: str, namespace: dict, views: list[tuple]):
-        self.method = compiled(source, namespace)
-        self.views = views
-        self.holders = [holder for holder, _, _, _ in views]
-        self.names = [name for _, name, _, _ in views]
-        self.addresses = self.held()
-
-    def held(self) -> list[int] | None:
-        """The address of each viewed tensor's memory, as the Agent holds it now; None where one is
-        gone."""
-        try:
-            return list(map(DATA_PTR, map(dict.get, self.holders, self.names)))
-        except TypeError:  # None in a tensor's place
-            return None
-
-    def view_again(self) -> None:
-        """Every constant made from the Agent's tensors made anew, from those it holds now."""
-        for key, make in {key: make for _, _, key, make in self.views}.items():
-            self.method.__globals__[key] = make()
-        self.addresses = self.held()
-
-    def __call__(self, x):
-        if self.held() != self.addresses:
-            self.view_again()
-        return self.method(x)
-
-
-# --- the rollout's Agent --------------------------------------------------------------------------
-class NumpyAgent:
-    """The Agent's get_action_and_value and get_value as numpy programs over views of its
-    parameters and buffers, which see the weights as they are at each call. Takes and returns numpy
-    arrays; the entropy is never computed (None)."""
-
-    kind = "numpy versions of the Agent's methods"
-
-    def __init__(self, act: Program, value: Program):
-        self.get_action_and_value = act
-        self.get_value = value
-
-
-class TorchAgent:
-    """The Agent's own get_action_and_value and get_value under inference mode, on tensors made from
-    numpy rows; with `act`, that program (the traced method with each distribution's mode for its
-    sample) instead."""
-
-    kind = "the Agent's own torch code"
-
-    def __init__(self, agent: nn.Module, act: Program | None = None):
-        self.agent = agent
-        self.act = act or agent.get_action_and_value
-        self.device = next(agent.parameters()).device
-
-    @torch.inference_mode()
-    def get_action_and_value(self, x: np.ndarray) -> tuple:
-        found = self.act(torch.as_tensor(x, device=self.device))
-        return tuple(None if item is None else item.cpu().numpy() for item in found)
-
-    @torch.inference_mode()
-    def get_value(self, x: np.ndarray) -> np.ndarray:
-        return self.agent.get_value(torch.as_tensor(x, device=self.device)).cpu().numpy()
-
-
-# agent: its traced methods, or why the rollout runs its torch code
-DERIVED = weakref.WeakKeyDictionary()
-
-
-def traced(agent: nn.Module, example: np.ndarray, numpy_layers: bool) -> dict:
-    """The Agent's two methods traced, and whether their numpy versions run on `example`
-    observations: found once per Agent (its code does not change during a run); the slower path is
-    said then, in one line (rank 0)."""
-    if agent in DERIVED:
-        return DERIVED[agent]
-    found = {}
-    try:
-        found = {method: trace(agent, method) for method in ("get_action_and_value", "get_value")}
-    except Exception as error:  # data-dependent control flow, a call torch.fx cannot follow
-        said = f"{type(error).__name__}: {failures.first_line(error)}"
-        found["reason"] = f"torch.fx cannot trace it ({said})"
-    if numpy_layers and "reason" not in found:
-        state = np.random.get_state()  # the trial's draws leave the rank's stream as it was
-        try:
-            trial = numpy_agent(found)
-            trial.get_action_and_value(example)
-            trial.get_value(example)
-        except NoNumpyVersion as error:
-            found["reason"] = str(error)
-        except Exception as error:
-            found["reason"] = failed_in_program(error)
-        finally:
-            np.random.set_state(state)
-    if numpy_layers and "reason" in found and failures.this_rank() == 0:
-        failures.tell(
-            f"the rollout runs the Agent's own torch code, the slower path: {found['reason']}"
-        )
-    DERIVED[agent] = found
-    return found
-
-
-def numpy_agent(methods: dict, deterministic: bool = False) -> NumpyAgent:
-    """The numpy programs of the traced methods, over views of the Agent's parameters and
-    buffers."""
-    act = Program(*program(*methods["get_action_and_value"], True, deterministic))
-    value = Program(*program(*methods["get_value"], True))
-    return NumpyAgent(act, value)
-
-
-def derive(
-    agent: nn.Module, observation_space, numpy_layers: bool = True, deterministic: bool = False
-) -> NumpyAgent | TorchAgent:
-    """The rollout's Agent: numpy programs derived from its methods, or (without `numpy_layers`, on
-    a GPU, or where something in them has no numpy version) its own torch code. With
-    `deterministic`, actions are each distribution's mode (evaluation). Derived once, before the
-    loop: the programs read the parameters and buffers through numpy views that share their memory,
-    so they follow every in-place change (an optimizer step, copy_, load_state_dict, a broadcast);
-    a tensor the Agent replaces rather than changes is found by its address at the next call and
-    viewed anew, a check of about a microsecond where deriving anew takes a millisecond."""
-    example = example_observations(observation_space, 1)
-    on_cpu = next(agent.parameters()).device.type == "cpu"
-    methods = traced(agent, example, numpy_layers and on_cpu)
-    if numpy_layers and on_cpu and "reason" not in methods:
-        return numpy_agent(methods, deterministic)
-    if not deterministic:
-        return TorchAgent(agent)
-    if "reason" in methods and "get_value" not in methods:
-        failures.fail(
-            "--eval-deterministic needs the mode of the Agent's distribution, and "
-            f"{methods['reason']}"
-        )
-    return TorchAgent(agent, Program(*program(*methods["get_action_and_value"], False, True)))
-
-
-def example_observations(observation_space, count: int) -> np.ndarray:
-    """`count` observations of `observation_space`, seeded: integers within its bounds (frames),
-    else standard normal ones (which look like normalised observations, where the space is
-    unbounded)."""
-    rng = np.random.default_rng(0)
-    shape = (count, *observation_space.shape)
-    if np.issubdtype(observation_space.dtype, np.integer):
-        low = np.broadcast_to(observation_space.low, observation_space.shape)
-        high = np.broadcast_to(observation_space.high, observation_space.shape)
-        return rng.integers(low, high, shape, endpoint=True).astype(observation_space.dtype)
-    return rng.standard_normal(shape).astype(np.float32)
 
 
 # --- checking the rollout against the Agent -------------------------------------------------------
@@ -1121,6 +1102,19 @@ def probe(
     checks.check_one_per_row(log_probs, values, count, "Agent.get_action_and_value")
     found = {"obs": obs, "actions": actions, "log_probs": log_probs, "values": values}
     return {key: torch.as_tensor(value, device=device) for key, value in found.items()}
+
+
+def example_observations(observation_space, count: int) -> np.ndarray:
+    """`count` observations of `observation_space`, seeded: integers within its bounds (frames),
+    else standard normal ones (which look like normalised observations, where the space is
+    unbounded)."""
+    rng = np.random.default_rng(0)
+    shape = (count, *observation_space.shape)
+    if np.issubdtype(observation_space.dtype, np.integer):
+        low = np.broadcast_to(observation_space.low, observation_space.shape)
+        high = np.broadcast_to(observation_space.high, observation_space.shape)
+        return rng.integers(low, high, shape, endpoint=True).astype(observation_space.dtype)
+    return rng.standard_normal(shape).astype(np.float32)
 
 
 def check(agent: nn.Module, batch: dict, when: str, kind: str, rows: int = PROBE_SAMPLES) -> None:

@@ -43,52 +43,11 @@ def refuse_link(path: str) -> None:
         fail(link_problem(path))
 
 
-def link_problem(path: str) -> str:
-    """What a message says of `path`, a symbolic link."""
-    return (
-        f"{path} is a symbolic link, which a run never reads or writes through: replace it with "
-        "the real folder or file"
-    )
-
-
 def real_folder(path: str) -> None:
     """Make the folder `path` if it is missing (runs/NAME/checkpoints, videos); stop in one line if
     it is a link or no folder, or holds a link, so that nothing is written through a link."""
     if problem := folder_problem(path, make=True):
         fail(problem)
-
-
-def folder_problem(path: str, make: bool) -> str:
-    """Why a run cannot write files into the folder `path` without a link ('' if it can): it is a
-    link or no folder, or holds a link, or (`make`: made where missing) cannot be made or read."""
-    if os.path.islink(path):
-        return link_problem(path)
-    try:
-        if make and not os.path.lexists(path):
-            os.mkdir(path)
-        if not os.path.lexists(path):
-            return ""
-        if not stat.S_ISDIR(os.lstat(path).st_mode):
-            return f"{path} is no folder: move it away"
-        links = [entry.path for entry in os.scandir(path) if entry.is_symlink()]
-    except OSError as error:
-        return f"cannot make or read the folder {path} ({error.strerror}): make it writable"
-    return link_problem(sorted(links)[0]) if links else ""
-
-
-def run_folder_problem(name: str, save_model: bool) -> str:
-    """Why the run cannot write its files in runs/NAME ('' if it can), found by rank 0 before the
-    first iteration rather than at the first checkpoint: the folder, its checkpoints/ and videos/
-    each a real folder that holds no link (its run.lock, a checkpoint, the model file), and with
-    `save_model` a model file that is no folder."""
-    folder = os.path.join("runs", name)
-    for path in (folder, *(os.path.join(folder, child) for child in WRITTEN_FOLDERS)):
-        if problem := folder_problem(path, make=False):
-            return problem
-    model = os.path.join(folder, MODEL_FILE)
-    if save_model and os.path.isdir(model):
-        return f"{model} is a folder, where --save-model writes the model file: move it away"
-    return ""
 
 
 def create_run_folder(args, name: str, rank: int, device: torch.device, resumed: bool) -> RunFolder:
@@ -115,6 +74,47 @@ def create_run_folder(args, name: str, rank: int, device: torch.device, resumed:
         fail(problem)
     folder.name = (name or f"{default_name}{start_time}") + (f"-{suffix}" if suffix else "")
     return folder
+
+
+def run_folder_problem(name: str, save_model: bool) -> str:
+    """Why the run cannot write its files in runs/NAME ('' if it can), found by rank 0 before the
+    first iteration rather than at the first checkpoint: the folder, its checkpoints/ and videos/
+    each a real folder that holds no link (its run.lock, a checkpoint, the model file), and with
+    `save_model` a model file that is no folder."""
+    folder = os.path.join("runs", name)
+    for path in (folder, *(os.path.join(folder, child) for child in WRITTEN_FOLDERS)):
+        if problem := folder_problem(path, make=False):
+            return problem
+    model = os.path.join(folder, MODEL_FILE)
+    if save_model and os.path.isdir(model):
+        return f"{model} is a folder, where --save-model writes the model file: move it away"
+    return ""
+
+
+def folder_problem(path: str, make: bool) -> str:
+    """Why a run cannot write files into the folder `path` without a link ('' if it can): it is a
+    link or no folder, or holds a link, or (`make`: made where missing) cannot be made or read."""
+    if os.path.islink(path):
+        return link_problem(path)
+    try:
+        if make and not os.path.lexists(path):
+            os.mkdir(path)
+        if not os.path.lexists(path):
+            return ""
+        if not stat.S_ISDIR(os.lstat(path).st_mode):
+            return f"{path} is no folder: move it away"
+        links = [entry.path for entry in os.scandir(path) if entry.is_symlink()]
+    except OSError as error:
+        return f"cannot make or read the folder {path} ({error.strerror}): make it writable"
+    return link_problem(sorted(links)[0]) if links else ""
+
+
+def link_problem(path: str) -> str:
+    """What a message says of `path`, a symbolic link."""
+    return (
+        f"{path} is a symbolic link, which a run never reads or writes through: replace it with "
+        "the real folder or file"
+    )
 
 
 def lock_run_folder(name: str) -> tuple[IO | None, str]:
@@ -161,6 +161,16 @@ def lock_record(name: str) -> dict:
     return record if isinstance(record, dict) else {}
 
 
+def release_run_folder(folder: RunFolder, finished: bool) -> None:
+    """Rank 0 marks the run finished (or not: stopped, it can be resumed) and lets its folder go."""
+    if folder.lock is None:
+        return
+    with contextlib.suppress(OSError):
+        write_lock_record(folder.lock, finished)
+    folder.lock.close()
+    folder.lock = None
+
+
 def write_lock_record(lock: IO, finished: bool) -> None:
     """Say in the held lock file which launch (torchrun's run id), process and host hold the run,
     and whether it finished (a restart count never writes into a finished run)."""
@@ -175,16 +185,6 @@ def write_lock_record(lock: IO, finished: bool) -> None:
     lock.truncate()
     lock.write(json.dumps(record))
     lock.flush()
-
-
-def release_run_folder(folder: RunFolder, finished: bool) -> None:
-    """Rank 0 marks the run finished (or not: stopped, it can be resumed) and lets its folder go."""
-    if folder.lock is None:
-        return
-    with contextlib.suppress(OSError):
-        write_lock_record(folder.lock, finished)
-    folder.lock.close()
-    folder.lock = None
 
 
 def make_run_folder(name: str, suffixed: bool, resumed: bool) -> tuple[int, str]:

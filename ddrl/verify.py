@@ -258,16 +258,6 @@ def import_problem(name: str, error: BaseException) -> str:
     return f"importing {name} raised {type(error).__name__}: {first_line(error)}"
 
 
-def load(script: Path):
-    """The script as a module, without running its main (it runs only under `__main__`)."""
-    name = "ddrl_verify_" + re.sub(r"\W", "_", script.stem)
-    spec = importlib.util.spec_from_file_location(name, script)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 def small_flags(args) -> dict:
     """The flags of every run: SMALL where the script has them, the batch SAMPLES env steps per
     rank, one iteration of two ranks in all."""
@@ -463,6 +453,18 @@ def read_run(work: Path, name: str) -> dict:
     return record
 
 
+def too_far(ours: dict, theirs: dict, tolerance: float, names: set[str]) -> tuple[float, str]:
+    """The largest difference above `tolerance` among the named tensors, and the names that differ
+    (the first three, largest first) with their verb; () if none."""
+    gaps = differences(ours, theirs, names)
+    bad = sorted(((gap, name) for name, gap in gaps.items() if gap > tolerance), reverse=True)
+    if not bad:
+        return ()
+    names_said = ", ".join(name for _, name in bad[:3])
+    more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
+    return bad[0][0], names_said + more + (" differs" if len(bad) == 1 else " differ")
+
+
 def differences(ours: dict, theirs: dict, names: set[str]) -> dict[str, float]:
     """The largest absolute difference of each named floating tensor (inf where one side lacks it
     or it has another shape)."""
@@ -478,18 +480,6 @@ def differences(ours: dict, theirs: dict, names: set[str]) -> dict[str, float]:
         elif not torch.equal(mine, other):
             gaps[name] = math.inf
     return gaps
-
-
-def too_far(ours: dict, theirs: dict, tolerance: float, names: set[str]) -> tuple[float, str]:
-    """The largest difference above `tolerance` among the named tensors, and the names that differ
-    (the first three, largest first) with their verb; () if none."""
-    gaps = differences(ours, theirs, names)
-    bad = sorted(((gap, name) for name, gap in gaps.items() if gap > tolerance), reverse=True)
-    if not bad:
-        return ()
-    names_said = ", ".join(name for _, name in bad[:3])
-    more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
-    return bad[0][0], names_said + more + (" differs" if len(bad) == 1 else " differ")
 
 
 def first_difference(ours: dict, theirs: dict) -> tuple[str, str, str]:
@@ -555,6 +545,16 @@ def worker(mode: str, script: str, work: str, precision: str) -> int:
         os._exit(1)
     (work / f"{name}.returned").touch()
     return 1
+
+
+def load(script: Path):
+    """The script as a module, without running its main (it runs only under `__main__`)."""
+    name = "ddrl_verify_" + re.sub(r"\W", "_", script.stem)
+    spec = importlib.util.spec_from_file_location(name, script)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def replaced_update(script, mode: str, args, work: Path, precision: str):
@@ -727,6 +727,24 @@ def in_precision(called: dict, batch: dict, precision: str) -> dict:
     }
 
 
+def model_of(called: dict) -> nn.Module:
+    """The module the update trains: the first among its arguments (DistributedDataParallel's: the
+    Agent in it)."""
+    module = next(value for value in called.values() if isinstance(value, nn.Module))
+    return getattr(module, "module", module)
+
+
+def finish(called: dict, module: nn.Module, mode: str, args, work: Path) -> None:
+    """Write the state `module` ended the update with, the optimizer's options and the numbers in
+    args after it, and end the run."""
+    name = f"{mode}.{os.environ.get('RANK', '0')}"
+    optimizers = [v for v in called.values() if isinstance(v, torch.optim.Optimizer)]
+    record = {"options after": options_of(optimizers), "args after": plain_fields(args)}
+    (work / f"{name}.finish.json").write_text(json.dumps(record))
+    save_file(state(module), work / f"{name}.after.safetensors")
+    raise Stop
+
+
 def options_of(optimizers: list[torch.optim.Optimizer]) -> dict[str, object]:
     """Every option of every parameter group by name (`lr in parameter group 1`), plain values."""
     found = {}
@@ -759,30 +777,12 @@ def plain(value: object) -> object:
     return re.sub(r" at 0x[0-9a-fA-F]+", "", repr(value))
 
 
-def model_of(called: dict) -> nn.Module:
-    """The module the update trains: the first among its arguments (DistributedDataParallel's: the
-    Agent in it)."""
-    module = next(value for value in called.values() if isinstance(value, nn.Module))
-    return getattr(module, "module", module)
-
-
 def state(module: nn.Module) -> dict[str, torch.Tensor]:
     """The module's parameters and buffers, on the CPU."""
     return {
         name: tensor.detach().cpu().clone().contiguous()
         for name, tensor in module.state_dict().items()
     }
-
-
-def finish(called: dict, module: nn.Module, mode: str, args, work: Path) -> None:
-    """Write the state `module` ended the update with, the optimizer's options and the numbers in
-    args after it, and end the run."""
-    name = f"{mode}.{os.environ.get('RANK', '0')}"
-    optimizers = [v for v in called.values() if isinstance(v, torch.optim.Optimizer)]
-    record = {"options after": options_of(optimizers), "args after": plain_fields(args)}
-    (work / f"{name}.finish.json").write_text(json.dumps(record))
-    save_file(state(module), work / f"{name}.after.safetensors")
-    raise Stop
 
 
 if __name__ == "__main__":

@@ -298,6 +298,53 @@ def test_the_package_reads_module_by_module(path):
             assert not bases & ours, f"ddrl's {node.name} inherits from {bases & ours}"
 
 
+def names_read(function: ast.FunctionDef, names: set[str]) -> set[str]:
+    """Which of `names` the function reads, leaving out a name it binds itself (an argument, a local)."""
+    bound = {
+        arg.arg
+        for node in ast.walk(function)
+        if isinstance(node, ast.arguments)
+        for arg in (*node.posonlyargs, *node.args, *node.kwonlyargs, node.vararg, node.kwarg)
+        if arg
+    }
+    used = [node for node in ast.walk(function) if isinstance(node, ast.Name)]
+    bound |= {node.id for node in used if not isinstance(node.ctx, ast.Load)}
+    return {node.id for node in used if isinstance(node.ctx, ast.Load)} & names - bound - {function.name}
+
+
+@pytest.mark.parametrize("path", PACKAGE, ids=[path.name for path in PACKAGE])
+def test_each_module_reads_callers_before_helpers(path):
+    """A reader meets a function before its helpers, one rule in every module: each function comes above the functions
+    of its module it names, except where Python needs otherwise (one a module-level statement names, as a table does;
+    functions that call each other)."""
+    tree = tree_of(path)
+    functions = {name: node for name, node in definitions(tree).items() if isinstance(node, ast.FunctionDef)}
+    place = {name: index for index, name in enumerate(functions)}
+    calls = {name: names_read(node, set(functions)) for name, node in functions.items()}
+    named_at_import = {
+        node.id
+        for statement in tree.body
+        if not isinstance(statement, ast.FunctionDef | ast.ClassDef)
+        for node in ast.walk(statement)
+        if isinstance(node, ast.Name)
+    }
+    reaches = {}  # each function's helpers, direct or not
+    for name in functions:
+        reaches[name] = set()
+        todo = [name]
+        while todo:
+            new = calls[todo.pop()] - reaches[name]
+            reaches[name] |= new
+            todo += new
+    above = [
+        f"{name} calls {helper}, defined above it"
+        for name in functions
+        for helper in sorted(calls[name])
+        if place[helper] < place[name] and helper not in named_at_import and name not in reaches[helper]
+    ]
+    assert not above, f"ddrl/{path.name}: " + "; ".join(above)
+
+
 @pytest.mark.parametrize("path", [ROOT / script for script in SCRIPTS] + PACKAGE, ids=lambda path: path.name)
 def test_no_packed_assignments(path):
     """One statement per line, as CleanRL writes it: `a, b = x, y` only where the values come together (a call's
