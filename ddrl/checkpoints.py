@@ -374,9 +374,7 @@ def load_random_streams(path: str, header: dict, found: dict, rank: int) -> None
 
 # --- saving a training checkpoint -----------------------------------------------------------------
 def save(
-    store: torch.distributed.Store,
-    rank: int,
-    world_size: int,
+    world: launching.World,
     name: str,
     args,
     resumption: Resumption,
@@ -384,15 +382,17 @@ def save(
     global_step: int,
     states: dict,
 ) -> tuple[str, str]:
-    """Every rank's random streams to rank 0 (through the process group's `store`), which writes
+    """Every rank's random streams to rank 0 (through the `world`'s store), which writes
     `states` (the Agent, then the optimizers by the names load_training_state loads them by) to
     runs/NAME's checkpoint of `iteration`, saying how many attempts and envs the run has had
     (`resumption`'s, and this attempt's). Returns the checkpoint's path and, on rank 0, why it is
     not written ('' once written; '' on the other ranks): the caller passes both to
     stop_if_unwritten once anything else that must reach the disk with it has."""
-    store.set(f"rng/{iteration}/{rank}", save_bytes(checkpoint_files.random_streams()))
+    store = world.store
+    world_size = world.world_size
+    store.set(f"rng/{iteration}/{world.rank}", save_bytes(checkpoint_files.random_streams()))
     path = checkpoint_path(name, iteration)
-    if rank != 0:
+    if world.rank != 0:
         return path, ""
     model = next(iter(states.values()))
     tensors = {f"model.{key}": tensor for key, tensor in model.state_dict().items()}
@@ -415,24 +415,16 @@ def save(
     return path, write_checked(path, tensors, header)
 
 
-def stop_if_unwritten(
-    store: torch.distributed.Store,
-    rank: int,
-    world_size: int,
-    name: str,
-    path: str,
-    problem: str,
-    fix: str,
-) -> None:
+def stop_if_unwritten(world: launching.World, name: str, path: str, problem: str, fix: str) -> None:
     """Stop every rank, in one line naming runs/NAME's last good checkpoint, if rank 0 could not
     write `path` (`problem`, which names what to do about it; `fix` says how to go on). Rank 0's
     outcome reaches the others through the store, not a gather: a gather left as the group's last
     work can deadlock its teardown (gloo's thread frees it needing the GIL the destroying thread
     holds)."""
-    if world_size > 1:
-        if rank == 0:
-            store.set(f"written/{path}", problem)
-        problem = store.get(f"written/{path}").decode()
+    if world.world_size > 1:
+        if world.rank == 0:
+            world.store.set(f"written/{path}", problem)
+        problem = world.store.get(f"written/{path}").decode()
     if problem:
         fail(f"{problem}; {last_good_checkpoint(name)}; {fix} --run-name {name}")
 

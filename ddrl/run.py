@@ -177,12 +177,12 @@ class Run:
         it) and TensorBoard's events so far: `states` are the Agent (under any name) and the
         optimizers, by the names resume() loads them by. A write that fails stops every rank in one
         line naming the last good checkpoint."""
-        place = (self.world.store, self.rank, self.world_size, self.name)
-        written = (self.args, self.resumption, iteration, global_step, states)
-        path, problem = checkpoints.save(*place, *written)
+        path, problem = checkpoints.save(
+            self.world, self.name, self.args, self.resumption, iteration, global_step, states
+        )
         if self.rank == 0 and not problem:
             problem = progress.flush_writer(self.progress, self.name)
-        checkpoints.stop_if_unwritten(*place, path, problem, "then --resume")
+        checkpoints.stop_if_unwritten(self.world, self.name, path, problem, "then --resume")
         if self.rank == 0:
             failures.tell(f"checkpoint saved to {path}")
 
@@ -214,8 +214,7 @@ class Run:
                 problem = evaluation.film(agent, make_env, args, f"{folder}/videos")
                 fix = "then film it with --resume --capture-video" if problem else fix
             progress.close_writer(self.progress)
-        place = (self.world.store, self.rank, self.world_size, self.name)
-        checkpoints.stop_if_unwritten(*place, path, problem, fix)
+        checkpoints.stop_if_unwritten(self.world, self.name, path, problem, fix)
         dist.barrier()  # every rank leaves the group together
         stopping.disarm()
         dist.destroy_process_group()
