@@ -60,6 +60,8 @@ INSTEAD = {  # constructs without a numpy version, and what to write instead
 }
 # agent: its traced methods, or why the rollout runs its torch code
 DERIVED = weakref.WeakKeyDictionary()
+# agent: the programs derived from it, which check() has look again for replaced tensors
+PROGRAMS = weakref.WeakKeyDictionary()
 
 
 class AgentMethod(nn.Module):
@@ -295,9 +297,10 @@ class NoNumpyVersion(Exception):
 
 class Program:
     """A derived program, called on the rollout's rows: `program`'s function over constants made
-    from the Agent's tensors, which follow every change made in place. Each call first compares the
-    memory of the tensors the Agent holds with the memory viewed (a microsecond), and makes those
-    constants anew where one was put in another's place (a buffer assigned, `param.data = ...`)."""
+    from the Agent's tensors, which follow every change made in place. Once check() has seen a
+    rollout's batch (the update may follow), the next call first compares the memory of the tensors
+    the Agent holds with the memory viewed, and makes those constants anew where one was put in
+    another's place (a buffer assigned, `param.data = ...`): once per rollout, not per step."""
 
     def __init__(self, source: str, namespace: dict, views: list[tuple]):
         self.method = compiled(source, namespace)
@@ -305,6 +308,7 @@ class Program:
         self.holders = [holder for holder, _, _, _ in views]
         self.names = [name for _, name, _, _ in views]
         self.addresses = self.held()
+        self.look_again = False
 
     def held(self) -> list[int] | None:
         """The address of each viewed tensor's memory, as the Agent holds it now; None where one is
@@ -321,8 +325,10 @@ class Program:
         self.addresses = self.held()
 
     def __call__(self, x):
-        if self.held() != self.addresses:
-            self.view_again()
+        if self.look_again:
+            self.look_again = False
+            if self.held() != self.addresses:
+                self.view_again()
         return self.method(x)
 
 
@@ -369,13 +375,15 @@ def derive(
     `deterministic`, actions are each distribution's mode (evaluation). Derived once, before the
     loop: the programs read the parameters and buffers through numpy views that share their memory,
     so they follow every in-place change (an optimizer step, copy_, load_state_dict, a broadcast);
-    a tensor the Agent replaces rather than changes is found by its address at the next call and
-    viewed anew, a check of about a microsecond where deriving anew takes a millisecond."""
+    a tensor the Agent replaces rather than changes is found by its address at the first call after
+    check() saw a batch, and viewed anew (Program)."""
     example = example_observations(observation_space, 1)
     on_cpu = next(agent.parameters()).device.type == "cpu"
     methods = traced(agent, example, numpy_layers and on_cpu)
     if numpy_layers and on_cpu and "reason" not in methods:
-        return numpy_agent(methods, deterministic)
+        derived = numpy_agent(methods, deterministic)
+        PROGRAMS[agent] = [derived.get_action_and_value, derived.get_value]
+        return derived
     if not deterministic:
         return TorchAgent(agent)
     if "reason" in methods and "get_value" not in methods:
@@ -383,7 +391,9 @@ def derive(
             "--eval-deterministic needs the mode of the Agent's distribution, and "
             f"{methods['reason']}"
         )
-    return TorchAgent(agent, Program(*program(*methods["get_action_and_value"], False, True)))
+    act = Program(*program(*methods["get_action_and_value"], False, True))
+    PROGRAMS[agent] = [act]
+    return TorchAgent(agent, act)
 
 
 def traced(agent: nn.Module, example: np.ndarray, numpy_layers: bool) -> dict:
@@ -1130,3 +1140,6 @@ def check(agent: nn.Module, batch: dict, when: str, kind: str, rows: int = PROBE
         "values": (value.reshape(-1), batch["values"][:rows]),
     }
     checks.check_agreement(when, f"the rollout ({kind}) and Agent.get_action_and_value", **pairs)
+    # the update comes next: the programs derived from this Agent look for replaced tensors then
+    for derived in PROGRAMS.get(agent, []):
+        derived.look_again = True

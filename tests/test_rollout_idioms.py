@@ -198,7 +198,8 @@ def test_the_mode_of_a_written_out_rescale_is_the_rescaled_tanh_of_the_mean(tmp_
 def test_a_rollout_derived_once_follows_the_weights_as_training_changes_them(tmp_path):
     """The scripts derive the rollout's Agent once, before the loop: after a fused Adam step and a statistics update
     (RunningMeanStd.update's copy_ and +=), as an iteration makes them, and again after a parameter's data and a
-    buffer are put in another's place, it gives the Agent's log-probabilities and values at the new weights."""
+    buffer are put in another's place once the rollout's batch was checked, it gives the Agent's log-probabilities and
+    values at the new weights."""
     agent, envs = edited_agent(tmp_path, [])
     space = envs.single_observation_space
     cpu = torch.device("cpu")
@@ -227,6 +228,7 @@ def test_a_rollout_derived_once_follows_the_weights_as_training_changes_them(tmp
     mean = observations.mean(0)
     agent.obs_rms.update(torch.tensor(64.0, dtype=torch.float64), mean, ((observations - mean) ** 2).sum(0))
     trained = follows(start)
+    rollout.check(agent, trained, "after the rollout", acting.kind)  # as every iteration does, before its update
     agent.actor_logstd.data = torch.full_like(agent.actor_logstd, -0.5)
     agent.obs_rms.shift = agent.obs_rms.shift + 0.5
     follows(trained)
