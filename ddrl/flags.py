@@ -1,7 +1,8 @@
 """The flags every ddrl script shares, as a dataclass each script's `Args` extends, and how every
 flag's rule is enforced. A rule is written beside its flag as annotated-types markers
 (`Annotated[int, Ge(1)]`); pydantic checks a command line and a file's saved args by the same rules,
-and every violation is one line naming the flag."""
+and every violation is one line naming the flag; what this machine lacks for the flags is one line
+too."""
 
 import importlib.util
 import json

@@ -1,7 +1,7 @@
 """Launching: this process's place in the launch (torchrun, mpirun, srun, or `--nprocs N`, which
 runs the command again as N ranks), read from the launchers' variables as flags are read; the
-process group, with a word from any rank that waits for its peers; the torch threads; and the check
-that every rank runs the same command. What this rank learns of the world is its `World`."""
+process group, with a word from any rank that waits for its peers; and the torch threads. What this
+rank learns of the world is its `World`."""
 
 import importlib.util
 import os
