@@ -295,6 +295,179 @@ class NoNumpyVersion(Exception):
     is, and what to write instead where there is an alternative."""
 
 
+class ProgramText:
+    """A derived program as `program` writes it, one line per node of the trace: its lines, the
+    namespace of constants they name, and the views those constants are made from. Numpy versions
+    (`to_numpy`) or the torch ones themselves; with `deterministic`, a sample is its distribution's
+    mode."""
+
+    def __init__(self, root: nn.Module, to_numpy: bool, deterministic: bool):
+        self.root = root
+        self.to_numpy = to_numpy
+        self.deterministic = deterministic
+        self.namespace = {}
+        self.views = []
+        self.names = {}  # node: the name its line assigns, or the constant it is
+        self.lines = ["def method(x):"]
+        # the nodes that build a distribution or transform, whose methods are called on it
+        # directly; and those, with what they reach through attributes, named for the lines
+        self.built = set()
+        self.objects = {}
+
+    def write(self, node: fx.Node) -> None:
+        """The line of `node` (the observations, or a call), or the constant it is (a tensor the
+        Agent holds)."""
+        name = f"v{len(self.names)}"
+        self.names[node] = name
+        if node.op == "placeholder":
+            self.lines.append(f"    {name} = x")
+        elif node.op == "get_attr":
+            self.names[node] = self.get_attr(node.target)
+        else:
+            self.lines.append(self.call(node, name))
+            self.remember(node)
+
+    def write_return(self, results) -> None:
+        """The last line: the method's results, the entropy of get_action_and_value as None."""
+        if not isinstance(results, tuple):
+            self.lines.append(f"    return {self.render(results)}")
+            return
+        returned = [
+            "None" if place == ENTROPY else self.render(result)
+            for place, result in enumerate(results)
+        ]
+        self.lines.append(f"    return ({', '.join(returned)},)")
+
+    def get_attr(self, target: str) -> str:
+        """The constant for the tensor the Agent holds at `target`: a numpy view of it, or the
+        tensor, made anew from its holder where another is put in its place."""
+        path, _, attribute = target.rpartition(".")
+        owner = self.root.get_submodule(path)
+        holder = holder_of(owner, attribute, getattr(owner, attribute))
+        make = functools.partial(view_of if self.to_numpy else operator.getitem, holder, attribute)
+        return self.viewed(make(), make, [(holder, attribute)])
+
+    def call(self, node: fx.Node, name: str) -> str:
+        """The line of a node that calls something: `name` assigned what it returns, and a comment
+        naming what it calls, which also names what fails to have a numpy version."""
+        what = describe(node, self.root, self.objects)
+        try:
+            return f"    {name} = {self.statement(node, what)}  # {what}"
+        except NoNumpyVersion:
+            raise
+        except Exception as error:  # a numpy version that cannot take these arguments
+            raise NoNumpyVersion(failed(what, error)) from error
+
+    def remember(self, node: fx.Node) -> None:
+        """The distribution or transform `node` builds, or one it reaches through an attribute,
+        named for the lines that call its methods."""
+        target = node.target
+        if node.op == "call_function" and isinstance(target, type) and issubclass(target, RECORDED):
+            self.built.add(node)
+            self.objects[node] = target.__name__
+        elif node.op == "call_function" and target is getattr and node.args[0] in self.objects:
+            self.objects[node] = f"{self.objects[node.args[0]]}.{node.args[1]}"
+
+    def statement(self, node: fx.Node, what: str) -> str:
+        """The right-hand side of `node`'s line: what it calls, on what."""
+        args = [self.render(arg) for arg in node.args] + [
+            f"{key}={self.render(value)}" for key, value in node.kwargs.items()
+        ]
+        if node.op == "call_module":
+            return self.module_call(node, what, args)
+        if node.op == "call_function":
+            return self.function_call(node, what, args)
+        return self.method_call(node, what, args)
+
+    def module_call(self, node: fx.Node, what: str, args: list[str]) -> str:
+        """A call of one of the Agent's layers: its numpy version over views of its parameters, or
+        the layer."""
+        module = self.root.get_submodule(node.target)
+        if not self.to_numpy:
+            return f"{self.constant(module)}({', '.join(args)})"
+        if (layer := numpy_layer(module)) is None:
+            raise no_numpy_version(what, type(module))
+        held = [(module._parameters, name) for name in layer_parameters(module)]
+        key = self.viewed(layer, functools.partial(numpy_layer, module), held)
+        return f"{key}({', '.join(args)})"
+
+    def function_call(self, node: fx.Node, what: str, args: list[str]) -> str:
+        """A call of a function, or of a distribution or transform class: its numpy version, or
+        itself."""
+        target = node.target
+        if self.to_numpy:
+            target = (
+                DISTRIBUTIONS.get(target)
+                or TRANSFORMS.get(target, (None,))[0]
+                or FUNCTIONS.get(target)
+            )
+            if target is None:
+                raise no_numpy_version(what, node.target)
+        return f"{self.constant(target)}({', '.join(args)})"
+
+    def method_call(self, node: fx.Node, what: str, args: list[str]) -> str:
+        """A method called on a tensor, on a distribution or transform, or on what one of those
+        reaches through an attribute: in numpy, numpy's method or a function of the array."""
+        receiver, *rest = args
+        if self.deterministic and node.target in ("sample", "rsample"):
+            return f"{receiver}.mode"
+        if node.args[0] in self.built or not self.to_numpy:
+            return f"{receiver}.{node.target}({', '.join(rest)})"
+        if node.target in SAME_IN_NUMPY and not node.kwargs:  # numpy's method takes torch's args
+            return f"{receiver}.{SAME_IN_NUMPY[node.target]}({', '.join(rest)})"
+        if node.target in METHODS:
+            return f"{self.constant(METHODS[node.target])}({', '.join(args)})"
+        if node.args[0] in self.objects:  # a distribution's attribute: a distribution, or an array
+            return f"{receiver}.{node.target}({', '.join(rest)})"
+        raise no_numpy_version(what, f".{node.target}()")
+
+    def render(self, arg) -> str:
+        """An argument as the source writes it: a node's name, a container of what it holds, a
+        literal, or a constant."""
+        if isinstance(arg, fx.Node):
+            return self.names[arg]
+        if isinstance(arg, tuple | list):
+            inside = ", ".join(self.render(item) for item in arg)
+            return f"({inside},)" if isinstance(arg, tuple) else f"[{inside}]"
+        if isinstance(arg, dict):
+            inside = ", ".join(f"{key!r}: {self.render(item)}" for key, item in arg.items())
+            return "{" + inside + "}"
+        if isinstance(arg, slice):
+            inside = ", ".join(self.render(part) for part in (arg.start, arg.stop, arg.step))
+            return f"slice({inside})"
+        if arg is None or isinstance(arg, bool | int | str):
+            return repr(arg)
+        if isinstance(arg, float) and math.isfinite(arg):
+            return repr(arg)
+        return self.constant_of(arg)
+
+    def constant_of(self, arg) -> str:
+        """The constant for an argument the source cannot write out: in numpy, a dtype as numpy's,
+        a transform as its numpy version over views of its tensors."""
+        if self.to_numpy and isinstance(arg, torch.dtype):
+            if arg not in DTYPES:
+                raise no_numpy_version(f"the dtype {arg}", arg)
+            return self.constant(DTYPES[arg])
+        if self.to_numpy and isinstance(arg, D.Transform):
+            if (transform := numpy_transform(arg)) is None:
+                raise no_numpy_version(f"the transform {type(arg).__name__}", type(arg))
+            make = functools.partial(numpy_transform, arg)
+            return self.viewed(transform, make, transform_tensors(arg))
+        return self.constant(arg)
+
+    def viewed(self, value, make: Callable[[], object], held: list[tuple[dict, str]]) -> str:
+        """The constant `value`, which `make` makes from the tensors `holder[name]` in `held`."""
+        key = self.constant(value)
+        self.views.extend((holder, name, key, make) for holder, name in held)
+        return key
+
+    def constant(self, value) -> str:
+        """The name of a new constant of the namespace, `value`."""
+        key = f"k{len(self.namespace)}"
+        self.namespace[key] = value
+        return key
+
+
 class Program:
     """A derived program, called on the rollout's rows: `program`'s function over constants made
     from the Agent's tensors, which follow every change made in place. Once check() has seen a
@@ -787,7 +960,9 @@ DISTRIBUTIONS = {
 
 
 # --- a traced method as a Python function ---------------------------------------------------------
-def program(root: nn.Module, graph: fx.Graph, to_numpy: bool, deterministic: bool = False):
+def program(
+    root: nn.Module, graph: fx.Graph, to_numpy: bool, deterministic: bool = False
+) -> tuple[str, dict, list[tuple]]:
     """The traced method as Python source, run over a namespace of what its nodes call: numpy
     versions (`to_numpy`), or the torch ones themselves; each line ends in a comment naming what
     it calls. The entropy of get_action_and_value is never computed; with `deterministic`, a
@@ -795,9 +970,17 @@ def program(root: nn.Module, graph: fx.Graph, to_numpy: bool, deterministic: boo
     each tensor of the Agent a constant of the namespace is made from (a numpy view of it, a layer
     or transform over views, or in torch the tensor), (holder, name, key, make), `make()` making
     that constant anew from `holder[name]`."""
-    nodes = list(graph.nodes)
-    output = nodes[-1]
-    results = output.args[0]
+    results = list(graph.nodes)[-1].args[0]  # what the output node returns
+    text = ProgramText(root, to_numpy, deterministic)
+    for node in live_nodes(graph, results):
+        text.write(node)
+    text.write_return(results)
+    return "\n".join(text.lines), text.namespace, text.views
+
+
+def live_nodes(graph: fx.Graph, results) -> list[fx.Node]:
+    """The nodes the method's results need (the entropy of get_action_and_value is not one), in
+    the graph's order."""
     wanted = (
         [result for place, result in enumerate(results) if place != ENTROPY]
         if isinstance(results, tuple)
@@ -810,131 +993,7 @@ def program(root: nn.Module, graph: fx.Graph, to_numpy: bool, deterministic: boo
         if node not in live:
             live.add(node)
             pending.extend(node.all_input_nodes)
-    namespace = {}
-    views = []
-    names = {}
-    lines = ["def method(x):"]
-
-    def constant(value) -> str:
-        key = f"k{len(namespace)}"
-        namespace[key] = value
-        return key
-
-    def viewed(value, make: Callable[[], object], held: list[tuple[dict, str]]) -> str:
-        """The constant `value`, which `make` makes from the tensors `holder[name]` in `held`."""
-        key = constant(value)
-        views.extend((holder, name, key, make) for holder, name in held)
-        return key
-
-    def render(arg) -> str:
-        if isinstance(arg, fx.Node):
-            return names[arg]
-        if isinstance(arg, tuple | list):
-            inside = ", ".join(render(item) for item in arg)
-            return f"({inside},)" if isinstance(arg, tuple) else f"[{inside}]"
-        if isinstance(arg, dict):
-            return "{" + ", ".join(f"{key!r}: {render(item)}" for key, item in arg.items()) + "}"
-        if isinstance(arg, slice):
-            return f"slice({render(arg.start)}, {render(arg.stop)}, {render(arg.step)})"
-        if (
-            arg is None
-            or isinstance(arg, bool | int | str)
-            or (isinstance(arg, float) and math.isfinite(arg))
-        ):
-            return repr(arg)
-        if to_numpy and isinstance(arg, torch.dtype):
-            if arg not in DTYPES:
-                raise no_numpy_version(f"the dtype {arg}", arg)
-            return constant(DTYPES[arg])
-        if to_numpy and isinstance(arg, D.Transform):
-            if (transform := numpy_transform(arg)) is None:
-                raise no_numpy_version(f"the transform {type(arg).__name__}", type(arg))
-            make = functools.partial(numpy_transform, arg)
-            return viewed(transform, make, transform_tensors(arg))
-        return constant(arg)
-
-    def statement(node: fx.Node, what: str) -> str:
-        """The right-hand side of `node`'s line: what it calls, on what."""
-        args = [render(arg) for arg in node.args] + [
-            f"{key}={render(value)}" for key, value in node.kwargs.items()
-        ]
-        if node.op == "call_module":
-            module = root.get_submodule(node.target)
-            if not to_numpy:
-                return f"{constant(module)}({', '.join(args)})"
-            if (layer := numpy_layer(module)) is None:
-                raise no_numpy_version(what, type(module))
-            held = [(module._parameters, name) for name in layer_parameters(module)]
-            key = viewed(layer, functools.partial(numpy_layer, module), held)
-            return f"{key}({', '.join(args)})"
-        if node.op == "call_function":
-            target = node.target
-            if to_numpy:
-                target = (
-                    DISTRIBUTIONS.get(target)
-                    or TRANSFORMS.get(target, (None,))[0]
-                    or FUNCTIONS.get(target)
-                )
-                if target is None:
-                    raise no_numpy_version(what, node.target)
-            return f"{constant(target)}({', '.join(args)})"
-        receiver, *rest = args
-        if deterministic and node.target in ("sample", "rsample"):
-            return f"{receiver}.mode"
-        if node.args[0] in built or not to_numpy:
-            return f"{receiver}.{node.target}({', '.join(rest)})"
-        if node.target in SAME_IN_NUMPY and not node.kwargs:  # numpy's method takes torch's args
-            return f"{receiver}.{SAME_IN_NUMPY[node.target]}({', '.join(rest)})"
-        if node.target in METHODS:
-            return f"{constant(METHODS[node.target])}({', '.join(args)})"
-        if node.args[0] in objects:  # an attribute of a distribution: a distribution, or an array
-            return f"{receiver}.{node.target}({', '.join(rest)})"
-        raise no_numpy_version(what, f".{node.target}()")
-
-    # the nodes that build a distribution or transform, whose methods are called on it directly;
-    # and those, with what they reach through attributes, named for the lines
-    built = set()
-    objects = {}
-    for node in nodes[:-1]:
-        if node not in live:
-            continue
-        name = f"v{len(names)}"
-        names[node] = name
-        if node.op == "placeholder":
-            lines.append(f"    {name} = x")
-            continue
-        if node.op == "get_attr":
-            path, _, attribute = node.target.rpartition(".")
-            owner = root.get_submodule(path)
-            holder = holder_of(owner, attribute, getattr(owner, attribute))
-            make = functools.partial(view_of if to_numpy else operator.getitem, holder, attribute)
-            names[node] = viewed(make(), make, [(holder, attribute)])
-            continue
-        what = describe(node, root, objects)
-        try:
-            line = f"    {name} = {statement(node, what)}  # {what}"
-        except NoNumpyVersion:
-            raise
-        except Exception as error:  # a numpy version that cannot take these arguments
-            raise NoNumpyVersion(failed(what, error)) from error
-        lines.append(line)
-        target = node.target
-        if node.op == "call_function" and isinstance(target, type) and issubclass(target, RECORDED):
-            built.add(node)
-            objects[node] = target.__name__
-        elif node.op == "call_function" and target is getattr and node.args[0] in objects:
-            objects[node] = f"{objects[node.args[0]]}.{node.args[1]}"
-    returned = (
-        [render(result) if place != ENTROPY else "None" for place, result in enumerate(results)]
-        if isinstance(results, tuple)
-        else [render(results)]
-    )
-    lines.append(
-        f"    return ({', '.join(returned)},)"
-        if isinstance(results, tuple)
-        else f"    return {returned[0]}"
-    )
-    return "\n".join(lines), namespace, views
+    return [node for node in graph.nodes if node in live]
 
 
 def numpy_layer(module: nn.Module):
