@@ -556,17 +556,29 @@ def derive(
     if numpy_layers and on_cpu and "reason" not in methods:
         derived = numpy_agent(methods, deterministic)
         PROGRAMS[agent] = [derived.get_action_and_value, derived.get_value]
-        return derived
+        if not deterministic or not mode_problem(derived, example):
+            return derived
     if not deterministic:
         return TorchAgent(agent)
+    needs = "--eval-deterministic needs the mode of the Agent's distribution, and"
     if "reason" in methods and "get_value" not in methods:
-        failures.fail(
-            "--eval-deterministic needs the mode of the Agent's distribution, and "
-            f"{methods['reason']}"
-        )
+        failures.fail(f"{needs} {methods['reason']}")
     act = Program(*program(*methods["get_action_and_value"], False, True))
     PROGRAMS[agent] = [act]
-    return TorchAgent(agent, act)
+    derived = TorchAgent(agent, act)
+    if problem := mode_problem(derived, example):
+        failures.fail(f"{needs} {problem}: evaluate without --eval-deterministic")
+    return derived
+
+
+def mode_problem(derived: NumpyAgent | TorchAgent, example: np.ndarray) -> str:
+    """Why the deterministic rollout cannot act on `example` ('' if it can): a distribution without
+    a mode (a TransformedDistribution, say), found before an episode begins."""
+    try:
+        derived.get_action_and_value(example)
+    except Exception as error:
+        return f"{type(error).__name__}: {failures.first_line(error)}"
+    return ""
 
 
 def traced(agent: nn.Module, example: np.ndarray, numpy_layers: bool) -> dict:

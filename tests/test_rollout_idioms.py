@@ -249,3 +249,17 @@ def test_a_construct_without_a_numpy_version_is_named_in_one_line(edit, tmp_path
     probe = rollout.probe(acting, space, torch.device("cpu"))
     rollout.check(agent, probe, "at start", acting.kind)
     envs.close()
+
+
+def test_a_deterministic_rollout_of_a_distribution_without_a_mode_stops_in_one_line(tmp_path, capsys):
+    """--eval-deterministic takes each distribution's mode; a TransformedDistribution has none, in numpy or torch, so
+    the rollout stops before an episode begins, in one line naming the flag, where it raised mid-episode."""
+    edits = FAST_EDITS["buffers in a TransformedDistribution's tanh and affine transforms"]
+    agent, envs = edited_agent(tmp_path, edits)
+    with pytest.raises(SystemExit) as stopped:
+        rollout.derive(agent, envs.single_observation_space, deterministic=True)
+    envs.close()
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert stopped.value.code == 2 and len(lines) == 1, lines
+    assert "--eval-deterministic needs the mode of the Agent's distribution" in lines[0]
+    assert "evaluate without --eval-deterministic" in lines[0]
