@@ -279,17 +279,7 @@ def load_weights(model: nn.Module, path: str, header: dict) -> None:
     """Load the file's `model.*` tensors into `model` once each fits it by name, shape and dtype and
     is finite, or stop in one line naming the file, who wrote it and the first misfits. A file
     another script wrote loads where its Agent fits, saying so in one line (rank 0)."""
-    found = checkpoint_files.read(path, "")[1]
-    wanted = {
-        f"model.{name}": (tuple(tensor.shape), tensor.dtype)
-        for name, tensor in model.state_dict().items()
-    }
-    if faults := checkpoint_files.misfits(found, wanted, "model."):
-        fail(
-            f"{path}, written by {writer_of(header)}: its weights do not fit this "
-            f"{type(model).__name__} ({faults}): undo the Agent's edit, or use the script that "
-            "wrote it"
-        )
+    wanted = check_weights_fit(path, header, model)
     weights = checkpoint_files.load_tensors(path, list(wanted))
     checkpoint_files.refuse_nonfinite(path, weights, "use a checkpoint from before")
     try:
@@ -302,6 +292,24 @@ def load_weights(model: nn.Module, path: str, header: dict) -> None:
         failures.tell(
             f"{path} was written by {writer_of(header)}; its weights fit this {failures.script}"
         )
+
+
+def check_weights_fit(path: str, header: dict, model: nn.Module) -> dict[str, tuple]:
+    """Stop in one line naming the file, who wrote it and the first misfits, unless its `model.*`
+    tensors fit `model` (on any device, the meta device too) by name, shape and dtype. Returns what
+    was wanted, by the file's names."""
+    found = checkpoint_files.read(path, "")[1]
+    wanted = {
+        f"model.{name}": (tuple(tensor.shape), tensor.dtype)
+        for name, tensor in model.state_dict().items()
+    }
+    if faults := checkpoint_files.misfits(found, wanted, "model."):
+        fail(
+            f"{path}, written by {writer_of(header)}: its weights do not fit this "
+            f"{type(model).__name__} ({faults}): undo the Agent's edit, or use the script that "
+            "wrote it"
+        )
+    return wanted
 
 
 def say_changed_options(

@@ -14,7 +14,6 @@ import torch
 import torch.nn as nn
 
 from ddrl import (
-    checkpoint_files,
     checkpoints,
     env_support,
     failures,
@@ -53,17 +52,7 @@ def evaluate_checkpoint(
     )
     with torch.device("meta"):  # sizes only: nothing allocated
         shapes = build_agent(agent_class, envs, saved)
-    found = checkpoint_files.read(path, "")[1]
-    wanted = {
-        f"model.{name}": (tuple(tensor.shape), tensor.dtype)
-        for name, tensor in shapes.state_dict().items()
-    }
-    if faults := checkpoint_files.misfits(found, wanted, "model."):
-        fail(
-            f"{path}, written by {checkpoints.writer_of(header)}: its weights do not fit this "
-            f"{agent_class.__name__} ({faults}): undo the Agent's edit, or use the script that "
-            "wrote it"
-        )
+    checkpoints.check_weights_fit(path, header, shapes)
     needed = 2 * sum(
         tensor.numel() * tensor.element_size() for tensor in shapes.state_dict().values()
     )
