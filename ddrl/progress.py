@@ -1,6 +1,6 @@
-"""Rank 0's account of training: the progress line and TensorBoard's scalars each iteration, the
-oversubscription warning, and the line that sums the run up. Its clock, counts and writer are its
-`Progress`."""
+"""The account of training: the iteration every rank reached (for its messages), and on rank 0 the
+progress line and TensorBoard's scalars each iteration, the oversubscription warning, and the line
+that sums the run up. Its clock, counts and writer are its `Progress`."""
 
 import math
 import os
