@@ -120,34 +120,8 @@ def code_nodes(node: ast.AST):
 
 
 def reached_in_one_iteration(script: str) -> set[str]:
-    """The script's definitions one iteration of main's loop reaches, walking statically from the loop through the
-    names it uses: functions, a class's __init__ and forward where it is built, methods by the attribute called."""
-    found, main, _ = parts(script)
-    methods = {}
-    for class_name, node in found.items():
-        for item in node.body if isinstance(node, ast.ClassDef) else []:
-            if isinstance(item, ast.FunctionDef):
-                methods.setdefault(item.name, []).append((f"{class_name}.{item.name}", item))
-    loop = next(node for node in ast.walk(main) if isinstance(node, ast.While))
-    reached = {}
-    todo = [loop]
-    while todo:
-        for node in code_nodes(todo.pop()):
-            targets = []
-            if isinstance(node, ast.Name) and node.id in found and node.id != "main":
-                target = found[node.id]
-                if isinstance(target, ast.ClassDef):
-                    built = [item for item in target.body if getattr(item, "name", "") in ("__init__", "forward")]
-                    targets += [(f"{node.id}.{item.name}", item) for item in built]
-                else:
-                    targets.append((node.id, target))
-            if isinstance(node, ast.Attribute):
-                targets += methods.get(node.attr, [])
-            for name, target in targets:
-                if name not in reached:
-                    reached[name] = target
-                    todo.append(target)
-    return set(reached)
+    """The script's definitions one iteration of main's loop reaches (one_iteration_walk)."""
+    return {name for module, name in one_iteration_walk(script) if module == "<script>"}
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
@@ -383,12 +357,23 @@ def test_no_top_level_name_is_one_of_torch_or_gymnasium(path):
 
 
 def package_reached_in_one_iteration(script: str, root: Path = ROOT) -> dict[str, int]:
-    """The ddrl definitions one iteration of `script`'s loop reaches, with each one's lines: a static walk from main's
-    loop that follows the script's own definitions (as reached_in_one_iteration does) and every name into the
+    """The ddrl definitions one iteration of `script`'s loop reaches (one_iteration_walk), with each one's lines; a
+    method inside a counted class is not counted twice."""
+    counted = {key: node for key, node in one_iteration_walk(script, root).items() if key[0] != "<script>"}
+    return {
+        f"{module}.{name}": node.end_lineno - node.lineno + 1
+        for (module, name), node in counted.items()
+        if not ("." in name and (module, name.split(".")[0]) in counted)
+    }
+
+
+def one_iteration_walk(script: str, root: Path = ROOT) -> dict[tuple[str, str], ast.AST]:
+    """What one iteration of `script`'s loop reaches, by (module, definition; "<script>" for the script's own): a
+    static walk from main's loop through the names it uses: the script's functions, a class's __init__,
+    __post_init__ and forward where it is built, the script's methods by the attribute called; and into the
     package: `module.name`, a name imported from a ddrl module or defined in the module it is used in, `run.method`
-    (the Run), `self.method` (the enclosing class), a class built (its __init__, __post_init__ and forward), and a
-    method called on a name assigned from a package call, for the package classes that call's return annotation
-    names. A method inside a counted class is not counted twice."""
+    (the Run), `self.method` (the enclosing class), and a method called on a name assigned from a package call, for
+    the package classes that call's return annotation names."""
     trees = {path.stem: tree_of(path) for path in sorted((root / "ddrl").glob("*.py")) if path.stem != "__init__"}
     trees["<script>"] = tree_of(root / script)
     found = {}  # (module, "name" or "Class.method") -> node
@@ -467,12 +452,7 @@ def package_reached_in_one_iteration(script: str, root: Path = ROOT) -> dict[str
                     reached[key] = found[key]
                     owner_class = key[1].split(".")[0] if "." in key[1] else None
                     todo.append((key[0], owner_class, found[key]))
-    counted = {key: node for key, node in reached.items() if key[0] != "<script>"}
-    return {
-        f"{module}.{name}": node.end_lineno - node.lineno + 1
-        for (module, name), node in counted.items()
-        if not ("." in name and (module, name.split(".")[0]) in counted)
-    }
+    return reached
 
 
 def package_imports() -> dict[str, set[str]]:
