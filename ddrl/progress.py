@@ -21,7 +21,6 @@ class Progress:
 
     unit: str  # what the progress line and messages call an iteration ("epoch" in VPG)
     launched_at: float = field(default_factory=time.time)
-    total_steps: int = 0  # the world's env steps to train
     start_iteration: int = 0  # the iteration this attempt resumed from (0 for a new run)
     start_step: int = 0  # the world's env steps when this attempt began
     resumed: bool = False
@@ -35,12 +34,8 @@ class Progress:
     wandb_run: object = None
 
 
-def start_clock(
-    progress: Progress, total_steps: int, iteration: int, global_step: int, resumed: bool
-) -> None:
-    """Training begins now, at `iteration` and `global_step` (0, 0 for a new run), towards
-    `total_steps`."""
-    progress.total_steps = total_steps
+def start_clock(progress: Progress, iteration: int, global_step: int, resumed: bool) -> None:
+    """Training begins now, at `iteration` and `global_step` (0, 0 for a new run)."""
     progress.start_iteration = iteration
     progress.start_step = global_step
     progress.resumed = resumed
@@ -59,11 +54,13 @@ def log_iteration(
     name: str,
     rank: int,
     cores: int,
+    total_steps: int,
 ) -> bool:
     """Rank 0: the episodes that ended on any rank (`totals`: episodes, episode_return,
     episode_length, summed over ranks), SPS and `scalars` to TensorBoard at `global_step` (in
-    runs/NAME, opened at the first log), and the progress line. Returns False where the line could
-    not be printed (`| head` closed the output), else True."""
+    runs/NAME, opened at the first log), and the progress line with the iterations and time left
+    to `total_steps`. Returns False where the line could not be printed (`| head` closed the
+    output), else True."""
     progress.iteration = iteration
     progress.global_step = global_step
     if rank != 0:
@@ -81,9 +78,7 @@ def log_iteration(
     steps = global_step - progress.start_step
     sps = int(steps / elapsed)
     steps_per_iteration = steps / (iteration - progress.start_iteration)
-    iterations = iteration + max(
-        0, math.ceil((progress.total_steps - global_step) / steps_per_iteration)
-    )
+    iterations = iteration + max(0, math.ceil((total_steps - global_step) / steps_per_iteration))
     count = totals["episodes"]  # the games (episodes) that ended on any rank this iteration
     episodes = {
         f"charts/episodic_{key}": totals[f"episode_{key}"] / count
@@ -92,7 +87,7 @@ def log_iteration(
     }
     for key, value in {**episodes, "charts/SPS": sps, **scalars}.items():
         progress.writer.add_scalar(key, value, global_step)
-    left = elapsed / steps * max(0, progress.total_steps - global_step)
+    left = elapsed / steps * max(0, total_steps - global_step)
     recent = f"{episodes['charts/episodic_return']:.1f}" if episodes else "n/a"
     progress.last_return = recent if episodes else progress.last_return
     line = f"{progress.unit} {iteration}/{iterations} step {global_step} SPS {sps} return {recent}"

@@ -140,7 +140,7 @@ class Run:
                 failures.tell(f"resuming from {header['path']}{change}")
         iteration = self.resumption.iteration
         global_step = self.resumption.global_step
-        progress.start_clock(self.progress, self.total_steps, iteration, global_step, bool(header))
+        progress.start_clock(self.progress, iteration, global_step, bool(header))
         return iteration, global_step
 
     def log(
@@ -150,10 +150,19 @@ class Run:
         episode_length, summed over ranks), SPS and `scalars` to TensorBoard at `global_step`, and
         the progress line; an output closed under it (`| head`) ends the run as a stop request
         would, with a checkpoint."""
-        place = {"args": self.args, "name": self.name, "rank": self.rank, "cores": self.cores}
-        if not progress.log_iteration(
-            self.progress, iteration, global_step, totals, scalars, **place
-        ):
+        printed = progress.log_iteration(
+            self.progress,
+            iteration,
+            global_step,
+            totals,
+            scalars,
+            args=self.args,
+            name=self.name,
+            rank=self.rank,
+            cores=self.cores,
+            total_steps=self.total_steps,
+        )
+        if not printed:
             stopping.request(self.stop, "a closed output")
 
     def check_in_sync(
