@@ -531,12 +531,13 @@ class TorchAgent:
 
     @torch.inference_mode()
     def get_action_and_value(self, x: np.ndarray) -> tuple:
-        found = self.act(torch.as_tensor(x, device=self.device))
+        found = self.act(in_agents_dtype(self.agent, torch.as_tensor(x, device=self.device)))
         return tuple(None if item is None else item.cpu().numpy() for item in found)
 
     @torch.inference_mode()
     def get_value(self, x: np.ndarray) -> np.ndarray:
-        return self.agent.get_value(torch.as_tensor(x, device=self.device)).cpu().numpy()
+        x = in_agents_dtype(self.agent, torch.as_tensor(x, device=self.device))
+        return self.agent.get_value(x).cpu().numpy()
 
 
 # --- the rollout's Agent --------------------------------------------------------------------------
@@ -1202,10 +1203,10 @@ def check(agent: nn.Module, batch: dict, when: str, kind: str, rows: int = PROBE
     """Stop every rank unless Agent.get_action_and_value, scoring `batch`'s first `rows`
     observations and actions, gives the log-probabilities and values the rollout (`kind`) recorded
     for them."""
+    obs = in_agents_dtype(agent, batch["obs"][:rows])
+    actions = in_agents_dtype(agent, batch["actions"][:rows])
     with torch.no_grad():
-        _, log_prob, _, value = agent.get_action_and_value(
-            batch["obs"][:rows], batch["actions"][:rows]
-        )
+        _, log_prob, _, value = agent.get_action_and_value(obs, actions)
     pairs = {
         "log-probabilities": (log_prob, batch["log_probs"][:rows]),
         "values": (value.reshape(-1), batch["values"][:rows]),
@@ -1214,3 +1215,10 @@ def check(agent: nn.Module, batch: dict, when: str, kind: str, rows: int = PROBE
     # the update comes next: the programs derived from this Agent look for replaced tensors then
     for derived in PROGRAMS.get(agent, []):
         derived.look_again = True
+
+
+def in_agents_dtype(agent: nn.Module, tensor: torch.Tensor) -> torch.Tensor:
+    """Floating `tensor` (float32 rows of the rollout's numpy storage) in the floating dtype of the
+    Agent's parameters, which may be float64; frames and discrete actions as they are."""
+    dtype = next(agent.parameters()).dtype
+    return tensor.to(dtype) if tensor.is_floating_point() and dtype.is_floating_point else tensor
