@@ -463,8 +463,8 @@ def main(args: Args) -> Agent | None:
         model = ActionAndValue(agent)  # what the update calls; DDP broadcasts rank 0's weights
         if args.compile and machine.can_compile(device):  # the update's calls, not the acting
             model.compile(fullgraph=True, dynamic=args.preempt_fraction > 0)
-        if run.world_size > 1:
-            model = DDP(model, device_ids=[device.index] if gpu else None)
+        if run.world_size > 1:  # buffers stay each rank's: the sync check finds a per-rank one
+            model = DDP(model, device_ids=[device.index] if gpu else None, broadcast_buffers=False)
         rank_seed = args.seed + 10_000 * run.rank  # SpinningUp's stride: nearby seeds never collide
         random.seed(rank_seed)
         np.random.seed(rank_seed)
@@ -597,7 +597,7 @@ def main(args: Args) -> Agent | None:
             scalars["perf/update_time"] = update_time
             scalars["perf/sync_time"] = sync_time
             run.log(iteration, global_step, totals, scalars)
-            run.check_in_sync(iteration, agent, optimizer)  # every --check-sync-every iterations
+            run.check_in_sync(iteration)  # every module, optimizer and carried number, found
             stopping = totals["stops"] > 0
             if run.checkpoint_due(iteration, stopping):
                 run.checkpoint(iteration, global_step, agent=agent, optimizer=optimizer)

@@ -342,7 +342,7 @@ def update(
     """PPO's epochs: minibatch k of epoch e is piece k, `sizes[rank, k]` long, of
     minibatches(batch, orders[e]); the world's is the ranks' union. Returns the world-averaged
     numbers minibatch_loss logs and the seconds spent in collectives."""
-    parameters = list(agent.parameters())
+    parameters = [p for group in optimizer.param_groups for p in group["params"]]  # all it steps
     num_weights = sum(p.numel() for p in parameters)
     rank = collectives.rank_in(group)
     local_sizes = sizes[rank].tolist()
@@ -539,7 +539,7 @@ def main(args: Args) -> Agent | None:
                     lambda union, union_orders, union_sizes, group: update(
                         agent, optimizer, union, args, union_orders, union_sizes, loss_fn, group
                     ),
-                    agent, batch, orders, sizes,
+                    batch, orders, sizes,
                 )  # fmt: skip
             update_time = time.perf_counter() - update_start
             # the observation statistics take this rollout in only now: the update saw it as it was
@@ -557,7 +557,7 @@ def main(args: Args) -> Agent | None:
             scalars["perf/update_time"] = update_time
             scalars["perf/sync_time"] = sync_time
             run.log(iteration, global_step, totals, scalars)
-            run.check_in_sync(iteration, agent, optimizer)  # every --check-sync-every iterations
+            run.check_in_sync(iteration)  # every module, optimizer and carried number, found
             stopping = totals["stops"] > 0
             if run.checkpoint_due(iteration, stopping):
                 run.checkpoint(iteration, global_step, agent=agent, optimizer=optimizer)

@@ -272,6 +272,9 @@ def update(
     collectives' time."""
     obs = batch["obs"]
     returns = batch["returns"]
+    # every parameter the optimizer steps, whichever module holds it: each step averages those
+    # its loss reached
+    stepped = [p for group in optimizer.param_groups for p in group["params"]]
     start = time.perf_counter()
     count, adv_mean, m2 = collectives.moments_over_ranks(batch["advantages"], group)
     adv_std = torch.sqrt(m2 / count)  # the population std, as SpinningUp's
@@ -284,7 +287,7 @@ def update(
     optimizer.zero_grad()
     policy_loss.backward()
     start = time.perf_counter()
-    reached = [p for p in agent.parameters() if p.grad is not None]  # the same on every rank
+    reached = [p for p in stepped if p.grad is not None]  # the same on every rank
     average_gradients(reached, policy_loss.detach().reshape(1), group)
     sync_time += time.perf_counter() - start
     optimizer.step()  # the value function's own parameters have no gradient: Adam leaves them
@@ -297,7 +300,7 @@ def update(
         optimizer.zero_grad()
         value_loss.backward()
         start = time.perf_counter()
-        reached = [p for p in agent.parameters() if p.grad is not None]
+        reached = [p for p in stepped if p.grad is not None]
         average_gradients(reached, value_loss.detach().reshape(1), group)
         sync_time += time.perf_counter() - start
         optimizer.step()
@@ -439,7 +442,7 @@ def main(args: Args) -> Agent | None:
                 losses, sync_time = update(agent, optimizer, batch, args)
             else:  # --sync gather: rank 0 runs the same update on the union of every rank's batch
                 losses, sync_time = one_learner.update_on_rank0(
-                    lambda union, group: update(agent, optimizer, union, args, group), agent, batch
+                    lambda union, group: update(agent, optimizer, union, args, group), batch
                 )
             update_time = time.perf_counter() - update_start
 
@@ -455,7 +458,7 @@ def main(args: Args) -> Agent | None:
             scalars["perf/update_time"] = update_time
             scalars["perf/sync_time"] = sync_time
             run.log(epoch, global_step, totals, scalars)
-            run.check_in_sync(epoch, agent, optimizer)  # every --check-sync-every epochs
+            run.check_in_sync(epoch)  # every module, optimizer and carried number, found
             stopping = totals["stops"] > 0
             if run.checkpoint_due(epoch, stopping):
                 run.checkpoint(epoch, global_step, agent=agent, optimizer=optimizer)

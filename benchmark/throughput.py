@@ -158,8 +158,10 @@ def check_seconds(script: str, seconds: float) -> tuple[float, int]:
     agent = common.agent_of(script)
     optimizer = torch.optim.Adam(agent.parameters())
     args = common.defaults(script)
-    check = common.rate(lambda: in_sync.check_in_sync(1, "iteration", agent, optimizer, args=args), seconds)
-    return check, sum(p.numel() for p in agent.parameters())
+    main = sys._getframe()  # the frame whose variables the check reads, as main's in a run
+    device = torch.device("cpu")
+    check = common.rate(lambda: in_sync.check_in_sync(1, "iteration", main, args, device), seconds)
+    return check, sum(p.numel() for group in optimizer.param_groups for p in group["params"])
 
 
 @contextlib.contextmanager

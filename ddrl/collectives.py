@@ -71,11 +71,14 @@ def allreduce_mean(tensor: torch.Tensor, group: Group = None) -> torch.Tensor:
     return tensor
 
 
-def broadcast_parameters(module: nn.Module, extras: torch.Tensor | None = None) -> None:
-    """Copy rank 0's parameters and floating-point buffers, and `extras`, to every rank in one
-    broadcast."""
-    tensors = [t for t in (*module.parameters(), *module.buffers()) if t.is_floating_point()]
-    tensors += [] if extras is None else [extras]
+def broadcast_parameters(module: nn.Module) -> None:
+    """Copy rank 0's parameters and floating-point buffers to every rank in one broadcast."""
+    tensors = [*module.parameters(), *module.buffers()]
+    broadcast_tensors([tensor for tensor in tensors if tensor.is_floating_point()])
+
+
+def broadcast_tensors(tensors: list[torch.Tensor]) -> None:
+    """Copy rank 0's floating-point `tensors` into every rank's, in place, in one broadcast."""
     if group_size() > 1:
         with torch.no_grad():
             flat = torch.cat([t.reshape(-1).double() for t in tensors])

@@ -113,9 +113,9 @@ class RuntimeArgs:
     SIGTERM only)"""
     resume: bool = False
     """continue the run `--run-name` from its newest checkpoint (automatic on a torchrun restart)"""
-    check_sync_every: Annotated[int, Ge(0)] = 10
-    """iterations between checks that all ranks hold the same state (a checksum), from the first; 0
-    = never"""
+    check_sync_every: Annotated[int, Ge(0)] = 1
+    """iterations between checks that all ranks hold the same training state (every module,
+    optimizer and number main carries, by checksums), from the first; 0 = never"""
 
 
 def saved_args(saved: dict, args_type: type):

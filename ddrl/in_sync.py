@@ -1,72 +1,49 @@
 """Whether every rank holds the same: the command (the script, ddrl and the arguments, from the
-same checkpoint) once at start, and the training state (weights, statistics, optimizer options,
-numbers in args) every --check-sync-every iterations; each by checksums in one gather, and a rank
-that differs stops every rank in one line naming what differs and the likely cause."""
+same checkpoint) once at start, and the training state (training_state: every module, optimizer
+and number main carries) every --check-sync-every iterations; each by checksums in one gather, and
+a rank that differs stops every rank in one line naming what differs and the likely cause."""
 
 import hashlib
 from dataclasses import asdict
 from pathlib import Path
 
+import numpy as np
 import torch
-import torch.nn as nn
 
-from ddrl import collectives, failures
+from ddrl import collectives, failures, training_state
 from ddrl.failures import fail
 
 
-def check_in_sync(
-    iteration: int, unit: str, module: nn.Module, *optimizers: torch.optim.Optimizer, args=None
-) -> None:
-    """Stop every rank unless all hold the same training state: the module's parameters and buffers,
-    each optimizer's options (its learning rate, say), and the numbers among `args` (a coefficient
-    an edit changes as it trains), by checksums of each, in one gather. The message names what
-    differs and whether those parameters' gradients were averaged in the last step (then alike on
-    every rank), so it blames the right thing."""
-    state = dict(module.named_parameters()) | dict(module.named_buffers())
-    gradients = {name: p.grad for name, p in module.named_parameters()}
-    numbers = {
-        "the optimizer's options": [
-            value for optimizer in optimizers for group in optimizer.param_groups
-            for value in group.values()
-        ],
-        "the numbers in args": list(vars(args).values()) if args is not None else [],
-    }  # fmt: skip
-    numbers = {
-        what: torch.tensor(
-            [float(v) for v in values if isinstance(v, int | float) and not isinstance(v, bool)],
-            dtype=torch.float64,
-        )
-        for what, values in numbers.items()
-    }
-    checked = [*state.items(), *numbers.items()]
-    checked += [(f"{name}.grad", gradient) for name, gradient in gradients.items()]
-    checksums = collectives.gather_ints_to_all(
-        [
-            0 if t is None else digest(t.detach().double().cpu().numpy().tobytes())
-            for _, t in checked
-        ],
-        next(module.parameters()).device,
+def check_in_sync(iteration: int, unit: str, frame, args, device: torch.device) -> None:
+    """Stop every rank unless all hold the same training state as `frame` (main's, in its loop)
+    finds it (training_state.found: every module's parameters and floating-point buffers, every
+    optimizer's options, the numbers main carries and those of modules and args), by a checksum of
+    each in one gather. The message names what differs and whether those parameters' gradients were
+    averaged in the last step (then alike on every rank), so it blames the right thing."""
+    state = training_state.found(frame, args)
+    checked = [*state.tensors.items(), *state.numbers.items()]
+    gradients = list(state.gradients.items())
+    table = collectives.gather_ints_to_all(
+        [checksum(value) for _, value in checked + gradients], device
     )
-    rank = collectives.rank_in()
-    same = checksums.eq(checksums[rank])
+    same = table.eq(table[collectives.rank_in()])
     # the state decides; the gradients only explain (with --sync gather rank 0 alone has them)
-    differ = (~same[:, : len(state) + len(numbers)].all(1)).nonzero().flatten().tolist()
+    differ = (~same[:, : len(checked)].all(1)).nonzero().flatten().tolist()
     if not differ:
         return
-    names = [
-        name for (name, _), alike in zip(checked, same.all(0).tolist(), strict=True) if not alike
-    ]
-    differing = [name for name in names if not name.endswith(".grad")]
-    unaveraged = [name.removesuffix(".grad") for name in names if name.endswith(".grad")]
-    averaged = [name for name in differing if name in gradients and gradients[name] is not None]
+    alike = same.all(0).tolist()
+    names = [name for name, _ in checked + gradients]
+    differing = [names[i] for i in range(len(checked)) if not alike[i]]
+    unaveraged = [names[i] for i in range(len(checked), len(names)) if not alike[i]]
+    averaged = [name for name in differing if state.gradients.get(name) is not None]
     shown_names = ", ".join(differing[:4]) + (
         f" and {len(differing) - 4} more" if len(differing) > 4 else ""
     )
     if unaveraged:
         blame = (
             f"the gradients of {', '.join(unaveraged[:4])} differed in the last step, so they were "
-            "not averaged: an edit of the update that skips or changes the gradients' allreduce "
-            "for some parameters"
+            "not averaged: every parameter an optimizer steps must be in the gradients' allreduce "
+            "(under DDP: run through the model DDP wraps)"
         )
     elif averaged:
         blame = (
@@ -77,16 +54,28 @@ def check_in_sync(
         )
     else:
         blame = (
-            "likely a number computed from this rank's data alone (a KL coefficient from the "
-            "local KL), a per-rank option, or a faulty node"
+            "a number computed from this rank's data alone (a KL coefficient from the local KL, "
+            "statistics of this rank's observations: take the world's, collectives.allreduce_mean "
+            "or moments_over_ranks), a per-rank option, or a faulty node"
         )
     fail(
         f"the training state of ranks {differ} differs from this rank's at {unit} {iteration} "
         f"({shown_names}): the ranks no longer train one model. Likely causes: {blame}. One "
         "launch trains one model, its gradients averaged; to sweep a number, start one launch "
-        "per value. Undo that edit (python -m ddrl.verify checks a copy), then resume from the "
-        "last checkpoint with --resume"
+        "per value. Mend the copy (docs/changing-a-script.md), then resume from the last "
+        "checkpoint with --resume"
     )
+
+
+def checksum(value: torch.Tensor | float | None) -> int:
+    """A 63-bit checksum of a tensor's bytes, or a number's float64 bits (0 for a missing
+    gradient)."""
+    if value is None:
+        return 0
+    if isinstance(value, float):
+        return int(np.float64(value).view(np.int64))
+    data = value.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+    return digest(data)
 
 
 def check_same_command(script: str, args, resumed_iteration: int, device: torch.device) -> None:
@@ -124,6 +113,6 @@ def source_digests(script: str) -> list[int]:
     return [digest(Path(script).read_bytes()), digest(package)]
 
 
-def digest(data: bytes) -> int:
+def digest(data) -> int:
     """A 63-bit digest of `data`, to compare across ranks in an int64 tensor."""
     return int.from_bytes(hashlib.sha256(data).digest()[:8], "little") >> 1

@@ -2,6 +2,8 @@
 the weights to every rank; the same update, the same minibatches, so it ends with the weights --sync
 allreduce gives."""
 
+import functools
+import inspect
 import time
 from collections.abc import Callable
 
@@ -20,7 +22,6 @@ LEARNER_GROUPS = {}
 
 def update_on_rank0(
     update_union: Callable,
-    model: nn.Module,
     batch: Batch,
     orders: torch.Tensor | None = None,
     sizes: torch.Tensor | None = None,
@@ -32,9 +33,11 @@ def update_on_rank0(
     `update_union(union, union_orders, union_sizes, group)`, or `update_union(union, group)` where
     no orders are given (the union of each thing given, in order, then `group`, a process group of
     rank 0 alone), which returns what the script's update returns: (losses, seconds). Then one
-    broadcast gives every rank rank 0's weights of `model` and whether rank 0 met a non-finite
-    loss, raised as NonFiniteError on every rank. Returns the losses (rank 0's; {} on the other
-    ranks, which log none) and the seconds of the gather and the broadcast."""
+    broadcast gives every rank rank 0's parameters of every module and optimizer `update_union`
+    holds (a second module beside the Agent too; buffers stay each rank's, for the sync check to
+    compare) and whether rank 0 met a non-finite loss, raised as NonFiniteError on every rank.
+    Returns the losses (rank 0's; {} on the other ranks, which log none) and the seconds of the
+    gather and the broadcast."""
     start = time.perf_counter()
     union = gather_union(batch, orders, sizes)
     losses = {}
@@ -49,10 +52,32 @@ def update_on_rank0(
         except NonFiniteError:
             nonfinite[0] = 1.0
     learner_time = time.perf_counter() - learner_start
-    collectives.broadcast_parameters(model, nonfinite)
+    collectives.broadcast_tensors([*trained_parameters(update_union), nonfinite])
     if nonfinite[0] > 0:
         raise NonFiniteError("a non-finite loss or gradient")
     return losses, time.perf_counter() - start - learner_time
+
+
+def trained_parameters(update_union: Callable) -> list[torch.Tensor]:
+    """The parameters of every module and optimizer `update_union` holds, each once, in the order
+    it holds them (the same on every rank)."""
+    found = {}
+    for value in held_by(update_union):
+        if isinstance(value, nn.Module):
+            found |= {id(p): p for p in value.parameters()}
+        if isinstance(value, torch.optim.Optimizer):
+            found |= {id(p): p for group in value.param_groups for p in group["params"]}
+    return list(found.values())
+
+
+def held_by(update_union: Callable) -> list:
+    """What the update main hands update_on_rank0 holds: a lambda's (or a nested function's)
+    variables of main (its Agent, optimizer, args, ...), a partial's arguments."""
+    if isinstance(update_union, functools.partial):
+        return [*held_by(update_union.func), *update_union.args, *update_union.keywords.values()]
+    if inspect.isfunction(update_union):
+        return list(inspect.getclosurevars(update_union).nonlocals.values())
+    return []
 
 
 def learner_group() -> dist.ProcessGroup | None:

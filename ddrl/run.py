@@ -165,15 +165,15 @@ class Run:
         if not printed:
             stopping.request(self.stop, "a closed output")
 
-    def check_in_sync(
-        self, iteration: int, agent: torch.nn.Module, *optimizers: torch.optim.Optimizer
-    ) -> None:
-        """Every --check-sync-every iterations from the first: stop every rank unless all hold the
-        same Agent (parameters and buffers), optimizer options and numbers in args
-        (in_sync.check_in_sync)."""
+    def check_in_sync(self, iteration: int) -> None:
+        """Every --check-sync-every iterations (every one by default): stop every rank unless all
+        hold the same training state, as main's variables find it (in_sync.check_in_sync): every
+        module's parameters and buffers, every optimizer's options, the numbers main carries."""
         every = self.args.check_sync_every
         if every and (iteration - 1) % every == 0:
-            in_sync.check_in_sync(iteration, self.progress.unit, agent, *optimizers, args=self.args)
+            main = sys._getframe(1)
+            unit = self.progress.unit
+            in_sync.check_in_sync(iteration, unit, main, self.args, self.device)
 
     def checkpoint_due(self, iteration: int, stopping: bool) -> bool:
         """Whether this iteration ends with a checkpoint: every --checkpoint-every iterations, and

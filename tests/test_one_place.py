@@ -168,7 +168,9 @@ def test_verify_passes_an_unedited_copy_in_another_folder_and_writes_nothing_bes
     result = verify(copy)
     assert result.returncode == 0, result.stderr
     modes = "allreduce, gather" if script != "ppo_atari_multigpu.py" else "allreduce"
-    assert result.stdout.startswith(f"verify: ok: my_{script}'s update at two ranks ({modes}; "), result.stdout
+    assert result.stdout.startswith(f"verify: ok: my_{script} at two ranks ({modes}) trains as one rank "), (
+        result.stdout
+    )
     assert sorted(path.name for path in copy.parent.iterdir()) == [copy.name]
 
 
@@ -189,8 +191,8 @@ def test_verify_names_the_mode_and_parameters_an_edit_breaks_in_one_line(tmp_pat
     result = verify(copy)
     assert result.returncode == 1 and result.stdout == "", result.stdout
     [line] = result.stderr.strip().splitlines()
-    assert line.startswith("verify: at two ranks (allreduce, shares of 40 and 24 batch rows), rank 0's "), line
-    assert "differ from the one-rank update on their union by up to" in line
+    assert line.startswith("verify: at two ranks (allreduce), iteration 1: rank 0's "), line
+    assert "differ from the one-rank run's on the union by up to" in line
 
 
 def test_a_number_each_rank_computes_from_its_own_data_stops_every_rank_at_the_first_check(tmp_path):

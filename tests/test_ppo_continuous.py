@@ -149,7 +149,6 @@ def gathered_update(
         lambda union, union_orders, union_sizes, group: ppo.update(
             agent, optimizer, union, args, union_orders, union_sizes, group=group
         ),
-        agent,
         batch,
         orders,
         sizes,

@@ -77,31 +77,30 @@ def test_a_learning_rate_per_rank_fails_naming_it_and_that_one_launch_trains_one
     assert result.returncode == 1 and result.stdout == "", (result.returncode, result.stdout)
     [line] = result.stderr.splitlines()
     assert line.startswith(
-        "verify: at two ranks (allreduce, shares of 32 and 32 batch rows), rank 1's optimizer sets lr in parameter "
-        "group 0 to 0.0006 as its first update starts, where the one-rank run's sets it to 0.0003: "
+        "verify: at two ranks (allreduce), iteration 1: rank 1's optimizer's lr (parameter group 0) is 0.0006, where "
+        "the one-rank run's is 0.0003: "
     ), line
     assert "one launch trains one model, its gradients averaged" in line and "one launch per value" in line
 
 
 def test_a_state_dependent_log_std_passes_with_a_wide_margin_in_float64(tmp_path):
-    """The update runs in float64: float32 reordering, which took this copy to 6.5e-06 of a 1e-05 tolerance, is gone."""
+    """The runs go in float64: float32 reordering, which took this copy to 6.5e-06 of a 1e-05 tolerance after one
+    update, is gone; three iterations of Adam leave float64's rounding far below the tolerance still."""
     result = verify(edited_copy(tmp_path, "vpg_mpi.py", VPG_STATE_DEPENDENT_LOG_STD))
     assert result.returncode == 0, result.stderr
     found = re.search(r"within (\S+) in float64 \(largest difference (\S+)\)", result.stdout)
     assert found, result.stdout
-    assert float(found[2]) < float(found[1]) / 1000, result.stdout
+    assert float(found[2]) < float(found[1]) / 50, result.stdout
 
 
 def test_an_update_that_cannot_run_in_float64_is_compared_in_float32_saying_so(tmp_path):
     result = verify(edited_copy(tmp_path, "vpg_mpi.py", FLOAT32_CRITIC))
     assert result.returncode == 0, result.stderr
-    assert "within 1e-05 in float32, as its update does not run in float64 (RuntimeError: " in result.stdout
+    assert "within 1e-05 in float32, as it does not run in float64 (RuntimeError: " in result.stdout
 
 
 def test_a_worker_killed_by_a_signal_is_named_in_one_line(tmp_path):
     result = verify(edited_copy(tmp_path, "vpg_mpi.py", RANK_1_KILLED))
     assert result.returncode == 1 and result.stdout == "", (result.returncode, result.stdout)
     [line] = result.stderr.splitlines()
-    assert line == (
-        "verify: the two-rank run (allreduce) stopped before its first update ended: rank 1 was killed by SIGKILL"
-    )
+    assert line == ("verify: the two-rank run (allreduce) stopped in iteration 1: rank 1 was killed by SIGKILL")

@@ -173,9 +173,7 @@ def gathered_update(
 ) -> tuple[dict[str, float], float]:
     """vpg_mpi.update under --sync gather, called as main calls it: rank 0 updates on the union, every rank gets its
     weights."""
-    return one_learner.update_on_rank0(
-        lambda union, group: vpg_mpi.update(agent, optimizer, union, args, group), agent, batch
-    )
+    return one_learner.update_on_rank0(lambda union, group: vpg_mpi.update(agent, optimizer, union, args, group), batch)
 
 
 def vpg_rank(rank: int, world_size: int) -> dict[str, tuple[dict, dict]]:
@@ -266,8 +264,9 @@ def test_gather_mode_hands_every_collective_tensors_on_the_weights_device(monkey
     agent lives on the meta device (not the CPU; shapes without values) on a rank other than the learner, whose gather
     and broadcast are recorded instead of run. The learner's own update cannot run on meta tensors (it reads values),
     so its side is not covered here."""
-    agent, optimizer = new_learner(4, (8,))
+    agent, _ = new_learner(4, (8,))
     agent.to("meta")
+    optimizer = torch.optim.Adam(agent.parameters())  # holds the meta parameters, as the broadcast does
     batch = {key: value.to("meta") for key, value in small_batch().items()}
     handed = []
 
@@ -300,9 +299,9 @@ def recording_rank(rank: int, world_size: int, script: str, cwd: str, flags: lis
     update_on_rank0 = one_learner.update_on_rank0
     batches = []
 
-    def recording_update_on_rank0(update_union, model, batch, *rest):
+    def recording_update_on_rank0(update_union, batch, *rest):
         batches.append({key: batch[key].double().numpy() for key in ("returns", "values")})
-        return update_on_rank0(update_union, model, batch, *rest)
+        return update_on_rank0(update_union, batch, *rest)
 
     one_learner.update_on_rank0 = recording_update_on_rank0  # main calls it by its name in the module
     state = train_rank(rank, world_size, script, cwd, flags)
