@@ -389,8 +389,8 @@ def update(
     for epoch, order in enumerate(orders):
         for k, mb in enumerate(minibatches(batch, order, local_sizes)):
             adv_moments = (adv_mean[epoch, k], adv_std[epoch, k]) if args.norm_adv else (None, None)
-            # a new step: a CUDA graph may reuse the last one's outputs
-            torch.compiler.cudagraph_mark_step_begin()
+            if args.capture_update:  # a new step: a CUDA graph may reuse the last one's outputs
+                torch.compiler.cudagraph_mark_step_begin()
             loss, logged = loss_fn(model, mb, *adv_moments, args)
             if unequal:  # this rank's share of the world minibatch: the ranks' mean is the union's
                 loss = loss * weights[k]

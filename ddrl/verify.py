@@ -16,7 +16,9 @@ process verify started or its copy forked ended. Exit 0 when they agree; else ex
 naming the mode, the iteration, the rank and the first thing that differs."""
 
 import ast
+import contextlib
 import ctypes
+import importlib
 import json
 import math
 import multiprocessing
@@ -24,6 +26,7 @@ import os
 import signal
 import socket
 import sys
+import sysconfig
 import tempfile
 import time
 from pathlib import Path
@@ -41,7 +44,6 @@ BATCH_TOLERANCE = 1e-5  # the batch is stored in float32: values a rounding apar
 IMPORT_SECONDS = 60.0  # the import's bound, unless --import-timeout says otherwise
 PHASE_SECONDS = 300  # a phase's bound
 GRACE_SECONDS = 10  # once a rank has failed, how long its peers have to end on their own
-SAMPLES = 64  # env steps per rank and iteration in the PPO scripts (VPG: per iteration, global)
 SMALL = {  # flags every run takes, where the script has them
     "torch_threads": 1,
     "cuda": False,
@@ -58,7 +60,8 @@ SMALL = {  # flags every run takes, where the script has them
     "numpy_rollout": False,  # actions drawn through torch.distributions, which verify replays
     "num_minibatches": 4,
     "update_epochs": 2,
-    "steps_per_epoch": SAMPLES,
+    "num_steps": 16,  # an iteration's steps per env (the PPO scripts)
+    "steps_per_epoch": 64,  # an iteration's steps over all ranks and envs (VPG)
     "train_v_iters": 5,
 }
 ONE_MODEL = (
@@ -95,6 +98,9 @@ def verified(script: Path, folder: Path, import_seconds: float, start: float) ->
     setup = probe(script, folder, import_seconds)
     if isinstance(setup, str):
         return refuse(setup)
+    for library in ["torch._dynamo", *setup["libraries"]]:  # imported once, for every rank forked
+        with contextlib.suppress(Exception):
+            importlib.import_module(library)
     fallback = ""
     for precision in TOLERANCES:
         work = folder / precision
@@ -236,11 +242,15 @@ def looked_at(module, name: str) -> dict:
     envs = min(args.local_num_envs, 2)
     flags = {key: value for key, value in SMALL.items() if key in fields} | {"local_num_envs": envs}
     if "steps_per_epoch" in fields:  # a global batch, split over the ranks
-        flags["total_timesteps"] = ITERATIONS * SAMPLES
+        flags["total_timesteps"] = ITERATIONS * flags["steps_per_epoch"]
     else:
-        flags["num_steps"] = max(1, SAMPLES // envs)
         flags["total_timesteps"] = ITERATIONS * 2 * envs * flags["num_steps"]
-    return {"flags": flags, "modes": ["allreduce", "gather"] if "sync" in fields else ["allreduce"]}
+    modes = ["allreduce", "gather"] if "sync" in fields else ["allreduce"]
+    # the installed libraries it imported (no module of the copy's own), for verify to import once
+    installed = sysconfig.get_paths()["purelib"]
+    files = {name: str(getattr(module, "__file__", "")) for name, module in sys.modules.items()}
+    libraries = sorted({name.split(".")[0] for name, file in files.items() if installed in file})
+    return {"flags": flags, "modes": modes, "libraries": libraries}
 
 
 def import_problem(name: str, error: BaseException) -> str:
