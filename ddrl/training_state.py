@@ -41,25 +41,36 @@ class TrainingState:
 
 def found(frame, args=None) -> TrainingState:
     """The training state of this process as `frame` (main's, in its loop) sees it: every registered
-    module's parameters and floating-point buffers, the optimizers among main's variables or that
-    stepped, their options, main's carried numbers, the modules' numeric attributes and `args`'s."""
+    module's parameters and floating-point buffers, the optimizers among main's variables (and their
+    lists, tuples, dicts) or that stepped, their options, main's carried numbers, the modules'
+    numeric attributes and `args`'s."""
     local = frame.f_locals
-    modules = live_modules()
+    alive = [(ref(), kind, name) for ref, kind, name in REGISTERED]
+    REGISTERED[:] = [entry for entry, (module, *_) in zip(REGISTERED, alive, strict=True) if module]
+    # torch.fx's GraphModules (a trace, torch.compile's graphs) hold a module's tensors again
+    alive = [entry for entry in alive if entry[0] is not None]
+    alive = [entry for entry in alive if not isinstance(entry[0], fx.GraphModule)]
+    modules = list({id(module): module for module, _, _ in alive}.values())
     paths = module_paths(local, modules)
     state = TrainingState()
     order = {}  # id of a tensor: its place among the tensors
-    for module, kind, name in live_entries():
+    for module, kind, name in alive:
         tensor = getattr(module, f"_{kind}s").get(name)
         if tensor is None or id(tensor) in order or tensor.is_meta:
             continue
-        if kind == "buffer" and not tensor.is_floating_point():
-            continue
-        order[id(tensor)] = len(order)
-        state.tensors[f"{paths[module]}.{name}"] = tensor
+        if kind == "parameter" or tensor.is_floating_point():
+            order[id(tensor)] = len(order)
+            state.tensors[f"{paths[module]}.{name}"] = tensor
     names = {id(tensor): name for name, tensor in state.tensors.items()}
-    optimizers = {id(value): value for value in values_of(local) if is_optimizer(value)}
+    values = list(local.values())
+    values += [item for value in values if isinstance(value, list | tuple) for item in value]
+    values += [item for value in values if isinstance(value, dict) for item in value.values()]
+    optimizers = {id(value): value for value in values if isinstance(value, torch.optim.Optimizer)}
     optimizers |= {id(optimizer): optimizer for optimizer in list(STEPPED.keys())}
-    ranked = sorted(optimizers.values(), key=lambda optimizer: first_place(optimizer, order))
+    # matched between runs by what they hold (their first registered parameter), never by name
+    ranked = sorted(optimizers.values(), key=lambda optimizer: min(
+        (order.get(id(p), len(order)) for g in optimizer.param_groups for p in g["params"]),
+        default=len(order)))  # fmt: skip
     called = {id(value): name for name, value in local.items()}
     for index, optimizer in enumerate(ranked):
         name = called.get(id(optimizer), f"optimizer {index}")
@@ -84,28 +95,6 @@ def found(frame, args=None) -> TrainingState:
     return state
 
 
-def live_modules() -> list[nn.Module]:
-    """The modules that registered a parameter or buffer and are alive, each once, in the order they
-    first did (torch.fx's copies of a traced module left out)."""
-    modules = {}
-    for module, _, _ in live_entries():
-        modules.setdefault(id(module), module)
-    return list(modules.values())
-
-
-def live_entries() -> list[tuple[nn.Module, str, str]]:
-    """REGISTERED's entries whose module is alive (the dead ones dropped for good)."""
-    alive = [(ref(), kind, name) for ref, kind, name in REGISTERED]
-    REGISTERED[:] = [entry for entry, (module, *_) in zip(REGISTERED, alive, strict=True) if module]
-    return [entry for entry in alive if entry[0] is not None and not is_traced_copy(entry[0])]
-
-
-def is_traced_copy(module: nn.Module) -> bool:
-    """torch.fx's GraphModules (a trace, torch.compile's graphs) hold the traced module's tensors
-    again: they are no state of their own."""
-    return isinstance(module, fx.GraphModule)
-
-
 def module_paths(local: dict, modules: list[nn.Module]) -> dict[nn.Module, str]:
     """Each module's name as main reaches it, the shortest path from one of its variables
     (`agent.critic.0`); else its class and place (`RNDModel 2`)."""
@@ -124,28 +113,6 @@ def module_paths(local: dict, modules: list[nn.Module]) -> dict[nn.Module, str]:
     for index, module in enumerate(modules):
         paths.setdefault(module, f"{type(module).__name__} {index}")
     return paths
-
-
-def values_of(local: dict) -> list:
-    """main's variables, and the items of its lists, tuples and dicts."""
-    values = list(local.values())
-    for value in list(values):
-        if isinstance(value, list | tuple):
-            values += list(value)
-        elif isinstance(value, dict):
-            values += list(value.values())
-    return values
-
-
-def is_optimizer(value) -> bool:
-    return isinstance(value, torch.optim.Optimizer)
-
-
-def first_place(optimizer: torch.optim.Optimizer, order: dict[int, int]) -> int:
-    """The place of the optimizer's first registered parameter: optimizers are matched by what they
-    hold, never by the name main gives them."""
-    places = [order.get(id(p), len(order)) for g in optimizer.param_groups for p in g["params"]]
-    return min(places, default=len(order))
 
 
 def add_numbers(numbers: dict, name: str, value, scalars_only: bool = False) -> None:
