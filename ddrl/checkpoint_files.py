@@ -4,7 +4,10 @@ saying what wrote them, so nothing in a file can run code, and every tensor's dt
 are declared before any is read. Writing one is atomic; reading one is checking it: the file, its
 header within the bounds of what ddrl writes, every tensor against what is wanted, every number
 finite, every random stream a state its generator leaves; every misfit is one line that names the
-file and the fix, with any text the file holds shown escaped. Nothing here knows of a run."""
+file and the fix, with any text the file holds shown escaped. Nothing here knows of a run. The
+calls: `write`; `read` (the header, and the tensors' shapes and dtypes), `misfits` (those against
+what is wanted) and `load` (tensors, found finite); every rank's random streams, `random_streams`
+(this process's), `check_random_streams` and `restore_random_streams`."""
 
 from __future__ import annotations
 
@@ -15,7 +18,6 @@ import stat
 import sys
 import tempfile
 from dataclasses import asdict
-from typing import Literal
 
 import numpy as np
 import torch
@@ -28,7 +30,6 @@ from ddrl.failures import fail, first_line, shown
 
 FORMAT = "ddrl"  # the header's one metadata entry, a JSON object; its "format" is this too
 VERSION = 2
-SUFFIX = ".safetensors"
 # safetensors' own header (the tensors' table and ours): ddrl's files hold a few hundred tensors, a
 # few KB of table; a network of ten thousand parameters' tensors would take about 3 MB. A file
 # declaring more is refused, unread.
@@ -42,6 +43,7 @@ RANDOM_STREAMS = {  # the tensors of every rank's random streams: name, dtype, s
     "rng.numpy": (torch.int64, (624,)),  # numpy's legacy generator: its key
     # its position, whether a gaussian is cached, that gaussian
     "rng.numpy_state": (torch.float64, (3,)),
+    "rng.torch": (torch.uint8, (5056,)),  # torch's CPU generator state (TORCH_FIELDS)
 }
 MT_WORDS = 624  # a Mersenne Twister's key, 32-bit words; its position lies in [0, 624]
 # a gaussian a generator caches is below 12.1 in size (numpy's polar method on 53-bit uniforms;
@@ -49,8 +51,9 @@ MT_WORDS = 624  # a Mersenne Twister's key, 32-bit words; its position lies in [
 MAX_GAUSSIAN = 16.0
 # torch's CPU generator state (at::CPUGeneratorImplState, as torch.get_rng_state() returns it): by
 # byte offset, its `left` and `seeded` (int32), `next`, the key (624 uint64 words), the cached
-# normal (a double) and whether it is valid (int32), the cached float normal and whether it is valid
-TORCH_STATE_BYTES = 5056
+# normal (a double) and whether it is valid (int32), the cached float normal and whether it is
+# valid. torch's own set_state checks only the size, `seeded`, and `left` and `next` one by one: it
+# takes a key of zeros, a NaN cached, and a position from which its next draw reads past the key.
 TORCH_FIELDS = {
     "left": (8, "<i4"),
     "seeded": (12, "<i4"),
@@ -64,8 +67,44 @@ TORCH_KEY_OFFSET = 24
 STREAM_ROWS = 256  # ranks' streams checked at once: memory bounded, whatever world a file claims
 
 
-# --- writing: a file atomically, its header, the tensors of optimizers and random streams ---------
-def write(path: str, tensors: dict[str, torch.Tensor], header: dict) -> str:
+# --- writing: a file atomically, with its header, optimizers and random streams -------------------
+def write(
+    path: str,
+    args,
+    model: nn.Module,
+    optimizers: dict[str, torch.optim.Optimizer] | None = None,
+    streams: list[dict[str, torch.Tensor]] | None = None,
+    **fields,
+) -> str:
+    """A training checkpoint (`model`'s state, `optimizers`' per-parameter state by name, every
+    rank's random streams, rank 0's first) or, without optimizers, a model file, written at `path`
+    atomically (write_atomically); its header says what the file is, which script and algorithm
+    wrote it (a copy of a script loads the original's file where its Agent fits, and says whose it
+    is), the env, the args and `fields`. Returns '' once written, else why not."""
+    writer = sys.modules.get(type(model).__module__)
+    algorithm = ((writer.__doc__ or "").strip().splitlines() or [""])[0] if writer else ""
+    header = {
+        "format": FORMAT,
+        "version": VERSION,
+        "kind": "model" if optimizers is None else "training",
+        "script": failures.script,
+        "algorithm": algorithm,
+        "env_id": args.env_id,
+        "args": asdict(args),
+        **fields,
+    }
+    tensors = {f"model.{name}": tensor for name, tensor in model.state_dict().items()}
+    if optimizers is not None:
+        header["optimizers"] = {}
+        for name, optimizer in optimizers.items():
+            entries, header["optimizers"][name] = optimizer_entries(name, optimizer)
+            tensors |= entries
+    if streams:
+        tensors |= {name: torch.stack([rank[name] for rank in streams]) for name in streams[0]}
+    return write_atomically(path, tensors, header)
+
+
+def write_atomically(path: str, tensors: dict[str, torch.Tensor], header: dict) -> str:
     """`tensors` and the JSON `header` as one safetensors file at `path`, in its existing folder,
     atomically: the bytes go to a new file made exclusively beside it, which then takes `path`'s
     place (a link there is replaced, not followed). A kill at any moment leaves the old file; a
@@ -75,7 +114,8 @@ def write(path: str, tensors: dict[str, torch.Tensor], header: dict) -> str:
     temporary = ""
     try:
         on_host = {name: tensor.detach().cpu().contiguous() for name, tensor in tensors.items()}
-        data = save_bytes(on_host, metadata={FORMAT: json.dumps(header)})
+        # tuples as lists, anything else JSON cannot hold (a tensor learning rate) as its repr
+        data = save_bytes(on_host, metadata={FORMAT: json.dumps(header, default=repr)})
         descriptor, temporary = tempfile.mkstemp(
             dir=folder, prefix=f".{os.path.basename(path)}.", suffix=".tmp"
         )
@@ -96,30 +136,12 @@ def write(path: str, tensors: dict[str, torch.Tensor], header: dict) -> str:
     return ""
 
 
-def header_of(args, kind: Literal["training", "model"], model: nn.Module, **fields) -> dict:
-    """What a file says of itself: the format, what it holds, which script and algorithm wrote it (a
-    copy of a script loads the original's file where its Agent fits, and says whose it is), the env,
-    the args, and `fields`."""
-    writer = sys.modules.get(type(model).__module__)
-    algorithm = ((writer.__doc__ or "").strip().splitlines() or [""])[0] if writer else ""
-    return {
-        "format": FORMAT,
-        "version": VERSION,
-        "kind": kind,
-        "script": failures.script,
-        "algorithm": algorithm,
-        "env_id": args.env_id,
-        "args": asdict(args),
-        **fields,
-    }
-
-
 def optimizer_entries(
     name: str, optimizer: torch.optim.Optimizer
 ) -> tuple[dict[str, torch.Tensor], dict]:
-    """An optimizer's per-parameter state as tensors named NAME.state.INDEX.KEY (INDEX: the
-    parameter's place across the groups, as torch's state_dict numbers them), and what the header
-    says of it: its type, its options, and the per-parameter numbers that are no tensors."""
+    """An optimizer's per-parameter state, as torch's state_dict numbers it (INDEX: the parameter's
+    place across the groups), as tensors named NAME.state.INDEX.KEY, and what the header says of it:
+    its type, its options, and the per-parameter numbers that are no tensors."""
     state = optimizer.state_dict()
     tensors = {}
     numbers = {}
@@ -133,22 +155,7 @@ def optimizer_entries(
         {key: value for key, value in group.items() if key != "params"}
         for group in state["param_groups"]
     ]
-    return tensors, {
-        "type": type(optimizer).__name__,
-        "param_groups": json_safe(groups),
-        "numbers": numbers,
-    }
-
-
-def json_safe(value):
-    """`value` with its tuples as lists and anything JSON cannot hold as its repr."""
-    if isinstance(value, dict):
-        return {str(key): json_safe(item) for key, item in value.items()}
-    if isinstance(value, list | tuple):
-        return [json_safe(item) for item in value]
-    if value is None or isinstance(value, bool | int | float | str):
-        return value
-    return repr(value)
+    return tensors, {"type": type(optimizer).__name__, "param_groups": groups, "numbers": numbers}
 
 
 def random_streams() -> dict[str, torch.Tensor]:
@@ -317,7 +324,6 @@ def check_random_streams(path: str, header: dict, found: dict) -> None:
     wanted = {
         name: ((world_size, *shape), dtype) for name, (dtype, shape) in RANDOM_STREAMS.items()
     }
-    wanted["rng.torch"] = ((world_size, TORCH_STATE_BYTES), torch.uint8)
     faults = misfits({name: found[name] for name in wanted if name in found}, wanted, "")
     cuda_shape, cuda_dtype = found.get("rng.cuda", ((world_size, 1, 16), "U8"))
     if not faults and (
@@ -333,7 +339,7 @@ def check_random_streams(path: str, header: dict, found: dict) -> None:
     for first in range(0, world_size, STREAM_ROWS):
         rows = {
             name: tensor.numpy()
-            for name, tensor in load_rows(path, names, first, STREAM_ROWS).items()
+            for name, tensor in tensors_of(path, names, slice(first, first + STREAM_ROWS)).items()
         }
         for ranks, fault in stream_faults(rows):
             if ranks.any():
@@ -366,7 +372,7 @@ def stream_faults(rows: dict[str, np.ndarray]) -> list[tuple[np.ndarray, str]]:
 
 
 def torch_faults(states: np.ndarray) -> list[tuple[np.ndarray, str]]:
-    """stream_faults' of torch's CPU generator states (a row of TORCH_STATE_BYTES bytes a rank):
+    """stream_faults' of torch's CPU generator states (a row of its bytes a rank, TORCH_FIELDS):
     its key as mersenne_faults checks it, a generator never seeded, a position past the key's end
     (`left` words to draw from `next` on: a seeded generator has left 1 and next 0, and from its
     first draw on left + next is 625), and cached normals no draw gives."""
@@ -406,38 +412,39 @@ def mersenne_faults(
     return faults
 
 
-# --- tensors: compared with what is wanted, then loaded -------------------------------------------
-def expected_optimizer_state(optimizer: torch.optim.Optimizer, name: str) -> dict[str, tuple]:
-    """What this optimizer keeps per parameter, as NAME.state.INDEX.KEY: (shape, dtype): found by
-    one step of a copy of it, with the same options, on zero gradients of parameters shaped like its
-    own."""
-    groups = []
-    for group in optimizer.param_groups:
-        options = {key: value for key, value in group.items() if key != "params"}
-        parameters = [torch.zeros_like(p, requires_grad=True) for p in group["params"]]
-        for parameter in parameters:
-            parameter.grad = torch.zeros_like(parameter)
-        groups.append({**options, "params": parameters})
-    probe = type(optimizer)(groups)
-    probe.step()
-    return {
-        f"{name}.state.{index}.{key}": (tuple(value.shape), value.dtype)
-        for index, entries in probe.state_dict()["state"].items()
-        for key, value in entries.items()
-        if torch.is_tensor(value)
+def restore_random_streams(path: str, found: dict, rank: int) -> None:
+    """This process's random streams set to the ones rank `rank` (one of the file's ranks) left in
+    the file at `path` (`found`: read's tensors of it), whose streams check_random_streams found
+    states their generators leave; what a generator still refuses is one line."""
+    cuda = ["rng.cuda"] if "rng.cuda" in found and torch.cuda.is_available() else []
+    names = [*RANDOM_STREAMS, *cuda]
+    # copies: torch.set_rng_state misreads a view into the stacked ranks' states (rank r's starts
+    # past offset 0)
+    streams = {
+        name: rows[0].clone()
+        for name, rows in tensors_of(path, names, slice(rank, rank + 1)).items()
     }
+    try:
+        python_state = tuple(int(word) for word in streams["rng.python"])
+        gauss = float(streams["rng.python_gauss"])
+        random.setstate((3, python_state, None if np.isnan(gauss) else gauss))
+        position, has_gauss, cached = streams["rng.numpy_state"].tolist()
+        keys = streams["rng.numpy"].numpy().astype(np.uint32)
+        np.random.set_state(("MT19937", keys, int(position), int(has_gauss), cached))
+        torch.set_rng_state(streams["rng.torch"])
+        if "rng.cuda" in streams:
+            # the GPUs both machines have: a rank uses one, cuda:LOCAL_RANK
+            devices = torch.cuda.device_count()
+            torch.cuda.set_rng_state_all([state.clone() for state in streams["rng.cuda"][:devices]])
+    except (LookupError, TypeError, ValueError, OverflowError, RuntimeError) as error:
+        fail(
+            f"{path}: its random streams of rank {rank} do not fit this run "
+            f"({first_line(error)}); delete it to resume from the one before",
+            any_rank=True,  # this rank's alone: rank 0 may have loaded its own
+        )
 
 
-def per_parameter_state(name: str, tensors: dict[str, torch.Tensor]) -> dict[int, dict]:
-    """The optimizer `name`'s NAME.state.INDEX.KEY tensors as torch's state_dict holds them: by
-    parameter index, then key."""
-    per_parameter = {}
-    for key, value in tensors.items():
-        index, entry = key.removeprefix(f"{name}.state.").split(".", 1)
-        per_parameter.setdefault(int(index), {})[entry] = value
-    return per_parameter
-
-
+# --- tensors: compared with what is wanted, then loaded -------------------------------------------
 def misfits(found: dict[str, tuple], wanted: dict[str, tuple], prefix: str) -> str:
     """The first few differences between the file's tensors named `prefix`... and the ones `wanted`
     (name: (shape, torch dtype)), as a message lists them, the file's names escaped; '' if none."""
@@ -478,34 +485,10 @@ def safetensors_dtype(dtype: torch.dtype) -> str:
     return names.get(dtype, "BOOL" if dtype == torch.bool else str(dtype))
 
 
-def load_rows(path: str, names: list[str], first: int, count: int) -> dict[str, torch.Tensor]:
-    """Rows `first` to `first + count` (at most) of the named tensors of the file at `path` (checked
-    before: they exist, with the shapes and dtypes wanted), read without the rest."""
-    try:
-        with safe_open(path, framework="pt") as opened:
-            return {name: opened.get_slice(name)[first : first + count] for name in names}
-    except Exception as error:  # the file changed since it was checked, or the OS refused to map it
-        fail(
-            f"{path} could not be read ({type(error).__name__}: {first_line(error)}); use a "
-            "checkpoint from before"
-        )
-
-
-def load_tensors(path: str, names: list[str]) -> dict[str, torch.Tensor]:
-    """The named tensors of the file at `path` (checked before: they exist, with the shapes and
-    dtypes wanted)."""
-    try:
-        with safe_open(path, framework="pt") as opened:
-            return {name: opened.get_tensor(name) for name in names}
-    except Exception as error:  # the file changed since it was checked, or the OS refused to map it
-        fail(
-            f"{path} could not be read ({type(error).__name__}: {first_line(error)}); use a "
-            "checkpoint from before"
-        )
-
-
-def refuse_nonfinite(path: str, tensors: dict[str, torch.Tensor], fix: str) -> None:
-    """Stop in one line naming the file and its first tensors that hold NaN or infinity."""
+def load(path: str, names: list[str], fix: str) -> dict[str, torch.Tensor]:
+    """The named tensors of the file at `path` (which misfits found as wanted), or one line naming
+    the file, its first tensors that hold NaN or infinity, and `fix`."""
+    tensors = tensors_of(path, names)
     nonfinite = [
         name
         for name, value in tensors.items()
@@ -515,4 +498,21 @@ def refuse_nonfinite(path: str, tensors: dict[str, torch.Tensor], fix: str) -> N
         fail(
             f"{path}: its {', '.join(shown(name) for name in nonfinite[:3])} hold(s) NaN or "
             f"infinity; {fix}"
+        )
+    return tensors
+
+
+def tensors_of(path: str, names: list[str], rows: slice | None = None) -> dict[str, torch.Tensor]:
+    """The named tensors of the file at `path` (found before, with the shapes and dtypes wanted), or
+    their `rows` alone, read without the rest."""
+    try:
+        with safe_open(path, framework="pt") as opened:
+            return {
+                name: opened.get_tensor(name) if rows is None else opened.get_slice(name)[rows]
+                for name in names
+            }
+    except Exception as error:  # the file changed since it was checked, or the OS refused to map it
+        fail(
+            f"{path} could not be read ({type(error).__name__}: {first_line(error)}); use a "
+            "checkpoint from before"
         )

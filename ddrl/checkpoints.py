@@ -4,16 +4,15 @@ change of world size means; the training checkpoint of an iteration
 loaded into the Agent, the optimizers and this rank's streams; the model file
 (runs/NAME/model.safetensors) and --eval-checkpoint's reading of it; and the lines that stop every
 rank when a file does not fit or cannot be written. The files' format, and the checks of every byte
-read, are checkpoint_files'."""
+read, are checkpoint_files' (its write, read, misfits, load and random streams)."""
 
 from __future__ import annotations
 
+import json
 import os
-import random
 import re
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import torch.nn as nn
 from safetensors.torch import load as load_bytes
@@ -37,67 +36,65 @@ IMPLEMENTATION_OPTIONS = {"foreach", "fused", "capturable", "differentiable"}
 
 @dataclass
 class Resumption:
-    """The checkpoint this attempt resumes (its header, as find_run_to_resume read and checked it,
-    with its path under "path"; None for a new run) and what this attempt carries on from it."""
+    """The checkpoint this attempt resumes, as find_run_to_resume read and checked it, and what this
+    attempt carries on from it; a new run's has no header and counts zeros."""
 
-    header: dict | None = None
-
-    @property
-    def path(self) -> str:
-        """The checkpoint's path; '' for a new run."""
-        return self.header["path"] if self.header is not None else ""
-
-    @property
-    def iteration(self) -> int:
-        """The iteration the checkpoint reached; 0 for a new run."""
-        return self.header["iteration"] if self.header is not None else 0
-
-    @property
-    def global_step(self) -> int:
-        """The world's env steps the checkpoint reached; 0 for a new run."""
-        return self.header["global_step"] if self.header is not None else 0
-
-    @property
-    def restarts(self) -> int:
-        """The earlier attempts of this run, which this attempt's checkpoints write: one more than
-        the checkpoint's, at most the bound a file is read with (what this attempt writes, the next
-        one reads); 0 for a new run."""
-        if self.header is None:
-            return 0
-        return min(self.header["restarts"] + 1, MAX_RESTARTS)
-
-    @property
-    def envs_seeded(self) -> int:
-        """The envs earlier attempts seeded: this attempt's env g is seeded as env envs_seeded + g;
-        0 for a new run."""
-        return self.header["envs_seeded"] if self.header is not None else 0
+    header: dict | None = None  # the checkpoint's header, with its path under "path"
+    iteration: int = 0  # the iteration it reached
+    global_step: int = 0  # the world's env steps it reached
+    # the earlier attempts of this run, which this attempt's checkpoints write: one more than the
+    # checkpoint's, at most the bound a file is read with (what this attempt writes, the next reads)
+    restarts: int = 0
+    # the envs earlier attempts seeded: this attempt's env g is seeded as env envs_seeded + g
+    envs_seeded: int = 0
 
 
 # --- which run to resume, and what its world and seeds allow --------------------------------------
-def find_run_to_resume(args, total_steps: int) -> tuple[str, Resumption]:
+def find_run_to_resume(args) -> tuple[str, Resumption]:
     """The run folder restarted ranks must find again ('' if none) and the checkpoint to resume
-    (a Resumption without a header if none), checked up front: the file, its env, its args by the
-    script's rules, its progress. A restart count (torchrun's) resumes a run of this launch, never a
-    finished one."""
-    name = args.run_name
-    # torchrun's id of this launch, `none` under static rendezvous: a restart finds the run folder
-    # again by it
-    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
-    in_launch = run_id not in ("", "none")
-    if not name and (args.resume or launching.max_restarts() > 0):
-        if not in_launch:
-            flag = "--resume" if args.resume else "torchrun --max-restarts"
-            fail(
-                f"{flag} needs a run folder that every (re)started rank finds again: pass "
-                "--run-name NAME"
-            )
-        name = f"{args.env_id.replace('/', '-')}__{args.exp_name}__{args.seed}__{run_id}"
-        if not flags.is_one_folder(name):
-            fail(
-                f"the launcher's variable TORCHELASTIC_RUN_ID={shown(run_id)} makes no folder "
-                "name below runs/: unset it, or pass --run-name NAME",
-                any_rank=True,
-            )
+    (a Resumption without a header if none), checked up front: the run's name, its folder, then the
+    checkpoint's file, env, args by the script's rules, progress and random streams. A restart count
+    (torchrun's) resumes a run of this launch, never a finished one."""
+    name = run_name(args)
+    path = checkpoint_to_resume(args, name)
+    if path is None:
+        return name, Resumption()
+    header = {**checked_header(path, args), "path": path}
+    return name, Resumption(
+        header,
+        iteration=header["iteration"],
+        global_step=header["global_step"],
+        restarts=min(header["restarts"] + 1, MAX_RESTARTS),
+        envs_seeded=header["envs_seeded"],
+    )
+
+
+def run_name(args) -> str:
+    """--run-name; where --resume or torchrun's restarts need a name and none is given, the one
+    torchrun's id of this launch gives; else '' (a new run's folder is named as it is made)."""
+    if args.run_name or not (args.resume or launching.max_restarts() > 0):
+        return args.run_name
+    run_id = launch_id()
+    if not run_id:
+        flag = "--resume" if args.resume else "torchrun --max-restarts"
+        fail(
+            f"{flag} needs a run folder that every (re)started rank finds again: pass "
+            "--run-name NAME"
+        )
+    name = f"{args.env_id.replace('/', '-')}__{args.exp_name}__{args.seed}__{run_id}"
+    if not flags.is_one_folder(name):
+        fail(
+            f"the launcher's variable TORCHELASTIC_RUN_ID={shown(run_id)} makes no folder "
+            "name below runs/: unset it, or pass --run-name NAME",
+            any_rank=True,
+        )
+    return name
+
+
+def checkpoint_to_resume(args, name: str) -> str | None:
+    """The newest checkpoint of runs/NAME, which this attempt resumes (None: it starts the run),
+    once the folder is found fit: no link on the way, and a run that exists is continued by
+    --resume or by a restart of the launch that made it, nothing else."""
     restart_count = launching.restart_count()
     restarted = restart_count > 0
     folder = os.path.join("runs", name)
@@ -118,17 +115,30 @@ def find_run_to_resume(args, total_steps: int) -> tuple[str, Resumption]:
         )
     if exists and restarted and not args.resume:
         record = run_folders.lock_record(name)
-        same_launch = in_launch and record.get("launch") == run_id
+        same_launch = bool(launch_id()) and record.get("launch") == launch_id()
         if record.get("finished") or not same_launch:
             fail(
                 f"runs/{name} already exists, and TORCHELASTIC_RESTART_COUNT={restart_count} is "
                 "no restart of the launch that made it (finished, or another torchrun's): pass "
                 "--resume to continue it, or choose another --run-name"
             )
-    if path is None:
-        return name, Resumption()
+    if path is not None:
+        run_folders.refuse_link(path)
+    return path
+
+
+def launch_id() -> str:
+    """torchrun's id of this launch, by which a restart finds the run folder again; '' where there
+    is none (`none` under static rendezvous)."""
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
+    return "" if run_id == "none" else run_id
+
+
+def checked_header(path: str, args) -> dict:
+    """The header of the checkpoint to resume at `path`, checked before anything is built from it:
+    the file, its kind, its counts within what a run reaches, its env, its args by the script's
+    rules, its progress, and every rank's random streams."""
     fix = "delete it to resume from the one before"
-    run_folders.refuse_link(path)
     header, found = checkpoint_files.read(path, fix)
     if header["kind"] != "training":
         fail(
@@ -145,10 +155,10 @@ def find_run_to_resume(args, total_steps: int) -> tuple[str, Resumption]:
     for key, bound in bounds.items():
         value = header.get(key)
         if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= bound:
-            found = shown(value) if key in header else "nothing"
+            found_value = shown(value) if key in header else "nothing"
             fail(
-                f"{path} holds {found} as its {key!r}, where ddrl writes an int in [0, {bound}]: "
-                f"it is damaged; {fix}"
+                f"{path} holds {found_value} as its {key!r}, where ddrl writes an int in [0, "
+                f"{bound}]: it is damaged; {fix}"
             )
     refuse_imported_env(path, header, args.env_id)
     if header["env_id"] != args.env_id:
@@ -169,7 +179,7 @@ def find_run_to_resume(args, total_steps: int) -> tuple[str, Resumption]:
             f"no run reaches: it is damaged; {fix}"
         )
     checkpoint_files.check_random_streams(path, header, found)
-    return name, Resumption({**header, "path": path})
+    return header
 
 
 def env_seeds_problem(args, world_size: int, envs_seeded: int, name: str) -> str:
@@ -226,62 +236,103 @@ def span(first: int, end: int) -> str:
 
 # --- loading a training state: every tensor compared with what this run built, then loaded --------
 def load_training_state(path: str, header: dict, rank: int, states: dict) -> None:
-    """The training checkpoint's optimizer states, per-parameter only (the options stay the command
-    line's, and those that differ from the checkpoint's are named in one line), then the weights,
-    then this rank's random streams; each compared with what this run built, and found finite,
-    before anything loads."""
+    """The training checkpoint's weights and optimizer states, per-parameter only (the options stay
+    the command line's, and those that differ from the checkpoint's are named in one line), then
+    this rank's random streams (a rank the checkpoint's world did not have keeps the ones the
+    rank-offset rule seeded); each compared with what this run built, and found finite, before
+    anything loads."""
     fix = "delete it to resume from the one before"
     found = checkpoint_files.read(path, fix)[1]
-    optimizers = header.get("optimizers")
-    if not isinstance(optimizers, dict):
+    if not isinstance(header.get("optimizers"), dict):
         fail(f"{path} holds no optimizer states: it is damaged; {fix}")
     model = next(iter(states.values()))
-    wanted_weights = {
-        f"model.{name}": (tuple(t.shape), t.dtype) for name, t in model.state_dict().items()
+    optimizers = dict(list(states.items())[1:])
+    check_weights_fit(path, header, model, then="resume with")
+    per_parameter = {
+        name: optimizer_state(path, header, found, name, optimizer)
+        for name, optimizer in optimizers.items()
     }
-    if faults := checkpoint_files.misfits(found, wanted_weights, "model."):
+    load_weights(model, path, header)
+    for name, optimizer in optimizers.items():
+        groups = optimizer.state_dict()["param_groups"]
+        optimizer.load_state_dict({"state": per_parameter[name], "param_groups": groups})
+        say_changed_options(path, name, optimizer, header["optimizers"][name])
+    if rank < header["world_size"]:
+        checkpoint_files.restore_random_streams(path, found, rank)
+
+
+def check_weights_fit(path: str, header: dict, model: nn.Module, then: str = "use") -> None:
+    """Stop in one line naming the file, who wrote it and the first misfits, unless its `model.*`
+    tensors fit `model` (on any device, the meta device too) by name, shape and dtype; the line
+    says to undo the Agent's edit or `then` the script that wrote the file."""
+    found = checkpoint_files.read(path, "")[1]
+    wanted = {
+        f"model.{name}": (tuple(tensor.shape), tensor.dtype)
+        for name, tensor in model.state_dict().items()
+    }
+    if faults := checkpoint_files.misfits(found, wanted, "model."):
         fail(
             f"{path}, written by {writer_of(header)}: its weights do not fit this "
-            f"{type(model).__name__} ({faults}): undo the Agent's edit, or resume with the script "
-            "that wrote it"
+            f"{type(model).__name__} ({faults}): undo the Agent's edit, or {then} the script that "
+            "wrote it"
         )
-    loads = {}
-    for name, optimizer in list(states.items())[1:]:
-        wanted = checkpoint_files.expected_optimizer_state(optimizer, name)
-        saved = optimizers.get(name)
-        saved_type = saved.get("type") if isinstance(saved, dict) else None
-        if saved_type is None or (
-            faults := checkpoint_files.misfits(found, wanted, f"{name}.state.")
-        ):
-            fault = (
-                "no state of it"
-                if saved_type is None
-                else f"the state of a {shown(saved_type)} ({faults})"
-            )
-            fail(
-                f"{path}, written by {writer_of(header)}: its {name!r} holds {fault}, which does "
-                f"not fit this run's {type(optimizer).__name__}: resume with the optimizer that "
-                "wrote it, or start a new run"
-            )
-        tensors = checkpoint_files.load_tensors(path, list(wanted))
-        checkpoint_files.refuse_nonfinite(path, tensors, fix)
-        loads[name] = (optimizer, tensors, saved)
-    load_weights(model, path, header)
-    for name, (optimizer, tensors, saved) in loads.items():
-        per_parameter = checkpoint_files.per_parameter_state(name, tensors)
-        current = optimizer.state_dict()
-        optimizer.load_state_dict({"state": per_parameter, "param_groups": current["param_groups"]})
-        say_changed_options(path, name, optimizer, saved)
-    load_random_streams(path, header, found, rank)
+
+
+def optimizer_state(
+    path: str, header: dict, found: dict, name: str, optimizer: torch.optim.Optimizer
+) -> dict[int, dict]:
+    """The file's per-parameter state of the optimizer `name` (`found`: read's tensors of it), as
+    torch's state_dict holds it (by parameter index, then key), once it fits `optimizer`
+    (optimizer_shapes) and is finite; else one line naming the file and who wrote it."""
+    wanted = optimizer_shapes(optimizer, name)
+    saved = header["optimizers"].get(name)
+    saved_type = saved.get("type") if isinstance(saved, dict) else None
+    if saved_type is None or (faults := checkpoint_files.misfits(found, wanted, f"{name}.state.")):
+        fault = (
+            "no state of it"
+            if saved_type is None
+            else f"the state of a {shown(saved_type)} ({faults})"
+        )
+        fail(
+            f"{path}, written by {writer_of(header)}: its {name!r} holds {fault}, which does "
+            f"not fit this run's {type(optimizer).__name__}: resume with the optimizer that "
+            "wrote it, or start a new run"
+        )
+    state = {}
+    tensors = checkpoint_files.load(path, list(wanted), "delete it to resume from the one before")
+    for key, value in tensors.items():
+        index, entry = key.removeprefix(f"{name}.state.").split(".", 1)
+        state.setdefault(int(index), {})[entry] = value
+    return state
+
+
+def optimizer_shapes(optimizer: torch.optim.Optimizer, name: str) -> dict[str, tuple]:
+    """What this optimizer keeps per parameter, as the file names it (NAME.state.INDEX.KEY, INDEX
+    as torch's state_dict numbers the parameters) with its (shape, dtype): found by one step of a
+    copy of it, with the same options, on zero gradients of parameters shaped like its own."""
+    groups = []
+    for group in optimizer.param_groups:
+        options = {key: value for key, value in group.items() if key != "params"}
+        parameters = [torch.zeros_like(p, requires_grad=True) for p in group["params"]]
+        for parameter in parameters:
+            parameter.grad = torch.zeros_like(parameter)
+        groups.append({**options, "params": parameters})
+    probe = type(optimizer)(groups)
+    probe.step()
+    return {
+        f"{name}.state.{index}.{key}": (tuple(value.shape), value.dtype)
+        for index, entries in probe.state_dict()["state"].items()
+        for key, value in entries.items()
+        if torch.is_tensor(value)
+    }
 
 
 def load_weights(model: nn.Module, path: str, header: dict) -> None:
-    """Load the file's `model.*` tensors into `model` once each fits it by name, shape and dtype and
-    is finite, or stop in one line naming the file, who wrote it and the first misfits. A file
-    another script wrote loads where its Agent fits, saying so in one line (rank 0)."""
-    wanted = check_weights_fit(path, header, model)
-    weights = checkpoint_files.load_tensors(path, list(wanted))
-    checkpoint_files.refuse_nonfinite(path, weights, "use a checkpoint from before")
+    """Load the file's `model.*` tensors, which check_weights_fit found to fit `model` (or one built
+    alike on the meta device), into it once they are finite, or stop in one line naming the file.
+    A file another script wrote loads where its Agent fits, saying so in one line (rank 0)."""
+    names = [f"model.{name}" for name in model.state_dict()]
+    weights = checkpoint_files.load(path, names, "use a checkpoint from before")
     try:
         model.load_state_dict(
             {name.removeprefix("model."): value for name, value in weights.items()}
@@ -292,24 +343,6 @@ def load_weights(model: nn.Module, path: str, header: dict) -> None:
         failures.tell(
             f"{path} was written by {writer_of(header)}; its weights fit this {failures.script}"
         )
-
-
-def check_weights_fit(path: str, header: dict, model: nn.Module) -> dict[str, tuple]:
-    """Stop in one line naming the file, who wrote it and the first misfits, unless its `model.*`
-    tensors fit `model` (on any device, the meta device too) by name, shape and dtype. Returns what
-    was wanted, by the file's names."""
-    found = checkpoint_files.read(path, "")[1]
-    wanted = {
-        f"model.{name}": (tuple(tensor.shape), tensor.dtype)
-        for name, tensor in model.state_dict().items()
-    }
-    if faults := checkpoint_files.misfits(found, wanted, "model."):
-        fail(
-            f"{path}, written by {writer_of(header)}: its weights do not fit this "
-            f"{type(model).__name__} ({faults}): undo the Agent's edit, or use the script that "
-            "wrote it"
-        )
-    return wanted
 
 
 def say_changed_options(
@@ -328,9 +361,8 @@ def say_changed_options(
     for before, group in zip(groups, optimizer.param_groups, strict=True):
         if not isinstance(before, dict):
             return
-        now = checkpoint_files.json_safe(
-            {key: value for key, value in group.items() if key != "params"}
-        )
+        options = {key: value for key, value in group.items() if key != "params"}
+        now = json.loads(json.dumps(options, default=repr))  # as the file holds them
         # lr: main's schedule sets it
         keys = sorted((now.keys() | before.keys()) - IMPLEMENTATION_OPTIONS - {"lr"})
         changes += [
@@ -342,41 +374,6 @@ def say_changed_options(
         failures.tell(
             f"{path}: its {name!r} state, a {shown(saved.get('type'))}'s, loads into this run's "
             f"{type(optimizer).__name__}, with the command line's {', '.join(changes)}"
-        )
-
-
-def load_random_streams(path: str, header: dict, found: dict, rank: int) -> None:
-    """This rank's random streams where the checkpoint left them, once every rank's are found to be
-    states their generators leave (check_random_streams); a rank the checkpoint's world did not have
-    keeps the streams the rank-offset rule seeded. What does not fit is one line."""
-    checkpoint_files.check_random_streams(path, header, found)
-    if rank >= header["world_size"]:
-        return
-    names = [*checkpoint_files.RANDOM_STREAMS, "rng.torch"]
-    # copies: torch.set_rng_state misreads a view into the stacked ranks' states (rank r's starts
-    # past offset 0)
-    streams = {
-        name: rows[0].clone()
-        for name, rows in checkpoint_files.load_rows(path, names, rank, 1).items()
-    }
-    try:
-        python_state = tuple(int(word) for word in streams["rng.python"])
-        gauss = float(streams["rng.python_gauss"])
-        random.setstate((3, python_state, None if np.isnan(gauss) else gauss))
-        position, has_gauss, cached = streams["rng.numpy_state"].tolist()
-        keys = streams["rng.numpy"].numpy().astype(np.uint32)
-        np.random.set_state(("MT19937", keys, int(position), int(has_gauss), cached))
-        torch.set_rng_state(streams["rng.torch"])
-        if "rng.cuda" in found and torch.cuda.is_available():
-            # the GPUs both machines have: a rank uses one, cuda:LOCAL_RANK
-            cuda = checkpoint_files.load_rows(path, ["rng.cuda"], rank, 1)["rng.cuda"][0]
-            devices = torch.cuda.device_count()
-            torch.cuda.set_rng_state_all([state.clone() for state in cuda[:devices]])
-    except (LookupError, TypeError, ValueError, OverflowError, RuntimeError) as error:
-        fail(
-            f"{path}: its random streams of rank {rank} do not fit this run "
-            f"({first_line(error)}); delete it to resume from the one before",
-            any_rank=True,  # this rank's alone: rank 0 may have loaded its own
         )
 
 
@@ -402,25 +399,19 @@ def save(
     path = checkpoint_path(name, iteration)
     if world.rank != 0:
         return path, ""
-    model = next(iter(states.values()))
-    tensors = {f"model.{key}": tensor for key, tensor in model.state_dict().items()}
-    optimizers = {}
-    for key, optimizer in list(states.items())[1:]:
-        entries, optimizers[key] = checkpoint_files.optimizer_entries(key, optimizer)
-        tensors |= entries
     streams = []
     for sender in range(world_size):
         streams.append(load_bytes(store.get(f"rng/{iteration}/{sender}")))
         store.delete_key(f"rng/{iteration}/{sender}")
-    for key in streams[0]:
-        tensors[key] = torch.stack([rank_streams[key] for rank_streams in streams])
+    model = next(iter(states.values()))
+    optimizers = dict(list(states.items())[1:])
     progress = {"world_size": world_size, "iteration": iteration, "global_step": global_step}
     envs_seeded = resumption.envs_seeded + world_size * args.local_num_envs
-    header = checkpoint_files.header_of(
-        args, "training", model, **progress, restarts=resumption.restarts, envs_seeded=envs_seeded
+    counts = {"restarts": resumption.restarts, "envs_seeded": envs_seeded}
+    written = unwritable(path) or checkpoint_files.write(
+        path, args, model, optimizers, streams, **progress, **counts
     )
-    header["optimizers"] = optimizers
-    return path, write_checked(path, tensors, header)
+    return path, written
 
 
 def stop_if_unwritten(world: launching.World, name: str, path: str, problem: str, fix: str) -> None:
@@ -447,9 +438,8 @@ def last_good_checkpoint(run_name: str) -> str:
 # --- model files ----------------------------------------------------------------------------------
 def write_model(path: str, args, model: nn.Module) -> str:
     """The model file of --save-model: the Agent's weights and buffers, and what wrote them. Returns
-    '' once written, else why not (write_checked)."""
-    tensors = {f"model.{name}": tensor for name, tensor in model.state_dict().items()}
-    return write_checked(path, tensors, checkpoint_files.header_of(args, "model", model))
+    '' once written, else why not, in words that name the fix."""
+    return unwritable(path) or checkpoint_files.write(path, args, model)
 
 
 def read_model(path: str, args_type: type, env_id: str) -> tuple[dict, object]:
@@ -478,19 +468,16 @@ def read_model(path: str, args_type: type, env_id: str) -> tuple[dict, object]:
 
 
 # --- where files live, and what a file says of itself ---------------------------------------------
-def write_checked(path: str, tensors: dict[str, torch.Tensor], header: dict) -> str:
-    """checkpoint_files.write into `path`'s folder, made where missing and never through a link
-    (run_folders.folder_problem): '' once written, else why not, in words that name the fix."""
-    if problem := run_folders.folder_problem(os.path.dirname(path) or ".", make=True):
-        return f"could not write {path}: {problem}"
-    return checkpoint_files.write(path, tensors, header)
+def unwritable(path: str) -> str:
+    """Why no file can be written at `path` ('' if one can): its folder, made where missing, is
+    checked never to be reached through a link (run_folders.folder_problem)."""
+    problem = run_folders.folder_problem(os.path.dirname(path) or ".", make=True)
+    return f"could not write {path}: {problem}" if problem else ""
 
 
 def checkpoint_path(run_name: str, iteration: int) -> str:
     """Where runs/NAME's training checkpoint of `iteration` lives."""
-    return os.path.join(
-        "runs", run_name, "checkpoints", f"iter_{iteration:06d}{checkpoint_files.SUFFIX}"
-    )
+    return os.path.join("runs", run_name, "checkpoints", f"iter_{iteration:06d}.safetensors")
 
 
 def model_path(run_name: str) -> str:

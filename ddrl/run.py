@@ -105,7 +105,7 @@ class Run:
         rollout_bytes, sized_by = memory
         if problem := machine.memory_problem(rollout_bytes, sized_by, self.world.local_world_size):
             fail(problem)
-        name, self.resumption = checkpoints.find_run_to_resume(self.args, total_steps)
+        name, self.resumption = checkpoints.find_run_to_resume(self.args)
         envs_seeded = self.resumption.envs_seeded
         if seeds := checkpoints.env_seeds_problem(self.args, self.world_size, envs_seeded, name):
             fail(seeds)
