@@ -37,33 +37,30 @@ MAX_HEADER_BYTES = 16 * 2**20
 MAX_METADATA_CHARS = 2**20  # ddrl's JSON in it: args and optimizer options, a few KB at most
 # how deep ddrl's JSON nests: header, optimizers, one optimizer, its groups, a group, a tuple
 MAX_DEPTH = 8
+# torch's CPU generator state as torch.get_rng_state() returns it (at::CPUGeneratorImplState): the
+# fields ddrl checks, where the struct lays them out. torch's own set_state checks only its size,
+# `seeded`, and `left` and `next` one by one: it takes a key of zeros, a NaN cached, and a position
+# from which the next draw reads past the key.
+TORCH_STATE = np.dtype(
+    {
+        "names": "left seeded next key normal normal_valid float_normal float_valid".split(),
+        "formats": ["<i4", "<i4", "<u8", ("<u8", (624,)), "<f8", "<i4", "<f4", "u1"],
+        "offsets": [8, 12, 16, 24, 5024, 5040, 5048, 5052],
+        "itemsize": 5056,
+    }
+)
 RANDOM_STREAMS = {  # the tensors of every rank's random streams: name, dtype, shape after the ranks
     "rng.python": (torch.int64, (625,)),  # Python's Mersenne Twister: its 624 words and position
     "rng.python_gauss": (torch.float64, ()),  # its cached gaussian, NaN where none
     "rng.numpy": (torch.int64, (624,)),  # numpy's legacy generator: its key
     # its position, whether a gaussian is cached, that gaussian
     "rng.numpy_state": (torch.float64, (3,)),
-    "rng.torch": (torch.uint8, (5056,)),  # torch's CPU generator state (TORCH_FIELDS)
+    "rng.torch": (torch.uint8, (TORCH_STATE.itemsize,)),
 }
 MT_WORDS = 624  # a Mersenne Twister's key, 32-bit words; its position lies in [0, 624]
 # a gaussian a generator caches is below 12.1 in size (numpy's polar method on 53-bit uniforms;
 # Python's and torch's Box-Muller: 8.6): one beyond this no draw gave
 MAX_GAUSSIAN = 16.0
-# torch's CPU generator state (at::CPUGeneratorImplState, as torch.get_rng_state() returns it): by
-# byte offset, its `left` and `seeded` (int32), `next`, the key (624 uint64 words), the cached
-# normal (a double) and whether it is valid (int32), the cached float normal and whether it is
-# valid. torch's own set_state checks only the size, `seeded`, and `left` and `next` one by one: it
-# takes a key of zeros, a NaN cached, and a position from which its next draw reads past the key.
-TORCH_FIELDS = {
-    "left": (8, "<i4"),
-    "seeded": (12, "<i4"),
-    "next": (16, "<u8"),
-    "normal": (5024, "<f8"),
-    "normal_valid": (5040, "<i4"),
-    "float_normal": (5048, "<f4"),
-    "float_valid": (5052, "u1"),
-}
-TORCH_KEY_OFFSET = 24
 STREAM_ROWS = 256  # ranks' streams checked at once: memory bounded, whatever world a file claims
 
 
@@ -372,21 +369,17 @@ def stream_faults(rows: dict[str, np.ndarray]) -> list[tuple[np.ndarray, str]]:
 
 
 def torch_faults(states: np.ndarray) -> list[tuple[np.ndarray, str]]:
-    """stream_faults' of torch's CPU generator states (a row of its bytes a rank, TORCH_FIELDS):
+    """stream_faults' of torch's CPU generator states (a row of its bytes a rank, TORCH_STATE):
     its key as mersenne_faults checks it, a generator never seeded, a position past the key's end
     (`left` words to draw from `next` on: a seeded generator has left 1 and next 0, and from its
     first draw on left + next is 625), and cached normals no draw gives."""
-    fields = {
-        name: states[:, offset : offset + np.dtype(kind).itemsize].copy().view(kind)[:, 0]
-        for name, (offset, kind) in TORCH_FIELDS.items()
-    }
-    key = states[:, TORCH_KEY_OFFSET : TORCH_KEY_OFFSET + 8 * MT_WORDS].copy().view("<u8")
+    fields = states.view(TORCH_STATE)[:, 0]
     left = fields["left"].astype(np.int64)
     after = left + fields["next"].astype(np.float64)
     placed = (left >= 1) & (left <= MT_WORDS) & (fields["next"] <= MT_WORDS)
     faults = [(fields["seeded"] != 1, "torch's generator was never seeded")]
     faults.append((~(placed & (after <= MT_WORDS + 1)), "torch's position lies outside its key"))
-    faults += mersenne_faults("torch's", key, None)
+    faults += mersenne_faults("torch's", fields["key"], None)
     for cached, valid in (("normal", "normal_valid"), ("float_normal", "float_valid")):
         size = np.abs(fields[cached].astype(np.float64))
         wrong = ~np.isin(fields[valid], (0, 1)) | ((fields[valid] == 1) & ~(size <= MAX_GAUSSIAN))

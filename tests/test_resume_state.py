@@ -43,15 +43,11 @@ def resume_argv(checkpoint: dict, cwd: Path, *extra: str) -> list[str]:
 
 
 def torch_state(row: torch.Tensor, **fields: float) -> torch.Tensor:
-    """A copy of torch's CPU generator state `row` with the named fields (checkpoint_files.TORCH_FIELDS) set, or (`key`)
-    its 624 words."""
+    """A copy of torch's CPU generator state `row` with the named fields (checkpoint_files.TORCH_STATE) set: the key's
+    624 words to one value."""
     raw = row.numpy().copy()
     for name, value in fields.items():
-        offset, kind = (
-            (checkpoint_files.TORCH_KEY_OFFSET, "<u8") if name == "key" else checkpoint_files.TORCH_FIELDS[name]
-        )
-        count = checkpoint_files.MT_WORDS if name == "key" else 1
-        raw[offset : offset + np.dtype(kind).itemsize * count] = np.full(count, value, dtype=kind).view(np.uint8)
+        raw.view(checkpoint_files.TORCH_STATE)[name] = value
     return torch.from_numpy(raw)
 
 
@@ -154,11 +150,10 @@ def test_torch_generator_fields_are_where_ddrl_reads_them():
     generator = torch.Generator().manual_seed(7)
 
     def field(name: str) -> float:
-        offset, kind = checkpoint_files.TORCH_FIELDS[name]
-        return np.frombuffer(generator.get_state().numpy().tobytes(), kind, 1, offset)[0].item()
+        return generator.get_state().numpy().view(checkpoint_files.TORCH_STATE)[name][0].item()
 
-    assert (generator.get_state().numel(),) == checkpoint_files.RANDOM_STREAMS["rng.torch"][1]
-    key = np.frombuffer(generator.get_state().numpy().tobytes(), "<u8", checkpoint_files.MT_WORDS, 24)
+    assert generator.get_state().numel() == checkpoint_files.TORCH_STATE.itemsize
+    key = generator.get_state().numpy().view(checkpoint_files.TORCH_STATE)["key"][0]
     assert (field("left"), field("next"), field("seeded"), key[0]) == (1, 0, 1, 7)
     torch.rand(5, generator=generator)
     assert field("left") + field("next") == checkpoint_files.MT_WORDS + 1
