@@ -8,6 +8,7 @@ read, are checkpoint_files' (its write, read, misfits, load and random streams).
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import re
@@ -309,15 +310,11 @@ def optimizer_state(
 def optimizer_shapes(optimizer: torch.optim.Optimizer, name: str) -> dict[str, tuple]:
     """What this optimizer keeps per parameter, as the file names it (NAME.state.INDEX.KEY, INDEX
     as torch's state_dict numbers the parameters) with its (shape, dtype): found by one step of a
-    copy of it, with the same options, on zero gradients of parameters shaped like its own."""
-    groups = []
-    for group in optimizer.param_groups:
-        options = {key: value for key, value in group.items() if key != "params"}
-        parameters = [torch.zeros_like(p, requires_grad=True) for p in group["params"]]
-        for parameter in parameters:
+    copy of it (its parameters copied too) on zero gradients."""
+    probe = copy.deepcopy(optimizer)
+    for group in probe.param_groups:
+        for parameter in group["params"]:
             parameter.grad = torch.zeros_like(parameter)
-        groups.append({**options, "params": parameters})
-    probe = type(optimizer)(groups)
     probe.step()
     return {
         f"{name}.state.{index}.{key}": (tuple(value.shape), value.dtype)
