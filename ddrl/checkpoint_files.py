@@ -316,7 +316,9 @@ def check_random_streams(path: str, header: dict, found: dict) -> None:
     rank's random streams (Python's, numpy's, torch's, CUDA's where it has them) in the shapes its
     world gives, each a state its generator leaves: a key that is no zeros, a position within it, a
     cached gaussian that a draw gives. numpy resumed from a key of zeros would hang in its next
-    gaussian; a NaN cached would reach the first actions. Read STREAM_ROWS ranks at a time."""
+    gaussian; a NaN cached would reach the first actions. The generators' own setters take most of
+    these (numpy's any position, from which its next draw reads outside the key), so they are
+    checked here. Read STREAM_ROWS ranks at a time."""
     world_size = header["world_size"]
     wanted = {
         name: ((world_size, *shape), dtype) for name, (dtype, shape) in RANDOM_STREAMS.items()
