@@ -405,7 +405,7 @@ def save(
     progress = {"world_size": world_size, "iteration": iteration, "global_step": global_step}
     envs_seeded = resumption.envs_seeded + world_size * args.local_num_envs
     counts = {"restarts": resumption.restarts, "envs_seeded": envs_seeded}
-    written = unwritable(path) or checkpoint_files.write(
+    written = make_folder(path) or checkpoint_files.write(
         path, args, model, optimizers, streams, **progress, **counts
     )
     return path, written
@@ -436,7 +436,7 @@ def last_good_checkpoint(run_name: str) -> str:
 def write_model(path: str, args, model: nn.Module) -> str:
     """The model file of --save-model: the Agent's weights and buffers, and what wrote them. Returns
     '' once written, else why not, in words that name the fix."""
-    return unwritable(path) or checkpoint_files.write(path, args, model)
+    return make_folder(path) or checkpoint_files.write(path, args, model)
 
 
 def read_model(path: str, args_type: type, env_id: str) -> tuple[dict, object]:
@@ -465,9 +465,9 @@ def read_model(path: str, args_type: type, env_id: str) -> tuple[dict, object]:
 
 
 # --- where files live, and what a file says of itself ---------------------------------------------
-def unwritable(path: str) -> str:
-    """Why no file can be written at `path` ('' if one can): its folder, made where missing, is
-    checked never to be reached through a link (run_folders.folder_problem)."""
+def make_folder(path: str) -> str:
+    """Make `path`'s folder where missing, never through a link (run_folders.folder_problem): ''
+    once it is there, else why no file can be written at `path`."""
     problem = run_folders.folder_problem(os.path.dirname(path) or ".", make=True)
     return f"could not write {path}: {problem}" if problem else ""
 
