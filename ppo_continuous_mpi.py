@@ -544,6 +544,7 @@ def main(args: Args) -> Agent | None:
             update_time = time.perf_counter() - update_start
             # the observation statistics take this rollout in only now: the update saw it as it was
             agent.obs_rms.update(count[0], mean[:obs_dim], m2[:obs_dim])
+            rollout_agent.reread()  # views anew any tensor the update replaced
 
             # --- log, check, checkpoint, stop (SIGTERM or Ctrl-C on any rank stops every rank) ---
             totals = collectives.sum_over_ranks(

@@ -445,6 +445,7 @@ def main(args: Args) -> Agent | None:
                     lambda union, group: update(agent, optimizer, union, args, group), batch
                 )
             update_time = time.perf_counter() - update_start
+            rollout_agent.reread()  # views anew any tensor the update replaced
 
             # --- log, check, checkpoint, stop (SIGTERM or Ctrl-C on any rank stops every rank) ---
             totals = collectives.sum_over_ranks(

@@ -14,7 +14,8 @@ every flag
 - stopping, preemption, progress: SIGTERM and Ctrl-C, DD-PPO's cut of the slowest rollouts, the
 progress line
 - rollout: the rollout's Agent, derived from the script's Agent (numpy versions of its methods) and
-checked
+checked; tracing: the Agent's methods traced with torch.fx, as numpy programs; numpy_versions: the
+numpy versions of the layers, functions and distributions an Agent calls
 - one_learner: --sync gather, the script's own update run by rank 0 on the union of every rank's
 batch
 - evaluation: episodes played by the Agent, --eval-checkpoint

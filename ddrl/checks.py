@@ -23,10 +23,10 @@ def check_agreement(when: str, must_agree: str, **pairs: tuple[torch.Tensor, tor
             fail(
                 f"{when}, the rollout's {name} differ from the Agent's by up to {gap:.3g} "
                 f"(relative; tolerance {tolerance:g}): {must_agree} must compute the same "
-                "distribution and value. The rollout is derived from the Agent, so either a numpy "
-                "version in ddrl/rollout.py computes something else (--no-numpy-rollout runs the "
-                "Agent's own code) or the Agent's numbers are not finite or not a function of its "
-                "inputs alone"
+                "distribution and value. The rollout is derived from the Agent, so either a "
+                "numpy version in ddrl/numpy_versions.py computes something else "
+                "(--no-numpy-rollout runs the Agent's own code) or the Agent's numbers are not "
+                "finite or not a function of its inputs alone"
             )
 
 

@@ -510,5 +510,5 @@ def test_one_iteration_reaches_what_the_algorithm_needs_of_the_package(script):
     """What an iteration runs of the package is the algorithm's: the rollout's Agent is derived before the loop, and
     the checks that can run once run at start (docs/design.md, "Budgets")."""
     reached = package_reached_in_one_iteration(script)
-    derivation = {"rollout.derive", "rollout.trace", "rollout.program", "rollout.traced"}
+    derivation = {"rollout.derive", "rollout.traced", "tracing.trace", "tracing.numpy_program"}
     assert not derivation & set(reached), f"{script}'s loop derives the rollout: {sorted(derivation & set(reached))}"

@@ -100,12 +100,12 @@ SLOWER_EDITS = {
             ),
             (SAMPLE_AND_RETURN, SAMPLE_AND_RETURN.replace(".sum(1)", "")),
         ],
-        "the distribution MultivariateNormal has no numpy version in ddrl/rollout.py; with a diagonal covariance, "
-        "Independent(Normal(loc, scale), 1) is the same distribution and has one",
+        "the distribution MultivariateNormal has no numpy version in ddrl/numpy_versions.py; with a diagonal "
+        "covariance, Independent(Normal(loc, scale), 1) is the same distribution and has one",
     ),
     "an exact GELU": (
         [(ACTOR_HIDDEN, ACTOR_HIDDEN.replace("nn.Tanh()", "nn.GELU()", 1))],
-        'the layer GELU (actor_mean.1) has no numpy version in ddrl/rollout.py; nn.GELU(approximate="tanh"), '
+        'the layer GELU (actor_mean.1) has no numpy version in ddrl/numpy_versions.py; nn.GELU(approximate="tanh"), '
         "its tanh approximation, has one",
     ),
     "a transform of a buffer without a numpy version": (
@@ -118,7 +118,7 @@ SLOWER_EDITS = {
             ),
             (SAMPLE_AND_RETURN, TRANSFORMED_RETURN),
         ],
-        "the transform CumulativeDistributionTransform has no numpy version in ddrl/rollout.py",
+        "the transform CumulativeDistributionTransform has no numpy version in ddrl/numpy_versions.py",
     ),
     "a tensor method": (
         [
@@ -128,11 +128,12 @@ SLOWER_EDITS = {
                 "        action_mean = action_mean - action_mean.max(1, keepdim=True)[0]\n",
             )
         ],
-        "the tensor method .max() has no numpy version in ddrl/rollout.py; .amax(dim) has one (the maxima alone)",
+        "the tensor method .max() has no numpy version in ddrl/numpy_versions.py; .amax(dim) has one "
+        "(the maxima alone)",
     ),
     "a method the numpy distribution lacks": (
         [(SAMPLE_AND_RETURN, SAMPLE_AND_RETURN.replace("probs.log_prob(action)", "probs.cdf(action).log()"))],
-        "the method Normal.cdf() has no numpy version in ddrl/rollout.py",
+        "the method Normal.cdf() has no numpy version in ddrl/numpy_versions.py",
     ),
 }
 
@@ -198,8 +199,8 @@ def test_the_mode_of_a_written_out_rescale_is_the_rescaled_tanh_of_the_mean(tmp_
 def test_a_rollout_derived_once_follows_the_weights_as_training_changes_them(tmp_path):
     """The scripts derive the rollout's Agent once, before the loop: after a fused Adam step and a statistics update
     (RunningMeanStd.update's copy_ and +=), as an iteration makes them, and again after a parameter's data and a
-    buffer are put in another's place once the rollout's batch was checked, it gives the Agent's log-probabilities and
-    values at the new weights."""
+    buffer are put in another's place and the rollout's Agent rereads them (as the scripts call it where their update
+    ends), it gives the Agent's log-probabilities and values at the new weights."""
     agent, envs = edited_agent(tmp_path, [])
     space = envs.single_observation_space
     cpu = torch.device("cpu")
@@ -231,6 +232,7 @@ def test_a_rollout_derived_once_follows_the_weights_as_training_changes_them(tmp
     rollout.check(agent, trained, "after the rollout", acting.kind)  # as every iteration does, before its update
     agent.actor_logstd.data = torch.full_like(agent.actor_logstd, -0.5)
     agent.obs_rms.shift = agent.obs_rms.shift + 0.5
+    acting.reread()  # as the scripts call it where their update ends
     follows(trained)
     envs.close()
 
