@@ -104,8 +104,8 @@ def traced(agent: nn.Module, example: np.ndarray, numpy_layers: bool) -> dict:
     if numpy_layers and "reason" not in found:
         state = np.random.get_state()  # the trial's draws leave the rank's stream as it was
         try:
-            modules = [tracing.numpy_program(*trace)[1] for trace in found.values()]
-            for module in modules:
+            programs = [tracing.numpy_program(*trace) for trace in found.values()]
+            for _, module, _ in programs:  # each node's numpy version, named where it fails
                 tracing.Trial(module).run(example)
         except NoNumpyVersion as error:
             found["reason"] = str(error)
