@@ -464,7 +464,9 @@ def main(args: Args) -> Agent | None:
         if args.compile and machine.can_compile(device):  # the update's calls, not the acting
             model.compile(fullgraph=True, dynamic=args.preempt_fraction > 0)
         if run.world_size > 1:  # buffers stay each rank's: the sync check finds a per-rank one
-            model = DDP(model, device_ids=[device.index] if gpu else None, broadcast_buffers=False)
+            model = DDP(
+                model, device_ids=[device.index] if gpu else None, **collectives.KEEP_BUFFERS
+            )
         rank_seed = args.seed + 10_000 * run.rank  # SpinningUp's stride: nearby seeds never collide
         random.seed(rank_seed)
         np.random.seed(rank_seed)

@@ -4,6 +4,7 @@ through a shared-memory segment where every rank is on one node, else through to
 (launching.join_process_group decides). Every function does nothing, or the obvious, in a world of
 one."""
 
+import inspect
 import mmap
 import os
 import platform
@@ -15,8 +16,15 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel
 
 Group = dist.ProcessGroup | None  # None: the world
+# DDP's keyword that keeps each rank's buffers its own after the start, as torch names it (2.13 on)
+KEEP_BUFFERS = (
+    {"forward_sync_buffers": False}
+    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
+    else {"broadcast_buffers": False}
+)
 
 SLOT_BYTES = 2**20  # a rank's slot for one collective's input; what does not fit goes through gloo
 SEGMENT_SLOTS_BYTES = 2**25  # all slots together at most: past 16 ranks each slot is smaller

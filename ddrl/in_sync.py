@@ -34,7 +34,12 @@ def check_in_sync(iteration: int, unit: str, frame, args, device: torch.device) 
     alike = same.all(0).tolist()
     names = [name for name, _ in checked + gradients]
     differing = [names[i] for i in range(len(checked)) if not alike[i]]
-    unaveraged = [names[i] for i in range(len(checked), len(names)) if not alike[i]]
+    # a gradient tells only where every rank holds one (under --sync gather rank 0 alone does)
+    held = table.ne(0).all(0).tolist()
+    gradients_apart = [
+        names[i] for i in range(len(checked), len(names)) if held[i] and not alike[i]
+    ]
+    unaveraged = [name for name in gradients_apart if name in differing]
     averaged = [name for name in differing if state.gradients.get(name) is not None]
     shown_names = ", ".join(differing[:4]) + (
         f" and {len(differing) - 4} more" if len(differing) > 4 else ""

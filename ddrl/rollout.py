@@ -190,11 +190,11 @@ def example_observations(observation_space, count: int) -> np.ndarray:
 def check(agent: nn.Module, batch: dict, when: str, kind: str, rows: int = PROBE_SAMPLES) -> None:
     """Stop every rank unless Agent.get_action_and_value, scoring `batch`'s first `rows`
     observations and actions, gives the log-probabilities and values the rollout (`kind`) recorded
-    for them."""
+    for them (`agent` may be any object with that method: a recurrent Agent's, its state bound)."""
     obs = in_agents_dtype(agent, batch["obs"][:rows])
     actions = in_agents_dtype(agent, batch["actions"][:rows])
     with torch.no_grad():
-        _, log_prob, _, value = agent.get_action_and_value(obs, actions)
+        _, log_prob, _, value = agent.get_action_and_value(obs, action=actions)
     pairs = {
         "log-probabilities": (log_prob, batch["log_probs"][:rows]),
         "values": (value.reshape(-1), batch["values"][:rows]),
@@ -204,9 +204,12 @@ def check(agent: nn.Module, batch: dict, when: str, kind: str, rows: int = PROBE
 
 def in_agents_dtype(agent: nn.Module, tensor: torch.Tensor) -> torch.Tensor:
     """Floating `tensor` (float32 rows of the rollout's numpy storage) in the floating dtype of the
-    Agent's parameters, which may be float64; frames and discrete actions as they are."""
-    dtype = next(agent.parameters()).dtype
-    return tensor.to(dtype) if tensor.is_floating_point() and dtype.is_floating_point else tensor
+    Agent's parameters, which may be float64; frames, discrete actions, and rows for anything but a
+    module, as they are."""
+    parameter = next(agent.parameters(), None) if isinstance(agent, nn.Module) else None
+    if parameter is None or not tensor.is_floating_point() or not parameter.is_floating_point():
+        return tensor
+    return tensor.to(parameter.dtype)
 
 
 def addresses(views: list[tuple]) -> list[int]:

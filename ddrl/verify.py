@@ -23,6 +23,7 @@ import json
 import math
 import multiprocessing
 import os
+import re
 import signal
 import socket
 import sys
@@ -58,7 +59,7 @@ SMALL = {  # flags every run takes, where the script has them
     "env_threads": 1,
     "env_groups": 1,  # one acting call a step, as the one-rank run makes
     "numpy_rollout": False,  # actions drawn through torch.distributions, which verify replays
-    "num_minibatches": 4,
+    "num_minibatches": 2,  # no more than an env per rank: a recurrent copy's minibatch holds envs
     "update_epochs": 2,
     "num_steps": 16,  # an iteration's steps per env (the PPO scripts)
     "steps_per_epoch": 64,  # an iteration's steps over all ranks and envs (VPG)
@@ -106,9 +107,10 @@ def verified(script: Path, folder: Path, import_seconds: float, start: float) ->
         work = folder / precision
         work.mkdir()
         problem, raised = run_phases(script, work, setup, precision)
-        if not raised or precision == "float32":
+        # float32 tensors of the copy's own met float64 ones: float32 then
+        if precision == "float32" or not re.search(r"dtype|Double|Float|scalar type", raised):
             break
-        fallback = raised  # float32 tensors of its own meet float64 ones: float32 then
+        fallback = raised
     tolerance = TOLERANCES[precision]
     message, worst = judged(work, setup["modes"], tolerance, precision)
     if problem or message:
@@ -271,7 +273,7 @@ def run_phases(script: Path, work: Path, setup: dict, precision: str) -> tuple[s
     flags = setup["flags"]
     wide = flags | {"local_num_envs": 2 * flags["local_num_envs"]}
     phases = [[("allreduce", 2, flags)], [("reference", 1, wide)]]
-    phases[1] += [("gather", 2, flags)] if "gather" in setup["modes"] else []
+    phases[1] += [("gather", 2, flags | {"sync": "gather"})] if "gather" in setup["modes"] else []
     for phase in phases:
         started = [(role, start_ranks(script, work, role, ranks, precision, flags)) for role, ranks,
                    flags in phase]  # fmt: skip
@@ -354,7 +356,7 @@ def stopped(processes: list, work: Path, role: str) -> str:
                               "verify records the state after each iteration"))  # fmt: skip
     reached = [i for i in range(1, ITERATIONS) if file_of(work, role, 0, i).exists()]
     cause = min(causes)[1] if causes else "a rank was stopped"
-    return f"{name} stopped in iteration {len(reached) + 1}: {cause}"
+    return f"{name} stopped before iteration {len(reached) + 1} ended: {cause}"
 
 
 def ended(exitcode: int) -> str:
@@ -378,25 +380,21 @@ def judged(work: Path, modes: list[str], tolerance: float, precision: str) -> tu
             ranks = [read_record(work, mode, rank, iteration) for rank in (0, 1)]
             if reference is None or None in ranks:
                 return "", worst
-            where = f"at two ranks ({mode}), iteration {iteration}"
-            gaps = reference["meta"]["batch"].items() if mode == "allreduce" else []
-            for key, (gap, rank) in gaps:
-                if gap > BATCH_TOLERANCE:
-                    return (
-                        f"{where}: rank {rank}'s batch holds {key} up to {gap:.3g} (relative) away "
-                        f"from the one-rank run's for the same observations and actions: computed "
-                        f"from that rank's data alone, not the world's; {SEE}"
-                    ), worst
-            problem, gap = compared(reference, ranks, tolerance, mode)
+            problem, gap = compared(reference, ranks, tolerance, mode, precision)
             worst = max(worst, gap)
             if problem:
-                return f"{where}: {problem} (tolerance {tolerance:g} in {precision}); {SEE}", worst
+                where = f"at two ranks ({mode}), iteration {iteration}"
+                return f"{where}: {problem}; {SEE}", worst
     return "", worst
 
 
-def compared(reference: dict, ranks: list[dict], tolerance: float, mode: str) -> tuple[str, float]:
-    """What first differs (the ranks' args between them, each rank's numbers, then its tensors
-    against the one-rank run's) in a clause ('' if nothing), and the largest tensor gap."""
+def compared(
+    reference: dict, ranks: list[dict], tolerance: float, mode: str, precision: str
+) -> tuple[str, float]:
+    """What first differs, in a clause ('' if nothing), and the largest tensor gap: the ranks' args
+    between them; then against the one-rank run's, each rank's numbers, the tensors no gradient
+    moves (statistics), the batch (the allreduce ranks' union), the parameters and the
+    optimizers' state."""
     numbers = [rank["meta"]["numbers"] for rank in ranks]
     for name in numbers[0]:
         if name.startswith("args.") and not alike(numbers[1].get(name), numbers[0][name], 0):
@@ -407,45 +405,51 @@ def compared(reference: dict, ranks: list[dict], tolerance: float, mode: str) ->
     ours = reference["meta"]["numbers"]
     for rank, theirs in enumerate(numbers):
         for name in [*ours, *(name for name in theirs if name not in ours)]:
-            if not name.startswith("args.") and not alike(
-                theirs.get(name), ours.get(name), tolerance
-            ):
-                cause = ONE_MODEL if "'s " in name else "computed from that rank's data alone"
-                return (
-                    f"rank {rank}'s {name} is {shown_value(theirs.get(name))}, where the one-rank "
-                    f"run's is {shown_value(ours.get(name))}: {cause}"
-                ), 0.0
-    worst = 0.0
+            if name.startswith("args.") or alike(theirs.get(name), ours.get(name), tolerance):
+                continue
+            cause = ONE_MODEL if "'s " in name else "computed from that rank's data alone"
+            return (
+                f"rank {rank}'s {name} is {shown_value(theirs.get(name))}, where the one-rank "
+                f"run's is {shown_value(ours.get(name))}: {cause}"
+            ), 0.0
     count = len(reference["meta"]["names"])
+    gaps = []  # each rank's: key -> gap
     for rank, record in enumerate(ranks):
         if len(record["meta"]["names"]) != count:
             return (
                 f"rank {rank} holds {len(record['meta']['names'])} parameters and buffers, where "
                 f"the one-rank run holds {count}: every rank makes the same modules"
-            ), worst
-        keys = [f"state.{i}" for i in range(count)]
+            ), 0.0
         # an optimizer's state where this rank stepped it (under --sync gather rank 0 alone does)
         stepped = record["meta"]["stepped"]
-        keys += [
-            key
-            for key in reference
-            if key.startswith("optimizer.") and stepped[int(key.split(".")[1])]
-        ]
-        gaps = {key: gap(record.get(key), reference[key]) for key in keys}
-        worst = max([worst, *(value for value in gaps.values() if value < math.inf)])
-        # the parameters and buffers first: an optimizer's state follows from them
-        bad = sorted(
-            (key[0] != "s", -value, key) for key, value in gaps.items() if value > tolerance
-        )
-        if bad:
-            said = ", ".join(thing_named(key, record, reference) for *_, key in bad[:3])
-            more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
-            verb = "differs" if len(bad) == 1 else "differ"
-            largest = max(gaps[key] for *_, key in bad)
-            return (
-                f"rank {rank}'s {said}{more} {verb} from the one-rank run's on the union by up to "
-                f"{largest:.3g}: {cause_of([key for *_, key in bad], ranks, mode)}"
-            ), worst
+        held = [key for key in reference if key.startswith("optimizer.")]
+        keys = [f"state.{i}" for i in range(count)]
+        keys += [key for key in held if stepped[int(key.split(".")[1])]]
+        gaps.append({key: gap(record.get(key), reference[key]) for key in keys})
+    worst = max(value for found in gaps for value in [0.0, *found.values()] if value < math.inf)
+    moved = {f"state.{key.split('.')[1]}" for key in reference if key.startswith("gradient.")}
+    for statistics in (True, False):
+        for rank, found in enumerate(gaps):
+            bad = [key for key, value in found.items() if value > tolerance]
+            bad = [
+                key for key in bad if (key.startswith("state.") and key not in moved) is statistics
+            ]
+            bad.sort(key=lambda key: (key[0] != "s", -found[key]))  # parameters, then their state
+            if bad:
+                said = ", ".join(thing_named(key, ranks[rank], reference) for key in bad[:3])
+                more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
+                return (
+                    f"rank {rank}'s {said}{more} {'differs' if len(bad) == 1 else 'differ'} from "
+                    f"the one-rank run's on the union by up to {max(found[k] for k in bad):.3g} "
+                    f"(tolerance {tolerance:g} in {precision}): {cause_of(bad, ranks, mode)}"
+                ), worst
+        for key, (value, rank) in reference["meta"]["batch"].items() if mode == "allreduce" else []:
+            if statistics and value > BATCH_TOLERANCE:
+                return (
+                    f"rank {rank}'s batch holds {key} up to {value:.3g} (relative) away from the "
+                    f"one-rank run's for the same observations and actions (tolerance "
+                    f"{BATCH_TOLERANCE:g}): computed from that rank's data alone, not the world's"
+                ), worst
     return "", worst
 
 

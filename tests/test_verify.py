@@ -103,4 +103,6 @@ def test_a_worker_killed_by_a_signal_is_named_in_one_line(tmp_path):
     result = verify(edited_copy(tmp_path, "vpg_mpi.py", RANK_1_KILLED))
     assert result.returncode == 1 and result.stdout == "", (result.returncode, result.stdout)
     [line] = result.stderr.splitlines()
-    assert line == ("verify: the two-rank run (allreduce) stopped in iteration 1: rank 1 was killed by SIGKILL")
+    assert line == (
+        "verify: the two-rank run (allreduce) stopped before iteration 1 ended: rank 1 was killed by SIGKILL"
+    )
