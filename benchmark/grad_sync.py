@@ -186,16 +186,14 @@ def measure_model(name: str, args: Args, rank: int) -> list[dict]:
             label = method + ", MPI" * mpi
             times = []
             if routed:  # the MPI row: the scripts' CPU collectives through MPI, as --collectives mpi routes them
-                collectives.MPIWorld.mpi = MPI if mpi else None
-                collectives.MPIWorld.comm = MPI.COMM_WORLD if mpi else None
+                collectives.carry_with(collectives.MPICommWorld(MPI) if mpi else None)
             checks[label] = gather_works() if method == "gather+broadcast" else averages(function)
             for _ in range(repeats):
                 restore()  # keep the gradients' values bounded and realistic between repetitions
                 times.append(timed(function, mpi))
             what = "the same through MPI (mpi4py, in place on numpy views), as --collectives mpi" if mpi else what
             rows.append({"method": label, "what": what, **summary(times[args.warmup :])})
-        collectives.MPIWorld.mpi = None
-        collectives.MPIWorld.comm = None
+        collectives.carry_with(None)
     # DDP: forward+backward with and without it, interleaved so that both see the same machine
     pairs = [(timed(lambda: backward(module, inputs)), timed(lambda: backward(ddp, inputs))) for _ in range(repeats)]
     plain = summary([pair[0] for pair in pairs[args.warmup :]])

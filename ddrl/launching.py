@@ -19,7 +19,7 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
-from ddrl import collectives, failures, machine
+from ddrl import collectives, failures, machine, shared_memory
 from ddrl.failures import fail, shown
 
 LAUNCHER_VARIABLES = (
@@ -182,16 +182,11 @@ def join_process_group(args, world: World) -> str:
     world.cores = machine.idle_cores(world.local_world_size)
     # a GPU run computes on its GPU: one torch thread per rank leaves the cores to the envs
     torch.set_num_threads(args.torch_threads or (1 if world.device.type == "cuda" else world.cores))
+    under_torchrun = "TORCHELASTIC_RUN_ID" in os.environ
     choice = args.collectives  # MPI if --collectives and the launch allow
-    collectives.MPIWorld.mpi = None
-    collectives.MPIWorld.comm = None
-    collectives.leave_shared_memory()
+    collectives.carry_with(None)
     try:
-        if (
-            choice in ("torch", "shm")
-            or "TORCHELASTIC_RUN_ID" in os.environ
-            or MPI_VARIABLES.isdisjoint(os.environ)
-        ):
+        if choice in ("torch", "shm") or under_torchrun or MPI_VARIABLES.isdisjoint(os.environ):
             raise ImportError("no MPI launch")
         from mpi4py import MPI
     except ImportError as error:
@@ -210,8 +205,7 @@ def join_process_group(args, world: World) -> str:
             f"{world.rank} of {world.world_size}: install mpi4py for the MPI whose mpirun you use, "
             "or pass --collectives torch"
         )
-    collectives.MPIWorld.mpi = MPI
-    collectives.MPIWorld.comm = comm
+    collectives.carry_with(collectives.MPICommWorld(MPI))
     world.collectives = f"MPI ({MPI.Get_library_version().split(',')[0].strip()})"
     return world.collectives
 
@@ -228,10 +222,11 @@ def shared_memory_or_gloo(args, world: World) -> str:
         problem = f"carries a CPU run's collectives, where this one computes on {world.device}"
     else:
         wanted = args.collectives != "torch"
-        problem = collectives.join_shared_memory(
-            world.store, world.rank, world.world_size, wanted, args.dist_timeout
+        segment, problem = shared_memory.join(
+            world.rank, world.world_size, wanted, args.dist_timeout
         )
     if not problem:
+        collectives.carry_with(segment)
         return f"shared memory + {dist.get_backend()}"
     if args.collectives == "shm":
         fail(f"--collectives shm {problem}; pass --collectives auto, which falls back to gloo")
