@@ -40,9 +40,6 @@ from ddrl import (
 )
 from ddrl.failures import NonFiniteError, fail
 
-# words of the errors a lost or stalled peer raises in a collective
-LOST_PEER = ("gloo", "NCCL", "Connection closed", "Connection reset", "Timed out", "timed out")
-
 
 @dataclass
 class Run:
@@ -109,14 +106,17 @@ class Run:
         envs_seeded = self.resumption.envs_seeded
         if seeds := checkpoints.env_seeds_problem(self.args, self.world_size, envs_seeded, name):
             fail(seeds)
-        launching.join_process_group(self.args, self.world)
-        resumed_iteration = self.resumption.iteration
-        in_sync.check_same_command(self.script, self.args, resumed_iteration, self.device)
-        # rank 0 finds every path the run writes in its folder fit (no link) before the first
-        # iteration, and tells every rank
-        resumed = self.resumption.header is not None or launching.restart_count() > 0
-        device = self.device
-        self.folder = run_folders.create_run_folder(self.args, name, self.rank, device, resumed)
+        try:  # the set-up's collectives: a peer lost in them ends every rank as in training
+            launching.join_process_group(self.args, self.world)
+            resumed_iteration = self.resumption.iteration
+            in_sync.check_same_command(self.script, self.args, resumed_iteration, self.device)
+            # rank 0 finds every path the run writes in its folder fit (no link) before the first
+            # iteration, and tells every rank
+            resumed = self.resumption.header is not None or launching.restart_count() > 0
+            device = self.device
+            self.folder = run_folders.create_run_folder(self.args, name, self.rank, device, resumed)
+        except RuntimeError as error:
+            self.stop_on_error(error, "")
         if self.rank == 0:
             lines = [f"{'':18}{'per rank':>12}{'world':>12}"]
             lines += [f"{row:18}{local!s:>12}{world!s:>12}" for row, local, world in batch_table]
@@ -175,11 +175,11 @@ class Run:
             unit = self.progress.unit
             in_sync.check_in_sync(iteration, unit, main, self.args, self.device)
 
-    def checkpoint_due(self, iteration: int, stopping: bool) -> bool:
+    def checkpoint_due(self, iteration: int, stop_after: bool) -> bool:
         """Whether this iteration ends with a checkpoint: every --checkpoint-every iterations, and
-        when stopping."""
+        when every rank stops after it (`stop_after`)."""
         every = self.args.checkpoint_every
-        return stopping or bool(every and iteration % every == 0)
+        return stop_after or bool(every and iteration % every == 0)
 
     def checkpoint(self, iteration: int, global_step: int, **states) -> None:
         """Write the checkpoint of `iteration` (rank 0, atomically; every rank's random streams in
@@ -236,8 +236,9 @@ class Run:
 
     def stop_on_error(self, error: Exception, nonfinite_fix: str) -> NoReturn:
         """End training on an error every rank met alike, in one line: a non-finite loss or gradient
-        (no rank applied that step; `nonfinite_fix` says what to try) or a lost peer (each rank says
-        so). Anything else is a bug: raised as is."""
+        (no rank applied that step; `nonfinite_fix` says what to try) or a lost peer, which a
+        collective or the store raised (each rank says so). Anything else is a bug: raised as
+        is."""
         unit = self.progress.unit
         iteration = self.progress.iteration + 1
         if isinstance(error, NonFiniteError):
@@ -246,18 +247,19 @@ class Run:
                 f"applying that step, earlier steps of the {unit} stand "
                 f"({checkpoints.last_good_checkpoint(self.name)}); {nonfinite_fix}, then --resume"
             )
-        lost = isinstance(error, dist.DistError) or any(word in str(error) for word in LOST_PEER)
-        if not lost:
+        # gloo's own errors (DDP's backward, the last barrier) are bare RuntimeErrors from its
+        # transport; ddrl's collectives and the store raise torch.distributed's DistError
+        if not (isinstance(error, dist.DistError) or "gloo/transport/" in str(error)):
             raise error
         reason = re.sub(
             r"^\[[^\]]*\]\s*", "", (str(error) or type(error).__name__).splitlines()[0]
         ).split(". ")[0]
-        fail(
+        then = f"resume with --resume --run-name {self.name}" if self.name else "launch it again"
+        message = (
             f"lost contact with another rank ({reason}): it died, or stalled longer than "
-            f"--dist-timeout {self.args.dist_timeout:g} s; see its log, then resume with --resume "
-            f"--run-name {self.name}",
-            every_rank=True,
+            f"--dist-timeout {self.args.dist_timeout:g} s; see its log, then {then}"
         )
+        fail(message + ("" if self.name else ": nothing was written"), every_rank=True)
 
 
 def launch(args, unit: str = "iteration") -> Run:

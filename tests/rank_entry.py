@@ -4,7 +4,9 @@ Usage (under torchrun or mpirun): rank_entry.py SCRIPT.py [script flags...]. Tes
 rank ends training with the same weights. With DDRL_TEST_KILL=RANK:ITERATION in the environment, that
 rank of the launch's first attempt kills itself (SIGKILL) once the checkpoint of that iteration is
 written: a worker that dies at a moment a test can count on (its peers meet the death in their next
-collective).
+collective). With DDRL_TEST_JOIN_SIGNAL=RANK:SIGNAL (a name, SIGKILL), that rank sends itself that signal once it
+has mapped the shared-memory segment, in the join, having written to ./maps{RANK}.txt the lines of its memory map
+that name the segment.
 """
 
 import importlib
@@ -35,10 +37,32 @@ def die_at(rank: int, iteration: int) -> None:
     ddrl.run.Run.checkpoint = checkpoint_then_die
 
 
+def signal_in_join(rank: int, name: str) -> None:
+    """Make this process send itself signal `name` once it has mapped the shared-memory segment (rank 0 made it,
+    another rank opened it), if it is `rank`, after writing the lines of /proc/self/maps that name the segment."""
+    from ddrl import shared_memory
+
+    if int(os.environ["RANK"]) != rank:
+        return
+    mapping = shared_memory.make_segment if rank == 0 else shared_memory.open_segment
+
+    def map_then_signal(*arguments):
+        mapped = mapping(*arguments)
+        with open(f"maps{rank}.txt", "w") as maps:
+            maps.writelines(line for line in open("/proc/self/maps") if "ddrl-" in line)
+        os.kill(os.getpid(), getattr(signal, name))
+        return mapped
+
+    setattr(shared_memory, mapping.__name__, map_then_signal)
+
+
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     if "DDRL_TEST_KILL" in os.environ:
         die_at(*(int(part) for part in os.environ["DDRL_TEST_KILL"].split(":")))
+    if "DDRL_TEST_JOIN_SIGNAL" in os.environ:
+        rank, name = os.environ["DDRL_TEST_JOIN_SIGNAL"].split(":")
+        signal_in_join(int(rank), name)
     module = importlib.import_module(Path(sys.argv[1]).stem)
     agent = module.main(tyro.cli(module.Args, args=sys.argv[2:]))
     torch.save(agent.state_dict(), f"rank{os.environ['RANK']}.pt")

@@ -14,6 +14,7 @@ import torch.distributed as dist
 import vpg_mpi
 from ddrl import collectives, launching, shared_memory
 from tests.helpers import (
+    RANK_ENTRY,
     ROOT,
     assert_ok,
     assert_same_parameters,
@@ -173,6 +174,43 @@ def test_a_killed_rank_ends_every_other_rank_in_one_line_at_once(tmp_path):
             f"{VPG}: error: rank {rank}: lost contact with another rank (rank 1 exited during a shared-memory "
             "collective): it died, or stalled longer than --dist-timeout 1800 s"
         ), message
+
+
+@pytest.mark.parametrize(
+    "signalled, name", [(0, "SIGKILL"), (0, "SIGINT"), (1, "SIGKILL")], ids=["rank 0 killed", "Ctrl-C", "rank 1 killed"]
+)
+def test_a_rank_killed_or_interrupted_in_the_join_leaves_no_segment_and_one_line_per_rank(signalled, name, tmp_path):
+    """A rank killed (or given Ctrl-C) right after it mapped the segment, in the join, before training: nothing of
+    the segment stays in /dev/shm (what the signalled rank had mapped there is gone once the ranks are), the
+    survivor ends in the one lost-contact line, and no rank prints a traceback."""
+    port = str(free_port())
+    flags = [VPG, "--env-id", "CartPole-v1", "--steps-per-epoch", "200", "--total-timesteps", "400"]
+    ranks = []
+    for rank in range(2):
+        env = {"RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+        env["DDRL_TEST_JOIN_SIGNAL"] = f"{signalled}:{name}"
+        ranks.append(start_python(RANK_ENTRY, flags, tmp_path, f"rank{rank}", **env))
+    try:
+        results = [finish_python(process, 120) for process in ranks]
+    finally:
+        for process in ranks:
+            process.kill()
+            process.join()
+    mapped = (tmp_path / f"maps{signalled}.txt").read_text().splitlines()
+    assert mapped, "the signalled rank had mapped no segment"  # it was signalled where the test means
+    paths = [line.split(maxsplit=5)[5] for line in mapped]
+    assert not [path for path in paths if path.startswith("/dev/shm/") and os.path.exists(path)], paths
+    survivor = 1 - signalled
+    assert all("Traceback" not in result.stderr for result in results), [result.stderr for result in results]
+    assert results[survivor].returncode == 2 and not progress_lines(results[0].stdout)
+    [message] = [line for line in results[survivor].stderr.splitlines() if ": error: " in line]
+    assert message.startswith(f"{VPG}: error: rank {survivor}: lost contact with another rank ("), message
+    assert message.endswith("; see its log, then launch it again: nothing was written"), message
+    if name == "SIGINT":
+        assert results[signalled].returncode == 130
+        assert results[signalled].stderr == f"{VPG}: stopped by Ctrl-C before training began; nothing was written\n"
+    else:
+        assert results[signalled].returncode == -signal.SIGKILL
 
 
 def test_collectives_shm_is_refused_where_no_segment_can_carry_them(monkeypatch, capsys):
