@@ -5,6 +5,7 @@ rank learns of the world is its `World`."""
 
 import importlib.util
 import os
+import select
 import shutil
 import signal
 import socket
@@ -55,6 +56,7 @@ class World:
     # the process group's key-value store (checkpoints and rollout preemption use it)
     store: dist.Store | None = None
     collectives: str = ""  # what carries the CPU collectives, for the batch table
+    agent: int = -1  # a pidfd of the torchrun agent that started this rank (-1: none)
 
 
 def relaunch_as_ranks(args, script: str) -> NoReturn:
@@ -182,7 +184,8 @@ def join_process_group(args, world: World) -> str:
     world.cores = machine.idle_cores(world.local_world_size)
     # a GPU run computes on its GPU: one torch thread per rank leaves the cores to the envs
     torch.set_num_threads(args.torch_threads or (1 if world.device.type == "cuda" else world.cores))
-    under_torchrun = "TORCHELASTIC_RUN_ID" in os.environ
+    under_torchrun = "TORCHELASTIC_RUN_ID" in os.environ  # its agent is this rank's parent
+    world.agent = os.pidfd_open(os.getppid()) if under_torchrun else -1
     choice = args.collectives  # MPI if --collectives and the launch allow
     collectives.carry_with(None)
     try:
@@ -231,6 +234,12 @@ def shared_memory_or_gloo(args, world: World) -> str:
     if args.collectives == "shm":
         fail(f"--collectives shm {problem}; pass --collectives auto, which falls back to gloo")
     return f"torch {dist.get_backend()}"
+
+
+def agent_exited(world: World) -> bool:
+    """Whether the torchrun agent that started this rank has exited (killed, or failed): nothing
+    supervises the launch any more, and the store it served went with it."""
+    return world.agent >= 0 and bool(select.select([world.agent], [], [], 0)[0])
 
 
 def check_master_address() -> None:

@@ -149,7 +149,9 @@ class Run:
         """Rank 0: the episodes that ended on any rank (`totals`: episodes, episode_return,
         episode_length, summed over ranks), SPS and `scalars` to TensorBoard at `global_step`, and
         the progress line; an output closed under it (`| head`) ends the run as a stop request
-        would, with a checkpoint."""
+        would, with a checkpoint. A rank whose torchrun agent exited stops here, at once."""
+        if launching.agent_exited(self.world):
+            self.stop_on_error(dist.DistError("the torchrun agent exited"), "")
         printed = progress.log_iteration(
             self.progress,
             iteration,
@@ -237,8 +239,9 @@ class Run:
     def stop_on_error(self, error: Exception, nonfinite_fix: str) -> NoReturn:
         """End training on an error every rank met alike, in one line: a non-finite loss or gradient
         (no rank applied that step; `nonfinite_fix` says what to try) or a lost peer, which a
-        collective or the store raised (each rank says so). Anything else is a bug: raised as
-        is."""
+        collective or the store raised (each rank says so), or the torchrun agent, which took the
+        store with it (every checkpoint due before it is written). Anything else is a bug: raised
+        as is."""
         unit = self.progress.unit
         iteration = self.progress.iteration + 1
         if isinstance(error, NonFiniteError):
@@ -259,6 +262,8 @@ class Run:
             f"lost contact with another rank ({reason}): it died, or stalled longer than "
             f"--dist-timeout {self.args.dist_timeout:g} s; see its log, then {then}"
         )
+        if launching.agent_exited(self.world):
+            message = f"the torchrun agent exited, taking its store: every rank stops; {then}"
         fail(message + ("" if self.name else ": nothing was written"), every_rank=True)
 
 

@@ -8,6 +8,7 @@ import re
 import signal
 import sys
 import time
+from pathlib import Path
 
 import gymnasium as gym
 import pytest
@@ -26,6 +27,7 @@ from tests.helpers import (
     free_port,
     output,
     progress_lines,
+    rank_pid,
     read_checkpoint,
     read_scalars,
     refuse,
@@ -168,6 +170,44 @@ def test_a_dead_or_silent_peer_stops_the_survivor_within_the_timeout(sig, tmp_pa
     [message] = [line for line in result.stderr.splitlines() if "error" in line]
     assert message.startswith(f"{VPG}: error: rank 0: lost contact with another rank"), message
     assert f"--dist-timeout {timeout} s" in message and "--resume" in message
+
+
+def ended(pid: int) -> bool:
+    """Whether process `pid` has exited (gone, or a zombie that nobody reaped yet)."""
+    try:
+        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def test_a_killed_torchrun_agent_ends_every_worker_in_one_line_naming_it(tmp_path):
+    """SIGKILL to the torchrun agent once its two workers train (a run of hours, no checkpoint due): each worker
+    notices at its next iteration that the agent, and the store it served, are gone, and ends in one line naming the
+    agent, with no traceback and none of torch's dumps of a store that no longer answers."""
+    flags = tiny_flags(VPG, 10**5)
+    launcher = start(torchrun_with(["--standalone"], VPG, flags), tmp_path)
+    workers = []
+    try:
+        wait_for(lambda: progress_lines(output(launcher)[0]), 120, "the first epoch", (launcher,))
+        workers = [rank_pid(launcher.pid, rank) for rank in range(2)]
+        assert None not in workers, workers
+        launcher.kill()
+        launcher.wait()
+        wait_for(lambda: all(ended(pid) for pid in workers), 120, "the workers ending after their agent was killed")
+    finally:
+        for pid in workers:
+            if pid and not ended(pid):
+                os.kill(pid, signal.SIGKILL)
+    stdout, stderr = output(launcher)
+    assert "Traceback" not in stderr and "Broken pipe" not in stderr, stderr[-3000:]
+    errors = sorted(line for line in stderr.splitlines() if ": error: " in line)
+    assert len(errors) == 2, errors
+    for rank, message in enumerate(errors):
+        assert message.startswith(
+            f"{VPG}: error: rank {rank}: the torchrun agent exited, taking its store: every rank stops; resume with "
+            "--resume --run-name "
+        ), message
+    assert progress_lines(stdout) and progress_lines(stdout)[-1] < 10**5
 
 
 # --- ranks that disagree -------------------------------------------------------------------------------
