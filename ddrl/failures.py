@@ -60,7 +60,8 @@ def say(line: str) -> None:
     mark) escaped; a reader that went away prints nothing."""
     line = re.sub(rf"\S{{{MAX_VALUE_CHARS + 1},}}", lambda word: cut(word[0]), line)
     line = "".join(char if char.isprintable() else repr(char)[1:-1] for char in line)
-    quietly(lambda: print(line, file=sys.stderr, flush=True))
+    # one write: lines of ranks sharing a console (torchrun's run unbuffered) never run together
+    quietly(lambda: print(line + "\n", end="", file=sys.stderr, flush=True))
 
 
 def tell(line: str) -> bool:
