@@ -5,7 +5,6 @@ rank learns of the world is its `World`."""
 
 import importlib.util
 import os
-import select
 import shutil
 import signal
 import socket
@@ -56,7 +55,7 @@ class World:
     # the process group's key-value store (checkpoints and rollout preemption use it)
     store: dist.Store | None = None
     collectives: str = ""  # what carries the CPU collectives, for the batch table
-    agent: int = -1  # a pidfd of the torchrun agent that started this rank (-1: none)
+    agent: int = 0  # the pid of the torchrun agent that started this rank, its parent (0: none)
 
 
 def relaunch_as_ranks(args, script: str) -> NoReturn:
@@ -125,8 +124,9 @@ def read_launcher_environment() -> World:
 
 def join_process_group(args, world: World) -> str:
     """Form the process group (a world of one needs no network) as `args` ask; share out the idle
-    cores; choose and name the collectives. Fills in `world`'s device, cores, store and collectives;
-    returns the collectives' name."""
+    cores; choose what carries the collectives, once (collectives.carry_with), and name it; under
+    torchrun, note its agent. Fills in `world`'s device, cores, store, collectives and
+    agent; returns the collectives' name."""
     world_size = world.world_size
     local_rank = world.local_rank
     os.environ.update(RANK=str(world.rank), WORLD_SIZE=str(world_size))
@@ -185,7 +185,7 @@ def join_process_group(args, world: World) -> str:
     # a GPU run computes on its GPU: one torch thread per rank leaves the cores to the envs
     torch.set_num_threads(args.torch_threads or (1 if world.device.type == "cuda" else world.cores))
     under_torchrun = "TORCHELASTIC_RUN_ID" in os.environ  # its agent is this rank's parent
-    world.agent = os.pidfd_open(os.getppid()) if under_torchrun else -1
+    world.agent = os.getppid() if under_torchrun else 0
     choice = args.collectives  # MPI if --collectives and the launch allow
     collectives.carry_with(None)
     try:
@@ -237,9 +237,10 @@ def shared_memory_or_gloo(args, world: World) -> str:
 
 
 def agent_exited(world: World) -> bool:
-    """Whether the torchrun agent that started this rank has exited (killed, or failed): nothing
-    supervises the launch any more, and the store it served went with it."""
-    return world.agent >= 0 and bool(select.select([world.agent], [], [], 0)[0])
+    """Whether the torchrun agent that started this rank has exited (killed, or failed), which
+    leaves this rank another parent: nothing supervises the launch any more, and the store it
+    served went with it."""
+    return world.agent != 0 and os.getppid() != world.agent
 
 
 def check_master_address() -> None:

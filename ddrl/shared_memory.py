@@ -43,7 +43,8 @@ class Segment:
     rank: int
     spin: bool  # whether to yield the core a while before sleeping: a core per rank
     timeout: float  # seconds a rank waits for its peers (--dist-timeout)
-    pidfds: dict[int, int]  # each other rank's pidfd (readable once it exited) -> its rank
+    pidfds: dict[int, int]  # each other rank's pidfd -> its rank
+    exits: select.poll  # of the pidfds: one is readable once its rank exited
     carried: int = 0  # the collectives this segment carried: the next one's number - 1
 
     def carries(self, tensor: torch.Tensor) -> bool:
@@ -125,8 +126,12 @@ def join(rank: int, world_size: int, wanted: bool, timeout: float) -> tuple[Segm
         return None, problem or "cannot see every rank's process from every rank"
     slots = np.frombuffer(memory, np.uint8, offset=headers.nbytes)
     slots = slots.reshape(world_size, 2, slot_bytes(world_size))
+    exits = select.poll()
+    for pidfd in pidfds:
+        exits.register(pidfd, select.POLLIN)
     # ranks that outnumber their cores sleep while they wait, rather than yield a core a peer needs
-    segment = Segment(headers, slots, rank, world_size <= cores_of_the_ranks(), timeout, pidfds)
+    spin = world_size <= cores_of_the_ranks()
+    segment = Segment(headers, slots, rank, spin, timeout, pidfds, exits)
     weakref.finalize(segment, close, list(pidfds))  # the pidfds close when the segment goes
     return segment, ""
 
@@ -184,6 +189,7 @@ def open_peers(headers: np.ndarray, rank: int) -> dict[int, int]:
 
 
 def close(descriptors: list[int]) -> None:
+    """Close each of `descriptors` (a list, or a dict's keys)."""
     for descriptor in descriptors:
         os.close(descriptor)
 
@@ -240,8 +246,8 @@ def wait_for_peers(segment: Segment, number: int) -> None:
         if segment.spin and waited < SPIN_SECONDS:
             os.sched_yield()
             continue
-        if exited := select.select(list(segment.pidfds), [], [], 0)[0]:
-            rank = segment.pidfds[exited[0]]
+        if exited := segment.exits.poll(0):
+            rank = segment.pidfds[exited[0][0]]
             raise dist.DistNetworkError(f"rank {rank} exited during a shared-memory collective")
         if waited > segment.timeout:
             late = int(np.argmax(published < number))
