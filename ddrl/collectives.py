@@ -195,9 +195,11 @@ def carrier(tensor: torch.Tensor, group: Group = None):
     return TorchDistributed(group)
 
 
-def completed(work: dist.Work, group: Group) -> None:
-    """Wait for torch.distributed's `work`; a peer that died or stalled past --dist-timeout raises
-    DistNetworkError (gloo raises a bare RuntimeError)."""
+def completed(work: dist.Work | None, group: Group) -> None:
+    """Wait for torch.distributed's `work` (None where this rank is not in `group`); a peer that
+    died or stalled past --dist-timeout raises DistNetworkError (gloo's is a bare RuntimeError)."""
+    if work is None:
+        return
     try:
         if dist.get_backend(group) == "gloo":
             # yield, not sleep: a sleeper wakes milliseconds late for a 0.1 ms allreduce

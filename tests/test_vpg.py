@@ -270,10 +270,10 @@ def test_gather_mode_hands_every_collective_tensors_on_the_weights_device(monkey
     batch = {key: value.to("meta") for key, value in small_batch().items()}
     handed = []
 
-    def gather(tensor, gather_list=None, dst=0):
+    def gather(tensor, gather_list=None, dst=0, async_op=False):
         handed.append(("gather", tensor.device))
 
-    def broadcast(tensor, src=0):
+    def broadcast(tensor, src=0, async_op=False):
         handed.append(("broadcast", tensor.device))
         raise BroadcastReached  # a meta tensor holds no flag to read back
 
