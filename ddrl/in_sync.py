@@ -47,8 +47,9 @@ def check_in_sync(iteration: int, unit: str, frame, args, device: torch.device) 
     if unaveraged:
         blame = (
             f"the gradients of {', '.join(unaveraged[:4])} differed in the last step, so they were "
-            "not averaged: every parameter an optimizer steps must be in the gradients' allreduce "
-            "(under DDP: run through the model DDP wraps)"
+            "not averaged: an edit of the update that skips or changes the gradients' allreduce "
+            "for some parameters (every parameter an optimizer steps belongs in it; under DDP, "
+            "every module run through the model DDP wraps)"
         )
     elif averaged:
         blame = (

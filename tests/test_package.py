@@ -98,7 +98,13 @@ ZERO_GRAD_AGAIN = {  # CleanRL's reflex, once more after the step: the gradients
 NO_SYNC = {  # an edit that breaks the sync: each rank steps on its own gradients
     "ppo_continuous_mpi.py": [("    collectives.allreduce_mean(flat, group)\n", "")],
     "vpg_mpi.py": [("    collectives.allreduce_mean(flat, group)\n", "")],
-    "ppo_atari_multigpu.py": [("model = DDP(model, device_ids=[device.index] if gpu else None)", "model = model")],
+    "ppo_atari_multigpu.py": [
+        (
+            "model = DDP(\n                model, device_ids=[device.index] if gpu else None, "
+            "**collectives.KEEP_BUFFERS\n            )",
+            "model = model",
+        )
+    ],
 }
 
 
