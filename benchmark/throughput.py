@@ -30,6 +30,7 @@ from annotated_types import Ge
 
 from benchmark import common, grad_sync, stragglers
 from ddrl import in_sync
+from ddrl.flags import RuntimeArgs
 
 REFERENCE = {"ppo_continuous_mpi.py": "ppo_continuous_action.py", common.ATARI: "ppo_atari.py"}
 """CleanRL's file that each PPO script follows, run beside it with --cleanrl"""
@@ -37,7 +38,7 @@ COMPAT = Path(__file__).with_name("cleanrl_compat.py")
 ATARI_VARIANTS = tuple(f"{common.ATARI} {flags}" for flags in ("--bf16", "--compile", "--bf16 --compile"))
 MAX_OTHERS = 0.25
 """above this many cores kept busy by other processes during a run, the results file opens with a warning"""
-CHECK_EVERY = 10
+CHECK_EVERY = RuntimeArgs.check_sync_every
 """--check-sync-every's default, at which the weight check's share of an iteration is given"""
 
 
