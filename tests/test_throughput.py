@@ -118,7 +118,7 @@ def test_ours_and_cleanrl_alternate_on_one_core_beside_a_busy_one(tmp_path):
     iteration = float(rows[0][6]) + float(rows[0][7])  # our rollout + update
     assert float(check[3]) == pytest.approx(iteration, abs=0.0011)
     assert as_number(check[4]) == pytest.approx(float(check[2]) / 1e3 / float(check[3]), rel=0.05, abs=2e-5)
-    assert as_number(check[5]) == pytest.approx(as_number(check[4]) / 10, rel=0.05, abs=2e-5)
+    assert as_number(check[5]) == pytest.approx(as_number(check[4]) / throughput.CHECK_EVERY, rel=0.05, abs=2e-5)
 
 
 def test_the_ab_tables_set_this_checkout_beside_the_other_round_by_round():
