@@ -1,10 +1,5 @@
-"""Checkpoints of a run: which run and checkpoint an attempt resumes, checked up front, and what a
-change of world size means; the training checkpoint of an iteration
-(runs/NAME/checkpoints/iter_N.safetensors) with every rank's random streams, written by rank 0 and
-loaded into the Agent, the optimizers and this rank's streams; the model file
-(runs/NAME/model.safetensors) and --eval-checkpoint's reading of it; and the lines that stop every
-rank when a file does not fit or cannot be written. The files' format, and the checks of every byte
-read, are checkpoint_files' (its write, read, misfits, load and random streams)."""
+"""Checkpoints' policy: which checkpoint an attempt resumes, what fits, a training state saved and
+loaded with every rank's random streams, model files; the format is checkpoint_files'."""
 
 from __future__ import annotations
 
@@ -22,40 +17,30 @@ from safetensors.torch import save as save_bytes
 from ddrl import checkpoint_files, failures, flags, launching, run_folders
 from ddrl.failures import fail, first_line, shown
 
-# env steps and iterations a run can reach (float64 counts them exactly up to here)
-MAX_STEPS = 2**53
+MAX_STEPS = 2**53  # env steps and iterations a run can reach (float64 counts them exactly)
 MAX_RESTARTS = 10**6  # the attempts a file counts: a run resumed more often writes this bound again
-# the scripts' seeds: rank r seeds its generators with seed + SEED_STRIDE * r, env g (counted over
-# every attempt of the run) with seed + SEED_STRIDE * g; every env library takes a seed below
-# SEED_LIMIT (ale-py's are int32), so a run's envs are at most MAX_ENVS_SEEDED, over all attempts
+# rank r seeds with seed + SEED_STRIDE * r, env g (over every attempt) with seed + SEED_STRIDE * g
 SEED_STRIDE = 10_000
-SEED_LIMIT = 2**31
+SEED_LIMIT = 2**31  # every env library takes a seed below it (ale-py's are int32)
 MAX_ENVS_SEEDED = (SEED_LIMIT - 1) // SEED_STRIDE + 1
-# how an optimizer runs, not what
-IMPLEMENTATION_OPTIONS = {"foreach", "fused", "capturable", "differentiable"}
+IMPLEMENTATION_OPTIONS = {"foreach", "fused", "capturable", "differentiable"}  # how, not what
 
 
 @dataclass
 class Resumption:
-    """The checkpoint this attempt resumes, as find_run_to_resume read and checked it, and what this
-    attempt carries on from it; a new run's has no header and counts zeros."""
+    """The checkpoint this attempt resumes and what it carries on from it (a new run: zeros)."""
 
     header: dict | None = None  # the checkpoint's header, with its path under "path"
     iteration: int = 0  # the iteration it reached
     global_step: int = 0  # the world's env steps it reached
-    # the earlier attempts of this run, which this attempt's checkpoints write: one more than the
-    # checkpoint's, at most the bound a file is read with (what this attempt writes, the next reads)
-    restarts: int = 0
-    # the envs earlier attempts seeded: this attempt's env g is seeded as env envs_seeded + g
-    envs_seeded: int = 0
+    restarts: int = 0  # the earlier attempts, as this attempt's checkpoints count them
+    envs_seeded: int = 0  # the envs earlier attempts seeded: this one's env g is envs_seeded + g
 
 
 # --- which run to resume, and what its world and seeds allow --------------------------------------
 def find_run_to_resume(args) -> tuple[str, Resumption]:
-    """The run folder restarted ranks must find again ('' if none) and the checkpoint to resume
-    (a Resumption without a header if none), checked up front: the run's name, its folder, then the
-    checkpoint's file, env, args by the script's rules, progress and random streams. A restart count
-    (torchrun's) resumes a run of this launch, never a finished one."""
+    """The run's name ('' if a new run's folder is named as made) and the checkpoint to resume,
+    checked up front; a torchrun restart resumes a run of this launch, never a finished one."""
     name = run_name(args)
     path = checkpoint_to_resume(args, name)
     if path is None:
@@ -71,8 +56,7 @@ def find_run_to_resume(args) -> tuple[str, Resumption]:
 
 
 def run_name(args) -> str:
-    """--run-name; where --resume or torchrun's restarts need a name and none is given, the one
-    torchrun's id of this launch gives; else '' (a new run's folder is named as it is made)."""
+    """--run-name, or where --resume or torchrun's restarts need one, torchrun's id's."""
     if args.run_name or not (args.resume or launching.max_restarts() > 0):
         return args.run_name
     run_id = launch_id()
@@ -93,9 +77,8 @@ def run_name(args) -> str:
 
 
 def checkpoint_to_resume(args, name: str) -> str | None:
-    """The newest checkpoint of runs/NAME, which this attempt resumes (None: it starts the run),
-    once the folder is found fit: no link on the way, and a run that exists is continued by
-    --resume or by a restart of the launch that made it, nothing else."""
+    """The newest checkpoint of runs/NAME (None: a new run), once the folder is found fit: no link,
+    and an existing run continued only by --resume or a restart of the launch that made it."""
     restart_count = launching.restart_count()
     restarted = restart_count > 0
     folder = os.path.join("runs", name)
@@ -129,16 +112,13 @@ def checkpoint_to_resume(args, name: str) -> str | None:
 
 
 def launch_id() -> str:
-    """torchrun's id of this launch, by which a restart finds the run folder again; '' where there
-    is none (`none` under static rendezvous)."""
+    """torchrun's id of this launch, by which a restart finds its run folder; '' where none."""
     run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
     return "" if run_id == "none" else run_id
 
 
 def checked_header(path: str, args) -> dict:
-    """The header of the checkpoint to resume at `path`, checked before anything is built from it:
-    the file, its kind, its counts within what a run reaches, its env, its args by the script's
-    rules, its progress, and every rank's random streams."""
+    """The header of the checkpoint to resume, checked before anything is built from it."""
     fix = "delete it to resume from the one before"
     header, found = checkpoint_files.read(path, fix)
     if header["kind"] != "training":
@@ -170,7 +150,6 @@ def checked_header(path: str, args) -> dict:
     saved = saved_args(header, type(args), path, fix)
     iteration = header["iteration"]
     global_step = header["global_step"]
-    # a run stops within one iteration past its total, and an iteration is at most the total
     if not (
         1 <= iteration <= global_step < 2 * saved.total_timesteps and header["world_size"] >= 1
     ):
@@ -184,9 +163,7 @@ def checked_header(path: str, args) -> dict:
 
 
 def env_seeds_problem(args, world_size: int, envs_seeded: int, name: str) -> str:
-    """Why this attempt's envs cannot all be seeded ('' if they can): env g of the run, counted
-    over its attempts from `envs_seeded` (the earlier attempts' envs of runs/NAME) on, is seeded
-    with seed + SEED_STRIDE * g, which every env library takes below SEED_LIMIT."""
+    """Why this attempt's envs cannot all be seeded below SEED_LIMIT ('' if they can)."""
     envs = world_size * args.local_num_envs
     last = args.seed + SEED_STRIDE * (envs_seeded + envs - 1)
     if last < SEED_LIMIT:
@@ -210,8 +187,7 @@ def env_seeds_problem(args, world_size: int, envs_seeded: int, name: str) -> str
 
 
 def world_change(header: dict, world_size: int) -> str:
-    """What the resume line adds where the checkpoint's world had another size: what goes on, and
-    what is new."""
+    """What the resume line adds where the checkpoint's world had another size."""
     written = header["world_size"]
     if written == world_size:
         return ""
@@ -237,11 +213,8 @@ def span(first: int, end: int) -> str:
 
 # --- loading a training state: every tensor compared with what this run built, then loaded --------
 def load_training_state(path: str, header: dict, rank: int, states: dict) -> None:
-    """The training checkpoint's weights and optimizer states, per-parameter only (the options stay
-    the command line's, and those that differ from the checkpoint's are named in one line), then
-    this rank's random streams (a rank the checkpoint's world did not have keeps the ones the
-    rank-offset rule seeded); each compared with what this run built, and found finite, before
-    anything loads."""
+    """The checkpoint's weights, per-parameter optimizer states (the options stay the command
+    line's) and this rank's random streams, each found to fit and finite before anything loads."""
     fix = "delete it to resume from the one before"
     found = checkpoint_files.read(path, fix)[1]
     if not isinstance(header.get("optimizers"), dict):
@@ -263,9 +236,8 @@ def load_training_state(path: str, header: dict, rank: int, states: dict) -> Non
 
 
 def check_weights_fit(path: str, header: dict, model: nn.Module, then: str = "use") -> None:
-    """Stop in one line naming the file, who wrote it and the first misfits, unless its `model.*`
-    tensors fit `model` (on any device, the meta device too) by name, shape and dtype; the line
-    says to undo the Agent's edit or `then` the script that wrote the file."""
+    """Stop in one line naming the file, its writer and the first misfits, unless its `model.*`
+    tensors fit `model` (on any device, meta too) by name, shape and dtype."""
     found = checkpoint_files.read(path, "")[1]
     wanted = {
         f"model.{name}": (tuple(tensor.shape), tensor.dtype)
@@ -282,9 +254,8 @@ def check_weights_fit(path: str, header: dict, model: nn.Module, then: str = "us
 def optimizer_state(
     path: str, header: dict, found: dict, name: str, optimizer: torch.optim.Optimizer
 ) -> dict[int, dict]:
-    """The file's per-parameter state of the optimizer `name` (`found`: read's tensors of it), as
-    torch's state_dict holds it (by parameter index, then key), once it fits `optimizer`
-    (optimizer_shapes) and is finite; else one line naming the file and who wrote it."""
+    """The file's per-parameter state of the optimizer `name`, as torch's state_dict holds it, once
+    it fits `optimizer` and is finite; else one line."""
     wanted = optimizer_shapes(optimizer, name)
     saved = header["optimizers"].get(name)
     saved_type = saved.get("type") if isinstance(saved, dict) else None
@@ -308,9 +279,8 @@ def optimizer_state(
 
 
 def optimizer_shapes(optimizer: torch.optim.Optimizer, name: str) -> dict[str, tuple]:
-    """What this optimizer keeps per parameter, as the file names it (NAME.state.INDEX.KEY, INDEX
-    as torch's state_dict numbers the parameters) with its (shape, dtype): found by one step of a
-    copy of it (its parameters copied too) on zero gradients."""
+    """(shape, dtype) of what this optimizer keeps per parameter, by NAME.state.INDEX.KEY: found by
+    one step of a copy of it on zero gradients."""
     probe = copy.deepcopy(optimizer)
     for group in probe.param_groups:
         for parameter in group["params"]:
@@ -325,9 +295,8 @@ def optimizer_shapes(optimizer: torch.optim.Optimizer, name: str) -> dict[str, t
 
 
 def load_weights(model: nn.Module, path: str, header: dict) -> None:
-    """Load the file's `model.*` tensors, which check_weights_fit found to fit `model` (or one built
-    alike on the meta device), into it once they are finite, or stop in one line naming the file.
-    A file another script wrote loads where its Agent fits, saying so in one line (rank 0)."""
+    """Load the file's `model.*` tensors, found to fit, into `model` once they are finite; a file
+    another script wrote says so in one line (rank 0)."""
     names = [f"model.{name}" for name in model.state_dict()]
     weights = checkpoint_files.load(path, names, "use a checkpoint from before")
     try:
@@ -345,8 +314,7 @@ def load_weights(model: nn.Module, path: str, header: dict) -> None:
 def say_changed_options(
     path: str, name: str, optimizer: torch.optim.Optimizer, saved: dict
 ) -> None:
-    """Rank 0: one line naming the options of `optimizer` (the command line's) that differ from the
-    checkpoint's."""
+    """Rank 0: one line naming the command line's options that differ from the file's."""
     groups = saved.get("param_groups")
     if (
         failures.this_rank() != 0
@@ -360,8 +328,7 @@ def say_changed_options(
             return
         options = {key: value for key, value in group.items() if key != "params"}
         now = json.loads(json.dumps(options, default=repr))  # as the file holds them
-        # lr: main's schedule sets it
-        keys = sorted((now.keys() | before.keys()) - IMPLEMENTATION_OPTIONS - {"lr"})
+        keys = sorted((now.keys() | before.keys()) - IMPLEMENTATION_OPTIONS - {"lr"})  # lr: main's
         changes += [
             f"{shown(key)[1:-1]} {shown(before.get(key))} -> {now.get(key)}"
             for key in keys
@@ -384,12 +351,9 @@ def save(
     global_step: int,
     states: dict,
 ) -> tuple[str, str]:
-    """Every rank's random streams to rank 0 (through the `world`'s store), which writes
-    `states` (the Agent, then the optimizers by the names load_training_state loads them by) to
-    runs/NAME's checkpoint of `iteration`, saying how many attempts and envs the run has had
-    (`resumption`'s, and this attempt's). Returns the checkpoint's path and, on rank 0, why it is
-    not written ('' once written; '' on the other ranks): the caller passes both to
-    stop_if_unwritten once anything else that must reach the disk with it has."""
+    """Every rank's random streams to rank 0 through the store, which writes `states` (the Agent,
+    then the optimizers by name) to runs/NAME's checkpoint of `iteration`. Returns the path and, on
+    rank 0, why it is not written (''), for stop_if_unwritten."""
     store = world.store
     world_size = world.world_size
     store.set(f"rng/{iteration}/{world.rank}", save_bytes(checkpoint_files.random_streams()))
@@ -412,11 +376,8 @@ def save(
 
 
 def stop_if_unwritten(world: launching.World, name: str, path: str, problem: str, fix: str) -> None:
-    """Stop every rank, in one line naming runs/NAME's last good checkpoint, if rank 0 could not
-    write `path` (`problem`, which names what to do about it; `fix` says how to go on). Rank 0's
-    outcome reaches the others through the store, not a gather: a gather left as the group's last
-    work can deadlock its teardown (gloo's thread frees it needing the GIL the destroying thread
-    holds)."""
+    """Stop every rank in one line if rank 0 could not write `path` (`problem`). Its outcome goes
+    through the store: a gather left as the group's last work can deadlock gloo's teardown."""
     if world.world_size > 1:
         if world.rank == 0:
             world.store.set(f"written/{path}", problem)
@@ -426,36 +387,31 @@ def stop_if_unwritten(world: launching.World, name: str, path: str, problem: str
 
 
 def last_good_checkpoint(run_name: str) -> str:
-    """What a message that stops training says of the run's checkpoints: the newest one, or that
-    there is none."""
+    """What a message that stops training says of the run's newest checkpoint."""
     last = find_latest_checkpoint(run_name)
     return f"the last good checkpoint is {last}" if last else "no checkpoint was written"
 
 
 # --- model files ----------------------------------------------------------------------------------
 def write_model(path: str, args, model: nn.Module) -> str:
-    """The model file of --save-model: the Agent's weights and buffers, and what wrote them. Returns
-    '' once written, else why not, in words that name the fix."""
+    """The model file of --save-model: '' once written, else why not."""
     return make_folder(path) or checkpoint_files.write(path, args, model)
 
 
 def read_model(path: str, args_type: type, env_id: str) -> tuple[dict, object]:
-    """--eval-checkpoint's file (a model file, or a training checkpoint: both hold the Agent),
-    checked like a command line: the file, its env id, then its args by the script's rules. Returns
-    its header and its args."""
+    """--eval-checkpoint's file (a model file or a training checkpoint), checked like a command
+    line: its header and its args."""
     fix = f"pass the {run_folders.MODEL_FILE} that --save-model wrote"
     if not os.path.lexists(path):
         fail(f"--eval-checkpoint {shown(path)} does not exist; {fix}")
     header, _ = checkpoint_files.read(path, fix)
     refuse_imported_env(path, header, env_id)
-    # --env-id given, and another than the file's
     if env_id not in (args_type().env_id, header["env_id"]):
         fail(
             f"--env-id {shown(env_id)} is not the env of {path} ({shown(header['env_id'])}), "
             "which it plays: drop --env-id"
         )
     saved = saved_args(header, args_type, path, fix)
-    # the env played is the args': one the check above never saw
     if saved.env_id != header["env_id"]:
         fail(
             f"{path} holds args of env {shown(saved.env_id)}, not its {shown(header['env_id'])}: "
@@ -466,8 +422,7 @@ def read_model(path: str, args_type: type, env_id: str) -> tuple[dict, object]:
 
 # --- where files live, and what a file says of itself ---------------------------------------------
 def make_folder(path: str) -> str:
-    """Make `path`'s folder where missing, never through a link (run_folders.folder_problem): ''
-    once it is there, else why no file can be written at `path`."""
+    """Make `path`'s folder where missing, never through a link: '' once there, else why not."""
     problem = run_folders.folder_problem(os.path.dirname(path) or ".", make=True)
     return f"could not write {path}: {problem}" if problem else ""
 
@@ -483,8 +438,7 @@ def model_path(run_name: str) -> str:
 
 
 def find_latest_checkpoint(run_name: str) -> str | None:
-    """The run's checkpoint of the highest iteration (an earlier version's iter_N.pt too, which
-    reading refuses with the reason), or None."""
+    """The run's checkpoint of the highest iteration (iter_N.pt too: reading refuses it)."""
     folder = os.path.join("runs", run_name, "checkpoints")
     names = os.listdir(folder) if os.path.isdir(folder) and not os.path.islink(folder) else []
     found = {
@@ -496,8 +450,7 @@ def find_latest_checkpoint(run_name: str) -> str | None:
 
 
 def refuse_imported_env(path: str, header: dict, env_id: str) -> None:
-    """An env id of the `module:EnvId` form makes gymnasium import `module`, running its code: from
-    a file, only if the user passed that same --env-id."""
+    """A file's `module:EnvId` env (gymnasium imports `module`) only if --env-id names it too."""
     saved_env_id = header["env_id"]
     if ":" in saved_env_id and saved_env_id != env_id:
         fail(
@@ -508,8 +461,7 @@ def refuse_imported_env(path: str, header: dict, env_id: str) -> None:
 
 
 def saved_args(header: dict, args_type: type, path: str, fix: str):
-    """A file's args as `args_type` (the script's Args), read by the command line's rules, or one
-    line."""
+    """A file's args as `args_type`, read by the command line's rules, or one line."""
     saved, problems = flags.saved_args(header["args"], args_type)
     if problems:
         fail(f"{path} holds args that no command line gives ({problems[0]}): it is damaged; {fix}")
@@ -517,7 +469,6 @@ def saved_args(header: dict, args_type: type, path: str, fix: str):
 
 
 def writer_of(header: dict) -> str:
-    """`SCRIPT (ALGORITHM)`: who wrote a file, as the messages name it (the file's text shown
-    escaped)."""
+    """`SCRIPT (ALGORITHM)`: who wrote a file, as the messages name it."""
     script = shown(header["script"])
     return f"{script} ({shown(header['algorithm'].rstrip('.'))})" if header["algorithm"] else script

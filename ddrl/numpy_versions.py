@@ -1,9 +1,5 @@
-"""The numpy versions of what an Agent calls, where a contributor adds one: torch.distributions'
-distributions and transforms, torch's functions and tensor methods, and the layers. The rollout
-derived from the Agent (ddrl.rollout, its program written by ddrl.tracing) calls them in place of
-torch's, one observation per env. A distribution takes numpy arrays, draws from numpy's seeded
-generator and has torch's methods (sample, log_prob, entropy, mode): a class here and a line in
-DISTRIBUTIONS; a function, tensor method or layer: a line in FUNCTIONS, METHODS or ACTIVATIONS."""
+"""The numpy versions of what an Agent calls, which the derived rollout calls in place of torch's: a
+distribution is a class here and a line in DISTRIBUTIONS; a function, method or layer, a line."""
 
 import math
 import operator
@@ -22,7 +18,6 @@ SAME_IN_NUMPY = {  # tensor methods a numpy array has, and their names in numpy
     "reshape": "reshape",
     "argmax": "argmax",
 }
-# torch's dtypes an Agent names (torch.long is torch.int64), and numpy's
 DTYPES = {torch.float32: np.float32, torch.float64: np.float64, torch.int64: np.int64}
 log_gamma = np.vectorize(math.lgamma, otypes=[np.float64])
 INSTEAD = {  # constructs without a numpy version, and what to write instead
@@ -45,8 +40,7 @@ class NumpyNormal:
     def __init__(self, loc, scale, validate_args=None):
         self.loc = loc
         self.scale = scale
-        # the last sample and its standard normal noise: its log-probability needs no division
-        self.drawn = None
+        self.drawn = None  # the last sample and its noise: its log-probability needs no division
 
     def sample(self, sample_shape=()):
         shape = (
@@ -88,8 +82,7 @@ class NumpyNormal:
 
 
 class NumpyCategorical:
-    """torch.distributions.Categorical on numpy arrays: sampled by inverse CDF from numpy's seeded
-    generator."""
+    """torch.distributions.Categorical on numpy arrays, sampled by inverse CDF."""
 
     event_dims = 0  # its event is one number
 
@@ -180,8 +173,7 @@ class NumpyIndependent:
 
 
 class NumpyTransform:
-    """A torch.distributions transform on numpy arrays: forward, inverse, log |det J|
-    (log_abs_det_jacobian), summed over its last `event_dim` dims."""
+    """A torch.distributions transform on numpy arrays; log |det J| summed over `event_dim` dims."""
 
     def __init__(self, forward, inverse, log_abs_det_jacobian, event_dim: int = 0):
         self.forward = forward
@@ -201,8 +193,7 @@ class NumpyTransform:
 
 
 class NumpyTransformed:
-    """torch.distributions.TransformedDistribution on numpy arrays, its log-probability summed over
-    the dims of its event as torch sums it."""
+    """torch.distributions.TransformedDistribution on numpy arrays."""
 
     def __init__(self, base_distribution, transforms, validate_args=None):
         self.base_dist = base_distribution
@@ -231,8 +222,7 @@ class NumpyTransformed:
 
 
 class NoNumpyVersion(Exception):
-    """Something the Agent's method does that ddrl has no numpy version of, said in full: what it
-    is, and what to write instead where there is an alternative."""
+    """What the Agent does that has no numpy version, and what to write instead where ddrl knows."""
 
 
 def softmax(x, dim=-1, dtype=None):
@@ -464,8 +454,7 @@ def independent_transform(
 
 
 def compose_transform(parts: list, cache_size: int = 0) -> NumpyTransform:
-    """The parts applied in order; log |det J|, each part's summed over the dims of the whole's
-    event."""
+    """The parts in order; each part's log |det J| summed over the dims of the whole's event."""
     event_dim = max([part.event_dim for part in parts], default=0)
 
     def forward(x):
@@ -491,8 +480,7 @@ def compose_transform(parts: list, cache_size: int = 0) -> NumpyTransform:
     return NumpyTransform(forward, inverse, log_abs_det_jacobian, event_dim)
 
 
-# torch's transforms, their numpy versions, and the attributes of a torch transform that are the
-# numpy version's arguments
+# torch's transforms: their numpy versions, and the torch transform's attributes they take
 TRANSFORMS = {
     D.TanhTransform: (tanh_transform, ()),
     D.ExpTransform: (exp_transform, ()),
@@ -531,8 +519,7 @@ DISTRIBUTIONS = {
 
 
 def numpy_layer(module: nn.Module):
-    """A leaf module of the Agent as a function of numpy rows, over views of its parameters; None if
-    it has none."""
+    """A leaf module as a function of numpy rows over views of its parameters, or None."""
     params = {name: view_of(module._parameters, name) for name in layer_parameters(module)}
     if type(module) is nn.Linear:
         weight = params["weight"].T
@@ -554,8 +541,7 @@ def numpy_layer(module: nn.Module):
 
 
 def view_of(holder: dict, name: str) -> np.ndarray:
-    """A numpy view of the tensor `holder[name]`: it shares the tensor's memory (no copy, the same
-    dtype), so it follows every change made in place."""
+    """A numpy view of `holder[name]`, sharing its memory: it follows every change made in place."""
     return holder[name].detach().numpy()
 
 
@@ -565,8 +551,7 @@ def layer_parameters(module: nn.Module) -> list[str]:
 
 
 def no_numpy_version(what: str, construct) -> NoNumpyVersion:
-    """The refusal of `what` (its class, function or `.method()` `construct`), with what to write
-    instead where INSTEAD knows it."""
+    """The refusal of `what` (`construct`), with what to write instead where INSTEAD knows it."""
     said = f"{what} has no numpy version in ddrl/numpy_versions.py"
     instead = INSTEAD.get(construct)
     return NoNumpyVersion(said if instead is None else f"{said}; {instead}")

@@ -1,11 +1,5 @@
-"""The rollout's Agent, derived from the Agent and checked against it. At one observation per env,
-torch's per-call overhead costs more than the arithmetic, so the MLP scripts act through numpy
-programs derived from the Agent's `get_action_and_value(x)` and `get_value(x)` (traced once with
-torch.fx by ddrl.tracing, over the numpy versions in ddrl.numpy_versions of its layers, functions
-and torch.distributions). Where the trace meets something with no numpy version, the rollout runs
-the Agent's own torch code instead (slower), and says so in one line. Either way `check` compares
-what the rollout recorded with the Agent's own numbers; the script calls `reread()` where its
-update ends."""
+"""The rollout's Agent, derived from the Agent (numpy programs of its methods, or its torch code)
+and checked against it: at one row per env, torch's per-call overhead outweighs the arithmetic."""
 
 import functools
 import weakref
@@ -19,19 +13,16 @@ import torch.nn as nn
 from ddrl import checks, failures, tracing
 from ddrl.numpy_versions import NoNumpyVersion
 
-# observations of the probe at start, and rows of each batch checked against the Agent
-PROBE_SAMPLES = 256
+PROBE_SAMPLES = 256  # the probe's observations, and each batch's rows checked
 NUMPY = "numpy versions of the Agent's methods"
 TORCH = "the Agent's own torch code"
-# agent: its traced methods, or why the rollout runs its torch code
 DERIVED = weakref.WeakKeyDictionary()
 
 
 # --- the rollout's Agent --------------------------------------------------------------------------
 class RolloutAgent:
-    """The rollout's Agent: get_action_and_value(x) and get_value(x) on numpy rows, returning numpy
-    arrays (the entropy never computed: None), running what `kind` says. The numpy programs read
-    the Agent's tensors through `views` (tracing.numpy_program)."""
+    """get_action_and_value(x) (its entropy None) and get_value(x) on numpy rows, running what
+    `kind` says; the numpy programs read the Agent's tensors through `views`."""
 
     def __init__(self, kind: str, act: Callable, value: Callable, views: list[tuple] = ()):
         self.kind = kind
@@ -51,13 +42,9 @@ class RolloutAgent:
 def derive(
     agent: nn.Module, observation_space, numpy_layers: bool = True, deterministic: bool = False
 ) -> RolloutAgent:
-    """The rollout's Agent: numpy programs derived from its methods, or (without `numpy_layers`, on
-    a GPU, or where something in them has no numpy version) its own torch code. With
-    `deterministic`, actions are each distribution's mode (evaluation). Derived once, before the
-    loop: the programs read the parameters and buffers through numpy views that share their memory,
-    so they follow every in-place change (an optimizer step, copy_, load_state_dict, a broadcast);
-    a tensor the Agent replaces rather than changes is viewed anew by `reread()`, which the script
-    calls where its update ends."""
+    """The rollout's Agent, derived once: numpy programs over views of its tensors, or (without
+    `numpy_layers`, on a GPU, or with no numpy version) its own torch code; `deterministic` acts
+    each distribution's mode (evaluation)."""
     example = example_observations(observation_space, 1)
     on_cpu = next(agent.parameters()).device.type == "cpu"
     traces = traced(agent, example, numpy_layers and on_cpu)
@@ -78,8 +65,7 @@ def derive(
 
 
 def mode_problem(derived: RolloutAgent, example: np.ndarray) -> str:
-    """Why the deterministic rollout cannot act on `example` ('' if it can): a distribution without
-    a mode (a TransformedDistribution, say), found before an episode begins."""
+    """Why the deterministic rollout cannot act on `example` ('' if it can), before an episode."""
     try:
         derived.get_action_and_value(example)
     except Exception as error:
@@ -88,9 +74,8 @@ def mode_problem(derived: RolloutAgent, example: np.ndarray) -> str:
 
 
 def traced(agent: nn.Module, example: np.ndarray, numpy_layers: bool) -> dict:
-    """The Agent's two methods traced, and whether their numpy programs run on `example`
-    observations: found once per Agent (its code does not change during a run); the slower path is
-    said then, in one line (rank 0)."""
+    """The Agent's two methods traced, or why their numpy programs cannot run: found once per Agent,
+    the slower path said then (rank 0)."""
     if agent in DERIVED:
         return DERIVED[agent]
     found = {}
@@ -123,8 +108,7 @@ def traced(agent: nn.Module, example: np.ndarray, numpy_layers: bool) -> dict:
 
 
 def numpy_agent(traces: dict, deterministic: bool = False) -> RolloutAgent:
-    """The numpy programs of the traced methods, over views of the Agent's parameters and buffers;
-    with `deterministic`, each sample its distribution's mode."""
+    """The numpy programs of the traced methods; with `deterministic`, each sample its mode."""
     root, graph = traces["get_action_and_value"]
     act, _, act_views = tracing.numpy_program(
         root, tracing.with_modes(graph) if deterministic else graph
@@ -134,8 +118,7 @@ def numpy_agent(traces: dict, deterministic: bool = False) -> RolloutAgent:
 
 
 def torch_agent(agent: nn.Module, act: Callable) -> RolloutAgent:
-    """The Agent's own get_value, and `act` (its get_action_and_value, or that method traced with
-    each distribution's mode for its sample), on numpy rows."""
+    """The Agent's own get_value, and `act` (get_action_and_value, or its modes), on rows."""
     device = next(agent.parameters()).device
     return RolloutAgent(
         TORCH,
@@ -146,8 +129,7 @@ def torch_agent(agent: nn.Module, act: Callable) -> RolloutAgent:
 
 @torch.inference_mode()
 def on_rows(agent: nn.Module, method: Callable, device: torch.device, x: np.ndarray):
-    """`method` under inference mode, on tensors made from numpy rows in the Agent's dtype; its
-    results as numpy arrays."""
+    """`method` under inference mode on numpy rows, its results as numpy arrays."""
     found = method(in_agents_dtype(agent, torch.as_tensor(x, device=device)))
     if isinstance(found, tuple):
         return tuple(None if item is None else item.cpu().numpy() for item in found)
@@ -158,13 +140,10 @@ def on_rows(agent: nn.Module, method: Callable, device: torch.device, x: np.ndar
 def probe(
     rollout_agent, observation_space, device: torch.device, count: int = PROBE_SAMPLES
 ) -> dict:
-    """What the rollout's Agent does at `count` observations of `observation_space`: observations,
-    actions, log-probabilities and values, as tensors on `device`; stops unless it gives one
-    log-probability and one value per observation."""
+    """What the rollout's Agent does at `count` observations, as tensors on `device`; stops unless
+    it gives one log-probability and one value per observation."""
     obs = example_observations(observation_space, count)
-    # the probe's draws leave the rank's streams as they were, so that a resumed
-    numpy_state = np.random.get_state()
-    # run draws as an uninterrupted one
+    numpy_state = np.random.get_state()  # the streams as they were: a resumed run draws alike
     with torch.random.fork_rng([device.index] if device.type == "cuda" else []):
         actions, log_probs, _, values = rollout_agent.get_action_and_value(obs)
     np.random.set_state(numpy_state)
@@ -175,9 +154,7 @@ def probe(
 
 
 def example_observations(observation_space, count: int) -> np.ndarray:
-    """`count` observations of `observation_space`, seeded: integers within its bounds (frames),
-    else standard normal ones (which look like normalised observations, where the space is
-    unbounded)."""
+    """`count` seeded observations: integers within the bounds (frames), else standard normal."""
     rng = np.random.default_rng(0)
     shape = (count, *observation_space.shape)
     if np.issubdtype(observation_space.dtype, np.integer):
@@ -188,9 +165,8 @@ def example_observations(observation_space, count: int) -> np.ndarray:
 
 
 def check(agent: nn.Module, batch: dict, when: str, kind: str, rows: int = PROBE_SAMPLES) -> None:
-    """Stop every rank unless Agent.get_action_and_value, scoring `batch`'s first `rows`
-    observations and actions, gives the log-probabilities and values the rollout (`kind`) recorded
-    for them (`agent` may be any object with that method: a recurrent Agent's, its state bound)."""
+    """Stop every rank unless `agent.get_action_and_value` gives the log-probabilities and values
+    the rollout (`kind`) recorded for `batch`'s first `rows` observations and actions."""
     obs = in_agents_dtype(agent, batch["obs"][:rows])
     actions = in_agents_dtype(agent, batch["actions"][:rows])
     with torch.no_grad():
@@ -203,9 +179,7 @@ def check(agent: nn.Module, batch: dict, when: str, kind: str, rows: int = PROBE
 
 
 def in_agents_dtype(agent: nn.Module, tensor: torch.Tensor) -> torch.Tensor:
-    """Floating `tensor` (float32 rows of the rollout's numpy storage) in the floating dtype of the
-    Agent's parameters, which may be float64; frames, discrete actions, and rows for anything but a
-    module, as they are."""
+    """Floating `tensor` in the floating dtype of the Agent's parameters; anything else as it is."""
     parameter = next(agent.parameters(), None) if isinstance(agent, nn.Module) else None
     if parameter is None or not tensor.is_floating_point() or not parameter.is_floating_point():
         return tensor

@@ -1,9 +1,5 @@
-"""The Agent's get_action_and_value(x) and get_value(x) traced once with torch.fx, and the numpy
-program derived from a trace: the code fx's GraphModule writes for the trace's numpy graph, which
-calls the numpy versions (ddrl.numpy_versions) of what the trace calls, over numpy views of the
-Agent's parameters and buffers. A rollout never computes the entropy, so no trace keeps it. The
-views follow every change made in place; `views` names the tensor each is made from, for the
-rollout's Agent to view anew one that an update put in another's place."""
+"""The Agent's get_action_and_value(x) and get_value(x) traced once with torch.fx, and each trace as
+a numpy program over views of the Agent's parameters and buffers; the entropy dropped."""
 
 import copy
 import functools
@@ -31,10 +27,8 @@ from ddrl.numpy_versions import (
     view_of,
 )
 
-# kept: tracing replaces the names of their subclasses for a while
-RECORDED = (D.Distribution, D.Transform)
-# the place of the entropy among get_action_and_value's results: a rollout never needs it
-ENTROPY = 2
+RECORDED = (D.Distribution, D.Transform)  # tracing replaces the names of their subclasses a while
+ENTROPY = 2  # its place among get_action_and_value's results
 # the arguments a program's code writes as they are; any other value is one of its constants
 LITERALS = (type(None), bool, int, float, str)
 
@@ -54,9 +48,8 @@ class AgentMethod(nn.Module):
 
 
 class DistributionTracer(fx.Tracer):
-    """torch.fx's tracer, keeping distributions and transforms built of constants in the graph as
-    they are, and buffers (statistics that change as the run goes) as references, never as the
-    values they had when traced."""
+    """torch.fx's tracer, keeping distributions and transforms built of constants as they are, and
+    buffers as references, never as the values they had when traced."""
 
     proxy_buffer_attributes = True
 
@@ -73,15 +66,10 @@ class DistributionTracer(fx.Tracer):
 
 
 def trace(agent: nn.Module, method: str) -> tuple[AgentMethod, fx.Graph]:
-    """`agent.method(x)` (get_value, or get_action_and_value with action=None) as a torch.fx graph.
-    A distribution or transform the Agent builds from tensors (traced values, its buffers and
-    parameters) becomes one node, its class the node's target (its methods, nodes of their own), so
-    that every tensor it holds is an input in the graph. The entropy of get_action_and_value is None
-    in the graph, and what only it needed is gone."""
+    """`agent.method(x)` as a torch.fx graph: a distribution or transform built from tensors is one
+    node, so every tensor it holds is an input; the entropy is None."""
     tracer = DistributionTracer()
-    # how many real distributions and transforms are being built: torch's own code inside their
-    # constructors builds its parts for real
-    building = [0]
+    building = [0]  # real ones being built: torch's constructors build their parts for real
 
     def record(cls):
         @functools.wraps(cls)
@@ -119,9 +107,8 @@ def trace(agent: nn.Module, method: str) -> tuple[AgentMethod, fx.Graph]:
 
 
 def distribution_namespaces(agent: nn.Module) -> list[dict]:
-    """The namespaces where the Agent's code may find a distribution or transform class: the globals
-    of its modules' methods (a script's, whatever name it was imported under), torch.distributions
-    and its submodules."""
+    """Where the Agent's code may find a distribution or transform class: its methods' globals,
+    torch.distributions and its submodules."""
     namespaces = {}
     for module in agent.modules():
         for cls in type(module).__mro__:
@@ -133,12 +120,9 @@ def distribution_namespaces(agent: nn.Module) -> list[dict]:
 
 
 def numpy_program(root: nn.Module, graph: fx.Graph) -> tuple[Callable, fx.GraphModule, list]:
-    """The trace as a numpy program: `module`, an fx GraphModule whose code fx writes from the
-    numpy graph, holding its constants; and the program, that code run over a plain namespace of
-    the constants (it reads each at every step, faster from a namespace than from a module).
-    Returns (program, module, views): for each tensor of the Agent a constant is made from (a numpy
-    view of it, a layer or transform over views), (holder, name, constants, key, make), `make()`
-    making `constants.key` anew from `holder[name]`."""
+    """(program, module, views): the trace's numpy graph as an fx GraphModule, its code run over a
+    plain namespace of its constants (faster to read each step), and for each tensor a constant is
+    made from, (holder, name, constants, key, make), `make()` making `constants.key` anew."""
     numpy = NumpyGraph(root)
     for node in graph.nodes:
         numpy.add(node)
@@ -150,8 +134,7 @@ def numpy_program(root: nn.Module, graph: fx.Graph) -> tuple[Callable, fx.GraphM
 
 
 def with_modes(graph: fx.Graph) -> fx.Graph:
-    """A copy of the trace in which each sample is its distribution's mode (evaluation's
-    deterministic actions)."""
+    """A copy of the trace in which each sample is its distribution's mode (evaluation's)."""
     copied = copy.deepcopy(graph)
     for node in copied.nodes:
         if node.op == "call_method" and node.target in ("sample", "rsample"):
@@ -162,8 +145,7 @@ def with_modes(graph: fx.Graph) -> fx.Graph:
 
 
 def describe(node: fx.Node, root: nn.Module, objects: dict) -> str:
-    """What a node of the trace calls, as a line names it: a layer, a function, a tensor method, a
-    distribution or transform class, or a method or attribute of what one of those built."""
+    """What a node of the trace calls, as a line names it."""
     if node.op == "call_module":
         module = root.get_submodule(node.target)
         return f"the layer {type(module).__name__} ({node.target.removeprefix('agent.')})"
@@ -193,15 +175,13 @@ def failed(what: str, error: Exception) -> str:
 
 
 def holder_of(module: nn.Module, name: str, tensor: torch.Tensor) -> dict:
-    """The dict in which `module` holds `tensor` as `name` (its parameters, buffers or attributes),
-    where a tensor put in its place is found; `{name: tensor}` where none does."""
+    """The dict in which `module` holds `tensor` as `name` (a later one is found there), or one."""
     places = (module._parameters, module._buffers, vars(module))
     return next((place for place in places if name in place), {name: tensor})
 
 
 def numpy_transform(transform: D.Transform) -> NumpyTransform | None:
-    """The numpy version of a torch transform built of constants (its tensors are viewed, not
-    copied), or None."""
+    """The numpy version of a torch transform built of constants (its tensors viewed), or None."""
     if type(transform) not in TRANSFORMS:
         return None
     build, names = TRANSFORMS[type(transform)]
@@ -212,8 +192,7 @@ def numpy_transform(transform: D.Transform) -> NumpyTransform | None:
 
 
 def as_numpy(value):
-    """A transform's argument as its numpy version takes it: a tensor as a numpy view of it, a
-    transform as its numpy version (None where it has none)."""
+    """A transform's argument as its numpy version takes it (None where a part has none)."""
     if torch.is_tensor(value):
         return value.detach().cpu().numpy()
     if isinstance(value, D.Transform):
@@ -224,8 +203,7 @@ def as_numpy(value):
 
 
 def transform_tensors(transform: D.Transform) -> list[tuple[dict, str]]:
-    """(holder, name) of each tensor that a torch transform built of constants holds and its numpy
-    version views: in its attributes, or its parts'."""
+    """(holder, name) of each tensor a torch transform or its parts hold, for its numpy version."""
     found = []
     for name in TRANSFORMS[type(transform)][1]:
         value = getattr(transform, name)
@@ -249,10 +227,8 @@ def holds(value, kinds: type | types.UnionType) -> bool:
 
 
 class NumpyGraph:
-    """The numpy version of a trace, built node by node: each layer, torch function, tensor method,
-    distribution and transform it calls replaced by its numpy version, each tensor the Agent holds
-    by a numpy view of it. Any value the code cannot write out is a constant, an attribute of the
-    program (`constants`); `views` says which of the Agent's tensors a constant is made from."""
+    """The numpy version of a trace, built node by node; a value the code cannot write out is a
+    constant, and `views` says which of the Agent's tensors a constant is made from."""
 
     def __init__(self, root: nn.Module):
         self.root = root
@@ -260,14 +236,11 @@ class NumpyGraph:
         self.nodes = {}  # the trace's node: its numpy version
         self.constants = {}
         self.views = []  # (holder, name, key, make): make() makes constant `key` of holder[name]
-        # the trace's nodes that build a distribution or transform, whose methods are called on it
-        # directly; and those, with what they reach through attributes, named for the messages
-        self.built = set()
-        self.objects = {}
+        self.built = set()  # nodes that build a distribution or transform (their methods called)
+        self.objects = {}  # those, and what they reach through attributes, named for messages
 
     def add(self, node: fx.Node) -> None:
-        """The numpy version of `node`, which carries (`meta["what"]`) what the trace's node calls,
-        naming a numpy version that fails."""
+        """The numpy version of `node`, carrying in `meta["what"]` what the trace's node calls."""
         if node.op in ("placeholder", "output"):
             self.nodes[node] = self.graph.node_copy(node, self.nodes.__getitem__)
             return
@@ -285,8 +258,7 @@ class NumpyGraph:
         self.remember(node)
 
     def get_attr(self, node: fx.Node, what: str, args: tuple, kwargs: dict) -> fx.Node:
-        """A tensor the Agent holds: a numpy view of it, made anew from its holder where another is
-        put in its place."""
+        """A tensor the Agent holds, as a numpy view made anew where another is put in its place."""
         path, _, attribute = node.target.rpartition(".")
         owner = self.root.get_submodule(path)
         holder = holder_of(owner, attribute, getattr(owner, attribute))
@@ -303,8 +275,7 @@ class NumpyGraph:
         return self.call(node, layer, args, kwargs)
 
     def call_function(self, node: fx.Node, what: str, args: tuple, kwargs: dict) -> fx.Node:
-        """A call of a function, or of a distribution or transform class: its numpy version, or
-        the operator itself (numpy's arrays take it)."""
+        """A call of a function, distribution or transform: its numpy version, or the operator."""
         target = (
             DISTRIBUTIONS.get(node.target)
             or TRANSFORMS.get(node.target, (None,))[0]
@@ -317,8 +288,7 @@ class NumpyGraph:
         return self.call(node, self.constant(target), args, kwargs)
 
     def call_method(self, node: fx.Node, what: str, args: tuple, kwargs: dict) -> fx.Node:
-        """A method called on a tensor, on a distribution or transform, or on what one of those
-        reaches through an attribute: numpy's method of the array, or a function of it."""
+        """A method called on a tensor or a built object: numpy's method, or a function of it."""
         method = node.target
         receiver = node.args[0]
         if receiver not in self.built and method in SAME_IN_NUMPY and not kwargs:
@@ -330,13 +300,11 @@ class NumpyGraph:
         return self.graph.create_node("call_method", method, args, kwargs, node.name)
 
     def call(self, node: fx.Node, key: str, args: tuple, kwargs: dict) -> fx.Node:
-        """A call of the constant `key` (a numpy version) in place of `node`: the program calls it
-        as it would call a layer it holds."""
+        """A call of the constant `key` in place of `node`, as of a layer the program holds."""
         return self.graph.create_node("call_module", key, args, kwargs, node.name)
 
     def remember(self, node: fx.Node) -> None:
-        """The distribution or transform `node` builds, or one it reaches through an attribute,
-        named for the messages."""
+        """What `node` builds, or reaches through an attribute, named for the messages."""
         target = node.target
         if node.op == "call_function" and isinstance(target, type) and issubclass(target, RECORDED):
             self.built.add(node)
@@ -345,9 +313,7 @@ class NumpyGraph:
             self.objects[node] = f"{self.objects[node.args[0]]}.{node.args[1]}"
 
     def argument(self, value):
-        """An argument as the program takes it: a node's numpy version, a literal as it is, any
-        other value a constant: a dtype as numpy's, a transform as its numpy version over views of
-        its tensors."""
+        """An argument as the program takes it: a node's numpy version, a literal, or a constant."""
         if isinstance(value, fx.Node):
             return self.nodes[value]
         if type(value) in LITERALS:
@@ -378,7 +344,7 @@ class NumpyGraph:
 
 class Trial(fx.Interpreter):
     """A numpy program run node by node, once, where the rollout is derived: a numpy version that
-    fails is named by what its node calls; one that lacks the attribute called, as having none."""
+    fails is named by what its node calls."""
 
     def __init__(self, module: fx.GraphModule):
         super().__init__(module)
