@@ -1,13 +1,5 @@
-"""The format of ddrl's checkpoint and model files: one safetensors file of tensors (model.NAME, an
-optimizer's NAME.state.INDEX.KEY, every rank's random streams as rng.*) and a small JSON header
-saying what wrote them, so nothing in a file can run code, and every tensor's dtype, shape and bytes
-are declared before any is read. Writing one is atomic; reading one is checking it: the file, its
-header within the bounds of what ddrl writes, every tensor against what is wanted, every number
-finite, every random stream a state its generator leaves; every misfit is one line that names the
-file and the fix, with any text the file holds shown escaped. Nothing here knows of a run. The
-calls: `write`; `read` (the header, and the tensors' shapes and dtypes), `misfits` (those against
-what is wanted) and `load` (tensors, found finite); every rank's random streams, `random_streams`
-(this process's), `check_random_streams` and `restore_random_streams`."""
+"""The format of checkpoint and model files: safetensors and a JSON header, so nothing in a file can
+run code; written atomically, and reading is checking, every misfit one line naming the fix."""
 
 from __future__ import annotations
 
@@ -30,17 +22,11 @@ from ddrl.failures import fail, first_line, shown
 
 FORMAT = "ddrl"  # the header's one metadata entry, a JSON object; its "format" is this too
 VERSION = 2
-# safetensors' own header (the tensors' table and ours): ddrl's files hold a few hundred tensors, a
-# few KB of table; a network of ten thousand parameters' tensors would take about 3 MB. A file
-# declaring more is refused, unread.
-MAX_HEADER_BYTES = 16 * 2**20
+MAX_HEADER_BYTES = 16 * 2**20  # safetensors' header (its table and ours): ddrl writes a few KB
 MAX_METADATA_CHARS = 2**20  # ddrl's JSON in it: args and optimizer options, a few KB at most
-# how deep ddrl's JSON nests: header, optimizers, one optimizer, its groups, a group, a tuple
-MAX_DEPTH = 8
-# torch's CPU generator state as torch.get_rng_state() returns it (at::CPUGeneratorImplState): the
-# fields ddrl checks, where the struct lays them out. torch's own set_state checks only its size,
-# `seeded`, and `left` and `next` one by one: it takes a key of zeros, a NaN cached, and a position
-# from which the next draw reads past the key.
+MAX_DEPTH = 8  # header, optimizers, one optimizer, its groups, a group, a tuple
+# torch.get_rng_state()'s struct (at::CPUGeneratorImplState), as torch's set_state takes states no
+# generator leaves (a key of zeros, a NaN cached, a position past the key)
 TORCH_STATE = np.dtype(
     {
         "names": "left seeded next key normal normal_valid float_normal float_valid".split(),
@@ -53,14 +39,11 @@ RANDOM_STREAMS = {  # the tensors of every rank's random streams: name, dtype, s
     "rng.python": (torch.int64, (625,)),  # Python's Mersenne Twister: its 624 words and position
     "rng.python_gauss": (torch.float64, ()),  # its cached gaussian, NaN where none
     "rng.numpy": (torch.int64, (624,)),  # numpy's legacy generator: its key
-    # its position, whether a gaussian is cached, that gaussian
-    "rng.numpy_state": (torch.float64, (3,)),
+    "rng.numpy_state": (torch.float64, (3,)),  # position, has_gauss, cached gaussian
     "rng.torch": (torch.uint8, (TORCH_STATE.itemsize,)),
 }
 MT_WORDS = 624  # a Mersenne Twister's key, 32-bit words; its position lies in [0, 624]
-# a gaussian a generator caches is below 12.1 in size (numpy's polar method on 53-bit uniforms;
-# Python's and torch's Box-Muller: 8.6): one beyond this no draw gave
-MAX_GAUSSIAN = 16.0
+MAX_GAUSSIAN = 16.0  # a cached gaussian is below 12.1 in size (numpy's polar method): none beyond
 STREAM_ROWS = 256  # ranks' streams checked at once: memory bounded, whatever world a file claims
 
 
@@ -73,11 +56,8 @@ def write(
     streams: list[dict[str, torch.Tensor]] | None = None,
     **fields,
 ) -> str:
-    """A training checkpoint (`model`'s state, `optimizers`' per-parameter state by name, every
-    rank's random streams, rank 0's first) or, without optimizers, a model file, written at `path`
-    atomically (write_atomically); its header says what the file is, which script and algorithm
-    wrote it (a copy of a script loads the original's file where its Agent fits, and says whose it
-    is), the env, the args and `fields`. Returns '' once written, else why not."""
+    """A training checkpoint (with `optimizers` and every rank's `streams`) or a model file, its
+    header saying who wrote it, the env, the args and `fields`; '' once written, else why not."""
     writer = sys.modules.get(type(model).__module__)
     algorithm = ((writer.__doc__ or "").strip().splitlines() or [""])[0] if writer else ""
     header = {
@@ -102,16 +82,12 @@ def write(
 
 
 def write_atomically(path: str, tensors: dict[str, torch.Tensor], header: dict) -> str:
-    """`tensors` and the JSON `header` as one safetensors file at `path`, in its existing folder,
-    atomically: the bytes go to a new file made exclusively beside it, which then takes `path`'s
-    place (a link there is replaced, not followed). A kill at any moment leaves the old file; a
-    failed write leaves no part behind. Returns '' once written, else why not, in words that name
-    the fix: the caller stops every rank with it, as only this rank knows."""
+    """`tensors` and `header` as one file at `path`, through a new file beside it that takes its
+    place: a kill leaves the old file, a failure no part. '' once written, else why not."""
     folder = os.path.dirname(path) or "."
     temporary = ""
     try:
         on_host = {name: tensor.detach().cpu().contiguous() for name, tensor in tensors.items()}
-        # tuples as lists, anything else JSON cannot hold (a tensor learning rate) as its repr
         data = save_bytes(on_host, metadata={FORMAT: json.dumps(header, default=repr)})
         descriptor, temporary = tempfile.mkstemp(
             dir=folder, prefix=f".{os.path.basename(path)}.", suffix=".tmp"
@@ -121,7 +97,6 @@ def write_atomically(path: str, tensors: dict[str, torch.Tensor], header: dict) 
             file.write(data)
         os.replace(temporary, path)
         temporary = ""
-    # a full disk, a folder made unwritable, a folder where the file goes
     except (OSError, RuntimeError, SafetensorError) as error:
         return (
             f"could not write {path} ({first_line(error)}): free disk space or make the folder "
@@ -136,9 +111,8 @@ def write_atomically(path: str, tensors: dict[str, torch.Tensor], header: dict) 
 def optimizer_entries(
     name: str, optimizer: torch.optim.Optimizer
 ) -> tuple[dict[str, torch.Tensor], dict]:
-    """An optimizer's per-parameter state, as torch's state_dict numbers it (INDEX: the parameter's
-    place across the groups), as tensors named NAME.state.INDEX.KEY, and what the header says of it:
-    its type, its options, and the per-parameter numbers that are no tensors."""
+    """An optimizer's per-parameter tensors as NAME.state.INDEX.KEY, and what the header says of it:
+    its type, options, and the per-parameter numbers."""
     state = optimizer.state_dict()
     tensors = {}
     numbers = {}
@@ -156,8 +130,7 @@ def optimizer_entries(
 
 
 def random_streams() -> dict[str, torch.Tensor]:
-    """This process's random streams as tensors: Python's, numpy's, torch's CPU generator (CUDA's
-    with it where CUDA is in use)."""
+    """This process's random streams as tensors: Python's, numpy's, torch's (and CUDA's in use)."""
     _, python_state, gauss = random.getstate()
     _, keys, position, has_gauss, cached = np.random.get_state()
     streams = {
@@ -176,11 +149,8 @@ def random_streams() -> dict[str, torch.Tensor]:
 
 # --- reading: the file, then its header, each refused in one line ---------------------------------
 def read(path: str, fix: str) -> tuple[dict, dict[str, tuple[tuple[int, ...], str]]]:
-    """The header of the checkpoint or model file at `path` and its tensors' (shape, dtype) by name,
-    read without loading any tensor: only a regular file, whose first 8 bytes declare a header
-    within MAX_HEADER_BYTES and within the file, which safetensors then checks (every tensor's bytes
-    inside the file, none overlapping); ddrl's JSON in it within MAX_METADATA_CHARS and MAX_DEPTH.
-    Anything else is one line naming the file, what it is and `fix`."""
+    """The header of the file at `path` and its tensors' (shape, dtype) by name, read without any
+    tensor and within bounds; anything else is one line naming the file, what it is and `fix`."""
     if problem := file_problem(path):
         fail(f"{path} {problem}; {fix}")
     try:
@@ -190,7 +160,6 @@ def read(path: str, fix: str) -> tuple[dict, dict[str, tuple[tuple[int, ...], st
             for name in opened.keys():
                 declared = opened.get_slice(name)
                 tensors[name] = (tuple(declared.get_shape()), declared.get_dtype())
-    # safetensors' checks, or the OS refusing to map it (a huge sparse file)
     except Exception as error:
         fail(
             f"{path} could not be opened as a safetensors file ({type(error).__name__}: "
@@ -246,10 +215,7 @@ def read(path: str, fix: str) -> tuple[dict, dict[str, tuple[tuple[int, ...], st
 
 
 def file_problem(path: str) -> str | None:
-    """What makes `path` no safetensors file, found from its type and first 8 bytes at most: not a
-    regular file (a folder, a device, a named pipe), too short, a header longer than the bound or
-    the file, an earlier version's torch.save zip archive, a pickle. None if safetensors may open
-    it."""
+    """What makes `path` no safetensors file, from its type and first 8 bytes; None if none."""
     try:
         mode = os.stat(path).st_mode
         if stat.S_ISDIR(mode):
@@ -312,13 +278,8 @@ def depth(value) -> int:
 
 # --- every rank's random streams: states their generators leave -----------------------------------
 def check_random_streams(path: str, header: dict, found: dict) -> None:
-    """Stop in one line naming the file, the rank and the stream unless the checkpoint holds every
-    rank's random streams (Python's, numpy's, torch's, CUDA's where it has them) in the shapes its
-    world gives, each a state its generator leaves: a key that is no zeros, a position within it, a
-    cached gaussian that a draw gives. numpy resumed from a key of zeros would hang in its next
-    gaussian; a NaN cached would reach the first actions. The generators' own setters take most of
-    these (numpy's any position, from which its next draw reads outside the key), so they are
-    checked here. Read STREAM_ROWS ranks at a time."""
+    """Stop in one line unless the checkpoint holds every rank's random streams, each a state its
+    generator leaves (their setters take most others)."""
     world_size = header["world_size"]
     wanted = {
         name: ((world_size, *shape), dtype) for name, (dtype, shape) in RANDOM_STREAMS.items()
@@ -350,13 +311,11 @@ def check_random_streams(path: str, header: dict, found: dict) -> None:
 
 
 def stream_faults(rows: dict[str, np.ndarray]) -> list[tuple[np.ndarray, str]]:
-    """Each way the ranks' random streams in `rows` (a row a rank) can hold a state no generator
-    leaves: which rows do, and what a message says of it."""
+    """(ranks, what a message says) for each state no generator leaves in `rows` (a rank each)."""
     python = rows["rng.python"]
     gauss = rows["rng.python_gauss"]
     position, has_gauss, cached = rows["rng.numpy_state"].T
     faults = mersenne_faults("Python's", python[:, :MT_WORDS], python[:, MT_WORDS])
-    # NaN: none cached, as the file writes Python's None
     faults.append((np.abs(gauss) > MAX_GAUSSIAN, "Python's cached gaussian is no draw's"))
     faults += mersenne_faults("numpy's", rows["rng.numpy"], position)
     faults.append((~np.isin(has_gauss, (0, 1)), "numpy's has_gauss is neither 0 nor 1"))
@@ -364,17 +323,14 @@ def stream_faults(rows: dict[str, np.ndarray]) -> list[tuple[np.ndarray, str]]:
     faults += torch_faults(rows["rng.torch"])
     if "rng.cuda" in rows:
         offsets = rows["rng.cuda"][..., 8:16].copy().view("<i8")[..., 0]
-        # CUDA's Philox offset: torch refuses one that is no multiple of 4, and never counts back
         wrong = ((offsets < 0) | (offsets % 4 != 0)).any(axis=1)
         faults.append((wrong, "CUDA's offset is negative or no multiple of 4"))
     return faults
 
 
 def torch_faults(states: np.ndarray) -> list[tuple[np.ndarray, str]]:
-    """stream_faults' of torch's CPU generator states (a row of its bytes a rank, TORCH_STATE):
-    its key as mersenne_faults checks it, a generator never seeded, a position past the key's end
-    (`left` words to draw from `next` on: a seeded generator has left 1 and next 0, and from its
-    first draw on left + next is 625), and cached normals no draw gives."""
+    """stream_faults' of torch's CPU generator states: a position (left + next is at most 625), key
+    and cached normals no draw leaves."""
     fields = states.view(TORCH_STATE)[:, 0]
     left = fields["left"].astype(np.int64)
     after = left + fields["next"].astype(np.float64)
@@ -392,11 +348,8 @@ def torch_faults(states: np.ndarray) -> list[tuple[np.ndarray, str]]:
 def mersenne_faults(
     name: str, key: np.ndarray, position: np.ndarray | None
 ) -> list[tuple[np.ndarray, str]]:
-    """stream_faults' of a Mersenne Twister's `key` (a row of 624 words a rank) and `position`
-    (None: the caller checks it): words that are no 32-bit numbers (Python's and torch's generators
-    would cut them), a position outside the key, and a key whose 19937 bits (the first word's top
-    bit, the other words) are zeros, which no seeding leaves and from which the generator draws
-    zeros forever."""
+    """stream_faults' of a Mersenne Twister's `key` and `position`: words no 32-bit number, a
+    position outside the key, and 19937 bits of zeros (no seeding leaves them)."""
     outside = ((key < 0) | (key >= 2**32)).any(axis=1)
     zeros = (key[:, 0] % 2**32 < 2**31) & ~key[:, 1:].any(axis=1)
     faults = [(outside, f"{name} key holds numbers outside [0, 2**32)")]
@@ -408,13 +361,10 @@ def mersenne_faults(
 
 
 def restore_random_streams(path: str, found: dict, rank: int) -> None:
-    """This process's random streams set to the ones rank `rank` (one of the file's ranks) left in
-    the file at `path` (`found`: read's tensors of it), whose streams check_random_streams found
-    states their generators leave; what a generator still refuses is one line."""
+    """This process's random streams set to rank `rank`'s in the file; a refusal is one line."""
     cuda = ["rng.cuda"] if "rng.cuda" in found and torch.cuda.is_available() else []
     names = [*RANDOM_STREAMS, *cuda]
-    # copies: torch.set_rng_state misreads a view into the stacked ranks' states (rank r's starts
-    # past offset 0)
+    # copies: torch.set_rng_state misreads a view into the stacked ranks' states
     streams = {
         name: rows[0].clone()
         for name, rows in tensors_of(path, names, slice(rank, rank + 1)).items()
@@ -428,7 +378,6 @@ def restore_random_streams(path: str, found: dict, rank: int) -> None:
         np.random.set_state(("MT19937", keys, int(position), int(has_gauss), cached))
         torch.set_rng_state(streams["rng.torch"])
         if "rng.cuda" in streams:
-            # the GPUs both machines have: a rank uses one, cuda:LOCAL_RANK
             devices = torch.cuda.device_count()
             torch.cuda.set_rng_state_all([state.clone() for state in streams["rng.cuda"][:devices]])
     except (LookupError, TypeError, ValueError, OverflowError, RuntimeError) as error:
@@ -441,8 +390,8 @@ def restore_random_streams(path: str, found: dict, rank: int) -> None:
 
 # --- tensors: compared with what is wanted, then loaded -------------------------------------------
 def misfits(found: dict[str, tuple], wanted: dict[str, tuple], prefix: str) -> str:
-    """The first few differences between the file's tensors named `prefix`... and the ones `wanted`
-    (name: (shape, torch dtype)), as a message lists them, the file's names escaped; '' if none."""
+    """The first few differences between the file's tensors named `prefix`... and those `wanted`
+    ((shape, torch dtype) by name), as a message lists them; '' if none."""
     faults = []
     for name, (shape, dtype) in wanted.items():
         if name not in found:
@@ -481,8 +430,7 @@ def safetensors_dtype(dtype: torch.dtype) -> str:
 
 
 def load(path: str, names: list[str], fix: str) -> dict[str, torch.Tensor]:
-    """The named tensors of the file at `path` (which misfits found as wanted), or one line naming
-    the file, its first tensors that hold NaN or infinity, and `fix`."""
+    """The named tensors of the file, or one line naming those that hold NaN or infinity."""
     tensors = tensors_of(path, names)
     nonfinite = [
         name
@@ -498,8 +446,7 @@ def load(path: str, names: list[str], fix: str) -> dict[str, torch.Tensor]:
 
 
 def tensors_of(path: str, names: list[str], rows: slice | None = None) -> dict[str, torch.Tensor]:
-    """The named tensors of the file at `path` (found before, with the shapes and dtypes wanted), or
-    their `rows` alone, read without the rest."""
+    """The named tensors of the file at `path`, or their `rows` alone."""
     try:
         with safe_open(path, framework="pt") as opened:
             return {
