@@ -38,8 +38,7 @@ from ddrl.failures import first_line, say
 from ddrl.verify_rank import ITERATIONS, Rank, file_of, load, read_record
 
 USAGE = "usage: python -m ddrl.verify [--import-timeout SECONDS] SCRIPT.py"
-# the largest difference allowed, relative to a value's scale (at least 1), by the runs' precision:
-# float64 rounding leaves about 1e-14 after three iterations of Adam, a broken sync about 1e-3
+# the largest relative difference allowed: float64 leaves about 1e-14, a broken sync about 1e-3
 TOLERANCES = {"float64": 1e-9, "float32": 1e-5}
 BATCH_TOLERANCE = 1e-5  # the batch is stored in float32: values a rounding apart near its boundary
 IMPORT_SECONDS = 60.0  # the import's bound, unless --import-timeout says otherwise
@@ -174,8 +173,7 @@ def no_script(script: Path) -> str:
 
 
 def end_descendants() -> None:
-    """SIGKILL every process verify started and every process they forked (a child a copy forks at
-    import, which verify inherits as their subreaper), until none is left."""
+    """SIGKILL every process verify started or they forked (verify is their subreaper)."""
     while children := [pid for task in Path("/proc/self/task").glob("*/children")
                        for pid in map(int, task.read_text().split())]:  # fmt: skip
         for pid in children:
@@ -188,8 +186,8 @@ def end_descendants() -> None:
 
 # --- the import, in a process of its own ----------------------------------------------------------
 def probe(script: Path, folder: Path, seconds: float) -> dict | str:
-    """What the runs need to know of the script (its small flags and `--sync` modes), from an import
-    in a process of its own bounded by `seconds`; or why verify cannot run it."""
+    """The script's small flags and `--sync` modes, from an import in a process of its own bounded
+    by `seconds`; or why verify cannot run it."""
     process = multiprocessing.get_context("fork").Process(target=probed, args=(script, folder))
     process.start()
     process.join(seconds)
@@ -207,8 +205,7 @@ def probe(script: Path, folder: Path, seconds: float) -> dict | str:
 
 
 def probed(script: Path, folder: Path) -> None:
-    """The import's process: the script imported (its output to a log), what verify needs of it
-    written to its end file."""
+    """The import's process: what verify needs of the script, written to its end file."""
     os.chdir(folder)
     log = os.open(file_of(folder, "probe", 0, "log"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     os.dup2(log, 1)
@@ -248,7 +245,6 @@ def looked_at(module, name: str) -> dict:
     else:
         flags["total_timesteps"] = ITERATIONS * 2 * envs * flags["num_steps"]
     modes = ["allreduce", "gather"] if "sync" in fields else ["allreduce"]
-    # the installed libraries it imported (no module of the copy's own), for verify to import once
     installed = sysconfig.get_paths()["purelib"]
     files = {name: str(getattr(module, "__file__", "")) for name, module in sys.modules.items()}
     libraries = sorted({name.split(".")[0] for name, file in files.items() if installed in file})
@@ -267,9 +263,8 @@ def import_problem(name: str, error: BaseException) -> str:
 
 # --- the runs -------------------------------------------------------------------------------------
 def run_phases(script: Path, work: Path, setup: dict, precision: str) -> tuple[str, str]:
-    """The two-rank allreduce run, then the one-rank run and the gather run beside each other, which
-    replay its draws: '' when every rank recorded its last iteration, else which run stopped and
-    why; and the first line of an exception a rank raised ('' if none)."""
+    """The allreduce run, then the one-rank and gather runs replaying its draws: which run stopped
+    and why (''), and the first line of an exception a rank raised ('')."""
     flags = setup["flags"]
     wide = flags | {"local_num_envs": 2 * flags["local_num_envs"]}
     phases = [[("allreduce", 2, flags)], [("reference", 1, wide)]]
@@ -284,8 +279,7 @@ def run_phases(script: Path, work: Path, setup: dict, precision: str) -> tuple[s
 
 
 def start_ranks(script: Path, work: Path, role: str, ranks: int, precision: str, flags: dict):
-    """The ranks of one run, forked from this process (which imported torch once) with a launcher's
-    variables: ranks and a free port."""
+    """The ranks of one run, forked from this process with a launcher's variables."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -301,8 +295,7 @@ def start_ranks(script: Path, work: Path, role: str, ranks: int, precision: str,
 
 
 def forked(rank: "Rank", script: Path, flags: dict, launcher: dict) -> None:
-    """A rank's process: the launcher's variables in place of any it inherited, its output to its
-    log, then the rank."""
+    """A rank's process: the launcher's variables in place of any inherited, its output to a log."""
     launched = ("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_", "OMPI_", "PMI_", "PMIX_", "SLURM_")
     for key in [key for key in os.environ if key.startswith((*launched, "TORCHELASTIC"))]:
         del os.environ[key]
@@ -371,8 +364,8 @@ def ended(exitcode: int) -> str:
 
 # --- the comparison -------------------------------------------------------------------------------
 def judged(work: Path, modes: list[str], tolerance: float, precision: str) -> tuple[str, float]:
-    """The first thing, by iteration, that differs between a two-rank run's ranks and the one-rank
-    run, in one sentence ('' if nothing), and the largest difference of a tensor."""
+    """The first thing that differs between a two-rank run's ranks and the one-rank run (''), and
+    the largest difference of a tensor."""
     worst = 0.0
     for iteration in range(1, ITERATIONS + 1):
         reference = read_record(work, "reference", 0, iteration)
@@ -391,10 +384,8 @@ def judged(work: Path, modes: list[str], tolerance: float, precision: str) -> tu
 def compared(
     reference: dict, ranks: list[dict], tolerance: float, mode: str, precision: str
 ) -> tuple[str, float]:
-    """What first differs, in a clause ('' if nothing), and the largest tensor gap: the ranks' args
-    between them; then against the one-rank run's, each rank's numbers, the tensors no gradient
-    moves (statistics), the batch (the allreduce ranks' union), the parameters and the
-    optimizers' state."""
+    """What first differs (''), and the largest tensor gap: the ranks' args, then against the
+    one-rank run's the numbers, statistics, the batch, the parameters and the optimizers' state."""
     numbers = [rank["meta"]["numbers"] for rank in ranks]
     for name in numbers[0]:
         if name.startswith("args.") and not alike(numbers[1].get(name), numbers[0][name], 0):
@@ -420,7 +411,6 @@ def compared(
                 f"rank {rank} holds {len(record['meta']['names'])} parameters and buffers, where "
                 f"the one-rank run holds {count}: every rank makes the same modules"
             ), 0.0
-        # an optimizer's state where this rank stepped it (under --sync gather rank 0 alone does)
         stepped = record["meta"]["stepped"]
         held = [key for key in reference if key.startswith("optimizer.")]
         keys = [f"state.{i}" for i in range(count)]
@@ -454,8 +444,7 @@ def compared(
 
 
 def cause_of(keys: list[str], ranks: list[dict], mode: str) -> str:
-    """Why tensors differ, as far as the records tell: gradients that were not alike on both ranks
-    (not averaged), statistics no gradient moves, or the update itself."""
+    """Why tensors differ, as far as the records tell."""
     gradients = [f"gradient.{key.split('.')[1]}" for key in keys if key.startswith("state.")]
     held = [key for key in gradients if key in ranks[0]]
     if mode == "allreduce" and any(gap(ranks[1].get(key), ranks[0][key]) > 0 for key in held):
@@ -473,8 +462,7 @@ def cause_of(keys: list[str], ranks: list[dict], mode: str) -> str:
 
 
 def gap(ours: torch.Tensor | None, theirs: torch.Tensor | None) -> float:
-    """The largest difference of two tensors relative to the second's scale (at least 1); inf where
-    one is missing or they differ in shape or integers."""
+    """The largest difference of two tensors relative to the second's scale (at least 1), or inf."""
     if ours is None or theirs is None or ours.shape != theirs.shape:
         return math.inf
     if not theirs.is_floating_point() or not theirs.numel():

@@ -1,8 +1,5 @@
-"""One rank of one of `python -m ddrl.verify`'s runs, in the process verify forked for it: the
-copy's own main, small, its draws from torch.distributions recorded (the two-rank allreduce run) or
-replayed from the allreduce ranks' (the one-rank run takes both ranks' rows), its update's
-minibatches recorded or taken from theirs, and the training state main holds recorded after each
-iteration; and the files verify's processes exchange, named in one place."""
+"""One rank of one of `python -m ddrl.verify`'s runs, in the process verify forked for it, and the
+files verify's processes exchange, named in one place."""
 
 import functools
 import importlib.util
@@ -40,9 +37,8 @@ def load(script: Path):
 
 # --- the rank --------------------------------------------------------------------------------
 class Rank:
-    """One rank of one of verify's runs: the script's main, small, its draws recorded (allreduce) or
-    replayed from the allreduce ranks', its update's minibatches recorded or taken from theirs, and
-    its training state recorded after each iteration (at the sync check); stopped after the last."""
+    """One rank of one of verify's runs: the script's main, its draws and minibatches recorded
+    (allreduce) or replayed from the allreduce ranks', its training state recorded."""
 
     def __init__(self, role: str, rank: int, work: Path, precision: str):
         self.role = role
@@ -81,8 +77,7 @@ class Rank:
         return 1 if end else 0
 
     def watch(self, module) -> None:
-        """Verify's hands on the run: every distribution's sample and rsample, the script's update
-        and one_learner's, and the Run's sync check (where the state is recorded)."""
+        """Verify's hands on the run: every distribution's sample, the updates, the sync check."""
         classes = [torch.distributions.Distribution]
         while classes:
             kind = classes.pop()
@@ -109,9 +104,8 @@ class Rank:
         return draw
 
     def took(self, value: torch.Tensor) -> torch.Tensor:
-        """A draw as this rank takes it: recorded (allreduce ranks), or the allreduce ranks' draw
-        of the same call (the one-rank run's: both ranks' rows) where its shape fits (a probe's
-        draws are no env's)."""
+        """A draw as this rank takes it: recorded (allreduce), or the allreduce ranks' draw of the
+        same call where its shape fits (a probe's draws are no env's)."""
         index = self.draws
         self.draws += 1
         if self.replays is None:
@@ -124,9 +118,8 @@ class Rank:
         return replay.to(value) if replay.shape == value.shape else value
 
     def updating(self, update):
-        """The script's update, called as main calls it: its batch in this run's precision (main's
-        too), and its minibatches recorded (allreduce) or the union of the allreduce ranks' (the
-        one-rank run's, its units lined up with theirs)."""
+        """The script's update, its batch in this run's precision, its minibatches recorded
+        (allreduce) or the union of the allreduce ranks' (the one-rank run's)."""
         signature = inspect.signature(update)
 
         def verify_update(*arguments, **options):
@@ -145,8 +138,7 @@ class Rank:
         return verify_update
 
     def gathering(self, update_on_rank0):
-        """one_learner.update_on_rank0 at the gather ranks: the batch in this run's precision
-        (main's too), the allreduce ranks' minibatches of this iteration."""
+        """one_learner.update_on_rank0 at the gather ranks, on the allreduce ranks' minibatches."""
 
         def verify_update_on_rank0(update_union, batch, orders=None, sizes=None):
             self.updates += 1
@@ -165,9 +157,7 @@ class Rank:
 
     def line_up(self, called: dict) -> None:
         """The one-rank run's update at the allreduce ranks' minibatches: its batch paired unit by
-        unit (a row, or an env's rows where the orders permute envs) with the union of theirs, by
-        the tensors both hold alike (the observations and actions at least), their orders made
-        orders of its units; how far its other tensors are from theirs recorded."""
+        unit with the union of theirs, by the tensors both hold alike."""
         records = [read_record(self.work, "allreduce", rank, self.updates) for rank in (0, 1)]
         batch = {key: value.cpu() for key, value in called["batch"].items()}
         union = {key: torch.cat([r[f"batch.{key}"] for r in records]) for key in batch}
@@ -198,8 +188,8 @@ class Rank:
             called["sizes"] = sizes.sum(0)[None]
 
     def record(self, iteration: int, main, args) -> None:
-        """The training state `main` (its frame) holds after `iteration`, with the iteration's
-        draws, batch and minibatches, in this rank's record of it; main stopped after the last."""
+        """The training state `main` holds after `iteration`, with its draws, batch and minibatches,
+        in this rank's record; main stopped after the last."""
         state = training_state.found(main, args)
         names = list(state.tensors)
         tensors = {f"state.{i}": value for i, value in enumerate(state.tensors.values())}
@@ -233,9 +223,8 @@ def drawn_by(work: Path, rank: int) -> list[torch.Tensor]:
 
 
 def units_of(batch: dict, units: int, scales: dict) -> dict[str, list[bytes]] | None:
-    """Each tensor's units as bytes, floats in steps of a millionth of their tensor's scale (values
-    a rounding apart still pair): a unit is a row, or `len // units` consecutive rows of a tensor
-    longer than `units`; None where a tensor's length is no multiple of the units."""
+    """Each tensor's units (rows, or `len // units` rows) as bytes, floats rounded to a millionth of
+    their scale; None where a length is no multiple of the units."""
     if any(len(value) % units for value in batch.values()):
         return None
     found = {}
@@ -248,8 +237,7 @@ def units_of(batch: dict, units: int, scales: dict) -> dict[str, list[bytes]] | 
 
 
 def batch_gaps(batch: dict, union: dict, place: np.ndarray, units: int) -> dict[str, list]:
-    """Each floating tensor's largest relative gap between the one-rank run's unit and the union's
-    unit paired with it, and the rank whose unit it is (the union's first half is rank 0's)."""
+    """Each floating tensor's largest relative gap between paired units, and whose unit it is."""
     gaps = {}
     for key, value in batch.items():
         if value.is_floating_point():
@@ -272,9 +260,7 @@ def read_record(work: Path, role: str, rank: int, iteration: int) -> dict | None
 
 
 def file_of(work: Path, role: str, rank: int, what: str | int) -> Path:
-    """The one place that names the files verify's processes exchange, a set per rank of a run (the
-    probe's too): its `log`, its `end` (JSON: what stopped it, or what the probe found) and its
-    record of each iteration (safetensors: its training state, draws, batch and minibatches, and
-    in the metadata the names and numbers)."""
+    """The files verify's processes exchange, a set per rank of a run: `log`, `end` (JSON) and a
+    record of each iteration (safetensors)."""
     suffix = ".safetensors" if isinstance(what, int) else ""
     return work / f"{role}.{rank}.{what}{suffix}"
