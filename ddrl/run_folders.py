@@ -1,7 +1,5 @@
-"""Run folders: runs/NAME, one folder name below runs/, created by rank 0 exclusively so that no run
-writes into another's, and locked by it for the run's life so that no two launches train one run;
-its TensorBoard writer (and Weights and Biases run, with --track). The folder's name and held lock
-are its `RunFolder`."""
+"""runs/NAME: created by rank 0 exclusively, so that no run writes into another's, and locked for
+the run's life, so that no two launches train one run; never written through a link."""
 
 import contextlib
 import errno
@@ -22,16 +20,13 @@ from ddrl import collectives
 from ddrl.failures import fail
 
 LOCK_FILE = "run.lock"  # in every run folder: locked by the run's rank 0, and who holds it
-# what else a run writes in its folder, besides TensorBoard's events (their names end in a random
-# suffix): each a real folder, or a file written beside its place and renamed over it
 WRITTEN_FOLDERS = ("checkpoints", "videos")
 MODEL_FILE = "model.safetensors"
 
 
 @dataclass
 class RunFolder:
-    """The run's folder below runs/ (its name; '' until known) and, on rank 0 from the folder's
-    creation to the run's end, its open run.lock, locked."""
+    """The run's folder name ('' until known) and, on rank 0, its run.lock, held."""
 
     name: str = ""
     lock: IO | None = None
@@ -44,17 +39,14 @@ def refuse_link(path: str) -> None:
 
 
 def real_folder(path: str) -> None:
-    """Make the folder `path` if it is missing (runs/NAME/checkpoints, videos); stop in one line if
-    it is a link or no folder, or holds a link, so that nothing is written through a link."""
+    """Make the folder `path` if missing; stop in one line if it is, or holds, a link."""
     if problem := folder_problem(path, make=True):
         fail(problem)
 
 
 def create_run_folder(args, name: str, rank: int, device: torch.device, resumed: bool) -> RunFolder:
-    """The run's folder, on every rank: `name` (the name given or resumed), or a default from rank
-    0's clock, suffixed where taken. Rank 0 creates it (`resumed`: finds it), finds every path the
-    run writes there fit (run_folder_problem) and locks it for the run's life; every rank stops with
-    rank 0's one line if it could not."""
+    """The run's folder on every rank: `name`, or a default from rank 0's clock, suffixed where
+    taken; rank 0 creates (or finds) it, checks it and locks it, or every rank stops."""
     folder = RunFolder()
     default_name = f"{args.env_id.replace('/', '-')}__{args.exp_name}__{args.seed}__"
     start_time = int(time.time())
@@ -77,10 +69,8 @@ def create_run_folder(args, name: str, rank: int, device: torch.device, resumed:
 
 
 def run_folder_problem(name: str, save_model: bool) -> str:
-    """Why the run cannot write its files in runs/NAME ('' if it can), found by rank 0 before the
-    first iteration rather than at the first checkpoint: the folder, its checkpoints/ and videos/
-    each a real folder that holds no link (its run.lock, a checkpoint, the model file), and with
-    `save_model` a model file that is no folder."""
+    """Why the run cannot write its files in runs/NAME (''), found before the first iteration
+    rather than at the first checkpoint."""
     folder = os.path.join("runs", name)
     for path in (folder, *(os.path.join(folder, child) for child in WRITTEN_FOLDERS)):
         if problem := folder_problem(path, make=False):
@@ -92,8 +82,7 @@ def run_folder_problem(name: str, save_model: bool) -> str:
 
 
 def folder_problem(path: str, make: bool) -> str:
-    """Why a run cannot write files into the folder `path` without a link ('' if it can): it is a
-    link or no folder, or holds a link, or (`make`: made where missing) cannot be made or read."""
+    """Why a run cannot write into the folder `path` (made where missing: `make`), or ''."""
     if os.path.islink(path):
         return link_problem(path)
     try:
@@ -118,10 +107,8 @@ def link_problem(path: str) -> str:
 
 
 def lock_run_folder(name: str) -> tuple[IO | None, str]:
-    """Rank 0 locks runs/NAME/run.lock for the run's life (the lock goes with the process, however
-    it ends) and writes there which launch, process and host hold it: a second launch or --resume of
-    the run is refused while it runs. Returns the open lock file and what went wrong ('' if
-    nothing)."""
+    """Rank 0 locks runs/NAME/run.lock for the process's life, saying who holds it: the open lock
+    file, and what went wrong ('')."""
     path = os.path.join("runs", name, LOCK_FILE)
     try:  # never through a link: O_NOFOLLOW refuses one
         descriptor = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
@@ -150,8 +137,7 @@ def lock_run_folder(name: str) -> tuple[IO | None, str]:
 
 
 def lock_record(name: str) -> dict:
-    """What runs/NAME/run.lock says of the launch that holds or held the run ({} if nothing
-    readable)."""
+    """What runs/NAME/run.lock says of the launch that holds or held the run ({} if nothing)."""
     try:
         descriptor = os.open(os.path.join("runs", name, LOCK_FILE), os.O_RDONLY | os.O_NOFOLLOW)
         with os.fdopen(descriptor) as lock:
@@ -172,8 +158,7 @@ def release_run_folder(folder: RunFolder, finished: bool) -> None:
 
 
 def write_lock_record(lock: IO, finished: bool) -> None:
-    """Say in the held lock file which launch (torchrun's run id), process and host hold the run,
-    and whether it finished (a restart count never writes into a finished run)."""
+    """Say in the held lock file which launch, process and host hold the run, and if it finished."""
     record = {
         "launch": os.environ.get("TORCHELASTIC_RUN_ID", ""),
         "pid": os.getpid(),
@@ -188,10 +173,8 @@ def write_lock_record(lock: IO, finished: bool) -> None:
 
 
 def make_run_folder(name: str, suffixed: bool, resumed: bool) -> tuple[int, str]:
-    """Rank 0 creates runs/NAME: exclusively for a new run, so that no run writes into another's
-    (`suffixed`: the first free NAME-2, NAME-3, ... instead), or finds a resumed run's; then checks
-    that it and its checkpoints can be written. Returns the suffix taken (0: none) and what went
-    wrong ('' if nothing)."""
+    """Rank 0 creates runs/NAME exclusively (`suffixed`: the first free NAME-2, ...), or finds a
+    resumed run's, and checks it is writable: the suffix taken (0: none) and what went wrong."""
     try:
         os.makedirs("runs", exist_ok=True)
     except OSError as error:
@@ -242,8 +225,7 @@ def make_run_folder(name: str, suffixed: bool, resumed: bool) -> tuple[int, str]
 
 
 def open_tensorboard(args, name: str, resumed_step: int | None):
-    """Rank 0's SummaryWriter for runs/NAME (a resumed run's curves go on after `resumed_step`),
-    W&B's run or None."""
+    """Rank 0's SummaryWriter for runs/NAME (resumed after `resumed_step`) and W&B's run."""
     wandb_run = None
     if args.track:
         import wandb
@@ -259,8 +241,7 @@ def open_tensorboard(args, name: str, resumed_step: int | None):
         )
     from torch.utils.tensorboard import SummaryWriter
 
-    # the event file's name ends in a random suffix: no link placed in the run folder beforehand can
-    # bear it
+    # a random suffix: no link placed in the run folder beforehand bears the event file's name
     purge_step = None if resumed_step is None else resumed_step + 1
     writer = SummaryWriter(
         f"runs/{name}", purge_step=purge_step, filename_suffix=f".{secrets.token_hex(8)}"
