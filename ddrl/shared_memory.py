@@ -1,9 +1,5 @@
-"""The shared-memory segment that carries the world's CPU collectives where every rank is on one
-node (launching.shared_memory_or_gloo joins it; collectives routes to it): per rank a header and two
-slots, which that rank alone writes and every rank reads. A rank writes its input, then publishes
-the collective's number; a reader that sees the number sees the input, as x86-64 keeps stores in
-order (elsewhere gloo carries them). The segment is anonymous memory (memfd): no name in any file
-system, so however a rank ends, nothing of it stays behind."""
+"""The shared-memory segment (anonymous memory: nothing stays behind) that carries the world's CPU
+collectives where every rank is on one x86-64 node; per rank a header and two slots."""
 
 import mmap
 import os
@@ -35,8 +31,7 @@ COMBINE = {"sum": np.add, "max": np.maximum, "min": np.minimum}  # reduce_to_all
 
 @dataclass
 class Segment:
-    """This rank's view of the segment, and what it knows of its peers: the collectives' transport
-    (collectives.carry_with) while every rank is on one node."""
+    """This rank's view of the segment, and what it knows of its peers."""
 
     headers: np.ndarray  # [ranks, HEADER_WORDS] int64, a view that keeps the segment mapped
     slots: np.ndarray  # [ranks, 2, slot bytes]: collective c's inputs in slots c % 2
@@ -48,8 +43,7 @@ class Segment:
     carried: int = 0  # the collectives this segment carried: the next one's number - 1
 
     def carries(self, tensor: torch.Tensor) -> bool:
-        """Whether the segment carries a world collective of `tensor`: contiguous, on the CPU, of a
-        dtype numpy sums as gloo does, and fits a slot (the same answer on every rank)."""
+        """Whether the segment carries a world collective of `tensor` (alike on every rank)."""
         return (
             tensor.device.type == "cpu"
             and tensor.is_contiguous()
@@ -60,8 +54,7 @@ class Segment:
     def reduce_to_all(self, tensor: torch.Tensor, op: str) -> None:
         inputs = exchange(self, tensor)
         result = tensor.detach().numpy().reshape(-1)
-        # every rank combines every input in rank order: the same bits everywhere, run after run;
-        # an inf or a NaN is the caller's to find, as torch's ops say nothing of them either
+        # in rank order: the same bits everywhere; an inf or a NaN is the caller's to find
         with np.errstate(all="ignore"):
             COMBINE[op](inputs[0], inputs[1], out=result)
             for row in inputs[2:]:
@@ -81,11 +74,8 @@ class Segment:
 
 
 def join(rank: int, world_size: int, wanted: bool, timeout: float) -> tuple[Segment | None, str]:
-    """Every rank of a one-node world calls this, in its process group: rank 0 makes a segment and
-    names it to the others (a broadcast through gloo), every rank that `wanted` it maps it and
-    writes who it is there. Returns this rank's Segment and "" where every rank took it and sees
-    every peer's process, else None and why not: then no rank took it, and gloo carries every
-    collective. A peer lost meanwhile raises DistNetworkError, as in any collective."""
+    """Every rank of a one-node world: rank 0 makes a segment, the others map it. This rank's
+    Segment and "" where every rank took it, else None and why not."""
     size = world_size * (HEADER_WORDS * 8 + 2 * slot_bytes(world_size))
     problem = "" if wanted else "was not asked for on every rank"
     if wanted and platform.machine() != "x86_64":
@@ -129,7 +119,6 @@ def join(rank: int, world_size: int, wanted: bool, timeout: float) -> tuple[Segm
     exits = select.poll()
     for pidfd in pidfds:
         exits.register(pidfd, select.POLLIN)
-    # ranks that outnumber their cores sleep while they wait, rather than yield a core a peer needs
     spin = world_size <= cores_of_the_ranks()
     segment = Segment(headers, slots, rank, spin, timeout, pidfds, exits)
     weakref.finalize(segment, close, list(pidfds))  # the pidfds close when the segment goes
@@ -143,9 +132,8 @@ def slot_bytes(world_size: int) -> int:
 
 
 def make_segment(size: int, token: int) -> tuple[mmap.mmap, int]:
-    """A new segment of `size` bytes, mapped, and its descriptor, through which its peers open it:
-    anonymous memory named ddrl-TOKEN (memfd_create), its pages reserved now, so a machine out of
-    memory fails here rather than as SIGBUS mid-run."""
+    """A new memfd segment named ddrl-TOKEN, mapped, and its descriptor; its pages reserved now, so
+    a machine out of memory fails here rather than as SIGBUS mid-run."""
     descriptor = os.memfd_create(f"ddrl-{token:016x}", os.MFD_CLOEXEC)
     try:
         os.posix_fallocate(descriptor, 0, size)
@@ -156,8 +144,7 @@ def make_segment(size: int, token: int) -> tuple[mmap.mmap, int]:
 
 
 def open_segment(pid: int, descriptor: int, token: int, size: int) -> mmap.mmap:
-    """Rank 0's segment, mapped: its `descriptor` opened through /proc/PID/fd, checked to be the
-    segment named ddrl-TOKEN of `size` bytes (never another process's file)."""
+    """Rank 0's segment, opened through /proc/PID/fd and checked to be ddrl-TOKEN, mapped."""
     opened = os.open(f"/proc/{pid}/fd/{descriptor}", os.O_RDWR | os.O_CLOEXEC)
     try:
         name = os.readlink(f"/proc/self/fd/{opened}")
@@ -171,15 +158,14 @@ def open_segment(pid: int, descriptor: int, token: int, size: int) -> mmap.mmap:
 
 
 def open_peers(headers: np.ndarray, rank: int) -> dict[int, int]:
-    """A pidfd of each other rank's process (pidfd -> rank), from the pid and start time in its
-    header: OSError where a pid names no process here, or another one (another pid namespace)."""
+    """A pidfd of each other rank's process (pidfd -> rank), from its header's pid and start time;
+    OSError where a pid names no process here, or another one."""
     pidfds = {}
     try:
         for peer in range(len(headers)):
             if peer != rank:
                 pid = int(headers[peer, PID])
                 pidfds[os.pidfd_open(pid)] = peer
-                # the pidfd names rank peer's process only if that process started when it says
                 if start_time(pid) != headers[peer, START_TIME]:
                     raise ProcessLookupError(f"pid {pid} of rank {peer} is another process here")
     except OSError:
@@ -195,10 +181,8 @@ def close(descriptors: list[int]) -> None:
 
 
 def cores_of_the_ranks() -> int:
-    """The cores that any rank may run on (their affinities' union, one gloo allreduce): ranks
-    pinned one to a core have as many as ranks, where each process alone sees one."""
+    """The cores that any rank may run on: their affinities' union, in one gloo allreduce."""
     cores = torch.zeros(os.cpu_count() or 1, dtype=torch.uint8)  # the same length on every rank
-    # a core numbered past the count (some offline) counts as the last: fewer cores, never more
     cores[[min(core, len(cores) - 1) for core in os.sched_getaffinity(0)]] = 1
     collectives.TorchDistributed().reduce_to_all(cores, "max")
     return int(cores.sum())
@@ -218,10 +202,8 @@ def everyone_agrees(yes: bool) -> bool:
 
 
 def exchange(segment: Segment, tensor: torch.Tensor, write: bool = True) -> np.ndarray:
-    """One collective through the segment: this rank's `tensor` into its slot (unless not `write`),
-    the collective's number published; once every rank published it, every rank's input as
-    [ranks, numel] of the tensor's dtype, views that hold until this rank's next collective (a
-    peer writes that slot again only after this rank published the next number)."""
+    """One collective: this rank's `tensor` into its slot, the collective's number published; then
+    every rank's input as [ranks, numel], views that hold until this rank's next collective."""
     segment.carried += 1
     number = segment.carried
     mine = tensor.detach().numpy().reshape(-1)
@@ -234,10 +216,8 @@ def exchange(segment: Segment, tensor: torch.Tensor, write: bool = True) -> np.n
 
 
 def wait_for_peers(segment: Segment, number: int) -> None:
-    """Until every rank has published collective `number`: with a core per rank, yield it for
-    SPIN_SECONDS, then sleep in pauses that double up to LONGEST_PAUSE. A peer that exited, or one
-    that keeps the others waiting past --dist-timeout, raises DistNetworkError, which ends every
-    rank in one line (Run.stop_on_error)."""
+    """Until every rank has published collective `number`, yielding then sleeping; a peer that
+    exited, or one late past --dist-timeout, raises DistNetworkError."""
     published = segment.headers[:, PUBLISHED]
     started = time.monotonic()
     pause = FIRST_PAUSE
