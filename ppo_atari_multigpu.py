@@ -1,18 +1,16 @@
 """PPO on Atari, data-parallel with torch DistributedDataParallel over any number of processes.
 
-CleanRL's ppo_atari.py: ale-py's vectorised `AtariVectorEnv` (C++ threads) with the DQN
-preprocessing, a Nature CNN trunk shared by policy and value heads, clipped losses, GAE-lambda, an
-annealed learning rate. The learner sees clipped rewards and a lost life as a terminal; TensorBoard
-logs whole games' raw scores. FIRE starts a game and follows a lost life, as in CleanRL.
+CleanRL's ppo_atari.py: ale-py's `AtariVectorEnv` with the DQN preprocessing, a Nature CNN trunk
+shared by policy and value heads, clipped losses, GAE-lambda, an annealed learning rate. The learner
+sees clipped rewards and a lost life as a terminal (then FIRE); TensorBoard logs games' raw scores.
 
     torchrun --standalone --nproc_per_node=2 ppo_atari_multigpu.py    # or: --nprocs 2, mpirun, srun
 
 Distributed: `--local-num-envs` and `--num-steps` are per rank. The world's minibatch k is the union
 of the ranks' minibatches k: its advantages are normalised with the union's mean and std, and the
 gradients averaged by DistributedDataParallel during loss.backward(), so every rank takes the step
-one process would take on the whole batch. `--preempt-fraction`: DD-PPO. On a GPU a rollout step is
-a CUDA graph replay per group of envs, captured from the Agent. The plumbing is the ddrl package;
-`python -m ddrl.verify COPY.py` checks that a copy still updates as one process would.
+one process would take on the whole batch. `--preempt-fraction`: DD-PPO. The plumbing is the ddrl
+package; `python -m ddrl.verify COPY.py` checks that a copy still updates as one process would.
 """
 
 import math
@@ -146,8 +144,7 @@ Batch = dict[str, torch.Tensor]  # obs, actions, log_probs, values, advantages, 
 
 # --- batch arithmetic ---------------------------------------------------------------------------
 def derive_batch_sizes(args: Args, world_size: int) -> list[tuple[str, object, object]]:
-    """The per-rank and world batch sizes, and the batch table rank 0 prints (name, per rank,
-    world); sizes that do not divide, or give no iteration, stop here."""
+    """The per-rank and world batch sizes, and the batch table; sizes that do not divide stop."""
     args.world_size = world_size
     args.local_batch_size = args.local_num_envs * args.num_steps
     args.batch_size = args.local_batch_size * world_size
@@ -184,25 +181,20 @@ def derive_batch_sizes(args: Args, world_size: int) -> list[tuple[str, object, o
 
 def rollout_memory(args: Args, frame_bytes: int, activation_bytes: int) -> tuple[int, str]:
     """What one rank holds for an iteration, in bytes, and the flags that size it: per sample, the
-    rollout's frames (on the GPU there, counted here alike), an epoch's shuffled copy of the batch,
-    the epochs' orders and advantages; a minibatch's activations through the Agent, forward and
-    backward (`activation_bytes` a sample); per env, at most 4 MiB (an ALE game: 1.7 MiB)."""
+    frames twice, the orders and advantages; a minibatch's activations; per env, at most 4 MiB."""
     per_sample = 2 * frame_bytes + 100 + 12 * args.update_epochs
     activations = activation_bytes * args.local_minibatch_size
-    sized_by = (
-        "--local-num-envs x --num-steps (the batch per rank), --update-epochs or --num-minibatches"
-    )
+    memory = args.local_batch_size * per_sample + activations + args.local_num_envs * 4 * 2**20
     return (
-        args.local_batch_size * per_sample + activations + args.local_num_envs * 4 * 2**20,
-        sized_by,
+        memory,
+        "--local-num-envs x --num-steps (the batch per rank), --update-epochs or --num-minibatches",
     )
 
 
 # --- environment, agent -------------------------------------------------------------------------
 def make_env(settings: dict, num_envs: int, num_threads: int) -> AtariVectorEnv:
-    """This rank's envs, C++ threads with the DQN preprocessing; `settings` from atari.settings.
-    Rewards stay raw (the learner clips them). A lost life is a terminal, but the game plays on.
-    Same-step autoreset keeps every transition real (final frames: info["final_obs"])."""
+    """This rank's envs, C++ threads with the DQN preprocessing; rewards stay raw (the learner clips
+    them), and same-step autoreset keeps every transition real (final frames: info["final_obs"])."""
     return AtariVectorEnv(
         num_envs=num_envs, num_threads=num_threads, **settings, reward_clipping=False,
         autoreset_mode=gym.vector.AutoresetMode.SAME_STEP, episodic_life=False, life_loss_info=True,
@@ -252,9 +244,8 @@ def score_forced_actions(
     agent: Agent, obs: torch.Tensor, actions: torch.Tensor, log_probs: torch.Tensor,
     forced: np.ndarray,
 ) -> None:  # fmt: skip
-    """The rollout's `forced` rows acted the action stored there whatever the policy sampled (FIRE
-    after a lost life, as CleanRL's FireResetEnv presses it): store its log-probability under the
-    policy that acted, in one forward of them all, so the loss learns from what the env did."""
+    """The rollout's `forced` rows acted FIRE whatever the policy sampled (CleanRL's FireResetEnv):
+    store its log-probability under the policy that acted, so the loss learns what the env did."""
     rows = torch.from_numpy(forced).to(obs.device)
     log_probs[rows] = agent.get_action_and_value(obs[rows], actions[rows])[1]
 
@@ -277,8 +268,7 @@ def compute_gae(
 
 # --- the loss, the minibatches, the gradient sync (DDP), the update ----------------------------
 class ActionAndValue(nn.Module):
-    """Agent.get_action_and_value as a module's forward: DistributedDataParallel averages the
-    gradients only of what runs through forward, so the update calls the Agent through this."""
+    """Agent.get_action_and_value as a forward, the only call whose gradients DDP averages."""
 
     def __init__(self, agent: Agent):
         super().__init__()
@@ -295,8 +285,7 @@ def minibatch_loss(
     adv_std: torch.Tensor | None,
     args: Args,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """PPO's clipped loss on one minibatch, advantages normalised with the world minibatch's mean
-    and std; and the numbers logged as `losses/NAME` (the world's mean, averaged once per epoch)."""
+    """PPO's clipped loss on one minibatch, and the numbers logged as `losses/NAME`."""
     _, newlogprob, entropy, newvalue = model(mb["obs"], mb["actions"])  # Agent.get_action_and_value
     newvalue = newvalue.view(-1)
     checks.check_minibatch_scores(newlogprob, newvalue, mb)  # one per row
@@ -341,9 +330,8 @@ def minibatch_sizes(sample_counts: list[int], num_minibatches: int) -> torch.Ten
 
 
 def minibatches(batch: Batch, order: torch.Tensor, local_sizes: list[int]) -> list[Batch]:
-    """One epoch's minibatches of this rank: `batch` in the order `order` (one gather per tensor),
-    cut into pieces `local_sizes` long. The one place minibatches are made: a recurrent core takes
-    whole envs' sequences here."""
+    """One epoch's minibatches of this rank: `batch` in the order `order`, cut into pieces
+    `local_sizes` long (the one place minibatches are made)."""
     shuffled = {key: value[order] for key, value in batch.items()}
     starts = np.cumsum([0, *local_sizes]).tolist()
     return [
@@ -356,25 +344,20 @@ def update(
     model: nn.Module, optimizer: torch.optim.Optimizer, batch: Batch, args: Args,
     orders: torch.Tensor, sizes: torch.Tensor, loss_fn: Callable = minibatch_loss,
 ) -> tuple[dict[str, float], float]:  # fmt: skip
-    """PPO's epochs through `model` (the Agent's ActionAndValue, in DDP with more than one rank):
-    minibatch k of epoch e is piece k, `sizes[rank, k]` long, of minibatches(batch, orders[e]); the
-    world's is the ranks' union. Returns the world-averaged numbers minibatch_loss logs, and the
-    backward and sync time."""
+    """PPO's epochs through `model` (ActionAndValue, in DDP): minibatch k of epoch e is piece k of
+    minibatches(batch, orders[e]). Returns the world-averaged losses, and the sync time."""
     parameters = list(model.parameters())
     sync_time = 0.0
     rank = collectives.rank_in()
     local_sizes = sizes[rank].tolist()
-    # this rank's share of each world minibatch, times the ranks: the ranks' mean is the union's
     weights = (sizes[rank].double() * len(sizes) / sizes.sum(0)).tolist()
     unequal = bool((sizes != sizes[0, 0]).any())  # a preempted rollout's minibatches are smaller
     checks.check_minibatch_cut(local_sizes, orders.shape[1])
     if args.norm_adv:  # every world minibatch's mean and std, of all epochs, in one collective
         start = time.perf_counter()
-        advantages = {"advantages": batch["advantages"]}
+        adv = {"advantages": batch["advantages"]}  # the minibatches of the advantages alone
         pieces = [
-            mb["advantages"]
-            for order in orders
-            for mb in minibatches(advantages, order, local_sizes)
+            mb["advantages"] for order in orders for mb in minibatches(adv, order, local_sizes)
         ]
         shape = (len(orders), args.num_minibatches)
         pieces = pieces if unequal else torch.stack(pieces).view(*shape, -1)
@@ -401,16 +384,13 @@ def update(
             loss.backward()  # DDP averages the (weighted) gradients over ranks here
             sync_time += time.perf_counter() - start
             grad_norm = nn.utils.clip_grad_norm_(parameters, args.max_grad_norm)  # of the world's
-            # NaN or inf on any rank spread to all; fused Adam reads the flag on the GPU (no sync)
-            if fused:
+            if fused:  # NaN or inf on any rank reaches all; fused Adam reads it on the GPU
                 torch.maximum(nonfinite, (~grad_norm.isfinite()).float(), out=nonfinite)
             elif not torch.isfinite(grad_norm):
                 raise NonFiniteError("a non-finite loss or gradient")
             optimizer.step()
-        # one collective per epoch: the world-averaged losses decide target_kl alike on all ranks
-        start = time.perf_counter()
-        # the last minibatch's numbers, clipfrac over all so far
-        logged["clipfrac"] = torch.stack(clipfracs).mean()
+        start = time.perf_counter()  # one collective an epoch: target_kl decided alike everywhere
+        logged["clipfrac"] = torch.stack(clipfracs).mean()  # over every minibatch so far
         world = collectives.allreduce_mean(torch.stack(list(logged.values())).double())
         losses = dict(zip(logged, world, strict=True))
         sync_time += time.perf_counter() - start
@@ -474,8 +454,7 @@ def main(args: Args) -> Agent | None:
         torch.backends.cudnn.deterministic = args.torch_deterministic
         optimizer = optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5, fused=gpu)
         loss_fn = minibatch_loss
-        # one compiled region (forward, loss, backward), replayed as CUDA graphs
-        if gpu and args.capture_update:
+        if gpu and args.capture_update:  # forward, loss and backward, replayed as CUDA graphs
             loss_fn = torch.compile(
                 minibatch_loss, mode="reduce-overhead", dynamic=args.preempt_fraction > 0
             )
@@ -527,14 +506,12 @@ def main(args: Args) -> Agent | None:
                             finished["episodes"] += len(scores)
                             finished["episode_return"] += float(scores.sum())
                             finished["episode_length"] += int(lengths.sum())
-                            cut = truncated & ~terminated
-                            # truncated, not terminated: bootstrap from V(final observation)
+                            cut = truncated & ~terminated  # bootstrap from V(final obs)
                             if cut.any():
                                 final_value = rollout_agent.get_value(info["final_obs"][cut])
                                 final_values[row, group][cut] = final_value.flatten()
                     if acting:
-                        # row `step` of obs, actions, ...
-                        env_action = act(step, next_obs[group], group)
+                        env_action = act(step, next_obs[group], group)  # row `step` of obs, ...
                         # FireResetEnv: FIRE after a lost life, stored as the action taken
                         if fire is not None and relaunch[group].any():
                             env_action = np.where(relaunch[group], fire, env_action)
