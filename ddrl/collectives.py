@@ -1,9 +1,5 @@
-"""Moving tensors between ranks, named for which ranks get what (never torch.distributed's names,
-whose signatures differ). Each collective is one call on a transport: the world's, chosen once when
-the process group is joined (launching.join_process_group: MPI where mpirun started the ranks and
-mpi4py imports, else a shared-memory segment where every rank is on one node), where it carries
-the tensor; else torch.distributed. A peer lost in a collective raises DistNetworkError, whatever
-carried it. Every function does nothing, or the obvious, in a world of one."""
+"""Moving tensors between ranks, named for which ranks get what, each one call on a transport: the
+world's (MPI, shared memory) where it carries the tensor, else torch.distributed."""
 
 import inspect
 import os
@@ -25,8 +21,7 @@ KEEP_BUFFERS = (
 
 @dataclass
 class TorchDistributed:
-    """torch.distributed's collectives in `group` (gloo for CPU tensors, NCCL for CUDA ones): of
-    any tensor, so they carry what the world's transport does not."""
+    """torch.distributed's collectives in `group`, of any tensor."""
 
     group: Group = None
 
@@ -48,9 +43,7 @@ class TorchDistributed:
 
 @dataclass
 class MPICommWorld:
-    """MPI's collectives through mpi4py's COMM_WORLD, in place on numpy views of the tensors: the
-    world's, of contiguous CPU tensors, where MPI started the ranks. MPI ends the whole job when a
-    rank dies."""
+    """MPI's collectives through mpi4py's COMM_WORLD, on numpy views of contiguous CPU tensors."""
 
     mpi: object  # mpi4py's MPI module
 
@@ -76,9 +69,7 @@ world_transport = None  # what carries the world's collectives it can (None: tor
 
 
 def carry_with(transport) -> None:
-    """From now on the world's collectives go through `transport` (an MPICommWorld, a
-    shared_memory.Segment or None: what joining the process group chose) where it carries the
-    tensor; the rest through torch.distributed."""
+    """From now on the world's collectives go through `transport` where it carries the tensor."""
     global world_transport
     world_transport = transport
 
@@ -89,8 +80,7 @@ def rank_in(group: Group = None) -> int:
 
 
 def allreduce_mean(tensor: torch.Tensor, group: Group = None) -> torch.Tensor:
-    """Average `tensor` over the ranks of `group`, in place, in one allreduce (through MPI under
-    mpirun)."""
+    """Average `tensor` over the ranks of `group`, in place, in one allreduce."""
     if group_size(group) > 1:
         reduce_to_all(tensor, group=group)
         tensor /= group_size(group)
@@ -124,9 +114,8 @@ def sum_over_ranks(device: torch.device, **values: float) -> dict[str, float]:
 def moments_over_ranks(
     x: torch.Tensor | list[torch.Tensor], group: Group = None
 ) -> tuple[torch.Tensor, ...]:
-    """Count, mean and M2 (the sum of squared deviations) of `x` along its last dim (or of each
-    tensor of a list) over every rank's elements as if concatenated, in one gather: a mean and a std
-    of the world's data."""
+    """Count, mean and M2 of `x` along its last dim (or of each tensor of a list) over every rank's
+    elements as if concatenated, in one gather."""
     if isinstance(x, list):
         moments = [(p.new_tensor(len(p)), p.mean(), ((p - p.mean()) ** 2).sum()) for p in x]
         local = torch.stack([torch.stack(column) for column in zip(*moments, strict=True)])
@@ -144,8 +133,7 @@ def moments_over_ranks(
 
 
 def reduce_to_all(tensor: torch.Tensor, op: str = "sum", group: Group = None) -> torch.Tensor:
-    """Every rank of `group` (the world by default) gets the sum (or "max", "min") of their
-    `tensor`s, in place."""
+    """Every rank of `group` gets the sum (or "max", "min") of their `tensor`s, in place."""
     carrier(tensor, group).reduce_to_all(tensor, op)
     return tensor
 
@@ -166,8 +154,7 @@ def broadcast_from_rank0(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def gather_ints_to_all(values: list[int], device: torch.device) -> torch.Tensor:
-    """[ranks, len(values)] on every rank: each rank's `values` (on the device the process group
-    serves)."""
+    """[ranks, len(values)] on every rank: each rank's `values`."""
     tensor = torch.tensor(values, dtype=torch.int64, device=device)
     if group_size() == 1:
         return tensor.unsqueeze(0).cpu()
@@ -175,8 +162,7 @@ def gather_ints_to_all(values: list[int], device: torch.device) -> torch.Tensor:
 
 
 def group_size(group: Group = None) -> int:
-    """Ranks in `group` (the world by default); 1 without a process group, so the helpers do
-    nothing."""
+    """Ranks in `group` (the world by default); 1 without a process group."""
     return dist.get_world_size(group) if dist.is_initialized() else 1
 
 
@@ -188,16 +174,15 @@ def gather_to_all(tensor: torch.Tensor, group: Group = None) -> torch.Tensor:
 
 
 def carrier(tensor: torch.Tensor, group: Group = None):
-    """What carries a collective of `tensor` in `group`: the world's transport where it carries
-    that tensor (the same answer on every rank), else torch.distributed."""
+    """What carries a collective of `tensor` in `group` (the same answer on every rank)."""
     if group is None and world_transport is not None and world_transport.carries(tensor):
         return world_transport
     return TorchDistributed(group)
 
 
 def completed(work: dist.Work | None, group: Group) -> None:
-    """Wait for torch.distributed's `work` (None where this rank is not in `group`); a peer that
-    died or stalled past --dist-timeout raises DistNetworkError (gloo's is a bare RuntimeError)."""
+    """Wait for torch.distributed's `work` (None: not in `group`); a lost peer raises
+    DistNetworkError (gloo's is a bare RuntimeError)."""
     if work is None:
         return
     try:
