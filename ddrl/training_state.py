@@ -1,10 +1,5 @@
-"""What a run trains with, found rather than named: every parameter and floating-point buffer of
-every nn.Module the process made (in the order torch registered them: global registration hooks,
-installed when ddrl is imported), every optimizer main holds or that stepped, each optimizer's
-options, the plain numbers main's loop carries from one iteration to the next, the numbers modules
-keep as attributes and those in args. The sync check (in_sync) and verify read the same state, so
-that what they compare is what a copy trains with: a second module beside the Agent, a second
-optimizer, a coefficient in a variable of main."""
+"""What a run trains with, found rather than named (registration hooks installed at import), so that
+the sync check and verify compare what a copy trains with: a second module, optimizer, number."""
 
 import ast
 import functools
@@ -29,9 +24,7 @@ NUMBERS = (int, float, np.number, np.bool_)
 @dataclass
 class TrainingState:
     """One process's training state, each entry named as main reaches it (`agent.critic.0.weight`,
-    `rnd_model.predictor.0.bias`, `optimizer's lr`, `beta`, `args.vf_coef`): tensors (parameters
-    and floating-point buffers, in registration order), the gradients of the parameters an optimizer
-    holds, plain numbers, and the optimizers in the order of their first parameter."""
+    `optimizer's lr`, `args.vf_coef`)."""
 
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     gradients: dict[str, torch.Tensor | None] = field(default_factory=dict)
@@ -40,10 +33,7 @@ class TrainingState:
 
 
 def found(frame, args=None) -> TrainingState:
-    """The training state of this process as `frame` (main's, in its loop) sees it: every registered
-    module's parameters and floating-point buffers, the optimizers among main's variables (and their
-    lists, tuples, dicts) or that stepped, their options, main's carried numbers, the modules'
-    numeric attributes and `args`'s."""
+    """The training state of this process as `frame` (main's, in its loop) sees it."""
     local = frame.f_locals
     alive = [(ref(), kind, name) for ref, kind, name in REGISTERED]
     REGISTERED[:] = [entry for entry, (module, *_) in zip(REGISTERED, alive, strict=True) if module]
@@ -116,10 +106,8 @@ def module_paths(local: dict, modules: list[nn.Module]) -> dict[nn.Module, str]:
 
 
 def add_numbers(numbers: dict, name: str, value, scalars_only: bool = False) -> None:
-    """`value` into `numbers` as floats, where it is a number (a one-number tensor or array, a tuple
-    of numbers as `name[i]`, a dict of numbers as `name['key']`); with `scalars_only`, one-number
-    arrays and tensors count only when they have no dimension (a per-env array of one env is no
-    number)."""
+    """`value` into `numbers` as floats, where it is a number or holds numbers; with `scalars_only`,
+    arrays and tensors count only when they have no dimension (one env's per-env array is none)."""
     if isinstance(value, torch.Tensor | np.ndarray):
         if value.ndim == 0 or (not scalars_only and np.prod(tuple(value.shape)) == 1):
             numbers[name] = float(value.item())
@@ -136,8 +124,7 @@ def add_numbers(numbers: dict, name: str, value, scalars_only: bool = False) -> 
 @functools.cache
 def carried_names(code) -> tuple[str, ...]:
     """The names the first `while` loop of `code`'s function carries from one iteration to the
-    next: written in the loop (assigned, or changed in place: `x += 1`, `x[...] = y`) and read there
-    before they are first assigned; () where there is no loop or no source."""
+    next: written in the loop and read there before they are first assigned."""
     try:
         tree = ast.parse(textwrap.dedent(inspect.getsource(code)))
     except (OSError, TypeError, SyntaxError):
