@@ -1,6 +1,5 @@
 """--sync gather: rank 0 runs the script's own update on the union of every rank's batch, then sends
-the weights to every rank; the same update, the same minibatches, so it ends with the weights --sync
-allreduce gives."""
+the weights to every rank, which end where --sync allreduce would."""
 
 import functools
 import inspect
@@ -16,8 +15,7 @@ from ddrl import collectives
 from ddrl.failures import NonFiniteError
 
 Batch = dict[str, torch.Tensor]
-# the world's size: a process group of rank 0 alone, made once by every rank together
-LEARNER_GROUPS = {}
+LEARNER_GROUPS = {}  # the world's size: a process group of rank 0 alone
 
 
 def update_on_rank0(
@@ -26,18 +24,10 @@ def update_on_rank0(
     orders: torch.Tensor | None = None,
     sizes: torch.Tensor | None = None,
 ) -> tuple[dict[str, float], float]:
-    """--sync gather's update: what the script's update does on each rank's batch under --sync
-    allreduce, done by rank 0 alone on the union of them all. One gather gives rank 0 the union of
-    every rank's `batch` and, where given, of its `orders` and `sizes`, made the union's (the
-    world's minibatch k is the ranks' minibatches k). Rank 0 alone calls
-    `update_union(union, union_orders, union_sizes, group)`, or `update_union(union, group)` where
-    no orders are given (the union of each thing given, in order, then `group`, a process group of
-    rank 0 alone), which returns what the script's update returns: (losses, seconds). Then one
-    broadcast gives every rank rank 0's parameters of every module and optimizer `update_union`
-    holds (a second module beside the Agent too; buffers stay each rank's, for the sync check to
-    compare) and whether rank 0 met a non-finite loss, raised as NonFiniteError on every rank.
-    Returns the losses (rank 0's; {} on the other ranks, which log none) and the seconds of the
-    gather and the broadcast."""
+    """Rank 0 alone calls `update_union(union, [union_orders, union_sizes,] group)` on the union of
+    every rank's `batch` (one gather), then one broadcast gives every rank the parameters of every
+    module and optimizer it holds, and a non-finite loss. Returns rank 0's losses ({} elsewhere) and
+    the seconds of the gather and the broadcast."""
     start = time.perf_counter()
     union = gather_union(batch, orders, sizes)
     losses = {}
@@ -59,8 +49,7 @@ def update_on_rank0(
 
 
 def trained_parameters(update_union: Callable) -> list[torch.Tensor]:
-    """The parameters of every module and optimizer `update_union` holds, each once, in the order
-    it holds them (the same on every rank)."""
+    """The parameters of every module and optimizer `update_union` holds, each once, in order."""
     found = {}
     for value in held_by(update_union):
         if isinstance(value, nn.Module):
@@ -71,8 +60,8 @@ def trained_parameters(update_union: Callable) -> list[torch.Tensor]:
 
 
 def held_by(update_union: Callable) -> list:
-    """What the update main hands update_on_rank0 holds: a lambda's (or a nested function's)
-    variables of main (its Agent, optimizer, args, ...), a partial's arguments."""
+    """What the update main hands update_on_rank0 holds: a lambda's variables, a partial's
+    arguments."""
     if isinstance(update_union, functools.partial):
         return [*held_by(update_union.func), *update_union.args, *update_union.keywords.values()]
     if inspect.isfunction(update_union):
@@ -81,8 +70,7 @@ def held_by(update_union: Callable) -> list:
 
 
 def learner_group() -> dist.ProcessGroup | None:
-    """A process group of rank 0 alone (made by every rank together, the first time); None in a
-    world of one."""
+    """A process group of rank 0 alone (made by every rank, once); None in a world of one."""
     world_size = collectives.group_size()
     if world_size == 1:
         return None
@@ -92,8 +80,8 @@ def learner_group() -> dist.ProcessGroup | None:
 
 
 def gather_union(batch: Batch, orders: torch.Tensor | None, sizes: torch.Tensor | None):
-    """Rank 0's union of all batches in rank order (one gather), with the orders and sizes that make
-    the world's minibatches (None where none are given); None on the other ranks."""
+    """Rank 0's union of all batches in rank order (one gather), with the world's orders and sizes;
+    None on the other ranks."""
     counts = (
         [len(batch["returns"])] * collectives.group_size()
         if sizes is None
@@ -102,7 +90,6 @@ def gather_union(batch: Batch, orders: torch.Tensor | None, sizes: torch.Tensor 
     padding = max(counts) - len(batch["returns"])  # rows, so that every rank sends as many
     extra = [] if orders is None else [orders.T]  # the orders go as [samples, epochs]
     full = [torch.cat([t, t.new_zeros(padding, *t.shape[1:])]) for t in [*batch.values(), *extra]]
-    # [ranks, packed]
     gathered = collectives.gather_to_rank0(torch.cat([t.reshape(-1).double() for t in full]))
     if gathered is None:
         return None
@@ -122,8 +109,7 @@ def gather_union(batch: Batch, orders: torch.Tensor | None, sizes: torch.Tensor 
 
 
 def union_orders(rank_orders: list[torch.Tensor], sizes: torch.Tensor) -> torch.Tensor:
-    """[epochs, all samples]: each rank's orders ([epochs, its samples], into its own batch) as
-    orders into the union of the batches in rank order, piece k of each rank (`sizes[rank, k]` long)
+    """[epochs, all samples]: each rank's orders as orders into the union, piece k of each rank
     together as the world's minibatch k."""
     offsets = np.cumsum([0, *(len(order[0]) for order in rank_orders)])[:-1].tolist()
     pieces = [
