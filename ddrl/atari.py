@@ -1,7 +1,5 @@
-"""What ale-py needs beside the Atari script's algorithm: AtariVectorEnv's settings from a
-gymnasium id, the envs in groups that step in turn, FIRE, every game's raw score across its lives,
-and the script's training protocol on one gymnasium env (evaluation and videos, which
-AtariVectorEnv cannot record)."""
+"""What ale-py needs beside the Atari script's algorithm: AtariVectorEnv's settings, env groups,
+FIRE, raw game scores, and the training protocol on one gymnasium env (evaluation and videos)."""
 
 from collections.abc import Callable
 
@@ -15,8 +13,7 @@ from ddrl.failures import fail
 
 
 class GameTracker:
-    """Raw score and length (agent steps) of every env's current game, across its lives. A lost
-    life lowers `lives` while `episode_frame_number` runs on. A game over resets both at once."""
+    """Raw score and length (agent steps) of every env's current game, across its lives."""
 
     def __init__(self, info: dict):
         self.lives = info["lives"].copy()
@@ -43,24 +40,16 @@ class GameTracker:
 
 class TrainingProtocol(gym.Wrapper):
     """The Atari script's make_env protocol on one gymnasium ALE env (grayscale, frameskip=1), for
-    evaluation: its resets, 4 frames per action (the last two max-pooled), 84x84 by area, 4 stacked,
-    FIRE after a lost life. An episode is a whole game."""
+    evaluation; an episode is a whole game."""
 
-    def __init__(
-        self,
-        env: gym.Env,
-        frameskip: int = 4,
-        stack_num: int = 4,
-        noop_max: int = 30,
-        size: int = 84,
-    ):
+    def __init__(self, env: gym.Env, frameskip: int = 4, noop_max: int = 30, size: int = 84):
         super().__init__(env)
         self.frameskip = frameskip
         self.noop_max = noop_max
         height, width = env.observation_space.shape
         self.rows = area_resize_matrix(height, size)
         self.cols = area_resize_matrix(width, size)
-        self.stack = np.zeros((stack_num, size, size), dtype=np.uint8)
+        self.stack = np.zeros((4, size, size), dtype=np.uint8)  # 4 frames stacked
         self.observation_space = gym.spaces.Box(0, 255, self.stack.shape, np.uint8)
         meanings = env.unwrapped.get_action_meanings()
         self.fire = meanings.index("FIRE") if "FIRE" in meanings else None
@@ -104,9 +93,7 @@ class TrainingProtocol(gym.Wrapper):
 
 
 def settings(env_id: str, given: str = "--env-id") -> dict:
-    """AtariVectorEnv's game and protocol arguments for a gymnasium Atari id (others stop here;
-    `given` says where the id comes from). `{Game}NoFrameskip-v4` plays without sticky actions,
-    `ALE/{Game}-v5` with probability 0.25."""
+    """AtariVectorEnv's game and protocol arguments for a gymnasium Atari id; others stop here."""
     gym.register_envs(ale_py)
     example = "such as BreakoutNoFrameskip-v4"
     try:
@@ -136,9 +123,7 @@ def settings(env_id: str, given: str = "--env-id") -> dict:
 
 
 def env_groups(num_envs: int, groups: int) -> list[slice]:
-    """The envs of a rank as `groups` equal slices, which step in turn: while one group steps, the
-    acting for the next one runs (on a GPU, the env step then hides the acting; on a CPU one group
-    computes as it always did)."""
+    """The envs of a rank as `groups` equal slices, which step in turn while the next group acts."""
     if num_envs % groups:
         fail(f"--local-num-envs {num_envs} does not split into --env-groups {groups}")
     size = num_envs // groups
@@ -160,8 +145,7 @@ def area_resize_matrix(source: int, target: int) -> np.ndarray:
 
 
 def eval_env(args, video_folder: str | None = None) -> Callable[[], gym.Env]:
-    """A thunk building one gymnasium ALE env of `args.env_id` with the Atari script's preprocessing
-    and protocol (evaluation, video)."""
+    """A thunk building one gymnasium ALE env with the script's protocol (evaluation, video)."""
 
     def thunk() -> gym.Env:
         gym.register_envs(ale_py)

@@ -13,14 +13,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from ddrl import (
-    checkpoints,
-    env_support,
-    failures,
-    machine,
-    rollout,
-    run_folders,
-)
+from ddrl import checkpoints, env_support, failures, machine, rollout, run_folders
 from ddrl.failures import fail
 
 

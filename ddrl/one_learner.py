@@ -60,8 +60,7 @@ def trained_parameters(update_union: Callable) -> list[torch.Tensor]:
 
 
 def held_by(update_union: Callable) -> list:
-    """What the update main hands update_on_rank0 holds: a lambda's variables, a partial's
-    arguments."""
+    """What the update main hands update_on_rank0 holds: its variables, a partial's arguments."""
     if isinstance(update_union, functools.partial):
         return [*held_by(update_union.func), *update_union.args, *update_union.keywords.values()]
     if inspect.isfunction(update_union):
