@@ -1,7 +1,5 @@
-"""Evaluation: whole episodes played with one env by the Agent (through the rollout derived from it,
-sampling, or taking each distribution's mode with --eval-deterministic), for --eval-checkpoint and
-for the videos --capture-video films after training. The script gives its Agent class and its
-make_env; everything else is the same in every script."""
+"""Evaluation: whole episodes played with one env by the Agent (through the rollout derived from
+it), for --eval-checkpoint and for the videos --capture-video films after training."""
 
 import inspect
 import os
@@ -24,10 +22,8 @@ def evaluate_checkpoint(
     observations: type = gym.Space,
     actions: type = gym.Space,
 ) -> None:
-    """--eval-checkpoint: play the model file (or a training checkpoint) on rank 0, with the env and
-    network its args describe (`make_env(args, video_folder)` builds one env), and print one `eval:`
-    line. The file's args size the Agent: it is built on no device first, compared with the file's
-    tensors and this machine's memory, then built."""
+    """--eval-checkpoint: play the file on rank 0 with the env and network its args describe (the
+    Agent sized on no device first) and print one `eval:` line."""
     path = args.eval_checkpoint
     header, saved = checkpoints.read_model(path, type(args), args.env_id)
     video_folder = os.path.join(os.path.dirname(path), "videos") if args.capture_video else None
@@ -68,15 +64,13 @@ def evaluate_checkpoint(
 
 
 def build_agent(agent_class: type, envs: gym.vector.VectorEnv, args) -> nn.Module:
-    """The Agent as a script's main builds it: from the envs, and the args its other parameters name
-    (`hidden_sizes` in VPG)."""
+    """The Agent as a script's main builds it, from the envs and the args its parameters name."""
     names = list(inspect.signature(agent_class).parameters)[1:]
     return agent_class(envs, **{name: getattr(args, name) for name in names if hasattr(args, name)})
 
 
 def film(agent: nn.Module, make_env: Callable, args, video_folder: str) -> str:
-    """--capture-video after training: rank 0 plays evaluation episodes into `video_folder` with one
-    env from `make_env(args, video_folder)`. Returns why it could not film ('' if it did)."""
+    """--capture-video after training: rank 0 plays episodes into `video_folder`; why not, or ''."""
     if unfit := run_folders.folder_problem(video_folder, make=True):
         return f"trained, but could not film into {video_folder}: {unfit}"
     envs = gym.vector.SyncVectorEnv(
@@ -89,8 +83,7 @@ def film(agent: nn.Module, make_env: Callable, args, video_folder: str) -> str:
 def play(agent: nn.Module, envs: gym.vector.VectorEnv, args) -> list[float]:
     """Play `args.eval_episodes` whole episodes on `envs` (one env) and return their returns; Box
     actions are clipped to the action space, as in training."""
-    # the MLP scripts' flag; Atari acts with its torch code
-    numpy_layers = getattr(args, "numpy_rollout", False)
+    numpy_layers = getattr(args, "numpy_rollout", False)  # the MLP scripts' flag
     rollout_agent = rollout.derive(
         agent, envs.single_observation_space, numpy_layers, args.eval_deterministic
     )
