@@ -1,6 +1,5 @@
-"""Failures: one line that names the fix and exit code 2, never a traceback; warnings in the same
-form; and the console lines of a run, which a reader that went away (a closed pipe) never turns into
-a traceback."""
+"""Failures: one line that names the fix and exit code 2, never a traceback; warnings alike; and the
+console lines of a run, which a reader that went away never turns into a traceback."""
 
 import gc
 import os
@@ -17,8 +16,7 @@ MAX_VALUE_CHARS = 200  # a value quoted in a message longer than this is cut, it
 
 
 class NonFiniteError(Exception):
-    """A non-finite loss or gradient, found alike on every rank (in numbers they all share) before
-    it is applied."""
+    """A non-finite loss or gradient, found alike on every rank before it is applied."""
 
 
 def fail_all(messages: list[str]) -> NoReturn:
@@ -30,9 +28,8 @@ def fail_all(messages: list[str]) -> NoReturn:
 
 
 def fail(message: str, every_rank: bool = False, any_rank: bool = False) -> NoReturn:
-    """Stop with one line naming the fix, exit code 2: printed by rank 0; with `every_rank` (a lost
-    peer) by each rank, which says its rank; with `any_rank` (the launcher's variables, which may
-    not say which rank this is) by this process whatever its rank."""
+    """Stop with one line naming the fix, exit code 2, printed by rank 0; with `every_rank` (a lost
+    peer) by each rank, saying its rank; with `any_rank` by this process whatever its rank."""
     rank = this_rank()
     # said first: a launcher may end the job once another rank has left
     if every_rank or any_rank or rank == 0:
@@ -55,9 +52,7 @@ def warn(message: str) -> None:
 
 
 def say(line: str) -> None:
-    """`line` on stderr as one line: its long words cut (a 1 MiB --env-id echoed back), any
-    character a terminal would obey rather than show (a newline, an escape sequence, a right-to-left
-    mark) escaped; a reader that went away prints nothing."""
+    """`line` on stderr as one line: long words cut, characters a terminal would obey escaped."""
     line = re.sub(rf"\S{{{MAX_VALUE_CHARS + 1},}}", lambda word: cut(word[0]), line)
     line = "".join(char if char.isprintable() else repr(char)[1:-1] for char in line)
     # one write: lines of ranks sharing a console (torchrun's run unbuffered) never run together
@@ -65,9 +60,8 @@ def say(line: str) -> None:
 
 
 def tell(line: str) -> bool:
-    """`line` on stdout, at once. False if its reader went away (`| head -1`): stdout then goes to
-    /dev/null, so that the run ends quietly (the caller asks it to stop) instead of in a
-    BrokenPipeError."""
+    """`line` on stdout, at once; False if its reader went away (`| head -1`): stdout then goes to
+    /dev/null, so the run ends quietly instead of in a BrokenPipeError."""
     try:
         print(line, flush=True)
         return True
@@ -80,8 +74,7 @@ def tell(line: str) -> bool:
 
 
 def quietly(write) -> None:
-    """Call `write`, which prints or flushes; an output whose reader went away (a closed pipe) takes
-    nothing."""
+    """Call `write`, which prints or flushes, ignoring an output whose reader went away."""
     try:
         write()
     except (OSError, ValueError):  # BrokenPipeError; ValueError: the stream was closed
@@ -94,24 +87,20 @@ def shown(value: object) -> str:
 
 
 def first_line(error: BaseException) -> str:
-    """The first line of what `error` says (its type's name where it says nothing), escaped and cut
-    as a value a message quotes."""
+    """The first line of what `error` says (else its type's name), escaped and cut."""
     said = str(error).strip() or type(error).__name__
     return cut(repr(said.splitlines()[0])[1:-1])
 
 
 def cut(text: str) -> str:
     """`text`, or its first MAX_VALUE_CHARS characters and how many there were."""
-    return (
-        text
-        if len(text) <= MAX_VALUE_CHARS
-        else f"{text[:MAX_VALUE_CHARS]}... ({len(text)} characters)"
-    )
+    if len(text) <= MAX_VALUE_CHARS:
+        return text
+    return f"{text[:MAX_VALUE_CHARS]}... ({len(text)} characters)"
 
 
 def this_rank() -> int:
-    """This process's rank as the process group or the launcher has it (0 when neither says, or says
-    nonsense)."""
+    """This process's rank as the process group or the launcher has it (else 0)."""
     if dist.is_initialized():
         return dist.get_rank()
     try:

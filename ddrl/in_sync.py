@@ -1,7 +1,5 @@
-"""Whether every rank holds the same: the command (the script, ddrl and the arguments, from the
-same checkpoint) once at start, and the training state (training_state: every module, optimizer
-and number main carries) every --check-sync-every iterations; each by checksums in one gather, and
-a rank that differs stops every rank in one line naming what differs and the likely cause."""
+"""Whether every rank holds the same, by checksums in one gather: the command at start, and the
+training state every --check-sync-every iterations; a rank that differs stops every rank."""
 
 import hashlib
 from dataclasses import asdict
@@ -15,11 +13,8 @@ from ddrl.failures import fail
 
 
 def check_in_sync(iteration: int, unit: str, frame, args, device: torch.device) -> None:
-    """Stop every rank unless all hold the same training state as `frame` (main's, in its loop)
-    finds it (training_state.found: every module's parameters and floating-point buffers, every
-    optimizer's options, the numbers main carries and those of modules and args), by a checksum of
-    each in one gather. The message names what differs and whether those parameters' gradients were
-    averaged in the last step (then alike on every rank), so it blames the right thing."""
+    """Stop every rank unless all hold the same training state as `frame` (main's) finds it, naming
+    what differs and whether its gradients were averaged in the last step."""
     state = training_state.found(frame, args)
     checked = [*state.tensors.items(), *state.numbers.items()]
     gradients = list(state.gradients.items())
@@ -74,8 +69,7 @@ def check_in_sync(iteration: int, unit: str, frame, args, device: torch.device) 
 
 
 def checksum(value: torch.Tensor | float | None) -> int:
-    """A 63-bit checksum of a tensor's bytes, or a number's float64 bits (0 for a missing
-    gradient)."""
+    """A 63-bit checksum of a tensor's bytes, a number's float64 bits, or 0 for None."""
     if value is None:
         return 0
     if isinstance(value, float):
@@ -91,24 +85,22 @@ def check_same_command(script: str, args, resumed_iteration: int, device: torch.
     table = collectives.gather_ints_to_all(
         [*source_digests(script), arguments, resumed_iteration], device
     )
-    for column, problem, fix in (
+    problems = (
         (
-            0,
             f"run a different copy of {failures.script} than rank 0",
             "copy the same script to every node",
         ),
-        (1, "run a different version of ddrl than rank 0", "install the same ddrl on every node"),
+        ("run a different version of ddrl than rank 0", "install the same ddrl on every node"),
         (
-            2,
             "were given different arguments than rank 0",
             "launch every rank with the same command line",
         ),
         (
-            3,
             "resume from a different checkpoint than rank 0",
             "put runs/ on a filesystem every node shares",
         ),
-    ):
+    )
+    for column, (problem, fix) in enumerate(problems):
         if differ := (table[:, column] != table[0, column]).nonzero().flatten().tolist():
             fail(f"ranks {differ} {problem}; {fix}")
 
