@@ -1,6 +1,5 @@
-"""What a script, or a researcher's copy of it, must keep true of its Agent: the rollout's numbers
-against the Agent's, one log-probability and one value per row, and minibatches that cut the batch
-as their sizes say; each check ends in one line that names the fix."""
+"""What a script, or a researcher's copy of it, must keep true of its Agent; each check ends in one
+line that names the fix."""
 
 import torch
 
@@ -9,9 +8,8 @@ from ddrl.failures import fail
 
 
 def check_agreement(when: str, must_agree: str, **pairs: tuple[torch.Tensor, torch.Tensor]) -> None:
-    """Stop every rank unless each pair (the Agent's numbers, the rollout's) agrees on all ranks: a
-    relative gap above 1e-3, far above float32 rounding (of small stds too), means the two compute
-    different things."""
+    """Stop every rank unless each pair (the Agent's numbers, the rollout's) agrees on all ranks
+    within a relative 1e-3, far above float32 rounding."""
     tolerance = 1e-3
     with torch.no_grad():
         relative = [(mine - theirs).abs() / (1 + theirs.abs()) for mine, theirs in pairs.values()]
@@ -42,8 +40,7 @@ def check_one_per_row(log_probs, values, count: int, methods: str) -> None:
 
 
 def check_minibatch_scores(log_probs: torch.Tensor, values: torch.Tensor, minibatch: dict) -> None:
-    """Stop unless the Agent scored a minibatch with one log-probability and one value per row that
-    the minibatch holds (an edit may change what a row is in one place and not the other)."""
+    """Stop unless the Agent scored a minibatch with one log-probability and one value per row."""
     if log_probs.shape != minibatch["log_probs"].shape or values.shape != minibatch["values"].shape:
         fail(
             f"Agent.get_action_and_value gives {tuple(log_probs.shape)} log-probabilities and "
@@ -54,8 +51,8 @@ def check_minibatch_scores(log_probs: torch.Tensor, values: torch.Tensor, miniba
 
 
 def check_minibatch_cut(local_sizes: list[int], order_length: int) -> None:
-    """Stop unless this rank's minibatch sizes cut an epoch's order into non-empty pieces. The
-    sizes may differ by rank, so the rank that meets it says so."""
+    """Stop unless this rank's minibatch sizes cut an epoch's order into non-empty pieces (said by
+    this rank: the sizes may differ by rank)."""
     if sum(local_sizes) != order_length or min(local_sizes) < 1:
         fail(
             f"this rank's minibatch sizes {local_sizes} do not cut an epoch's order of "

@@ -1,7 +1,5 @@
-"""The Atari rollout's acting step, derived from the Agent's get_action_and_value: eager, or on a
-GPU one CUDA graph per group of envs captured once and replayed every step, so that a step costs a
-few launches instead of hundreds; either way checked against the Agent (ddrl.rollout.check). Also
-the bfloat16 trunk of --bf16."""
+"""The Atari rollout's acting step: eager, or on a GPU one CUDA graph per group of envs, so that a
+step costs a few launches instead of hundreds; and the bfloat16 trunk of --bf16."""
 
 import types
 from collections.abc import Callable
@@ -23,11 +21,9 @@ def acting_step(
     groups: list[slice],
     graph: bool,
 ) -> Callable[[int, np.ndarray, slice], np.ndarray]:
-    """One rollout step's acting for one group of envs, as a function of the step, the group's
-    frames and the group: the frames into row `step` of `obs`, Agent.get_action_and_value on them
-    (under inference mode: no autograd, no DDP hooks) into that row of `actions`, `log_probs` and
-    `values`, the actions back to the host for the envs. With `graph` (a GPU), a CUDA graph per
-    group captured from that call does it."""
+    """`act(step, frames, group)`: the frames into row `step` of `obs`, Agent.get_action_and_value
+    on them (inference mode) into that row of the storage, the actions back to the host; with
+    `graph`, a CUDA graph per group captured from that call."""
     if graph:
         return captured_acting_step(agent, obs, actions, log_probs, values, groups)
 
@@ -52,9 +48,8 @@ def captured_acting_step(
     values: torch.Tensor,
     groups: list[slice],
 ) -> Callable[[int, np.ndarray, slice], np.ndarray]:
-    """acting_step as CUDA graphs, one per group, captured from Agent.get_action_and_value as
-    torch's docs do (every replay draws fresh, seeded samples): a copy in from pinned memory, a
-    replay that reads and writes the group's part of row `step`, a copy out."""
+    """acting_step as CUDA graphs, one per group, captured as torch's docs do (every replay draws
+    fresh, seeded samples): a copy in from pinned memory, a replay, a copy out."""
     row = torch.zeros(1, dtype=torch.long, device=obs.device)  # the row the graphs read and write
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -82,12 +77,10 @@ def captured_acting_step(
             )
         frames_host = torch.empty(obs[0, group].shape, dtype=torch.uint8, pin_memory=True)
         actions_host = torch.empty(step_actions.shape, dtype=torch.long, pin_memory=True)
-        # rewritten by every replay
         captured[group.start] = (graph, frames_host, actions_host, step_actions)
 
     def act_by_graph_replay(step: int, frames: np.ndarray, group: slice) -> np.ndarray:
         graph, frames_host, actions_host, step_actions = captured[group.start]
-        # pinned: copied ahead of the replay (numpy: no torch threads)
         np.copyto(frames_host.numpy(), frames)
         obs[step, group].copy_(frames_host, non_blocking=True)
         row.fill_(step)
@@ -100,9 +93,8 @@ def captured_acting_step(
 
 
 def run_in_bfloat16(module: nn.Module) -> None:
-    """From now on `module` (a network's trunk) runs under bfloat16 autocast and hands on float32:
-    its forward is wrapped on this instance, its class, weights and state dict unchanged. Rank 0
-    warns where bfloat16 is emulated (slower, not faster)."""
+    """From now on `module` runs under bfloat16 autocast and hands on float32, its forward wrapped
+    on this instance (its state dict unchanged); rank 0 warns where bfloat16 is emulated."""
     device = next(module.parameters()).device
     if collectives.rank_in() == 0 and not machine.has_native_bf16(device):
         warn(f"this {device.type} emulates bfloat16, so --bf16 is slower here")

@@ -1,6 +1,5 @@
-"""What env libraries need beside the algorithm: MuJoCo's console without its one deprecation
-warning, an env's spaces checked before training, and one frame rendered before a --capture-video
-run trains."""
+"""What env libraries need beside the algorithm: MuJoCo's console, an env's spaces checked, and one
+frame rendered before a --capture-video run trains."""
 
 import contextlib
 import os
@@ -14,15 +13,13 @@ from ddrl.failures import fail, first_line, shown
 
 
 def silence_settotalmass_warning() -> None:
-    """Drop MuJoCo 4's warning on the deprecated `settotalmass` in gymnasium's HalfCheetah model
-    (printed for every env of every rank, and logged to MUJOCO_LOG.TXT); any other MuJoCo warning
-    prints as before."""
+    """Drop MuJoCo 4's warning on the deprecated `settotalmass` in gymnasium's HalfCheetah model,
+    printed for every env of every rank; any other MuJoCo warning prints as before."""
     try:
         import mujoco
     except ImportError:  # no MuJoCo, no MuJoCo warnings
         return
-    # MUJOCO_GL naming a renderer MuJoCo does not know, or one this machine lacks
-    except Exception as error:
+    except Exception as error:  # MUJOCO_GL naming a renderer MuJoCo cannot load
         gl = os.environ.get("MUJOCO_GL", "")
         fail(
             f"MUJOCO_GL={shown(gl)} names no renderer MuJoCo can load "
@@ -42,9 +39,8 @@ def check_env(
     observations: type = gym.Space,
     actions: type = gym.Space,
 ):
-    """Build one env with the script's `make_env` thunk (its wrappers may change the spaces), refuse
-    one that cannot be made or whose spaces the script cannot train, in one line naming `given`
-    (where the id comes from) and the fix; else its (observation space, action space)."""
+    """Build one env with the script's `make_env` thunk and return its spaces; one that cannot be
+    made, or whose spaces the script cannot train, is one line naming `given` and the fix."""
     try:
         env = make_env()
     except Exception as error:  # an unknown id or module, or MUJOCO_GL naming a missing renderer
