@@ -3,14 +3,17 @@
     python -m benchmark.faults --out benchmark/results/faults
 
 Every run is ppo_continuous_mpi.py on a small MuJoCo config (SCRIPT_ARGS, a few minutes on 2 cores; arguments after
-`--` follow them) under torchrun. kills: `--max-restarts KILLS`, and KILLS times, once the run has logged past a random
-share of its steps, SIGKILL to a random rank; torchrun restarts the group, which resumes from its last checkpoint.
-resize: SIGTERM to every rank once the run has logged past 1/N, 2/N, ... of its steps (N launches); the ranks stop
-after the iteration with a checkpoint, and the run goes on with --resume at the next of --world-sizes. A row per
-scenario: a fault survived is one the run resumed from and went past the step it had reached; env steps redone, those
-logged past the checkpoint it resumed from; seconds lost, wall time beyond the unkilled run's.
+`--` follow them) under torchrun. Rank 0 holds itself right after each progress line (benchmark/hold_at_line) until the
+line is read, so that a fault lands at the iteration whose line called for it, however fast the run or slow the
+machine. kills: `--max-restarts KILLS`, and KILLS times, at the first line past a random share of the steps, SIGKILL to
+a random rank; torchrun restarts the group, which resumes from its last checkpoint (the one before that line's
+iteration). resize: SIGTERM to every rank at the first line past 1/N, 2/N, ... of the steps (N launches); the ranks
+stop after the next iteration with a checkpoint, and the run goes on with --resume at the next of --world-sizes. A row
+per scenario: a fault survived is one the run resumed from and went past the step it had reached; env steps redone,
+those logged past the checkpoint it resumed from; seconds lost, wall time beyond the unkilled run's.
 """
 
+import contextlib
 import os
 import random
 import re
@@ -35,6 +38,11 @@ MIN_ITERATIONS = 2
 SCRIPT_ARGS = ["--env-id", "Hopper-v5", "--num-steps", "512", "--num-minibatches", "8", "--update-epochs", "4"]
 SCRIPT_ARGS += ["--total-timesteps", "61440", "--checkpoint-every", "2"]  # 60 iterations of 1,024 steps at 2 ranks
 RESUMED = re.compile(r"^resuming from \S*iter_(\d+)\.safetensors")
+HOLD_AT_LINE = common.ROOT / "benchmark" / "hold_at_line"
+"""on PYTHONPATH, with DDRL_HOLD_AFTER the progress line's pattern, rank 0 stops itself after each progress line"""
+HOLD = ["env", f"DDRL_HOLD_AFTER={common.PROGRESS_LINE.pattern}"]
+HOLD_SECONDS = 600
+"""how long rank 0 may take to hold itself after a progress line (a few bytecodes, on a machine however busy)"""
 
 
 @dataclass(kw_only=True)
@@ -84,11 +92,29 @@ def rank_pids(launcher_pid: int) -> list[int]:
     return [found[rank] for rank in sorted(found)]
 
 
+def held(pid: int, line: str) -> bool:
+    """Wait until the rank `pid` has stopped itself after printing `line` (benchmark/hold_at_line); False if it died."""
+    deadline = time.monotonic() + HOLD_SECONDS
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            return False
+        if state in "TtZX":
+            return state in "Tt"
+        time.sleep(0.01)
+    raise SystemExit(f"benchmark.faults: error: rank 0 (pid {pid}) did not hold within {HOLD_SECONDS} s after: {line}")
+
+
 def launch(scenario: Scenario, args: Args, ranks: int, more: list[str], work_dir: Path, began: float, fault) -> None:
     """One torchrun launch of `ranks` ranks (`more`: its script arguments after the config), recording what it prints;
-    at each progress line `fault(pids of the ranks, lines of this attempt, step)` says whether it ended the attempt."""
+    at each progress line, rank 0 held there, `fault(pids of the ranks, lines of this attempt, step)` says whether it
+    ended the attempt."""
     restarts = [f"--max-restarts={args.kills}"] * (scenario.name == "kills")
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", *restarts]
+    hold_path = os.pathsep.join(filter(None, [str(HOLD_AT_LINE), os.environ.get("PYTHONPATH")]))
+    hold = [*HOLD, f"PYTHONPATH={hold_path}"]
+    command = [*hold, sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"]
+    command += restarts
     command += [str(common.ROOT / SCRIPT), "--seed", str(args.seed), *SCRIPT_ARGS, *more]
     attempt = {"lines": 0, "reached": 0}  # lines of this attempt; after a fault, the iteration the run had logged
 
@@ -103,11 +129,14 @@ def launch(scenario: Scenario, args: Args, ranks: int, more: list[str], work_dir
             scenario.lines.append((now, iteration, step, progress.group(5)))
             if attempt["reached"] and iteration <= attempt["reached"]:  # restarted without a checkpoint
                 attempt.update(lines=0, reached=0)
-            if not attempt["reached"]:  # a dying group's lines count for no attempt
+            pids = rank_pids(process.pid)  # rank 0 first: it printed the line and holds itself after it
+            if pids and held(pids[0], line) and not attempt["reached"]:  # a dying group's lines count for no attempt
                 attempt["lines"] += 1
-                if fault(rank_pids(process.pid), attempt["lines"], step):
+                if fault(pids, attempt["lines"], step):
                     scenario.faults.append(now)
                     attempt["reached"] = iteration
+            with contextlib.suppress(ProcessLookupError, IndexError):
+                os.kill(pids[0], signal.SIGCONT)
 
     scenario.commands.append(f"(cd {shlex.quote(str(work_dir))} && {shlex.join(command)})")
     log = work_dir / "logs" / f"{scenario.name}_{len(scenario.commands)}.log"
@@ -201,9 +230,10 @@ def main(argv: list[str] | None = None) -> Path:
     facts = [
         f"every run: `{shlex.join([SCRIPT, '--seed', str(args.seed), *SCRIPT_ARGS, *extra])}` under "
         f"torchrun --standalone; the unkilled run: {args.ranks} rank(s), {unkilled.seconds:.1f} s",
-        f"kills: SIGKILL to a random rank past random shares (10-80%) of {total:,} steps; resize: SIGTERM to every "
-        f"rank past 1/{len(args.world_sizes)}, 2/{len(args.world_sizes)}, ... of them; every attempt trains "
-        f"{MIN_ITERATIONS} iterations first",
+        f"kills: SIGKILL to a random rank at the first progress line past random shares (10-80%) of {total:,} steps; "
+        f"resize: SIGTERM to every rank at the first past 1/{len(args.world_sizes)}, 2/{len(args.world_sizes)}, ... "
+        f"of them; rank 0 holds itself after each line until the fault is sent (benchmark/hold_at_line); every "
+        f"attempt trains {MIN_ITERATIONS} iterations first",
     ]
     if args.side_by_side:
         facts.append("side by side: the unkilled run and the scenarios ran at the same time: their seconds say little")
