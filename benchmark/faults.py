@@ -92,18 +92,24 @@ def rank_pids(launcher_pid: int) -> list[int]:
     return [found[rank] for rank in sorted(found)]
 
 
+def state(pid: int) -> str:
+    """Process `pid`'s state as /proc names it (S sleeping, T stopped, Z a zombie, ...); '' once it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
+
+
 def held(pid: int, line: str) -> bool:
     """Wait until the rank `pid` has stopped itself after printing `line` (benchmark/hold_at_line); False if it died."""
     deadline = time.monotonic() + HOLD_SECONDS
-    while time.monotonic() < deadline:
-        try:
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except (OSError, IndexError):
-            return False
-        if state in "TtZX":
-            return state in "Tt"
+    while state(pid) not in ("", "Z", "X", "T", "t"):
+        if time.monotonic() > deadline:
+            raise SystemExit(
+                f"benchmark.faults: error: rank 0 (pid {pid}) did not hold within {HOLD_SECONDS} s after: {line}"
+            )
         time.sleep(0.01)
-    raise SystemExit(f"benchmark.faults: error: rank 0 (pid {pid}) did not hold within {HOLD_SECONDS} s after: {line}")
+    return state(pid) in ("T", "t")
 
 
 def launch(scenario: Scenario, args: Args, ranks: int, more: list[str], work_dir: Path, began: float, fault) -> None:

@@ -24,9 +24,14 @@ import tyro
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from benchmark import faults
+
 ROOT = Path(__file__).resolve().parent.parent
 RANK_ENTRY = Path(__file__).resolve().parent / "rank_entry.py"
 MPI_RANK_ENTRY = Path(__file__).resolve().parent / "mpi_rank.py"
+WAIT = 300
+"""seconds a test waits for what a run will do (its first iteration, a checkpoint, a process holding), on a slow machine
+with its cores busy: only a broken run takes that long"""
 
 
 def mpirun(nprocs: int) -> list[str]:
@@ -61,7 +66,7 @@ def clean_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def run_command(command: list[str], cwd: Path, timeout: float = 240, **env: str) -> subprocess.CompletedProcess:
+def run_command(command: list[str], cwd: Path, timeout: float = WAIT, **env: str) -> subprocess.CompletedProcess:
     """Run `command` in `cwd`; a hang becomes a test failure after `timeout` seconds."""
     return subprocess.run(command, cwd=cwd, env=clean_env(**env), capture_output=True, text=True, timeout=timeout)
 
@@ -97,6 +102,8 @@ def _python_main(script: str, args: list[str], cwd: str, parent_env: dict[str, s
     """`python script args` in a process forked from run_ranks' server: its stdout and stderr to cwd/NAME.out and
     cwd/NAME.err, its exit code as python's (2 for the scripts' refusals, 1 for an uncaught exception)."""
     _inherit(parent_env, cwd, os.path.join(cwd, name))
+    if "DDRL_HOLD_AFTER" in os.environ:  # hold_after's, as a new interpreter imports it
+        runpy.run_path(str(faults.HOLD_AT_LINE / "sitecustomize.py"))
     code = 0
     try:
         sys.argv = [script, *args]
@@ -116,7 +123,7 @@ def _python_main(script: str, args: list[str], cwd: str, parent_env: dict[str, s
     os._exit(code)
 
 
-def run_python(script: Path, args: list[str], cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess:
+def run_python(script: Path, args: list[str], cwd: Path, timeout: float = WAIT) -> subprocess.CompletedProcess:
     """What run_command([python, script, *args], cwd) returns, in a fraction of the time: the script runs in a process
     forked from run_ranks' server, which imported torch once. For a script's own code (its checks, its training); a
     test of how a process starts or exits launches a real one."""
@@ -151,7 +158,7 @@ def torchrun(
     cwd: Path,
     nprocs: int = 2,
     save_ranks: bool = False,
-    timeout: float = 240,
+    timeout: float = WAIT,
     **env: str,
 ):
     """Launch `script` (a file in the repo root) with `nprocs` ranks under `torch.distributed.run --standalone`,
@@ -284,7 +291,7 @@ def train_ranks(
     flags: list[str],
     cwd: Path,
     nprocs: int = 2,
-    timeout: float = 240,
+    timeout: float = WAIT,
     signal_rank: tuple[int, int, Callable[[], object]] | None = None,
     worker: Callable = train_rank,
     **env: str,
@@ -311,7 +318,7 @@ def run_ranks(
     world_size: int,
     out_dir: Path,
     *worker_args,
-    timeout: float = 120,
+    timeout: float = WAIT,
     join_group: bool = True,
     mpi_script: str | None = None,
     output: bool = False,
@@ -412,27 +419,18 @@ def finish(process: subprocess.Popen, timeout: float) -> subprocess.CompletedPro
     return subprocess.CompletedProcess(process.args, process.returncode, *output(process))
 
 
-def rank_pid(launcher_pid: int, rank: int) -> int | None:
-    """The pid of the worker with RANK=`rank` among the children of a torchrun launcher (read from /proc)."""
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            environ = (entry / "environ").read_bytes().split(b"\0")
-        except (OSError, IndexError, ValueError):
-            continue
-        if parent == launcher_pid and f"RANK={rank}".encode() in environ:
-            return int(entry.name)
-    return None
+def hold_after(pattern: str) -> dict[str, str]:
+    """The environment (for `start` and `start_python`) in which a script's process stops itself (SIGSTOP) right after
+    it prints a line that matches `pattern` (benchmark/hold_at_line): `signal_held` signals it at that very point."""
+    return {"DDRL_HOLD_AFTER": pattern, "PYTHONPATH": f"{faults.HOLD_AT_LINE}{os.pathsep}{clean_env()['PYTHONPATH']}"}
 
 
-def signal_rank_when(launcher: subprocess.Popen, rank: int, sig: int, condition, timeout: float = 120) -> None:
-    """Once `condition()` holds, send `sig` to the worker of `rank` under the torchrun `launcher`."""
-    wait_for(condition, timeout, "the moment to signal a worker", (launcher,))
-    pid = rank_pid(launcher.pid, rank)
-    assert pid is not None, f"no worker of rank {rank} under {launcher.pid}"
-    os.kill(pid, sig)
+def signal_held(pid: int, signals: list[int], what: str, processes: tuple = ()) -> None:
+    """Once process `pid` holds itself after `what` (hold_after), send it `signals`, then let it go on (SIGCONT)."""
+    wait_for(lambda: faults.state(pid) == "T", WAIT, f"process {pid} holding after {what}", processes)
+    for sig in signals:
+        os.kill(pid, sig)
+    os.kill(pid, signal.SIGCONT)
 
 
 def progress_lines(stdout: str) -> list[int]:

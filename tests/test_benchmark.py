@@ -238,8 +238,8 @@ def test_scaling_rounds_give_each_rounds_speedup_against_the_same_rounds_baselin
 
 
 def test_run_logged_runs_its_commands_side_by_side_logs_each_and_names_a_failure(tmp_path):
-    # each command waits (at most 60 s) for the other's file: run one after the other, the first would time out
-    wait = "import pathlib, sys, time; pathlib.Path(sys.argv[1]).touch(); t = time.time() + 60\n"
+    # each command waits (at most 300 s) for the other's file: run one after the other, the first would time out
+    wait = "import pathlib, sys, time; pathlib.Path(sys.argv[1]).touch(); t = time.time() + 300\n"
     wait += "while not pathlib.Path(sys.argv[2]).exists() and time.time() < t: time.sleep(0.01)\n"
     wait += "print('saw', sys.argv[2], pathlib.Path(sys.argv[2]).exists()); sys.exit(int(sys.argv[3]))"
     commands = {"a": [sys.executable, "-c", wait, "a", "b", "0"], "b": [sys.executable, "-c", wait, "b", "a", "3"]}

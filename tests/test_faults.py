@@ -15,23 +15,26 @@ import pytest
 import torch
 
 import vpg_mpi
+from benchmark.faults import rank_pids
 from ddrl import machine
 from tests.helpers import (
     ROOT,
+    WAIT,
     assert_ok,
     finish,
-    output,
+    hold_after,
     progress_lines,
     read_checkpoint,
     read_scalars,
     refuse,
     run_command,
-    signal_rank_when,
+    signal_held,
     start,
     tiny_flags,
     torchrun_with,
     train_rank_signalled,
     train_ranks,
+    wait_for,
     world_batch,
     write_checkpoint,
 )
@@ -98,18 +101,22 @@ def test_a_checkpoint_of_two_ranks_resumes_at_one_and_at_two_again_and_reaches_i
 
 
 def test_a_run_torchrun_stopped_at_two_ranks_resumes_under_torchrun_at_one(tmp_path):
-    """torchrun cannot change its ranks within a launch: a preempted launch of two ranks (SIGTERM to rank 0 once it
-    trains) is launched again by torchrun with one rank and --resume, which trains to the run's total."""
-    iterations = 32  # at two ranks: room for the notice to land mid-run
+    """torchrun cannot change its ranks within a launch: a preempted launch of two ranks (SIGTERM to rank 0, held
+    after its first progress line while it is sent) is launched again by torchrun with one rank and --resume, which
+    trains to the run's total."""
+    iterations = 4  # at two ranks
     total = iterations * world_batch(CONTINUOUS, ranks=2)
     run_flags = tiny_flags(CONTINUOUS, iterations, "--run-name", "ws", ranks=2)
-    launcher = start(torchrun_with(["--standalone"], CONTINUOUS, run_flags), tmp_path, "first")
-    signal_rank_when(launcher, 0, signal.SIGTERM, lambda: progress_lines(output(launcher)[0]))
-    first = finish(launcher, 120)
+    launcher = start(
+        torchrun_with(["--standalone"], CONTINUOUS, run_flags), tmp_path, "first", **hold_after("^iteration 1/")
+    )
+    wait_for(lambda: len(rank_pids(launcher.pid)) == 2, WAIT, "torchrun's two ranks", (launcher,))
+    signal_held(rank_pids(launcher.pid)[0], [signal.SIGTERM], "iteration 1's line", (launcher,))
+    first = finish(launcher, WAIT)
     assert_ok(first)
-    [stopped] = re.findall(r"^stopped by SIGTERM at iteration (\d+);", first.stdout, re.M)
-    stopped_at = int(stopped)
-    assert progress_lines(first.stdout) == list(range(1, stopped_at + 1)) and stopped_at < iterations
+    stopped_at = 2  # the notice is summed over ranks in the next iteration, which ends with a checkpoint
+    assert f"stopped by SIGTERM at iteration {stopped_at}; continue with --resume --run-name ws" in first.stdout
+    assert progress_lines(first.stdout) == list(range(1, stopped_at + 1))
     resumed = run_command(torchrun_with(["--standalone"], CONTINUOUS, [*run_flags, "--resume"], 1), tmp_path)
     assert_ok(resumed)
     checkpoint = f"runs/ws/checkpoints/iter_{stopped_at:06d}.safetensors"

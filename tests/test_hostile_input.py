@@ -27,15 +27,18 @@ from safetensors.torch import save_file
 from ddrl import failures
 from tests.helpers import (
     ROOT,
+    WAIT,
     assert_ok,
     finish_python,
     free_port,
+    hold_after,
     output,
     progress_lines,
     refuse,
     run_command,
     run_dirs,
     run_python,
+    signal_held,
     start_python,
     tiny_flags,
     train_ranks,
@@ -168,7 +171,7 @@ def test_a_default_name_taken_in_the_same_second_gains_a_suffix(tmp_path):
 def test_two_runs_started_at_once_with_one_default_name_write_two_folders(tmp_path):
     runs = [start_python(ROOT / VPG, tiny_flags(VPG, 2), tmp_path, name) for name in ("first", "second")]
     for run in runs:
-        assert_ok(finish_python(run, timeout=240))
+        assert_ok(finish_python(run, timeout=WAIT))
     folders = run_dirs(tmp_path)
     assert len(folders) == 2 and all(len(list(folder.glob("events.out.tfevents.*"))) == 1 for folder in folders)
 
@@ -529,13 +532,12 @@ def test_a_rank_waiting_for_its_peers_says_so_and_keeps_waiting(tmp_path):
         "sys.argv = sys.argv[2:]\n"
         "runpy.run_path(sys.argv[0], run_name='__main__')\n"
     )
-    started = time.monotonic()
     port = str(free_port())
     argv = [port, str(ROOT / VPG), *tiny_flags(VPG, 2, "--dist-timeout", "5")]  # the notice after half of it
     result = run_python(tmp_path / "alone.py", argv, tmp_path)
-    assert result.returncode == 2 and time.monotonic() - started < 60, result.stderr[-2000:]
+    assert result.returncode == 2, result.stderr[-2000:]
     lines = [line for line in result.stderr.splitlines() if line.startswith(f"{VPG}: ")]
-    waited = rf"{VPG}: warning: rank 0 of 2 has waited [2-9] s for its 1 peer\(s\) at 127\.0\.0\.1:{port} "
+    waited = rf"{VPG}: warning: rank 0 of 2 has waited \d+ s for its 1 peer\(s\) at 127\.0\.0\.1:{port} "
     assert re.match(waited, lines[0]), lines
     assert "and waits until" in lines[0] and "(--dist-timeout 5 s)" in lines[0]
     assert lines[1].startswith(f"{VPG}: error: could not form a process group of 2 ranks"), lines
@@ -554,11 +556,12 @@ def test_a_hand_set_restart_count_never_writes_into_a_finished_run(tmp_path, mon
 def test_a_run_in_use_refuses_a_second_launch_of_it(tmp_path):
     """One process group per run folder: while a run trains, --resume of it is refused in one line naming who holds
     it; the lock goes with the process, so once the first has died the same --resume continues the run."""
-    argv = tiny_flags(VPG, 2000, "--run-name", "busy", "--checkpoint-every", "1")
+    argv = tiny_flags(VPG, 10**6, "--run-name", "busy", "--checkpoint-every", "1")  # it ends only as killed
     first = start_python(ROOT / VPG, argv, tmp_path, "first")  # its output apart from the second's
     try:
-        wait_for(lambda: list((tmp_path / "runs/busy/checkpoints").glob("iter_*")), 120, "a first checkpoint", (first,))
-        second = run_python(ROOT / VPG, tiny_flags(VPG, 2000, "--run-name", "busy", "--resume"), tmp_path)
+        checkpoints = tmp_path / "runs/busy/checkpoints"
+        wait_for(lambda: list(checkpoints.glob("iter_*")), WAIT, "a first checkpoint", (first,))
+        second = run_python(ROOT / VPG, tiny_flags(VPG, 10**6, "--run-name", "busy", "--resume"), tmp_path)
     finally:
         first.kill()
         first.join()
@@ -575,42 +578,44 @@ def test_a_run_in_use_refuses_a_second_launch_of_it(tmp_path):
 
 
 def interrupted(tmp_path: Path, signals: int) -> subprocess.CompletedProcess:
-    """A long VPG run sent `signals` Ctrl-C (SIGINT) once its first epoch printed; what it wrote."""
+    """A long VPG run sent Ctrl-C (SIGINT) after each of its first `signals` epochs, held at each epoch's line while
+    it is sent; what it wrote."""
     # one torch thread: a busy machine would otherwise add the oversubscription warning's line to stderr
-    run = start_python(ROOT / VPG, tiny_flags(VPG, 2000, "--run-name", "ctrl-c", "--torch-threads", "1"), tmp_path)
-    wait_for(lambda: progress_lines(output(run)[0]), 120, "the first epoch", (run,))
-    for _ in range(signals):
-        os.kill(run.pid, signal.SIGINT)
-        time.sleep(0.05)
-    return finish_python(run, 120)
+    argv = tiny_flags(VPG, 10**6, "--run-name", "ctrl-c", "--torch-threads", "1")  # it ends only as stopped
+    run = start_python(ROOT / VPG, argv, tmp_path, **hold_after(f"^epoch [1-{signals}]/"))
+    for epoch in range(1, signals + 1):
+        signal_held(run.pid, [signal.SIGINT], f"epoch {epoch}'s line", (run,))
+    return finish_python(run, WAIT)
 
 
 def test_ctrl_c_stops_every_rank_after_the_epoch_with_a_checkpoint(tmp_path):
     result = interrupted(tmp_path, 1)
     assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr[-2000:]
     [stopped] = [line for line in result.stdout.splitlines() if line.startswith("stopped by Ctrl-C at epoch")]
-    epoch = int(stopped.split()[5].rstrip(";"))
-    assert (tmp_path / f"runs/ctrl-c/checkpoints/iter_{epoch:06d}.safetensors").is_file()
+    assert stopped.startswith("stopped by Ctrl-C at epoch 2;")  # the notice is summed over ranks in the next epoch
     assert "continue with --resume --run-name ctrl-c" in stopped
+    assert progress_lines(result.stdout) == [1, 2]
+    assert (tmp_path / "runs/ctrl-c/checkpoints/iter_000002.safetensors").is_file()
 
 
 def test_a_second_ctrl_c_stops_at_once_in_one_line(tmp_path):
-    result = interrupted(tmp_path, 2)
+    result = interrupted(tmp_path, 2)  # the second after epoch 2's line, before its checkpoint
     assert result.returncode == 130 and "Traceback" not in result.stderr, result.stderr[-2000:]
-    [line] = result.stderr.strip().splitlines()  # during the iteration, or while the run ends
-    assert line.startswith(f"{VPG}: stopped at once by "), line
+    [line] = result.stderr.strip().splitlines()
+    assert line.startswith(f"{VPG}: stopped at once by a second Ctrl-C; continue from the run's last checkpoint"), line
+    assert not list((tmp_path / "runs/ctrl-c/checkpoints").glob("iter_*"))
 
 
 def test_a_closed_output_ends_the_run_quietly_with_its_checkpoint(tmp_path):
     """`| head -1`: the reader goes away; the run stops after the iteration it noticed, with a checkpoint, and says
     nothing of a broken pipe. (Its stdout is a named pipe this test reads, then closes.)"""
     os.mkfifo(tmp_path / "piped.out")
-    argv = tiny_flags(VPG, 2000, "--run-name", "piped", "--torch-threads", "1")  # no oversubscription warning
+    argv = tiny_flags(VPG, 10**6, "--run-name", "piped", "--torch-threads", "1")  # no oversubscription warning
     run = start_python(ROOT / VPG, argv, tmp_path, "piped")
     with open(tmp_path / "piped.out", "rb") as reader:  # opened once the run opens its end
         while not reader.readline().startswith(b"epoch 1/"):
             assert run.exitcode is None, output(run)[1][-2000:]
-    result = finish_python(run, 120)
+    result = finish_python(run, WAIT)
     assert result.returncode == 0 and result.stderr == "", result.stderr[-2000:]
     assert list((tmp_path / "runs/piped/checkpoints").glob("iter_*.safetensors"))
 

@@ -3,13 +3,13 @@ update-level equivalence under MPI lives beside the gloo one in each script's te
 
 import subprocess
 import sys
-import time
 
 import torch
 
 from tests.helpers import (
     RANK_ENTRY,
     ROOT,
+    WAIT,
     assert_ok,
     clean_env,
     mpirun,
@@ -50,20 +50,20 @@ def test_collectives_mpi_without_an_mpi_launch_is_refused(tmp_path):
 
 
 def test_a_killed_rank_ends_the_mpirun_job_and_one_rank_resumes_its_checkpoint(tmp_path):
-    """Rank 1 dies by SIGKILL once checkpoint 2 is written: mpirun ends the job with a non-zero exit within seconds
-    (no hang); mpirun -np 1 with --resume continues the two ranks' checkpoint at one rank, to the run's end."""
+    """Rank 1 dies by SIGKILL once checkpoint 2 is written: mpirun ends the job with a non-zero exit (no hang, which
+    only --dist-timeout's 1800 s would end); mpirun -np 1 with --resume continues the two ranks' checkpoint at one
+    rank, to the run's end."""
     iterations = 4  # at two ranks
     run_flags = tiny_flags(CONTINUOUS, iterations, "--checkpoint-every", "1", "--run-name", "killed", ranks=2)
     entry = [sys.executable, str(RANK_ENTRY), CONTINUOUS, *run_flags]
-    started = time.monotonic()
     job = subprocess.run(
         [*mpirun(2), "-x", "DDRL_TEST_KILL=1:2", *entry],
         cwd=tmp_path,
         env=clean_env(),
         capture_output=True,
-        timeout=120,
+        timeout=WAIT,
     )
-    assert job.returncode != 0 and time.monotonic() - started < 60, job.stdout[-3000:]
+    assert job.returncode != 0, job.stdout[-3000:]
     assert sorted(path.name for path in (tmp_path / "runs/killed/checkpoints").iterdir()) == [
         "iter_000001.safetensors",
         "iter_000002.safetensors",
