@@ -15,7 +15,7 @@ RUNS = {
 
 @pytest.mark.parametrize("script", RUNS)
 def test_a_user_env_module_trains(script, tmp_path):
-    result = run_python(ROOT / script, ["--env-id", USER_ENV, *RUNS[script]], tmp_path, timeout=120)
+    result = run_python(ROOT / script, ["--env-id", USER_ENV, *RUNS[script]], tmp_path)
     assert_ok(result)
     assert progress_lines(result.stdout) == [1, 2]
 
