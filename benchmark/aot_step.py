@@ -9,7 +9,9 @@ The functional step is traced to ATen ops with make_fx first, then exported: tor
 torch.func.grad runs the autograd engine on tensors without storage and stops ("Cannot access data pointer of Tensor
 that doesn't have storage"). "two pieces" splits it where the gradient sync goes (the gradient and the logged numbers
 in one flat tensor; the clip and Adam), with the one-rank sync and its finiteness check between. The contenders take
-turns call by call within every round, so a slow spell of the shared machine falls on all of them.
+turns every --block steps within every round, so a slow spell of the shared machine falls on all of them; each call is
+timed by this thread's CPU time, which leaves out the time it waits for a core on a busy machine, and by the wall
+clock; a round's figure is its median call.
 """
 
 import copy
@@ -45,6 +47,9 @@ class Args(common.TimingArgs):
     """rounds; in each, every contender runs `steps` minibatch steps at every row count"""
     steps: Annotated[int, Ge(1)] = 200
     """minibatch steps per contender per round"""
+    block: Annotated[int, Ge(1)] = 20
+    """consecutive steps of one contender before the next takes its turn (the update runs its steps back to back;
+    1: call by call, where each step meets caches the others filled)"""
     rows: tuple[int, ...] = (8, 64)
     """minibatch sizes (64: the default's, 2048 samples in 32 minibatches on one rank)"""
     out: Path = Path("benchmark/results/aot_step")
@@ -255,26 +260,36 @@ def main(argv: list[str] | None = None) -> Path:
             gaps.append(((call.state[0] - reference).abs().max() / (reference - initial).abs().max()).item())
     facts.append(f"float32, 4 steps: every functional step's params within {max(gaps):.1e} of the script's eager step")
     load = common.check_load(args.max_load)
-    micros = {key: [[] for _ in range(args.rounds)] for key in calls}
-    for round_times in zip(*micros.values(), strict=True):
-        for _ in range(args.steps):  # the contenders take turns call by call
-            for call, times in zip(calls.values(), round_times, strict=True):
-                start = time.perf_counter()
-                call()
-                times.append((time.perf_counter() - start) * 1e6)
-    micros = {key: [statistics.median(times) for times in rounds] for key, rounds in micros.items()}
+    wall = {key: [[] for _ in range(args.rounds)] for key in calls}
+    cpu = {key: [[] for _ in range(args.rounds)] for key in calls}
+    for round_index in range(args.rounds):
+        for _ in range(args.steps // args.block):  # the contenders take turns block by block
+            for key, call in calls.items():
+                for _ in range(args.block):
+                    start, start_cpu = time.perf_counter_ns(), time.thread_time_ns()
+                    call()
+                    cpu[key][round_index].append((time.thread_time_ns() - start_cpu) / 1e3)
+                    wall[key][round_index].append((time.perf_counter_ns() - start) / 1e3)
     table = []
-    for (rows, name), times in micros.items():
-        median = statistics.median(times)
-        speed_up = statistics.median(micros[rows, COMPILED]) / median
+    for rows, name in calls:
+        medians = [statistics.median(times) for times in cpu[rows, name]]
+        median = statistics.median(medians)
+        speed_up = statistics.median(map(statistics.median, cpu[rows, COMPILED])) / median
+        wall_median = statistics.median(map(statistics.median, wall[rows, name]))
         update = f"{UPDATE_STEPS * median / 1e3:.0f}" if rows == 64 else ""
-        table.append([rows, name, f"{median:.0f}", f"{min(times):.0f}-{max(times):.0f}", f"{speed_up:.2f}x", update])
+        spread = f"{min(medians):.0f}-{max(medians):.0f}"
+        table.append([rows, name, f"{median:.0f}", spread, f"{wall_median:.0f}", f"{speed_up:.2f}x", update])
         print(*table[-1], sep=" | ", file=sys.stderr)
-    header = "rows | minibatch step | us per step (median of rounds) | range over rounds | speed-up over --compile | ms per update"
+    header = (
+        "rows | minibatch step | us of CPU per step (median) | range over rounds | us of wall clock per step (median) "
+        f"| speed-up over --compile (CPU) | ms of CPU per update ({UPDATE_STEPS} steps)"
+    )
     body = "\n" + common.markdown_table(header, table)
     body += "\nCompile and export costs (seconds, once at start, on the shared machine):\n\n"
     body += common.markdown_table("what | seconds", [[name, f"{s:.1f}"] for name, s in costs.items()])
-    facts.append(f"{args.rounds} rounds x {args.steps} steps per contender, one torch thread, pinned by taskset")
+    facts.append(
+        f"{args.rounds} rounds x {args.steps} steps per contender in turns of {args.block}, one torch thread, pinned"
+    )
     return common.write_results(args, argv, "A PPO minibatch step compiled ahead of time", facts, body, load)
 
 
