@@ -3,7 +3,8 @@ backward, gradient pack, clip and fused Adam; eager and with the loss torch.comp
 over flat tensors (torch.func.grad of the script's own minibatch_loss, the clip and Adam written out), compiled ahead
 of time with AOTInductor and called through its C++ runner, or compiled with torch.compile.
 
-    taskset -c 1 python -m benchmark.aot_step --rounds 5 --steps 200 --out benchmark/results/aot_step
+    taskset -c 1 python -m benchmark.aot_step --rounds 10 --steps 200 --out benchmark/results/aot_step
+    taskset -c 1 python -m benchmark.aot_step --block 1 --out benchmark/results/aot_step_call_by_call
 
 The functional step is traced to ATen ops with make_fx first, then exported: torch.export's own trace of
 torch.func.grad runs the autograd engine on tensors without storage and stops ("Cannot access data pointer of Tensor
@@ -176,6 +177,7 @@ def aot(fn: Callable, inputs: list[torch.Tensor], folder: Path, costs: dict, nam
     path = torch._inductor.aoti_compile_and_package(exported, package_path=str(folder / f"{name}.pt2"))
     runner = torch._inductor.aoti_load_package(path)
     costs[f"AOTInductor: make_fx, export, compile and load the {name}"] = time.perf_counter() - start
+    print(f"AOTInductor: the {name} compiled in {time.perf_counter() - start:.1f} s", file=sys.stderr)
     return runner
 
 
