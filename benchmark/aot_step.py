@@ -69,10 +69,11 @@ class Loss(nn.Module):
         return loss, torch.stack(list(logged.values()))
 
 
-def functional_step(module, agent: nn.Module, args) -> tuple[Callable, Callable]:
-    """(gradient, clip_and_adam): the minibatch step as two pure functions of flat tensors, split where the
-    gradient sync goes. gradient(params, shift, scale, *minibatch, adv_mean, adv_std) -> [gradient, logged];
-    clip_and_adam(params, exp_avg, exp_avg_sq, step, lr, flat) -> (params, exp_avg, exp_avg_sq, step)."""
+def functional_step(module, agent: nn.Module, args) -> tuple[Callable, Callable, Callable]:
+    """(gradient, clip_and_adam, whole): the minibatch step as pure functions of flat tensors, in two pieces split
+    where the gradient sync goes, and whole. gradient(params, shift, scale, *minibatch, adv_mean, adv_std) ->
+    [gradient, logged]; clip_and_adam(params, exp_avg, exp_avg_sq, step, lr, flat) -> (params, exp_avg, exp_avg_sq,
+    step); whole(params, exp_avg, exp_avg_sq, step, lr, shift, scale, *minibatch, adv_mean, adv_std)."""
     loss = Loss(module, agent, args)
     named = [(f"agent.{name}", p.shape) for name, p in agent.named_parameters()]
     sizes = [p.numel() for p in agent.parameters()]
@@ -97,7 +98,10 @@ def functional_step(module, agent: nn.Module, args) -> tuple[Callable, Callable]
         denom = exp_avg_sq.sqrt() / (1 - BETA2**step).sqrt() + EPS
         return params - lr / (1 - BETA1**step) * exp_avg / denom, exp_avg, exp_avg_sq, step
 
-    return gradient, clip_and_adam
+    def whole(params, exp_avg, exp_avg_sq, step, lr, *data):
+        return clip_and_adam(params, exp_avg, exp_avg_sq, step, lr, gradient(params, *data))
+
+    return gradient, clip_and_adam, whole
 
 
 def minibatch(rows: int, dtype: torch.dtype) -> list[torch.Tensor]:
@@ -117,7 +121,7 @@ class Setup:
         self.args = self.module.Args()
         torch.manual_seed(0)
         self.agent = common.agent_of(SCRIPT).to(dtype)
-        self.gradient, self.clip_and_adam = functional_step(self.module, self.agent, self.args)
+        self.gradient, self.clip_and_adam, self.whole = functional_step(self.module, self.agent, self.args)
 
     def today(self, tensors: list[torch.Tensor], compiled: bool) -> Callable[[], None]:
         """The script's minibatch step on a copy of the Agent, as update runs it."""
@@ -187,15 +191,6 @@ def boxed(runner) -> Callable:
     return lambda flat_inputs: runner.loader.boxed_run(list(flat_inputs))
 
 
-def whole_step(setup: Setup) -> Callable:
-    """The whole step in one function: the gradient piece, then the clip and Adam."""
-
-    def whole(params, exp_avg, exp_avg_sq, step, lr, *data):
-        return setup.clip_and_adam(params, exp_avg, exp_avg_sq, step, lr, setup.gradient(params, *data))
-
-    return whole
-
-
 def check(rows: int) -> list[str]:
     """The functional step (eager, float64) against the script's eager step over three steps: the largest gap in the
     new params, relative to the largest change of a param (as in float32's check in main)."""
@@ -203,11 +198,10 @@ def check(rows: int) -> list[str]:
     tensors = minibatch(rows, torch.float64)
     today = setup.today(tensors, compiled=False)
     state, data = setup.state(tensors)
-    whole = whole_step(setup)
     start = state[0].clone()
     for _ in range(3):
         today()
-        state[:4] = whole(*state, *data)
+        state[:4] = setup.whole(*state, *data)
     reference = torch.cat([p.detach().reshape(-1) for p in today.agent.parameters()])
     gap = ((state[0] - reference).abs().max() / (reference - start).abs().max()).item()
     if not gap < 1e-10:
@@ -215,14 +209,8 @@ def check(rows: int) -> list[str]:
     return [f"float64, {rows} rows, 3 steps: the functional step's params within {gap:.1e} of the script's eager step"]
 
 
-def main(argv: list[str] | None = None) -> Path:
-    args, argv, _ = common.cli(Args, argv)
-    torch.set_num_threads(1)
-    torch.distributions.Distribution.set_default_validate_args(False)  # as ddrl's launch does
-    facts = [line for rows in args.rows for line in check(rows)]
-    setup = Setup(torch.float32)
-    whole = whole_step(setup)
-    costs: dict[str, float] = {}
+def contenders(args: Args, setup: Setup, costs: dict[str, float]) -> dict[tuple[int, str], Callable]:
+    """Every contender's step at every row count, by (rows, name), compiled; the compile costs go in `costs`."""
     calls: dict[tuple[int, str], Callable] = {}
     folder = Path(tempfile.mkdtemp(prefix="aot_step_"))
     adam = None
@@ -231,11 +219,11 @@ def main(argv: list[str] | None = None) -> Path:
         state, data = setup.state(tensors)
         calls[rows, TODAY] = setup.today(tensors, compiled=False)
         calls[rows, COMPILED] = setup.today(tensors, compiled=True)
-        compiled = torch.compile(make_fx(whole)(*state, *data), fullgraph=True, dynamic=False)
+        compiled = torch.compile(make_fx(setup.whole)(*state, *data), fullgraph=True, dynamic=False)
         calls[rows, "functional, torch.compile'd"] = functional(
             lambda flat, compiled=compiled: compiled(*flat), None, list(state), data
         )
-        runner = aot(whole, [*state, *data], folder, costs, f"whole step, {rows} rows")
+        runner = aot(setup.whole, [*state, *data], folder, costs, f"whole step, {rows} rows")
         calls[rows, "functional, AOTInductor"] = functional(boxed(runner), None, list(state), data)
         calls[rows, "functional, AOTInductor, runner(*inputs)"] = functional(
             lambda flat, runner=runner: runner(*flat), None, list(state), data
@@ -248,6 +236,17 @@ def main(argv: list[str] | None = None) -> Path:
         if rows == min(args.rows):
             floor = boxed(aot(lambda *flat: [x + 1 for x in flat[:4]], [*state, *data], folder, costs, "floor"))
             calls[rows, FLOOR] = functional(floor, None, list(state), data)
+    return calls
+
+
+def main(argv: list[str] | None = None) -> Path:
+    args, argv, _ = common.cli(Args, argv)
+    torch.set_num_threads(1)
+    torch.distributions.Distribution.set_default_validate_args(False)  # as ddrl's launch does
+    facts = [line for rows in args.rows for line in check(rows)]
+    setup = Setup(torch.float32)
+    costs: dict[str, float] = {}
+    calls = contenders(args, setup, costs)
     for (rows, name), call in calls.items():  # the first calls compile and warm up
         start = time.perf_counter()
         call()
