@@ -30,6 +30,7 @@ import torch.optim as optim
 import tyro
 from annotated_types import Ge, Gt, Interval, Le
 from torch.distributions.normal import Normal
+from tyro.conf import DisallowNone
 
 import ddrl
 from ddrl import (
@@ -68,9 +69,10 @@ class Args(RuntimeArgs):
     """if toggled, rank 0 films evaluation episodes into `runs/{run_name}/videos` (needs moviepy)"""
     save_model: bool = False
     """if toggled, rank 0 writes `runs/{run_name}/model.safetensors` (weights, statistics)"""
-    compile: bool = True
-    """if toggled, the update's loss and its backward run through torch.compile (on CPU where a C++
-    compiler exists, else one line and the eager loss); --no-compile starts training sooner"""
+    compile: DisallowNone[bool | None] = None
+    """the update's loss and its backward through torch.compile (on CPU where a C++ compiler exists,
+    else one line and the eager loss): --compile always, --no-compile never, by default where the
+    run's minibatch steps per rank repay the compile's seconds (machine.compile_repays)"""
     numpy_rollout: bool = True
     """if toggled, the rollout runs numpy versions of the Agent's methods (fast), else the Agent"""
 
@@ -161,6 +163,13 @@ def derive_batch_sizes(args: Args, world_size: int) -> list[tuple[str, object, o
             f"{args.batch_size} steps ({world_size} ranks x {args.local_num_envs} envs x "
             f"{args.num_steps} steps): raise --total-timesteps"
         )
+    steps = (
+        args.num_iterations * args.update_epochs * args.num_minibatches
+    )  # minibatch steps per rank
+    why = "--compile" if args.compile else "--no-compile"
+    if args.compile is None:  # the default: compile where this run repays the compile's seconds
+        args.compile = machine.compile_repays(steps)
+        why = f"{steps:,} minibatch steps per rank; it repays past {machine.COMPILE_REPAYS_PAST:,}"
     return [
         ("ranks", "", world_size),
         ("envs", args.local_num_envs, world_size * args.local_num_envs),
@@ -168,6 +177,7 @@ def derive_batch_sizes(args: Args, world_size: int) -> list[tuple[str, object, o
         ("minibatch", args.local_minibatch_size, args.minibatch_size),
         ("iterations", "", args.num_iterations),
         ("total env steps", "", args.num_iterations * args.batch_size),
+        ("update", f"{'compiled' if args.compile else 'eager'} ({why})", ""),
     ]
 
 

@@ -105,6 +105,15 @@ def has_native_bf16(device: torch.device) -> bool:
     return torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
+COMPILE_REPAYS_PAST = 75_000  # benchmark/results/compile_decision.md, one core, empty cache
+
+
+def compile_repays(minibatch_steps: int) -> bool:
+    """--compile's default: whether a run of this many minibatch steps per rank buys back the
+    compile's one-off cost with the time each compiled step saves."""
+    return minibatch_steps > COMPILE_REPAYS_PAST
+
+
 def can_compile(device: torch.device) -> bool:
     """Whether torch.compile can build kernels here: on a GPU always, on CPU where the C++ compiler
     (CXX, else g++) is on PATH; else one line says the update runs eagerly."""
