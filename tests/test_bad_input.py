@@ -74,7 +74,7 @@ def test_bad_input_is_one_clear_message(script, flags, world_size, message, tmp_
 
 
 def test_compile_without_a_cpp_compiler_says_so_in_one_line_and_trains_eagerly(tmp_path):
-    """--compile is the default; a CPU without the C++ compiler that torch.compile builds with is no error."""
+    """--compile on a CPU without the C++ compiler that torch.compile builds with is no error."""
     flags = tiny_flags("ppo_continuous_mpi.py", 2, "--compile")
     process = start_python(ROOT / "ppo_continuous_mpi.py", flags, tmp_path, CXX="no-such-compiler")
     result = finish_python(process, 120)

@@ -1,6 +1,7 @@
 """ppo_continuous_mpi.py: GAE with truncation, the loss against CleanRL's, the distributed update (preemption's unequal
 shares, --sync gather, --target-kl) against one process's, and one real run of two ranks: world-wide normalisation,
---compile, the log, seeds, a model file that evaluates to its training return (bad input: test_bad_input.py)."""
+--compile and its default, the log, seeds, a model file that evaluates to its training return (bad input:
+test_bad_input.py)."""
 
 import copy
 import dataclasses
@@ -12,9 +13,10 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+import tyro
 
 import ppo_continuous_mpi as ppo
-from ddrl import one_learner
+from ddrl import machine, one_learner
 from tests.helpers import (
     LOG_KEYS,
     Recorder,
@@ -351,9 +353,13 @@ def test_two_ranks_train_alike_on_world_statistics_log_and_evaluate_to_their_ret
     target_kl = 0.03
     flags = ["--env-id", "InvertedPendulum-v5", "--local-num-envs", str(envs), "--num-steps", str(steps)]
     flags += ["--total-timesteps", str(iterations * 2 * envs * steps), "--num-minibatches", "8", "--seed", str(seed)]
-    flags += ["--learning-rate", str(learning_rate), "--save-model", "--target-kl", str(target_kl), "--no-compile"]
+    flags += ["--learning-rate", str(learning_rate), "--save-model", "--target-kl", str(target_kl)]
     results, result = train_ranks("ppo_continuous_mpi.py", flags, tmp_path, worker=recording_rank)
     assert progress_lines(result.stdout) == list(range(1, iterations + 1))
+    # --compile's default: a run this short updates eagerly, and the batch table says why
+    past = f"{machine.COMPILE_REPAYS_PAST:,}"
+    assert f"update            eager (1,280 minibatch steps per rank; it repays past {past})" in result.stdout
+    assert all(update[2:] == (None, None) for rank_result in results for update in rank_result["updates"])
     states = [rank_result["state"] for rank_result in results]
     assert_same_parameters(states)  # weights and statistics, bit for bit
 
@@ -433,6 +439,27 @@ def test_two_ranks_train_alike_on_world_statistics_log_and_evaluate_to_their_ret
     assert evaluation_return(tmp_path / "without_statistics.safetensors", capsys) < 0.5 * trained
 
 
+def test_compile_by_default_where_the_runs_minibatch_steps_repay_it_and_as_the_flag_says():
+    """--compile's default decides from the run's minibatch steps per rank: the quick start (two ranks, 1M steps)
+    compiles, a 20,480-step run updates eagerly; --compile and --no-compile decide alone, and the batch table's update
+    row says which and why. The flag is a pair with no third word to type."""
+    repays_past = machine.COMPILE_REPAYS_PAST
+    assert not machine.compile_repays(repays_past) and machine.compile_repays(repays_past + 1)
+
+    def decided(world_size: int, *argv: str) -> tuple[bool, str]:
+        args = tyro.cli(ppo.Args, args=list(argv))
+        rows = {row: local for row, local, _ in ppo.derive_batch_sizes(args, world_size)}
+        return args.compile, rows["update"]
+
+    past = f"it repays past {repays_past:,}"
+    assert decided(2) == (True, f"compiled (78,080 minibatch steps per rank; {past})")  # 244 x 10 epochs x 32
+    assert decided(1, "--total-timesteps", "20480") == (False, f"eager (3,200 minibatch steps per rank; {past})")
+    assert decided(2, "--no-compile") == (False, "eager (--no-compile)")
+    assert decided(1, "--total-timesteps", "20480", "--compile") == (True, "compiled (--compile)")
+    with pytest.raises(SystemExit):
+        tyro.cli(ppo.Args, args=["--compile", "None"])
+
+
 def test_compile_runs_the_update_through_a_compiled_loss_that_takes_the_eager_steps(tmp_path):
     """--compile, two iterations of one rank: the loss is compiled (torch.compile's graphs), and every update ends with
     the weights and logged numbers the eager minibatch_loss gives from the same state, to float32 rounding."""
@@ -440,6 +467,7 @@ def test_compile_runs_the_update_through_a_compiled_loss_that_takes_the_eager_st
     flags += ["--total-timesteps", "256", "--compile"]
     [result], output = train_ranks("ppo_continuous_mpi.py", flags, tmp_path, nprocs=1, worker=recording_rank)
     assert progress_lines(output.stdout) == [1, 2]
+    assert "update            compiled (--compile)" in output.stdout  # a short run, compiled as asked
     assert result["graphs"] > 0  # torch.compile compiled the loss
     gaps = [update[2:] for update in result["updates"]]
     assert len(gaps) == 2 and all(gap < 1e-5 for update in gaps for gap in update), gaps
