@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from benchmark import atari_step, common, faults, grad_sync, plot, run, scaling, stragglers, throughput
+from benchmark import atari_step, common, compile_cost, faults, grad_sync, plot, run, scaling, stragglers, throughput
 from benchmark import collectives as allreduce_latency
 from ddrl import rollout
 from tests.helpers import ROOT, read_scalars, run_command
@@ -24,7 +24,8 @@ def assert_png(path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    "module", [run, plot, scaling, grad_sync, allreduce_latency, stragglers, atari_step, throughput, faults]
+    "module",
+    [run, plot, scaling, grad_sync, allreduce_latency, stragglers, atari_step, throughput, faults, compile_cost],
 )
 def test_every_entry_point_has_help(module, capsys):
     with pytest.raises(SystemExit) as exit_info:
