@@ -7,8 +7,10 @@ two on two cores) and on two (two threads: one rank alone on them).
 Each measurement runs in a fresh process pinned to its cores, with an empty torch.compile cache (a user's first
 compiled run; a later run finds part of the work cached), then once more on the cache it left. The one-off cost is
 the first compiled update less a steady compiled one, after the eager update has warmed up; the compile repays past
-that cost over the time a compiled step saves. `--compile`'s default compiles past `ddrl.machine.COMPILE_REPAYS_PAST`
-minibatch steps per rank, set above the one-core, empty-cache figure here.
+that cost over the time a compiled step saves. On one core the seconds are CPU seconds of the process and of the C++
+compilers it waits for: what a quiet core would take, however busy the machine; on two, wall seconds. `--compile`'s
+default compiles past `ddrl.machine.COMPILE_REPAYS_PAST` minibatch steps per rank, set above the one-core, empty-cache
+figure here.
 """
 
 import json
@@ -39,21 +41,23 @@ class Args(common.TimingArgs):
 
 
 def measure(threads: int, rounds: int) -> dict[str, float]:
-    """In this process: the compile's one-off seconds and the microseconds of an eager and a compiled minibatch step."""
+    """In this process: the compile's one-off seconds and the microseconds of an eager and a compiled minibatch step
+    (CPU time on one thread, else wall time)."""
+    clock = (lambda: common.cpu_clock()[2]) if threads == 1 else time.perf_counter
     torch.set_num_threads(threads)
     eager, steps = update.one_update(SCRIPT, common.ROOT, compiled=False)
     compiled, _ = update.one_update(SCRIPT, common.ROOT, compiled=True)
     eager()
     eager()
-    start = time.perf_counter()
+    start = clock()
     compiled()
-    first = time.perf_counter() - start
+    first = clock() - start
     seconds = {eager: [], compiled: []}
     for _ in range(rounds):
         for call, times in seconds.items():
-            start = time.perf_counter()
+            start = clock()
             call()
-            times.append(time.perf_counter() - start)
+            times.append(clock() - start)
     eager_update, compiled_update = (statistics.median(times) for times in seconds.values())
     step = 1e6 / steps
     return {"compile": first - compiled_update, "eager": eager_update * step, "compiled": compiled_update * step}
@@ -79,7 +83,8 @@ def main(argv: list[str] | None = None) -> Path:
                 saved = result["eager"] - result["compiled"]
                 repays = f"{result['compile'] / saved * 1e6:,.0f}" if saved > 0 else "never"
                 timings = [f"{result['compile']:.1f}", f"{result['eager']:.0f}", f"{result['compiled']:.0f}"]
-                rows.append([f"{len(cores)} ({len(cores)} threads)", state, *timings, repays])
+                clock = "CPU" if len(cores) == 1 else "wall"
+                rows.append([f"{len(cores)} ({len(cores)} threads, {clock} time)", state, *timings, repays])
                 print(rows[-1], file=sys.stderr)
     threshold = machine.COMPILE_REPAYS_PAST
     facts = [f"{args.rounds} steady updates per variant, {SCRIPT}'s defaults (320 minibatch steps of 64 rows)"]
