@@ -140,8 +140,8 @@ Batch = dict[str, torch.Tensor]  # obs, actions, log_probs, values, advantages, 
 
 # --- batch arithmetic ---------------------------------------------------------------------------
 def derive_batch_sizes(args: Args, world_size: int) -> list[tuple[str, object, object]]:
-    """The per-rank and world batch sizes, and the batch table rank 0 prints (name, per rank,
-    world); sizes that do not divide, or give no iteration, stop here."""
+    """The per-rank and world batch sizes, --compile's default, and the batch table rank 0 prints
+    (name, per rank, world); sizes that do not divide, or give no iteration, stop here."""
     args.world_size = world_size
     args.local_batch_size = args.local_num_envs * args.num_steps
     args.batch_size = args.local_batch_size * world_size
@@ -163,9 +163,8 @@ def derive_batch_sizes(args: Args, world_size: int) -> list[tuple[str, object, o
             f"{args.batch_size} steps ({world_size} ranks x {args.local_num_envs} envs x "
             f"{args.num_steps} steps): raise --total-timesteps"
         )
-    steps = (
-        args.num_iterations * args.update_epochs * args.num_minibatches
-    )  # minibatch steps per rank
+    # the minibatch steps a rank takes, against the compile's one-off seconds
+    steps = args.num_iterations * args.update_epochs * args.num_minibatches
     why = "--compile" if args.compile else "--no-compile"
     if args.compile is None:  # the default: compile where this run repays the compile's seconds
         args.compile = machine.compile_repays(steps)
