@@ -193,8 +193,21 @@ def join_process_group(args, world: World) -> str:
             "or pass --collectives torch"
         )
     collectives.carry_with(collectives.MPICommWorld(MPI))
+    abort_job_on_exception(comm)
     world.collectives = f"MPI ({MPI.Get_library_version().split(',')[0].strip()})"
     return world.collectives
+
+
+def abort_job_on_exception(comm) -> None:
+    """An exception this rank alone raises ends the MPI job after its traceback (MPI_Abort), as
+    `python -m mpi4py` does: else MPI_Finalize at exit waits for ranks that wait on this one."""
+    show = sys.excepthook
+
+    def abort(*exception) -> None:
+        show(*exception)
+        comm.Abort(1)
+
+    sys.excepthook = abort
 
 
 def shared_memory_or_gloo(args, world: World) -> str:

@@ -85,8 +85,12 @@ def log_iteration(
         for key in ("return", "length")
         if count
     }
+    folder = progress.writer.get_logdir()
+    if not os.path.isdir(folder):  # seen here, not by the writer's thread (a traceback there)
+        raise FileNotFoundError(f"no folder {folder}")
     for key, value in {**episodes, "charts/SPS": sps, **scalars}.items():
         progress.writer.add_scalar(key, value, global_step)
+    progress.writer.flush()  # written before the line is said: the line tells what is on disk
     left = elapsed / steps * max(0, total_steps - global_step)
     recent = f"{episodes['charts/episodic_return']:.1f}" if episodes else "n/a"
     progress.last_return = recent if episodes else progress.last_return

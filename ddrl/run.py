@@ -152,18 +152,26 @@ class Run:
         would, with a checkpoint. A rank whose torchrun agent exited stops here, at once."""
         if launching.agent_exited(self.world):
             self.stop_on_error(dist.DistError("the torchrun agent exited"), "")
-        printed = progress.log_iteration(
-            self.progress,
-            iteration,
-            global_step,
-            totals,
-            scalars,
-            args=self.args,
-            name=self.name,
-            rank=self.rank,
-            cores=self.cores,
-            total_steps=self.total_steps,
-        )
+        try:
+            printed = progress.log_iteration(
+                self.progress,
+                iteration,
+                global_step,
+                totals,
+                scalars,
+                args=self.args,
+                name=self.name,
+                rank=self.rank,
+                cores=self.cores,
+                total_steps=self.total_steps,
+            )
+        except OSError as error:  # TensorBoard's writer, its folder removed or its disk full
+            fail(
+                f"could not write TensorBoard's events in runs/{self.name} "
+                f"({failures.first_line(error)}): keep the run folder in place while it trains "
+                f"and free disk space; {checkpoints.last_good_checkpoint(self.name)}",
+                every_rank=True,
+            )
         if not printed:
             stopping.request(self.stop, "a closed output")
 

@@ -11,6 +11,7 @@ import os
 import pickle
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -24,6 +25,7 @@ import torch
 import tyro
 from safetensors.torch import save_file
 
+from benchmark import faults
 from ddrl import failures
 from tests.helpers import (
     ROOT,
@@ -586,6 +588,23 @@ def interrupted(tmp_path: Path, signals: int) -> subprocess.CompletedProcess:
     for epoch in range(1, signals + 1):
         signal_held(run.pid, [signal.SIGINT], f"epoch {epoch}'s line", (run,))
     return finish_python(run, WAIT)
+
+
+def test_a_run_folder_removed_while_training_ends_the_run_in_one_line(tmp_path):
+    """`rm -rf runs/NAME` while the run trains (held after epoch 1's line): the next epoch's log says so in one line,
+    exit 2, where TensorBoard's writer thread printed a traceback and the rank raised another."""
+    argv = tiny_flags(VPG, 10**6, "--run-name", "gone", "--torch-threads", "1")  # it ends only as stopped
+    run = start_python(ROOT / VPG, argv, tmp_path, **hold_after("^epoch 1/"))
+    wait_for(lambda: faults.state(run.pid) == "T", WAIT, "the run holding after epoch 1's line", (run,))
+    shutil.rmtree(tmp_path / "runs/gone")
+    os.kill(run.pid, signal.SIGCONT)
+    result = finish_python(run, WAIT)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert result.stderr.splitlines() == [
+        f"{VPG}: error: could not write TensorBoard's events in runs/gone (no folder runs/gone): keep the run folder "
+        "in place while it trains and free disk space; no checkpoint was written"
+    ]
+    assert progress_lines(result.stdout) == [1]
 
 
 def test_ctrl_c_stops_every_rank_after_the_epoch_with_a_checkpoint(tmp_path):

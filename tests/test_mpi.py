@@ -12,6 +12,7 @@ from tests.helpers import (
     WAIT,
     assert_ok,
     clean_env,
+    edited_copy,
     mpirun,
     progress_lines,
     read_checkpoint,
@@ -77,3 +78,15 @@ def test_a_killed_rank_ends_the_mpirun_job_and_one_rank_resumes_its_checkpoint(t
     assert progress_lines(resumed.stdout) == list(range(3, 3 + one_rank))
     total = iterations * world_batch(CONTINUOUS, ranks=2)
     assert resumed.stdout.splitlines()[-1].startswith(f"done: {total} env steps")
+
+
+def test_an_exception_one_rank_raises_ends_the_mpirun_job_with_its_traceback(tmp_path):
+    """A bug on rank 0 alone (an edit that raises after iteration 2's line) ends the job at once (MPI_Abort), where
+    rank 0 waited in MPI_Finalize for rank 1, which waited in a collective for rank 0, until killed."""
+    logged = "            run.log(iteration, global_step, totals, scalars)\n"
+    bug = "            if run.rank == 0 and iteration == 2:\n                raise ValueError('a bug on rank 0')\n"
+    copy = edited_copy(tmp_path, CONTINUOUS, [(logged, logged + bug)])
+    job = run_command([*mpirun(2), sys.executable, str(copy), *tiny_flags(CONTINUOUS, 4, ranks=2)], tmp_path)
+    assert job.returncode != 0, job.stdout[-3000:]
+    assert "ValueError: a bug on rank 0" in job.stderr, job.stderr[-3000:]
+    assert progress_lines(job.stdout) == [1, 2]
