@@ -386,9 +386,9 @@ def stop_if_unwritten(world: launching.World, name: str, path: str, problem: str
         fail(f"{problem}; {last_good_checkpoint(name)}; {fix} --run-name {name}")
 
 
-def last_good_checkpoint(run_name: str) -> str:
+def last_good_checkpoint(name: str) -> str:
     """What a message that stops training says of the run's newest checkpoint."""
-    last = find_latest_checkpoint(run_name)
+    last = find_latest_checkpoint(name)
     return f"the last good checkpoint is {last}" if last else "no checkpoint was written"
 
 
@@ -427,24 +427,24 @@ def make_folder(path: str) -> str:
     return f"could not write {path}: {problem}" if problem else ""
 
 
-def checkpoint_path(run_name: str, iteration: int) -> str:
+def checkpoint_path(name: str, iteration: int) -> str:
     """Where runs/NAME's training checkpoint of `iteration` lives."""
-    return os.path.join("runs", run_name, "checkpoints", f"iter_{iteration:06d}.safetensors")
+    return os.path.join("runs", name, "checkpoints", f"iter_{iteration:06d}.safetensors")
 
 
-def model_path(run_name: str) -> str:
+def model_path(name: str) -> str:
     """Where runs/NAME's model file (--save-model) lives."""
-    return os.path.join("runs", run_name, run_folders.MODEL_FILE)
+    return os.path.join("runs", name, run_folders.MODEL_FILE)
 
 
-def find_latest_checkpoint(run_name: str) -> str | None:
+def find_latest_checkpoint(name: str) -> str | None:
     """The run's checkpoint of the highest iteration (iter_N.pt too: reading refuses it)."""
-    folder = os.path.join("runs", run_name, "checkpoints")
-    names = os.listdir(folder) if os.path.isdir(folder) and not os.path.islink(folder) else []
+    folder = os.path.join("runs", name, "checkpoints")
+    files = os.listdir(folder) if os.path.isdir(folder) and not os.path.islink(folder) else []
     found = {
-        int(match[1]): name
-        for name in names
-        if (match := re.fullmatch(r"iter_(\d+)\.(pt|safetensors)", name))
+        int(match[1]): file
+        for file in files
+        if (match := re.fullmatch(r"iter_(\d+)\.(pt|safetensors)", file))
     }
     return os.path.join(folder, found[max(found)]) if found else None
 
