@@ -190,7 +190,10 @@ def probe(script: Path, folder: Path, seconds: float) -> dict | str:
     by `seconds`; or why verify cannot run it."""
     process = multiprocessing.get_context("fork").Process(target=probed, args=(script, folder))
     process.start()
-    process.join(seconds)
+    deadline = time.monotonic() + seconds
+    # not join(seconds): a child the copy forks holds join's pipe open after the import has ended
+    while process.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.05)
     if process.is_alive():
         process.kill()
         return (
