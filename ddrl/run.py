@@ -119,8 +119,10 @@ class Run:
             self.stop_on_error(error, "")
         if self.rank == 0:
             lines = [f"{'':18}{'per rank':>12}{'world':>12}"]
-            lines += [f"{row:18}{local!s:>12}{world!s:>12}" for row, local, world in batch_table]
-            lines.append(f"{'memory':18}{machine.size(rollout_bytes):>12}{'':>12}")
+            lines += [
+                f"{row:18}{local!s:>12}{world!s:>12}".rstrip() for row, local, world in batch_table
+            ]
+            lines.append(f"{'memory':18}{machine.size(rollout_bytes):>12}")
             lines.append(f"{'collectives':18}{self.world.collectives:>24}")
             lines.append(f"{'run folder':18}{'runs/' + self.name:>24}")
             failures.tell("\n".join(lines))
