@@ -221,7 +221,7 @@ def load_training_state(path: str, header: dict, rank: int, states: dict) -> Non
         fail(f"{path} holds no optimizer states: it is damaged; {fix}")
     model = next(iter(states.values()))
     optimizers = dict(list(states.items())[1:])
-    check_weights_fit(path, header, model, then="resume with")
+    check_weights_fit(path, header, found, model, then="resume with")
     per_parameter = {
         name: optimizer_state(path, header, found, name, optimizer)
         for name, optimizer in optimizers.items()
@@ -235,10 +235,11 @@ def load_training_state(path: str, header: dict, rank: int, states: dict) -> Non
         checkpoint_files.restore_random_streams(path, found, rank)
 
 
-def check_weights_fit(path: str, header: dict, model: nn.Module, then: str = "use") -> None:
+def check_weights_fit(
+    path: str, header: dict, found: dict, model: nn.Module, then: str = "use"
+) -> None:
     """Stop in one line naming the file, its writer and the first misfits, unless its `model.*`
-    tensors fit `model` (on any device, meta too) by name, shape and dtype."""
-    found = checkpoint_files.read(path, "")[1]
+    tensors (`found` as read) fit `model` (on any device, meta too) by name, shape and dtype."""
     wanted = {
         f"model.{name}": (tuple(tensor.shape), tensor.dtype)
         for name, tensor in model.state_dict().items()
@@ -398,13 +399,13 @@ def write_model(path: str, args, model: nn.Module) -> str:
     return make_folder(path) or checkpoint_files.write(path, args, model)
 
 
-def read_model(path: str, args_type: type, env_id: str) -> tuple[dict, object]:
+def read_model(path: str, args_type: type, env_id: str) -> tuple[dict, dict, object]:
     """--eval-checkpoint's file (a model file or a training checkpoint), checked like a command
-    line: its header and its args."""
+    line: its header, its tensors as read and its args."""
     fix = f"pass the {run_folders.MODEL_FILE} that --save-model wrote"
     if not os.path.lexists(path):
         fail(f"--eval-checkpoint {shown(path)} does not exist; {fix}")
-    header, _ = checkpoint_files.read(path, fix)
+    header, found = checkpoint_files.read(path, fix)
     refuse_imported_env(path, header, env_id)
     if env_id not in (args_type().env_id, header["env_id"]):
         fail(
@@ -417,7 +418,7 @@ def read_model(path: str, args_type: type, env_id: str) -> tuple[dict, object]:
             f"{path} holds args of env {shown(saved.env_id)}, not its {shown(header['env_id'])}: "
             f"it is damaged; {fix}"
         )
-    return header, saved
+    return header, found, saved
 
 
 # --- where files live, and what a file says of itself ---------------------------------------------

@@ -25,7 +25,7 @@ def evaluate_checkpoint(
     """--eval-checkpoint: play the file on rank 0 with the env and network its args describe (the
     Agent sized on no device first) and print one `eval:` line."""
     path = args.eval_checkpoint
-    header, saved = checkpoints.read_model(path, type(args), args.env_id)
+    header, found, saved = checkpoints.read_model(path, type(args), args.env_id)
     video_folder = os.path.join(os.path.dirname(path), "videos") if args.capture_video else None
     env_support.check_video_support(
         args.capture_video, lambda: env_support.render_one_frame(saved.env_id)
@@ -41,7 +41,7 @@ def evaluate_checkpoint(
     )
     with torch.device("meta"):  # sizes only: nothing allocated
         shapes = build_agent(agent_class, envs, saved)
-    checkpoints.check_weights_fit(path, header, shapes)
+    checkpoints.check_weights_fit(path, header, found, shapes)
     needed = 2 * sum(
         tensor.numel() * tensor.element_size() for tensor in shapes.state_dict().values()
     )
