@@ -88,6 +88,13 @@ def verify(copy: Path, *flags: str) -> subprocess.CompletedProcess:
     return run_command([sys.executable, "-m", "ddrl.verify", *flags, copy.name], copy.parent)
 
 
+def verified(copy: Path) -> str:
+    """What `python -m ddrl.verify COPY` says of a copy it passes (exit 0, else the test fails with its stderr)."""
+    result = verify(copy)
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
 def _inherit(environment: dict[str, str], cwd: str, output_stem: str | None) -> None:
     """What a process forked from the fork server takes from the test that started it (a spawned child would inherit
     these): its environment and folder, and with `output_stem` stdout and stderr to OUTPUT_STEM.out and .err."""

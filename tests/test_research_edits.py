@@ -7,7 +7,7 @@ correct ones."""
 import re
 from pathlib import Path
 
-from tests.helpers import ROOT, edited_copy, progress_lines, run_command, torchrun_with, verify
+from tests.helpers import ROOT, edited_copy, progress_lines, run_command, torchrun_with, verified, verify
 
 CONTINUOUS_FLAGS = ["--env-id", "InvertedPendulum-v5", "--num-steps", "64", "--total-timesteps", "512", "--no-compile"]
 CONTINUOUS_FLAGS += ["--num-minibatches", "4", "--update-epochs", "2", "--torch-threads", "1"]
@@ -187,15 +187,13 @@ def test_a_kl_coefficient_each_rank_adapts_from_its_own_kl_stops_a_default_two_r
 
 
 def test_the_kl_coefficient_adapted_from_the_worlds_kl_passes_verify(tmp_path):
-    result = verify(edited_copy(tmp_path, "ppo_continuous_mpi.py", WORLD_KL))
-    assert result.returncode == 0, result.stderr
-    assert "(allreduce, gather) trains as one rank on the union of their batches for 3 iterations" in result.stdout
+    said = verified(edited_copy(tmp_path, "ppo_continuous_mpi.py", WORLD_KL))
+    assert "(allreduce, gather) trains as one rank on the union of their batches for 3 iterations" in said
 
 
 def test_two_optimizers_with_their_own_learning_rates_pass_verify_in_both_sync_modes(tmp_path):
-    result = verify(edited_copy(tmp_path, "vpg_mpi.py", TWO_OPTIMIZERS))
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.startswith("verify: ok: vpg_mpi.py at two ranks (allreduce, gather) "), result.stdout
+    said = verified(edited_copy(tmp_path, "vpg_mpi.py", TWO_OPTIMIZERS))
+    assert said.startswith("verify: ok: vpg_mpi.py at two ranks (allreduce, gather) "), said
 
 
 def test_statistics_a_rank_keeps_under_ddp_are_not_replaced_by_rank_0s_but_stop_the_run(tmp_path):
@@ -226,8 +224,7 @@ def test_verify_ends_what_a_copy_forks_at_import_and_writes_nothing_where_it_cha
     source = (ROOT / "vpg_mpi.py").read_text().replace("\nimport ddrl\n", "\nimport ddrl\n" + forks, 1)
     copy = tmp_path / "vpg_mpi.py"
     copy.write_text(source)
-    result = verify(copy)
-    assert result.returncode == 0, result.stderr
+    verified(copy)
     pids = [int(path.name) for path in children.iterdir()]
     assert len(pids) >= 4  # the probe's import and each rank's
     assert [pid for pid in pids if Path(f"/proc/{pid}").exists()] == []

@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from tests.helpers import ROOT, edited_copy, verify
+from tests.helpers import ROOT, edited_copy, verified, verify
 
 VPG = (ROOT / "vpg_mpi.py").read_text()
 NOT_SCRIPTS = {  # file name, its text, what the one line says, verify's extra flags
@@ -86,17 +86,15 @@ def test_a_learning_rate_per_rank_fails_naming_it_and_that_one_launch_trains_one
 def test_a_state_dependent_log_std_passes_with_a_wide_margin_in_float64(tmp_path):
     """The runs go in float64: float32 reordering, which took this copy to 6.5e-06 of a 1e-05 tolerance after one
     update, is gone; three iterations of Adam leave float64's rounding far below the tolerance still."""
-    result = verify(edited_copy(tmp_path, "vpg_mpi.py", VPG_STATE_DEPENDENT_LOG_STD))
-    assert result.returncode == 0, result.stderr
-    found = re.search(r"within (\S+) in float64 \(largest difference (\S+)\)", result.stdout)
-    assert found, result.stdout
-    assert float(found[2]) < float(found[1]) / 50, result.stdout
+    said = verified(edited_copy(tmp_path, "vpg_mpi.py", VPG_STATE_DEPENDENT_LOG_STD))
+    found = re.search(r"within (\S+) in float64 \(largest difference (\S+)\)", said)
+    assert found, said
+    assert float(found[2]) < float(found[1]) / 50, said
 
 
 def test_an_update_that_cannot_run_in_float64_is_compared_in_float32_saying_so(tmp_path):
-    result = verify(edited_copy(tmp_path, "vpg_mpi.py", FLOAT32_CRITIC))
-    assert result.returncode == 0, result.stderr
-    assert "within 1e-05 in float32, as it does not run in float64 (RuntimeError: " in result.stdout
+    said = verified(edited_copy(tmp_path, "vpg_mpi.py", FLOAT32_CRITIC))
+    assert "within 1e-05 in float32, as it does not run in float64 (RuntimeError: " in said
 
 
 def test_a_worker_killed_by_a_signal_is_named_in_one_line(tmp_path):
