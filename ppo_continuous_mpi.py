@@ -30,7 +30,7 @@ import torch.optim as optim
 import tyro
 from annotated_types import Ge, Gt, Interval, Le
 from torch.distributions.normal import Normal
-from tyro.conf import DisallowNone
+from tyro.conf import DisallowNone, arg
 
 import ddrl
 from ddrl import (
@@ -69,7 +69,7 @@ class Args(RuntimeArgs):
     """if toggled, rank 0 films evaluation episodes into `runs/{run_name}/videos` (needs moviepy)"""
     save_model: bool = False
     """if toggled, rank 0 writes `runs/{run_name}/model.safetensors` (weights, statistics)"""
-    compile: DisallowNone[bool | None] = None
+    compile: DisallowNone[Annotated[bool | None, arg(help_behavior_hint="")]] = None
     """the update's loss and its backward through torch.compile (on CPU where a C++ compiler exists,
     else one line and the eager loss): --compile always, --no-compile never, by default where the
     run's minibatch steps per rank repay the compile's seconds (machine.compile_repays)"""
