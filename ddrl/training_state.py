@@ -35,10 +35,21 @@ class TrainingState:
 def found(frame, args=None) -> TrainingState:
     """The training state of this process as `frame` (main's, in its loop) sees it."""
     local = frame.f_locals
+    values = list(local.values())
+    values += [item for value in values if isinstance(value, list | tuple) for item in value]
+    values += [item for value in values if isinstance(value, dict) for item in value.values()]
     alive = [(ref(), kind, name) for ref, kind, name in REGISTERED]
     REGISTERED[:] = [entry for entry, (module, *_) in zip(REGISTERED, alive, strict=True) if module]
-    # torch.fx's GraphModules (a trace, torch.compile's graphs) hold a module's tensors again
     alive = [entry for entry in alive if entry[0] is not None]
+    # copy.deepcopy and pickle register nothing: the modules main holds are taken as they stand
+    held = {id(module) for module, _, _ in alive}
+    roots = [value for value in values if isinstance(value, nn.Module)]
+    for module in [inner for root in roots for inner in root.modules()]:
+        if id(module) not in held:
+            held.add(id(module))
+            alive += [(module, "parameter", name) for name in module._parameters]
+            alive += [(module, "buffer", name) for name in module._buffers]
+    # torch.fx's GraphModules (a trace, torch.compile's graphs) hold a module's tensors again
     alive = [entry for entry in alive if not isinstance(entry[0], fx.GraphModule)]
     modules = list({id(module): module for module, _, _ in alive}.values())
     paths = module_paths(local, modules)
@@ -52,9 +63,6 @@ def found(frame, args=None) -> TrainingState:
             order[id(tensor)] = len(order)
             state.tensors[f"{paths[module]}.{name}"] = tensor
     names = {id(tensor): name for name, tensor in state.tensors.items()}
-    values = list(local.values())
-    values += [item for value in values if isinstance(value, list | tuple) for item in value]
-    values += [item for value in values if isinstance(value, dict) for item in value.values()]
     optimizers = {id(value): value for value in values if isinstance(value, torch.optim.Optimizer)}
     optimizers |= {id(optimizer): optimizer for optimizer in list(STEPPED.keys())}
     # matched between runs by what they hold (their first registered parameter), never by name

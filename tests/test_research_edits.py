@@ -147,6 +147,24 @@ def failed_line(result) -> str:
     return line
 
 
+# a Polyak-averaged target critic, made as researchers make it (copy.deepcopy, which registers no tensor), its
+# averaging step taken by rank 0 alone
+TARGET_ON_RANK_0 = [
+    ("\nimport math\n", "\nimport copy\nimport math\n"),
+    (
+        "        collectives.broadcast_parameters(agent)\n",
+        "        collectives.broadcast_parameters(agent)\n        target_critic = copy.deepcopy(agent.critic)\n",
+    ),
+    (
+        "            update_time = time.perf_counter() - update_start\n",
+        "            update_time = time.perf_counter() - update_start\n"
+        "            with torch.no_grad():\n"
+        "                for target, trained in zip(target_critic.parameters(), agent.critic.parameters()):\n"
+        "                    target.lerp_(trained, 0.05 if run.rank == 0 else 0.0)\n",
+    ),
+]
+
+
 def stopped_line(result, script: str) -> str:
     """The one error line of a run the sync check stopped, from any rank."""
     assert result.returncode != 0, result.stdout
@@ -168,6 +186,16 @@ def test_a_second_module_whose_gradients_are_not_averaged_stops_a_two_rank_run_a
     assert "the gradients of rnd_model.predictor." in line and "so they were not averaged" in line, line
     assert progress_lines(result.stdout) == [1]
     assert "python -m ddrl.verify" not in line  # it names the cause, no tool to run
+
+
+def test_a_deep_copied_target_network_each_rank_moves_alone_stops_a_run_and_fails_verify_naming_it(tmp_path):
+    """copy.deepcopy registers no tensor: the modules main holds are found as they stand, the copy too."""
+    copy = edited_copy(tmp_path, "ppo_continuous_mpi.py", TARGET_ON_RANK_0)
+    result = run_command(torchrun_with(["--standalone"], str(copy), CONTINUOUS_FLAGS), tmp_path)
+    line = stopped_line(result, "ppo_continuous_mpi.py")
+    assert "differs from this rank's at iteration 1 (target_critic.0.weight" in line, line
+    line = failed_line(verify(copy))
+    assert re.match(r"verify: at two ranks \(allreduce\), iteration 1: rank 1's target_critic\.0\.weight", line), line
 
 
 def test_a_kl_coefficient_each_rank_adapts_from_its_own_kl_fails_verify(tmp_path):
