@@ -36,6 +36,7 @@ import ddrl
 from ddrl import (
     checks,
     collectives,
+    compiled_step,
     env_support,
     evaluation,
     machine,
@@ -344,9 +345,16 @@ def average_gradients(
     return flat
 
 
+def clip_gradients(gradients: torch.Tensor, max_grad_norm: float) -> None:
+    """Scale the world's mean gradient (flat) to a norm of at most max_grad_norm, alike on every
+    rank."""
+    gradients.mul_(torch.clamp(max_grad_norm / (gradients.norm() + 1e-6), max=1.0))
+
+
 def update(
     agent: Agent, optimizer: optim.Optimizer, batch: Batch, args: Args, orders: torch.Tensor,
     sizes: torch.Tensor, loss_fn: Callable = minibatch_loss, group: collectives.Group = None,
+    compiled: compiled_step.CompiledStep | None = None,
 ) -> tuple[dict[str, float], float]:  # fmt: skip
     """PPO's epochs: minibatch k of epoch e is piece k, `sizes[rank, k]` long, of
     minibatches(batch, orders[e]); the world's is the ranks' union. Returns the world-averaged
@@ -359,7 +367,7 @@ def update(
     unequal = bool((sizes != sizes[0, 0]).any())  # a preempted rollout's minibatches are smaller
     checks.check_minibatch_cut(local_sizes, orders.shape[1])
     sync_time = 0.0
-    clipfrac_sum = 0.0
+    logged_sum = 0.0
     for epoch in range(args.update_epochs):
         epoch_minibatches = minibatches(batch, orders[epoch], local_sizes)
         adv_mean = adv_std = [None] * args.num_minibatches
@@ -372,25 +380,32 @@ def update(
             adv_std = torch.sqrt(m2 / (count - 1))  # unbiased, as CleanRL's .std()
             sync_time += time.perf_counter() - start
         for k, mb in enumerate(epoch_minibatches):
-            loss, logged = loss_fn(agent, mb, adv_mean[k], adv_std[k], args)
-            if unequal:  # this rank's share of the world minibatch: the ranks' mean is the union's
-                loss = loss * weights[k]
-                logged = {name: value * weights[k] for name, value in logged.items()}
-            optimizer.zero_grad()
-            loss.backward()
-            clipfrac_sum = clipfrac_sum + logged["clipfrac"]
-            logged["clipfrac"] = clipfrac_sum / (epoch * args.num_minibatches + k + 1)
-            start = time.perf_counter()
-            flat = average_gradients(parameters, torch.stack(list(logged.values())), group)
-            sync_time += time.perf_counter() - start
-            # the world's mean gradient, which each .grad views: clipped alike on every rank
-            gradients = flat[:num_weights]
-            gradients.mul_(torch.clamp(args.max_grad_norm / (gradients.norm() + 1e-6), max=1.0))
-            optimizer.step()
-        losses = dict(zip(logged, flat[num_weights:], strict=True))  # the epoch's last minibatch
+            flat = None
+            if compiled is not None:  # the steps below, derived from loss_fn and compiled
+                flat = compiled(mb, adv_mean[k], adv_std[k], weights[k], group)
+                names = compiled.logged
+                sync_time += compiled.sync_time
+            if flat is None:
+                loss, logged = loss_fn(agent, mb, adv_mean[k], adv_std[k], args)
+                if (
+                    unequal
+                ):  # this rank's share of the world minibatch: the ranks' mean is the union's
+                    loss = loss * weights[k]
+                    logged = {name: value * weights[k] for name, value in logged.items()}
+                optimizer.zero_grad()
+                loss.backward()
+                names = list(logged)
+                start = time.perf_counter()
+                flat = average_gradients(parameters, torch.stack(list(logged.values())), group)
+                sync_time += time.perf_counter() - start
+                clip_gradients(flat[:num_weights], args.max_grad_norm)  # the mean each .grad views
+                optimizer.step()
+            logged_sum = logged_sum + flat[num_weights:]
+        losses = dict(zip(names, flat[num_weights:], strict=True))  # the epoch's last minibatch
         # the KL is the world's, carried by the last gradient allreduce: every rank stops together
         if args.target_kl is not None and losses["approx_kl"] > args.target_kl:
             break
+    losses["clipfrac"] = logged_sum[names.index("clipfrac")] / ((epoch + 1) * args.num_minibatches)
     return {name: value.item() for name, value in losses.items()}, sync_time
 
 
@@ -428,12 +443,15 @@ def main(args: Args) -> Agent | None:
         torch.manual_seed(rank_seed)
         torch.backends.cudnn.deterministic = args.torch_deterministic
         optimizer = optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5, fused=True)
-        loss_fn = minibatch_loss
-        if args.compile and machine.can_compile(device):  # fixed shapes, unless preemption cuts
-            loss_fn = torch.compile(
-                minibatch_loss, fullgraph=True, dynamic=args.preempt_fraction > 0
-            )
         iteration, global_step = run.resume(agent=agent, optimizer=optimizer)  # if resuming
+        loss_fn = minibatch_loss
+        compiled = None  # on CPU, the update's step compiled ahead of time; on a GPU, its loss
+        if args.compile and machine.can_compile(device) and device.type == "cpu":
+            compiled = compiled_step.CompiledStep(
+                agent, optimizer, minibatch_loss, clip_gradients, args
+            )
+        elif args.compile and machine.can_compile(device):
+            loss_fn = torch.compile(minibatch_loss, fullgraph=True, dynamic=True)
         rollout_agent = rollout.derive(agent, observation_space, args.numpy_rollout)
         probe = rollout.probe(rollout_agent, observation_space, device)
         rollout.check(agent, probe, "at start", rollout_agent.kind)
@@ -542,11 +560,14 @@ def main(args: Args) -> Agent | None:
             orders = torch.stack(orders)
             sizes = minibatch_sizes(sample_counts, args.num_minibatches)
             if args.sync == "allreduce":
-                losses, sync_time = update(agent, optimizer, batch, args, orders, sizes, loss_fn)
+                losses, sync_time = update(
+                    agent, optimizer, batch, args, orders, sizes, loss_fn, compiled=compiled
+                )
             else:  # --sync gather: rank 0 runs the same update on the union of every rank's batch
                 losses, sync_time = one_learner.update_on_rank0(
                     lambda union, union_orders, union_sizes, group: update(
-                        agent, optimizer, union, args, union_orders, union_sizes, loss_fn, group
+                        agent, optimizer, union, args, union_orders, union_sizes, loss_fn, group,
+                        compiled,
                     ),
                     batch, orders, sizes,
                 )  # fmt: skip

@@ -16,7 +16,7 @@ import torch.distributed as dist
 import tyro
 
 import ppo_continuous_mpi as ppo
-from ddrl import machine, one_learner
+from ddrl import compiled_step, machine, one_learner
 from tests.helpers import (
     LOG_KEYS,
     Recorder,
@@ -144,12 +144,13 @@ def gathered_update(
     args: ppo.Args,
     orders: torch.Tensor,
     sizes: torch.Tensor,
+    compiled: compiled_step.CompiledStep | None = None,
 ) -> tuple[dict[str, float], float]:
     """ppo.update under --sync gather, called as main calls it: rank 0 updates on the union, every rank gets its
     weights."""
     return one_learner.update_on_rank0(
         lambda union, union_orders, union_sizes, group: ppo.update(
-            agent, optimizer, union, args, union_orders, union_sizes, group=group
+            agent, optimizer, union, args, union_orders, union_sizes, group=group, compiled=compiled
         ),
         batch,
         orders,
@@ -157,9 +158,10 @@ def gathered_update(
     )
 
 
-def update_rank(rank: int, world_size: int, sizes: list[int]) -> dict[str, tuple[dict, dict, int]]:
+def update_rank(rank: int, world_size: int, sizes: list[int], compiled: bool) -> dict[str, tuple[dict, dict, int]]:
     """Rank r updates on its `sizes[r]` samples of fixed_batch (unequal: rollouts cut short by preemption), from the
-    same start in each --sync mode: (weights, logged numbers, epochs stepped) by mode."""
+    same start in each --sync mode, with the eager or the compiled step: (weights, logged numbers, epochs stepped) by
+    mode."""
     start = sum(sizes[:rank])
     local = {key: value[start : start + sizes[rank]] for key, value in fixed_batch().items()}
     minibatch_sizes = ppo.minibatch_sizes(sizes, MINIBATCHES)
@@ -167,26 +169,33 @@ def update_rank(rank: int, world_size: int, sizes: list[int]) -> dict[str, tuple
     outcome = {}
     for sync in ("allreduce", "gather"):
         agent, optimizer = new_learner()
+        step = compiled_step.CompiledStep(agent, optimizer, ppo.minibatch_loss, ppo.clip_gradients, UPDATE_ARGS)
         arguments = (agent, optimizer, local, UPDATE_ARGS, orders, minibatch_sizes)
         if sync == "allreduce":
-            stats, _ = ppo.update(*arguments)
+            stats, _ = ppo.update(*arguments, compiled=step if compiled else None)
         else:
-            stats, _ = gathered_update(*arguments)
+            stats, _ = gathered_update(*arguments, compiled=step if compiled else None)
+        if compiled and (rank == 0 or sync == "allreduce"):  # it took every step
+            assert step.calls == EPOCHS * MINIBATCHES and not step.declined
         outcome[sync] = (agent.state_dict(), stats, adam_steps(optimizer) // MINIBATCHES)
     return outcome
 
 
 @pytest.mark.parametrize(
-    "sizes, mpi_script",
+    "sizes, mpi_script, compiled",
     [
-        pytest.param([32, 32], None, id="equal", marks=pytest.mark.quick),
-        pytest.param([40, 21], "ppo_continuous_mpi", id="preempted-mpi"),
+        pytest.param([32, 32], None, False, id="equal", marks=pytest.mark.quick),
+        pytest.param([40, 21], "ppo_continuous_mpi", False, id="preempted-mpi"),
+        pytest.param([32, 32], None, True, id="equal-compiled"),
+        pytest.param([40, 21], "ppo_continuous_mpi", True, id="preempted-mpi-compiled"),
     ],
 )
-def test_two_ranks_end_the_update_with_the_one_rank_weights_on_their_union(sizes, mpi_script, tmp_path):
+def test_two_ranks_end_the_update_with_the_one_rank_weights_on_their_union(sizes, mpi_script, compiled, tmp_path):
     """Both --sync modes. Also when preemption cut a rollout short: rank 1's 21 samples give pieces of 6, 5, 5, 5 to
     minibatches of 16, 15, 15, 15 samples; each sample weighs alike, wherever it was collected. That case runs under
-    mpirun, with MPI carrying every collective (a collective through torch.distributed fails the test)."""
+    mpirun, with MPI carrying every collective (a collective through torch.distributed fails the test). The ranks take
+    the eager steps, or the compiled step (--compile's, in float64, its rows a dynamic size) against the eager one-rank
+    update."""
     minibatch_sizes = ppo.minibatch_sizes(sizes, MINIBATCHES)
     union = {key: value[: sum(sizes)] for key, value in fixed_batch().items()}
     assert not dist.is_initialized()  # the collectives do nothing: one rank alone
@@ -200,7 +209,7 @@ def test_two_ranks_end_the_update_with_the_one_rank_weights_on_their_union(sizes
     assert (expected["actor_mean.0.weight"] - initial["actor_mean.0.weight"]).abs().max() > 1e-3  # it moved
     assert 0 < expected_stats["clipfrac"] < 1  # some ratios were clipped, some not
 
-    ranks = run_ranks(update_rank, 2, tmp_path, sizes, mpi_script=mpi_script)
+    ranks = run_ranks(update_rank, 2, tmp_path, sizes, compiled, mpi_script=mpi_script)
     state0, stats0, epochs0 = ranks[0]["allreduce"]
     state1, stats1, epochs1 = ranks[1]["allreduce"]
     assert epochs0 == epochs1 == EPOCHS
@@ -274,24 +283,25 @@ def test_target_kl_stops_every_rank_at_the_same_epoch_in_both_sync_modes(tmp_pat
 
 def recording_rank(rank: int, world_size: int, script: str, cwd: str, flags: list[str]) -> dict:
     """train_rank with a Recorder around each env main steps, recording for each update the epochs it stepped, the
-    world KL it returned (which its --target-kl check read) and how far the compiled loss's weights and numbers lie
+    world KL it returned (which its --target-kl check read) and how far the compiled step's weights and numbers lie
     from the eager minibatch_loss's, run beside it from the same state on the same batch."""
     make_env = ppo.make_env
     ppo.make_env = lambda args, video_folder=None: lambda: Recorder(make_env(args, video_folder)())
     update = ppo.update
     updates = []
+    compiled_steps = []
 
-    def update_beside_eager(agent, optimizer, batch, args, orders, sizes, loss_fn, *rest):
-        compiled = loss_fn is not ppo.minibatch_loss  # main compiled it (--compile)
-        if compiled:
+    def update_beside_eager(agent, optimizer, batch, args, orders, sizes, loss_fn, *rest, compiled=None):
+        if compiled is not None:  # main derived the compiled step (--compile)
+            compiled_steps.append(compiled)
             eager = copy.deepcopy(agent)
             eager_optimizer = torch.optim.Adam(eager.parameters(), **optimizer.defaults)
             eager_optimizer.load_state_dict(copy.deepcopy(optimizer.state_dict()))  # its own moments
             eager_losses, _ = update(eager, eager_optimizer, batch, args, orders, sizes, ppo.minibatch_loss, *rest)
         steps_before = adam_steps(optimizer)
-        losses, sync_time = update(agent, optimizer, batch, args, orders, sizes, loss_fn, *rest)
+        losses, sync_time = update(agent, optimizer, batch, args, orders, sizes, loss_fn, *rest, compiled=compiled)
         gaps = (None, None)
-        if compiled:
+        if compiled is not None:
             weights_gap = max(
                 (p - q).abs().max().item() for p, q in zip(agent.parameters(), eager.parameters(), strict=True)
             )
@@ -306,7 +316,7 @@ def recording_rank(rank: int, world_size: int, script: str, cwd: str, flags: lis
     return {
         "state": state,
         "updates": updates,
-        "graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"],
+        "compiled_steps": [(step.calls, step.declined) for step in compiled_steps[-1:]],
         "torch_seed": torch.initial_seed(),
         **{key: [np.array(getattr(env, key)) for env in stepped] for key in ("seen", "rewards", "ends", "seeds")},
     }
@@ -460,14 +470,14 @@ def test_compile_by_default_where_the_runs_minibatch_steps_repay_it_and_as_the_f
         tyro.cli(ppo.Args, args=["--compile", "None"])
 
 
-def test_compile_runs_the_update_through_a_compiled_loss_that_takes_the_eager_steps(tmp_path):
-    """--compile, two iterations of one rank: the loss is compiled (torch.compile's graphs), and every update ends with
-    the weights and logged numbers the eager minibatch_loss gives from the same state, to float32 rounding."""
+def test_compile_runs_the_update_through_a_compiled_step_that_takes_the_eager_steps(tmp_path):
+    """--compile, two iterations of one rank: every minibatch step is the compiled step's (AOTInductor's), and every
+    update ends with the weights and logged numbers the eager steps give from the same state, to float32 rounding."""
     flags = ["--env-id", "InvertedPendulum-v5", "--num-steps", "128", "--num-minibatches", "4", "--update-epochs", "2"]
     flags += ["--total-timesteps", "256", "--compile"]
     [result], output = train_ranks("ppo_continuous_mpi.py", flags, tmp_path, nprocs=1, worker=recording_rank)
     assert progress_lines(output.stdout) == [1, 2]
     assert "update            compiled (--compile)" in output.stdout  # a short run, compiled as asked
-    assert result["graphs"] > 0  # torch.compile compiled the loss
+    assert result["compiled_steps"] == [(2 * 2 * 4, None)]  # 2 updates of 2 epochs of 4 minibatches, none declined
     gaps = [update[2:] for update in result["updates"]]
     assert len(gaps) == 2 and all(gap < 1e-5 for update in gaps for gap in update), gaps

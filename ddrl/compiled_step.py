@@ -1,0 +1,203 @@
+"""The update's minibatch step derived from the script's loss and compiled ahead of time: the loss's
+gradient by the flat parameters as a pure function (torch.func), exported for any row count and
+compiled by AOTInductor, run with no autograd engine; then one flat allreduce, the script's clip and
+torch's fused Adam kernel on flat tensors the Agent's parameters and Adam's moments view. Each
+update's first step is checked against the eager loss; where it differs, or cannot be built, one
+line, and the script's eager step from then on."""
+
+import hashlib
+import os
+import tempfile
+import time
+import warnings
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.nn.utils.stateless import _reparametrize_module as parameters_set_to
+
+from ddrl import collectives, failures
+from ddrl.failures import NonFiniteError
+
+TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-5}  # of the gradient's largest entry
+MOMENTS = ("exp_avg", "exp_avg_sq")
+Distribution = torch.distributions.Distribution
+
+
+class CompiledStep:
+    """Called as the update's step, returns the world's mean gradient then the numbers the loss logs
+    (names in `logged`), flat, the clip and Adam applied; None where it declines."""
+
+    def __init__(
+        self, agent: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable,
+        clip: Callable, args: object,
+    ):  # fmt: skip
+        self.agent, self.optimizer, self.loss_fn, self.args = agent, optimizer, loss_fn, args
+        self.clip = clip
+        self.parameters = list(agent.parameters())
+        self.names = [name for name, _ in agent.named_parameters()]
+        self.buffers = dict(agent.named_buffers())
+        self.run, self.calls, self.keys, self.logged, self.sync_time = None, 0, [], [], 0.0
+        group = optimizer.param_groups[0]
+        self.declined = None
+        if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW) or group["amsgrad"]:
+            self.declined = f"takes torch's Adam or AdamW without amsgrad, not {optimizer}"
+        elif len(optimizer.param_groups) > 1 or list(map(id, group["params"])) != list(
+            map(id, self.parameters)
+        ):
+            self.declined = "takes one group of exactly the Agent's parameters"
+        elif self.parameters[0].device.type != "cpu":
+            self.declined = "runs on the CPU"
+        if self.declined:
+            if collectives.rank_in() == 0:
+                failures.warn(f"the compiled update step {self.declined}: the update runs eagerly")
+            return
+        self.flat = bind(self.parameters, lambda p: p.data, lambda p, x: setattr(p, "data", x))
+        self.moments = [bind_state(optimizer, self.parameters, key) for key in MOMENTS]
+        zero = torch.zeros((), dtype=torch.float32)  # torch's fused Adam's step counter
+        self.steps = [optimizer.state[p].setdefault("step", zero.clone()) for p in self.parameters]
+
+    def __call__(
+        self, mb: dict, adv_mean: torch.Tensor | None, adv_std: torch.Tensor | None,
+        weight: float, group: collectives.Group = None,
+    ) -> torch.Tensor | None:  # fmt: skip
+        self.sync_time = 0.0
+        if self.declined or len(next(iter(mb.values()))) < 2:  # a row alone: the eager step
+            return None
+        moments = [moment for moment in (adv_mean, adv_std) if moment is not None]
+        weight = torch.tensor(weight, dtype=self.flat.dtype)
+        inputs = [self.flat, *self.buffers.values(), *mb.values(), *moments, weight]
+        if self.calls % (self.args.update_epochs * self.args.num_minibatches) == 0:
+            self.declined = self.differs(mb, [*moments, weight], inputs)
+            if self.declined:
+                failures.warn(f"the compiled update step {self.declined}: the update runs eagerly")
+                return None
+        self.calls += 1
+        flat = self.run(inputs)[0]
+        start = time.perf_counter()
+        collectives.allreduce_mean(flat, group)
+        self.sync_time = time.perf_counter() - start
+        if not flat.sum().isfinite():
+            raise NonFiniteError("a non-finite loss or gradient")
+        gradients = flat[: self.flat.numel()]
+        self.clip(gradients, self.args.max_grad_norm)
+        torch._foreach_add_(self.steps, 1)
+        adam = self.optimizer.param_groups[0]
+        kernel = torch._fused_adamw_ if adam.get("decoupled_weight_decay") else torch._fused_adam_
+        beta1, beta2 = adam["betas"]
+        options = {name: adam[name] for name in ("lr", "weight_decay", "eps", "maximize")}
+        kernel([self.flat], [gradients], *([m] for m in self.moments), [], self.steps[:1],
+               amsgrad=False, beta1=beta1, beta2=beta2, **options)  # fmt: skip
+        return flat
+
+    def loss(self, tensors: dict, mb: dict, *moments: torch.Tensor) -> tuple:
+        """The script's loss, weighted by moments[-1], and its logged numbers, with the Agent's
+        `tensors` (by name) in place of its own."""
+        with parameters_set_to(self.agent, tensors):
+            loss, logged = self.loss_fn(self.agent, mb, *moments[:-1], self.args)
+        self.logged = list(logged)
+        return loss * moments[-1], torch.stack(list(logged.values())) * moments[-1]
+
+    def gradient(self, params: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor:
+        """The loss's gradient by the flat parameters, then the logged numbers: a pure function."""
+        buffers = dict(zip(self.buffers, rest, strict=False))
+        mb = dict(zip(self.keys, rest[len(buffers) :], strict=False))
+        moments = rest[len(buffers) + len(mb) :]
+        sizes = [p.numel() for p in self.parameters]
+
+        def loss_of(flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            pieces = zip(self.names, flat.split(sizes), self.parameters, strict=True)
+            tensors = {name: piece.view_as(p) for name, piece, p in pieces}
+            return self.loss(tensors | buffers, mb, *moments)
+
+        return torch.cat(torch.func.grad(loss_of, has_aux=True)(params))
+
+    def build(self, mb: dict, inputs: list[torch.Tensor]) -> str | None:
+        """Trace, export and compile the gradient, or load it compiled before: why not, or None."""
+        self.keys = list(mb)
+        first = 1 + len(self.buffers)
+        rows = torch.export.Dim("rows", min=2)
+        dynamic = [{0: rows} if first <= i < first + len(mb) else None for i in range(len(inputs))]
+        validating = Distribution._validate_args  # its checks read values: the trace has none
+        try:
+            Distribution.set_default_validate_args(False)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                traced = make_fx(self.gradient, tracing_mode="symbolic")(*inputs)
+                self.run = load(torch.export.export(traced, tuple(inputs), dynamic_shapes=dynamic))
+        except Exception as error:  # a construct the trace, the export or the compiler cannot take
+            return (
+                f"could not be built ({type(error).__name__}: {str(error).strip().splitlines()[0]})"
+            )
+        finally:
+            Distribution.set_default_validate_args(validating)
+
+    def differs(self, mb: dict, moments: list, inputs: list[torch.Tensor]) -> str | None:
+        """How this step's gradient and logged numbers differ from the eager loss's (built at the
+        first call), or None."""
+        loss, logged = self.loss({}, mb, *moments)
+        if outside := leaves(loss) - {id(p) for p in self.parameters}:
+            return (
+                f"found the loss reaching {len(outside)} tensor(s) besides the Agent's parameters"
+            )
+        if self.run is None and (problem := self.build(mb, inputs)):
+            return problem
+        gradients = torch.autograd.grad(
+            loss, self.parameters, allow_unused=True, materialize_grads=True
+        )
+        eager = torch.cat([*(g.reshape(-1) for g in gradients), logged.detach()])
+        gap = (
+            (self.run(inputs)[0] - eager).abs().max() / eager.abs().max().clamp(min=1e-30)
+        ).item()
+        if not gap <= TOLERANCE.get(eager.dtype, 1e-3):
+            return f"differs from the eager loss by {gap:.1e} of its largest entry"
+
+
+def bind(parameters: list[torch.Tensor], read: Callable, write: Callable) -> torch.Tensor:
+    """One flat tensor holding read(p) of every parameter, each then written back as its view."""
+    flat = torch.cat([read(p).detach().reshape(-1) for p in parameters])
+    for p, piece in zip(parameters, flat.split([p.numel() for p in parameters]), strict=True):
+        write(p, piece.view_as(p))
+    return flat
+
+
+def bind_state(optimizer: torch.optim.Optimizer, parameters: list, key: str) -> torch.Tensor:
+    """bind() of the optimizer's `key` state (zeros where it has none yet)."""
+    state = optimizer.state
+    return bind(
+        parameters,
+        lambda p: state[p].get(key, torch.zeros_like(p)),
+        lambda p, x: state[p].__setitem__(key, x),
+    )
+
+
+def leaves(loss: torch.Tensor) -> set[int]:
+    """The ids of the tensors loss.backward() would give a .grad."""
+    found, seen, nodes = set(), set(), [loss.grad_fn]
+    while nodes:
+        node = nodes.pop()
+        if node is not None and node not in seen:
+            seen.add(node)
+            found |= {id(node.variable)} if hasattr(node, "variable") else set()
+            nodes += [next_node for next_node, _ in node.next_functions]
+    return found
+
+
+def load(exported: torch.export.ExportedProgram) -> Callable:
+    """The exported program compiled by AOTInductor, kept in Inductor's cache by its code (a later
+    run of the same loss loads it), called with a list of tensors."""
+    text = exported.graph_module.print_readable(print_output=False) + torch.__version__
+    text += str(exported.range_constraints) + str(sorted(exported.constants.items()))
+    folder = os.path.join(torch._inductor.runtime.cache_dir_utils.cache_dir(), "ddrl_steps")
+    path = os.path.join(folder, hashlib.sha256(text.encode()).hexdigest()[:32] + ".pt2")
+    if not os.path.exists(path):
+        os.makedirs(folder, exist_ok=True)
+        temporary = tempfile.mkdtemp(dir=folder)  # then renamed: ranks compiling alike never clash
+        built = torch._inductor.aoti_compile_and_package(
+            exported, package_path=f"{temporary}/s.pt2"
+        )
+        os.replace(built, path)
+        os.rmdir(temporary)
+    runner = torch._inductor.aoti_load_package(path).loader
+    return lambda inputs: runner.boxed_run(list(inputs))  # boxed_run empties the list it takes
