@@ -10,8 +10,9 @@ Distributed: `--local-num-envs` and `--num-steps` are per rank. The world's mini
 of the ranks' minibatches k: its advantages are normalised with the union's mean and std, and the
 gradients averaged in one allreduce after loss.backward() (average_gradients), so every rank takes
 the step one process would take on the whole batch. `--sync gather`: rank 0 runs that update alone.
-The plumbing (launching, run folders, checkpoints, the numpy rollout derived from the Agent) is the
-ddrl package; `python -m ddrl.verify COPY.py` checks that a copy still updates as one process would.
+The plumbing (launching, run folders, checkpoints, the numpy rollout and the compiled update step
+derived from the Agent and the loss) is the ddrl package; `python -m ddrl.verify COPY.py` checks
+that a copy still updates as one process would.
 """
 
 import math
@@ -71,9 +72,10 @@ class Args(RuntimeArgs):
     save_model: bool = False
     """if toggled, rank 0 writes `runs/{run_name}/model.safetensors` (weights, statistics)"""
     compile: DisallowNone[Annotated[bool | None, arg(help_behavior_hint="")]] = None
-    """the update's loss and its backward through torch.compile (on CPU where a C++ compiler exists,
-    else one line and the eager loss): --compile always, --no-compile never, by default where the
-    run's minibatch steps per rank repay the compile's seconds (machine.compile_repays)"""
+    """the update's minibatch step compiled (on CPU ahead of time, derived from minibatch_loss,
+    where a C++ compiler exists, else one line and the eager step; on a GPU the loss by
+    torch.compile): --compile always, --no-compile never, by default where the run's minibatch
+    steps per rank repay the compile's seconds (machine.compile_repays)"""
     numpy_rollout: bool = True
     """if toggled, the rollout runs numpy versions of the Agent's methods (fast), else the Agent"""
 

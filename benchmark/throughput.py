@@ -256,17 +256,21 @@ def throughput_rows(runs: Runs, bounds: dict) -> list[list[str]]:
 def beside_rows(runs: Runs, kind: str) -> list[list[str]]:
     """A row per script and setting that ran this checkout beside a contender of `kind` (the other checkout, or
     CleanRL's file): its SPS and ours (medians), their ratio, and ours over its within each round (median, range)."""
-    ours = {(script, *where): results for (script, program, *where), results in runs.items() if program.tag == "this"}
+    ours = [(key, program) for key in runs if (program := key[1]).tag == "this" or program.kind == "variant"]
     rows = []
     for (script, contender, load, cores), theirs in runs.items():
-        if contender.kind == kind and contender.tag != "this" and (script, load, cores) in ours:
-            mine = ours[script, load, cores][: len(theirs)]  # rounds that ran both (all, once done)
+        for (our_script, program, *where), _ in ours:
+            flags = " ".join(word for word in program.command if word.startswith("-"))
+            if contender.kind != kind or contender.tag == "this" or (our_script, *where) != (script, load, cores):
+                continue
+            mine = runs[our_script, program, load, cores][: len(theirs)]  # rounds that ran both (all, once done)
             per_round = [a.sps / b.sps for a, b in zip(mine, theirs[: len(mine)], strict=True)]
             place = setting(load, cores)[2:] or "all usable cores (the defaults)"
             name = [Path(contender.command[-1]).name] if kind == "cleanrl" else []
             their_sps = median(theirs[: len(mine)], "sps")
             this_sps = median(mine, "sps")
-            rows.append([script, *name, common.defaults(script).env_id, place, f"{their_sps:,.0f}", f"{this_sps:,.0f}"])
+            env = common.defaults(script).env_id
+            rows.append([script, *name, env, place, flags or "as run", f"{their_sps:,.0f}", f"{this_sps:,.0f}"])
             rows[-1] += [f"{this_sps / their_sps:.3f}", f"{statistics.median(per_round):.3f}"]
             rows[-1].append(f"{min(per_round):.2f} - {max(per_round):.2f}")
     return rows
@@ -379,8 +383,8 @@ def write_tables(args: Args, argv, facts: list[str], measured: dict, load: tuple
         body += f"\nAtari compute limit parts: batch-{envs} act {act_ms:.2f} ms, minibatch-{minibatch} step "
         body += f"{step_ms:.1f} ms.\n"
     per_round = "per round: ours over theirs in each round (run one after the other), the median | range"
-    columns = {"checkout": "script | env | cores | other (SPS) | this (SPS) | this / other"}
-    columns["cleanrl"] = "script | CleanRL file | env | cores | CleanRL (SPS) | ours (SPS) | ours / CleanRL"
+    columns = {"checkout": "script | env | cores | this's flags | other (SPS) | this (SPS) | this / other"}
+    columns["cleanrl"] = "script | CleanRL file | env | cores | our flags | CleanRL (SPS) | ours (SPS) | ours / CleanRL"
     for kind, title in (("checkout", "This checkout beside the other"), ("cleanrl", "Beside CleanRL")):
         if rows := beside_rows(runs, kind):
             body += f"\n## {title}\n\n" + common.markdown_table(f"{columns[kind]} | {per_round}", rows)

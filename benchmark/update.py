@@ -1,5 +1,6 @@
 """Seconds per update of the MLP scripts at their defaults, in one process, call by call: this checkout's `update`
-eager and compiled (its `--compile`) beside another checkout's, on one rank with one torch thread.
+eager, with its loss torch.compile'd and with the compiled step (its `--compile` on CPU) beside another checkout's, on
+one rank with one torch thread.
 
     git worktree add ../before COMMIT
     taskset -c 0 python -m benchmark.update --compare-with ../before --rounds 10 --out benchmark/results/update
@@ -22,6 +23,7 @@ import torch
 from annotated_types import Ge
 
 from benchmark import common
+from ddrl import compiled_step
 
 SCRIPTS = ("ppo_continuous_mpi.py", "vpg_mpi.py")
 """the scripts whose update runs on CPU one minibatch at a time (Atari's CNN update: benchmark.atari_step)"""
@@ -51,8 +53,9 @@ def random_batch(obs_space, action_space, size: int) -> dict[str, torch.Tensor]:
     }
 
 
-def one_update(script: str, root: Path, compiled: bool) -> tuple[Callable[[], object], int]:
-    """A call that runs the `root` checkout's update of `script` once on its defaults, and its minibatch steps."""
+def one_update(script: str, root: Path, compiled: str = "") -> tuple[Callable[[], object], int]:
+    """A call that runs the `root` checkout's update of `script` once on its defaults, and its minibatch steps;
+    `compiled`: "loss" (torch.compile'd) or "step" (ddrl.compiled_step's, --compile on CPU)."""
     module = common.load_script(script, root)
     args = module.Args()
     module.derive_batch_sizes(args, 1)
@@ -69,54 +72,43 @@ def one_update(script: str, root: Path, compiled: bool) -> tuple[Callable[[], ob
     batch = random_batch(obs_space, action_space, args.local_batch_size)
     orders = torch.stack([torch.randperm(args.local_batch_size) for _ in range(args.update_epochs)])
     sizes = module.minibatch_sizes([args.local_batch_size], args.num_minibatches)
-    loss_fn = torch.compile(module.minibatch_loss, fullgraph=True) if compiled else module.minibatch_loss
+    loss_fn = torch.compile(module.minibatch_loss, fullgraph=True) if compiled == "loss" else module.minibatch_loss
+    step = (
+        compiled_step.CompiledStep(agent, optimizer, loss_fn, module.clip_gradients, args)
+        if compiled == "step"
+        else None
+    )
     steps = args.update_epochs * args.num_minibatches
-    return (lambda: module.update(agent, optimizer, batch, args, orders, sizes, loss_fn)), steps
+    return (lambda: module.update(agent, optimizer, batch, args, orders, sizes, loss_fn, compiled=step)), steps
 
 
 def step_parts(script: str, rounds: int) -> list[list[str]]:
-    """Where one compiled minibatch step of `script` (continuous PPO) goes, part by part in the order the update
-    runs them, each timed over a whole epoch's minibatches, the parts taking turns: the median microseconds of each,
-    and the compiled loss and backward again on 8 rows, whose arithmetic is nil (its fixed cost per call)."""
+    """Where one compiled minibatch step of `script` (continuous PPO, --compile on CPU) goes: the whole step and its
+    compiled gradient alone, each timed over a whole epoch's minibatches, taking turns; the median microseconds of
+    each, and both again on 8 rows, whose arithmetic is nil (the fixed cost per call)."""
     module = common.load_script(script)
     args = module.Args()
     module.derive_batch_sizes(args, 1)
     obs_space, action_space = common.env_spaces(script)
     torch.manual_seed(0)
     agent = common.agent_of(script)
-    parameters = list(agent.parameters())
-    num_weights = sum(p.numel() for p in parameters)
-    optimizer = torch.optim.Adam(parameters, lr=args.learning_rate, eps=1e-5, fused=True)
-    loss_fn = torch.compile(module.minibatch_loss, fullgraph=True)
+    optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5, fused=True)
+    step = compiled_step.CompiledStep(agent, optimizer, module.minibatch_loss, module.clip_gradients, args)
     batch = random_batch(obs_space, action_space, args.local_batch_size)
     minibatches = module.minibatches(batch, torch.randperm(args.local_batch_size), [args.local_minibatch_size] * 32)
     tiny = module.minibatches(batch, torch.arange(8), [8])[0]
-    state = {}
+    step(tiny, None, None, 1.0)  # compiles (or loads) and checks it
 
-    def loss_and_backward(minibatch) -> None:
-        state["loss"], state["logged"] = loss_fn(agent, minibatch, None, None, args)
-        optimizer.zero_grad()
-        state["loss"].backward()
+    def gradient(mb: dict) -> None:
+        step.run([step.flat, *step.buffers.values(), *mb.values(), torch.tensor(1.0)])
 
-    def sync() -> None:
-        state["flat"] = module.average_gradients(parameters, torch.stack(list(state["logged"].values())))
-
-    def clip() -> None:
-        gradients = state["flat"][:num_weights]
-        gradients.mul_(torch.clamp(args.max_grad_norm / (gradients.norm() + 1e-6), max=1.0))
-
+    rows = len(minibatches[0]["obs"])
     parts = {
-        "compiled loss and backward, 64 rows": lambda mb: loss_and_backward(mb),
-        "optimizer.zero_grad()": lambda mb: optimizer.zero_grad(),
-        "average_gradients (one rank: pack, check, unpack)": lambda mb: (loss_and_backward(mb), sync()),
-        "clip to --max-grad-norm": lambda mb: clip(),
-        "optimizer.step() (fused Adam)": lambda mb: optimizer.step(),
-        "compiled loss and backward, 8 rows": lambda mb: loss_and_backward(tiny),
+        f"the whole step, {rows} rows": lambda mb: step(mb, None, None, 1.0),
+        f"its compiled gradient alone (AOTInductor's program), {rows} rows": gradient,
+        "the whole step, 8 rows": lambda mb: step(tiny, None, None, 1.0),
+        "its compiled gradient alone, 8 rows": lambda mb: gradient(tiny),
     }
-    loss_and_backward(tiny)  # compile both shapes first
-    for minibatch in minibatches[:3]:
-        loss_and_backward(minibatch)
-        sync()
     micros = {name: [] for name in parts}
     for _ in range(rounds):
         for name, part in parts.items():
@@ -124,10 +116,6 @@ def step_parts(script: str, rounds: int) -> list[list[str]]:
             for minibatch in minibatches:
                 part(minibatch)
             micros[name].append((time.perf_counter() - start) / len(minibatches) * 1e6)
-    backward = statistics.median(micros["compiled loss and backward, 64 rows"])
-    micros["average_gradients (one rank: pack, check, unpack)"] = [
-        t - backward for t in micros["average_gradients (one rank: pack, check, unpack)"]
-    ]  # timed after its loss and backward, which it needs
     return [[name, f"{statistics.median(times):.0f}"] for name, times in micros.items()]
 
 
@@ -139,9 +127,10 @@ def main(argv: list[str] | None = None) -> Path:
     roots = {"this": common.ROOT} | ({"other": args.compare_with.resolve()} if args.compare_with else {})
     rows = []
     for script in args.scripts:
-        variants = {f"{name} eager": (root, False) for name, root in roots.items()}
+        variants = {f"{name} eager": (root, "") for name, root in roots.items()}
         if "vpg" not in script:
-            variants["this compiled"] = (common.ROOT, True)
+            variants["this, loss torch.compile'd"] = (common.ROOT, "loss")
+            variants["this, compiled step (--compile)"] = (common.ROOT, "step")
         calls = {name: one_update(script, root, compiled) for name, (root, compiled) in variants.items()}
         for call, _ in calls.values():  # the first calls compile and warm up
             call()
@@ -165,9 +154,10 @@ def main(argv: list[str] | None = None) -> Path:
     body = "\n" + common.markdown_table(header, rows)
     if "ppo_continuous_mpi.py" in args.scripts:
         body += (
-            "\nWhere a compiled minibatch step of ppo_continuous_mpi.py goes (64 rows, one rank, one thread), each "
-            "part timed alone over an epoch's minibatches, the parts taking turns; the 8-row line is the compiled "
-            "loss and backward's fixed cost per call:\n\n"
+            "\nWhere a compiled minibatch step of ppo_continuous_mpi.py goes (--compile on CPU; one rank, one thread), "
+            "each part timed over an epoch's minibatches, the parts taking turns; the rest of a step (the one-rank "
+            "sync, its finiteness check, the clip and the fused Adam kernel) is the whole less the gradient; on 8 "
+            "rows, the fixed cost per call:\n\n"
         )
         body += common.markdown_table("part | us per minibatch step", step_parts("ppo_continuous_mpi.py", args.rounds))
     torch.set_num_threads(threads)

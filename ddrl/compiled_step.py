@@ -1,9 +1,8 @@
-"""The update's minibatch step derived from the script's loss and compiled ahead of time: the loss's
-gradient by the flat parameters as a pure function (torch.func), exported for any row count and
-compiled by AOTInductor, run with no autograd engine; then one flat allreduce, the script's clip and
-torch's fused Adam kernel on flat tensors the Agent's parameters and Adam's moments view. Each
-update's first step is checked against the eager loss; where it differs, or cannot be built, one
-line, and the script's eager step from then on."""
+"""The update's minibatch step derived from the script's loss, compiled ahead of time: the loss's
+gradient by the flat parameters (torch.func), exported for any row count, AOTInductor's, run without
+autograd; then one flat allreduce, the script's clip and torch's fused Adam kernel on flat tensors
+the parameters and Adam's moments view. Each update's first step is checked against the eager loss;
+where it differs or cannot be built, one line, and the script's eager step from then on."""
 
 import hashlib
 import os
@@ -40,16 +39,11 @@ class CompiledStep:
         self.buffers = dict(agent.named_buffers())
         self.run, self.calls, self.keys, self.logged, self.sync_time = None, 0, [], [], 0.0
         group = optimizer.param_groups[0]
-        self.declined = None
-        if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW) or group["amsgrad"]:
-            self.declined = f"takes torch's Adam or AdamW without amsgrad, not {optimizer}"
-        elif len(optimizer.param_groups) > 1 or list(map(id, group["params"])) != list(
-            map(id, self.parameters)
-        ):
-            self.declined = "takes one group of exactly the Agent's parameters"
-        elif self.parameters[0].device.type != "cpu":
-            self.declined = "runs on the CPU"
-        if self.declined:
+        self.declined = None  # else why, said once
+        if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW) or group["amsgrad"] or [
+            id(p) for group in optimizer.param_groups for p in group["params"]
+        ] != list(map(id, self.parameters)) or self.parameters[0].device.type != "cpu":  # fmt: skip
+            self.declined = "takes one torch Adam (no amsgrad) of the Agent's parameters, on CPU"
             if collectives.rank_in() == 0:
                 failures.warn(f"the compiled update step {self.declined}: the update runs eagerly")
             return
@@ -165,11 +159,8 @@ def bind(parameters: list[torch.Tensor], read: Callable, write: Callable) -> tor
 def bind_state(optimizer: torch.optim.Optimizer, parameters: list, key: str) -> torch.Tensor:
     """bind() of the optimizer's `key` state (zeros where it has none yet)."""
     state = optimizer.state
-    return bind(
-        parameters,
-        lambda p: state[p].get(key, torch.zeros_like(p)),
-        lambda p, x: state[p].__setitem__(key, x),
-    )
+    read = lambda p: state[p].get(key, torch.zeros_like(p))  # noqa: E731
+    return bind(parameters, read, lambda p, x: state[p].__setitem__(key, x))
 
 
 def leaves(loss: torch.Tensor) -> set[int]:
@@ -187,10 +178,17 @@ def leaves(loss: torch.Tensor) -> set[int]:
 def load(exported: torch.export.ExportedProgram) -> Callable:
     """The exported program compiled by AOTInductor, kept in Inductor's cache by its code (a later
     run of the same loss loads it), called with a list of tensors."""
-    text = exported.graph_module.print_readable(print_output=False) + torch.__version__
-    text += str(exported.range_constraints) + str(sorted(exported.constants.items()))
+    text = exported.graph_module.print_readable(print_output=False) + str(
+        exported.range_constraints
+    )
+    text += torch.__version__ + torch.backends.cpu.get_cpu_capability()  # its kernels' instructions
+    constants = [
+        (name, torch.as_tensor(value).numpy().tobytes())
+        for name, value in exported.constants.items()
+    ]
     folder = os.path.join(torch._inductor.runtime.cache_dir_utils.cache_dir(), "ddrl_steps")
-    path = os.path.join(folder, hashlib.sha256(text.encode()).hexdigest()[:32] + ".pt2")
+    key = hashlib.sha256(text.encode() + repr(sorted(constants)).encode()).hexdigest()[:32]
+    path = os.path.join(folder, f"{key}.pt2")
     if not os.path.exists(path):
         os.makedirs(folder, exist_ok=True)
         temporary = tempfile.mkdtemp(dir=folder)  # then renamed: ranks compiling alike never clash

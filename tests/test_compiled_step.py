@@ -95,12 +95,12 @@ def test_an_optimizer_of_more_than_the_agent_falls_back_untouched(capfd):
     extra = nn.Parameter(torch.zeros(3, dtype=torch.float64))
     optimizer = torch.optim.Adam([*agent.parameters(), extra], lr=0.01)
     step = compiled_step.CompiledStep(agent, optimizer, ppo.minibatch_loss, ppo.clip_gradients, UPDATE_ARGS)
-    assert step.declined == "takes one group of exactly the Agent's parameters"
+    assert step.declined == "takes one torch Adam (no amsgrad) of the Agent's parameters, on CPU"
     assert optimizer.state == {} and agent.critic[0].weight._base is None  # nothing bound to flat tensors
     ppo.update(agent, optimizer, fixed_batch(), UPDATE_ARGS, local_orders(0, BATCH, EPOCHS), SIZES, compiled=step)
     assert step.calls == 0 and int(optimizer.state[extra]["step"]) == EPOCHS * MINIBATCHES
     [line] = warnings_of(capfd)
-    assert "takes one group of exactly the Agent's parameters: the update runs eagerly" in line
+    assert "takes one torch Adam (no amsgrad) of the Agent's parameters, on CPU: the update runs eagerly" in line
 
 
 def test_adam_state_is_torchs_own_and_an_eager_optimizer_continues_from_it():

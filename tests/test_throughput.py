@@ -97,17 +97,18 @@ def test_ours_and_cleanrl_alternate_on_one_core_beside_a_busy_one(tmp_path):
     if abs(beyond - throughput.MAX_OTHERS) > 0.005:  # said at the top
         assert ("SHARED CPU: other processes kept up to" in text.splitlines()[2]) == (beyond > throughput.MAX_OTHERS)
     [vs] = common.table_rows(text.split("## Beside CleanRL")[1], "script")
-    assert vs[:6] == [
+    assert vs[:7] == [
         "ppo_continuous_mpi.py",
         "ppo_continuous_action.py",
         "HalfCheetah-v5",
         place[2:],
+        "as run",
         rows[1][4],
         rows[0][4],
     ]
-    assert_ratio(vs[6], vs[5], vs[4])
-    low, high = vs[8].split(" - ")  # one round: its ratio is the median, and the range's both ends
-    assert vs[7] == vs[6] and low == high and float(low) == pytest.approx(float(vs[6]), abs=0.006)
+    assert_ratio(vs[7], vs[6], vs[5])
+    low, high = vs[9].split(" - ")  # one round: its ratio is the median, and the range's both ends
+    assert vs[8] == vs[7] and low == high and float(low) == pytest.approx(float(vs[7]), abs=0.006)
     [startup] = common.table_rows(text, "script | run")  # CleanRL's file prints neither a batch table nor our lines
     batch_table, first_line, end = (float(startup[column]) for column in (2, 3, 5))
     assert startup[1] == ours and 0 < batch_table < first_line < end
@@ -138,7 +139,7 @@ def test_the_ab_tables_set_this_checkout_beside_the_other_round_by_round():
     }
     [row] = throughput.beside_rows(runs, "checkout")
     assert row[:3] == ["vpg_mpi.py", common.defaults("vpg_mpi.py").env_id, "all usable cores (the defaults)"]
-    assert row[3:] == ["110", "130", "1.182", "1.175", "1.10 - 1.25"]
+    assert row[3:] == ["as run", "110", "130", "1.182", "1.175", "1.10 - 1.25"]
     assert throughput.startup_rows(runs) == [
         ["vpg_mpi.py", "b0", "1.00", "4.00", "3.00 - 5.00", "5.00"],
         ["vpg_mpi.py", "HEAD", "1.00", "4.00", "3.50 - 4.50", "5.00"],
