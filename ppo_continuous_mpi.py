@@ -452,7 +452,7 @@ def main(args: Args) -> Agent | None:
             compiled = compiled_step.CompiledStep(
                 agent, optimizer, minibatch_loss, clip_gradients, args
             )
-        elif args.compile and machine.can_compile(device):
+        elif args.compile and device.type == "cuda":
             loss_fn = torch.compile(minibatch_loss, fullgraph=True, dynamic=True)
         rollout_agent = rollout.derive(agent, observation_space, args.numpy_rollout)
         probe = rollout.probe(rollout_agent, observation_space, device)

@@ -45,8 +45,8 @@ def measure(threads: int, rounds: int) -> dict[str, float]:
     (CPU time on one thread, else wall time)."""
     clock = (lambda: common.cpu_clock()[2]) if threads == 1 else time.perf_counter
     torch.set_num_threads(threads)
-    eager, steps = update.one_update(SCRIPT, common.ROOT, compiled=False)
-    compiled, _ = update.one_update(SCRIPT, common.ROOT, compiled=True)
+    eager, steps = update.one_update(SCRIPT, common.ROOT)
+    compiled, _ = update.one_update(SCRIPT, common.ROOT, compiled="step")
     eager()
     eager()
     start = clock()

@@ -32,12 +32,19 @@ class CompiledStep:
         self, agent: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable,
         clip: Callable, args: object,
     ):  # fmt: skip
-        self.agent, self.optimizer, self.loss_fn, self.args = agent, optimizer, loss_fn, args
+        self.agent = agent
+        self.optimizer = optimizer
+        self.loss_fn = loss_fn
         self.clip = clip
+        self.args = args
         self.parameters = list(agent.parameters())
         self.names = [name for name, _ in agent.named_parameters()]
         self.buffers = dict(agent.named_buffers())
-        self.run, self.calls, self.keys, self.logged, self.sync_time = None, 0, [], [], 0.0
+        self.run = None  # the compiled gradient, built at the first call
+        self.calls = 0
+        self.keys = []  # the minibatch's, in the order the compiled gradient takes them
+        self.logged = []  # the names of the numbers the loss logs
+        self.sync_time = 0.0  # the last step's seconds in the collective
         group = optimizer.param_groups[0]
         self.declined = None  # else why, said once
         if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW) or group["amsgrad"] or [
@@ -121,6 +128,8 @@ class CompiledStep:
                 traced = make_fx(self.gradient, tracing_mode="symbolic")(*inputs)
                 self.run = load(torch.export.export(traced, tuple(inputs), dynamic_shapes=dynamic))
         except Exception as error:  # a construct the trace, the export or the compiler cannot take
+            if "FakeTensor" in str(error):  # a tensor the trace cannot take as an input
+                return "found the loss reading tensors besides the Agent's parameters and buffers"
             return (
                 f"could not be built ({type(error).__name__}: {str(error).strip().splitlines()[0]})"
             )
@@ -131,10 +140,6 @@ class CompiledStep:
         """How this step's gradient and logged numbers differ from the eager loss's (built at the
         first call), or None."""
         loss, logged = self.loss({}, mb, *moments)
-        if outside := leaves(loss) - {id(p) for p in self.parameters}:
-            return (
-                f"found the loss reaching {len(outside)} tensor(s) besides the Agent's parameters"
-            )
         if self.run is None and (problem := self.build(mb, inputs)):
             return problem
         gradients = torch.autograd.grad(
@@ -148,14 +153,6 @@ class CompiledStep:
             return f"differs from the eager loss by {gap:.1e} of its largest entry"
 
 
-def bind(parameters: list[torch.Tensor], read: Callable, write: Callable) -> torch.Tensor:
-    """One flat tensor holding read(p) of every parameter, each then written back as its view."""
-    flat = torch.cat([read(p).detach().reshape(-1) for p in parameters])
-    for p, piece in zip(parameters, flat.split([p.numel() for p in parameters]), strict=True):
-        write(p, piece.view_as(p))
-    return flat
-
-
 def bind_state(optimizer: torch.optim.Optimizer, parameters: list, key: str) -> torch.Tensor:
     """bind() of the optimizer's `key` state (zeros where it has none yet)."""
     state = optimizer.state
@@ -163,16 +160,12 @@ def bind_state(optimizer: torch.optim.Optimizer, parameters: list, key: str) -> 
     return bind(parameters, read, lambda p, x: state[p].__setitem__(key, x))
 
 
-def leaves(loss: torch.Tensor) -> set[int]:
-    """The ids of the tensors loss.backward() would give a .grad."""
-    found, seen, nodes = set(), set(), [loss.grad_fn]
-    while nodes:
-        node = nodes.pop()
-        if node is not None and node not in seen:
-            seen.add(node)
-            found |= {id(node.variable)} if hasattr(node, "variable") else set()
-            nodes += [next_node for next_node, _ in node.next_functions]
-    return found
+def bind(parameters: list[torch.Tensor], read: Callable, write: Callable) -> torch.Tensor:
+    """One flat tensor holding read(p) of every parameter, each then written back as its view."""
+    flat = torch.cat([read(p).detach().reshape(-1) for p in parameters])
+    for p, piece in zip(parameters, flat.split([p.numel() for p in parameters]), strict=True):
+        write(p, piece.view_as(p))
+    return flat
 
 
 def load(exported: torch.export.ExportedProgram) -> Callable:

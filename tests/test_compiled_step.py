@@ -87,7 +87,7 @@ def test_a_loss_reaching_a_second_module_falls_back_and_trains_it(capfd):
     agent, _, step = updated(UPDATE_ARGS, loss_with_predictor)
     assert step.calls == 0 and predictor.weight.grad is not None  # the eager backward reached it
     [line] = warnings_of(capfd)
-    assert "found the loss reaching 2 tensor(s) besides the Agent's parameters" in line, line
+    assert "found the loss reading tensors besides the Agent's parameters and buffers" in line, line
 
 
 def test_an_optimizer_of_more_than_the_agent_falls_back_untouched(capfd):
