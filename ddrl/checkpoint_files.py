@@ -45,6 +45,7 @@ RANDOM_STREAMS = {  # the tensors of every rank's random streams: name, dtype, s
 MT_WORDS = 624  # a Mersenne Twister's key, 32-bit words; its position lies in [0, 624]
 MAX_GAUSSIAN = 16.0  # a cached gaussian is below 12.1 in size (numpy's polar method): none beyond
 STREAM_ROWS = 256  # ranks' streams checked at once: memory bounded, whatever world a file claims
+HEADER_TYPES = {"kind": str, "script": str, "algorithm": str, "env_id": str, "args": dict}
 
 
 # --- writing: a file atomically, with its header, optimizers and random streams -------------------
@@ -113,8 +114,7 @@ def write_atomically(path: str, tensors: dict[str, torch.Tensor], header: dict) 
 def optimizer_entries(
     name: str, optimizer: torch.optim.Optimizer
 ) -> tuple[dict[str, torch.Tensor], dict]:
-    """An optimizer's per-parameter tensors as NAME.state.INDEX.KEY, and what the header says of it:
-    its type, options, and the per-parameter numbers."""
+    """An optimizer's tensors as NAME.state.INDEX.KEY, and its type, options and numbers."""
     state = optimizer.state_dict()
     tensors = {}
     numbers = {}
@@ -200,13 +200,7 @@ def read(path: str, fix: str) -> tuple[dict, dict[str, tuple[tuple[int, ...], st
             f"{path} holds a header of ddrl's format version {shown(header.get('version'))}, not "
             f"{VERSION}: use the ddrl that wrote it"
         )
-    for key, kind in {
-        "kind": str,
-        "script": str,
-        "algorithm": str,
-        "env_id": str,
-        "args": dict,
-    }.items():
+    for key, kind in HEADER_TYPES.items():
         if not isinstance(header.get(key), kind):
             found = type(header[key]).__name__ if key in header else "nothing"
             fail(
@@ -331,8 +325,7 @@ def stream_faults(rows: dict[str, np.ndarray]) -> list[tuple[np.ndarray, str]]:
 
 
 def torch_faults(states: np.ndarray) -> list[tuple[np.ndarray, str]]:
-    """stream_faults' of torch's CPU generator states: a position (left + next is at most 625), key
-    and cached normals no draw leaves."""
+    """stream_faults' of torch's CPU generator: a position, key or cached normals no draw leaves."""
     fields = states.view(TORCH_STATE)[:, 0]
     left = fields["left"].astype(np.int64)
     after = left + fields["next"].astype(np.float64)
@@ -420,8 +413,6 @@ def safetensors_dtype(dtype: torch.dtype) -> str:
         torch.float64: "F64",
         torch.float16: "F16",
         torch.bfloat16: "BF16",
-    }
-    names |= {
         torch.int64: "I64",
         torch.int32: "I32",
         torch.int16: "I16",

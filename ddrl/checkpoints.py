@@ -39,8 +39,7 @@ class Resumption:
 
 # --- which run to resume, and what its world and seeds allow --------------------------------------
 def find_run_to_resume(args) -> tuple[str, Resumption]:
-    """The run's name ('' if a new run's folder is named as made) and the checkpoint to resume,
-    checked up front; a torchrun restart resumes a run of this launch, never a finished one."""
+    """The run's name ('' if a new run's folder is named as made) and the checkpoint to resume."""
     name = run_name(args)
     path = checkpoint_to_resume(args, name)
     if path is None:
@@ -213,8 +212,7 @@ def span(first: int, end: int) -> str:
 
 # --- loading a training state: every tensor compared with what this run built, then loaded --------
 def load_training_state(path: str, header: dict, rank: int, states: dict) -> None:
-    """The checkpoint's weights, per-parameter optimizer states (the options stay the command
-    line's) and this rank's random streams, each found to fit and finite before anything loads."""
+    """Load the weights, optimizer states and this rank's random streams, each checked first."""
     fix = "delete it to resume from the one before"
     found = checkpoint_files.read(path, fix)[1]
     if not isinstance(header.get("optimizers"), dict):
@@ -255,8 +253,7 @@ def check_weights_fit(
 def optimizer_state(
     path: str, header: dict, found: dict, name: str, optimizer: torch.optim.Optimizer
 ) -> dict[int, dict]:
-    """The file's per-parameter state of the optimizer `name`, as torch's state_dict holds it, once
-    it fits `optimizer` and is finite; else one line."""
+    """The file's state of optimizer `name` as state_dict holds it, once it fits and is finite."""
     wanted = optimizer_shapes(optimizer, name)
     saved = header["optimizers"].get(name)
     saved_type = saved.get("type") if isinstance(saved, dict) else None
@@ -353,8 +350,7 @@ def save(
     states: dict,
 ) -> tuple[str, str]:
     """Every rank's random streams to rank 0 through the store, which writes `states` (the Agent,
-    then the optimizers by name) to runs/NAME's checkpoint of `iteration`. Returns the path and, on
-    rank 0, why it is not written (''), for stop_if_unwritten."""
+    then the optimizers by name): the path and, on rank 0, why it is not written ('')."""
     store = world.store
     world_size = world.world_size
     store.set(f"rng/{iteration}/{world.rank}", save_bytes(checkpoint_files.random_streams()))

@@ -51,8 +51,7 @@ def check_minibatch_scores(log_probs: torch.Tensor, values: torch.Tensor, miniba
 
 
 def check_minibatch_cut(local_sizes: list[int], order_length: int) -> None:
-    """Stop unless this rank's minibatch sizes cut an epoch's order into non-empty pieces (said by
-    this rank: the sizes may differ by rank)."""
+    """Stop unless this rank's sizes cut an epoch's order into non-empty pieces (this rank says)."""
     if sum(local_sizes) != order_length or min(local_sizes) < 1:
         fail(
             f"this rank's minibatch sizes {local_sizes} do not cut an epoch's order of "

@@ -181,8 +181,7 @@ def carrier(tensor: torch.Tensor, group: Group = None):
 
 
 def completed(work: dist.Work | None, group: Group) -> None:
-    """Wait for torch.distributed's `work` (None: not in `group`); a lost peer raises
-    DistNetworkError (gloo's is a bare RuntimeError)."""
+    """Wait for `work` (None: not in `group`); a lost peer raises DistNetworkError, gloo's too."""
     if work is None:
         return
     try:

@@ -21,9 +21,8 @@ def acting_step(
     groups: list[slice],
     graph: bool,
 ) -> Callable[[int, np.ndarray, slice], np.ndarray]:
-    """`act(step, frames, group)`: the frames into row `step` of `obs`, Agent.get_action_and_value
-    on them (inference mode) into that row of the storage, the actions back to the host; with
-    `graph`, a CUDA graph per group captured from that call."""
+    """`act(step, frames, group)`: the frames into row `step` of `obs`, get_action_and_value on them
+    into that row of the storage, the actions back to the host; with `graph`, CUDA graphs of it."""
     if graph:
         return captured_acting_step(agent, obs, actions, log_probs, values, groups)
 

@@ -13,8 +13,7 @@ from ddrl.failures import fail, first_line, shown
 
 
 def silence_settotalmass_warning() -> None:
-    """Drop MuJoCo 4's warning on the deprecated `settotalmass` in gymnasium's HalfCheetah model,
-    printed for every env of every rank; any other MuJoCo warning prints as before."""
+    """Drop MuJoCo 4's `settotalmass` deprecation warning (HalfCheetah's, per env), no other."""
     try:
         import mujoco
     except ImportError:  # no MuJoCo, no MuJoCo warnings

@@ -81,8 +81,7 @@ def film(agent: nn.Module, make_env: Callable, args, video_folder: str) -> str:
 
 
 def play(agent: nn.Module, envs: gym.vector.VectorEnv, args) -> list[float]:
-    """Play `args.eval_episodes` whole episodes on `envs` (one env) and return their returns; Box
-    actions are clipped to the action space, as in training."""
+    """The returns of `args.eval_episodes` episodes on `envs` (one env), Box actions clipped."""
     numpy_layers = getattr(args, "numpy_rollout", False)  # the MLP scripts' flag
     rollout_agent = rollout.derive(
         agent, envs.single_observation_space, numpy_layers, args.eval_deterministic

@@ -1,8 +1,6 @@
-"""The flags every ddrl script shares, as a dataclass each script's `Args` extends, and how every
-flag's rule is enforced. A rule is written beside its flag as annotated-types markers
-(`Annotated[int, Ge(1)]`); pydantic checks a command line and a file's saved args by the same rules,
-and every violation is one line naming the flag; what this machine lacks for the flags is one line
-too."""
+"""The flags every ddrl script shares (a dataclass each script's `Args` extends) and their rules,
+written beside each flag as annotated-types markers (`Annotated[int, Ge(1)]`): pydantic checks a
+command line and a file's saved args alike, each violation one line naming the flag."""
 
 import importlib.util
 import json
@@ -58,8 +56,7 @@ FolderName = pydantic.AfterValidator(one_folder_name)
 
 
 def torch_backend(backend: str) -> str:
-    """--backend's rule: empty, a torch.distributed backend, or DEVICE:BACKEND pairs of them (cpu,
-    cuda)."""
+    """--backend's rule: empty, a torch.distributed backend, or DEVICE:BACKEND pairs (cpu, cuda)."""
     pairs = [pair.split(":") for pair in backend.split(",")] if backend else []
     for pair in pairs:
         if (
@@ -119,9 +116,8 @@ class RuntimeArgs:
 
 
 def saved_args(saved: dict, args_type: type):
-    """A file's saved args as `args_type` (entries it lacks take their defaults; others are
-    ignored), read by the rules of the command line, strictly typed as JSON; returns (args, []) or
-    (None, the violations)."""
+    """A file's saved args as `args_type` (missing entries default, unknown ones are ignored) by the
+    command line's rules, strictly typed as JSON: (args, []) or (None, the violations)."""
     try:
         args = rules(args_type).validate_json(json.dumps(saved, allow_nan=True), strict=True)
     except pydantic.ValidationError as error:
@@ -130,8 +126,7 @@ def saved_args(saved: dict, args_type: type):
 
 
 def violations(args) -> list[str]:
-    """Every flag of `args` whose value breaks its rule, one message each, naming the flag and the
-    fix; [] if none."""
+    """Each flag of `args` whose value breaks its rule, one message each naming the flag and fix."""
     try:
         rules(type(args)).validate_python(asdict(args))
     except pydantic.ValidationError as error:
@@ -184,8 +179,7 @@ def violation(detail: dict) -> str:
 
 
 def machine_problem(args) -> str | None:
-    """What this machine lacks for the flags (not a checkpoint's args: those may come from another
-    machine)."""
+    """What this machine lacks for the flags (not a checkpoint's: those may come from elsewhere)."""
     if args.track and importlib.util.find_spec("wandb") is None:
         return (
             "--track needs Weights and Biases, which is not installed: pip install wandb, or "

@@ -79,8 +79,7 @@ def checksum(value: torch.Tensor | float | None) -> int:
 
 
 def check_same_command(script: str, args, resumed_iteration: int, device: torch.device) -> None:
-    """Stop every rank unless all run the same script and ddrl with the same arguments from the same
-    checkpoint (`resumed_iteration`: its iteration, 0 for none)."""
+    """Stop every rank unless all run the same script, ddrl, arguments and `resumed_iteration`."""
     arguments = digest(repr(sorted(asdict(args).items())).encode())
     table = collectives.gather_ints_to_all(
         [*source_digests(script), arguments, resumed_iteration], device

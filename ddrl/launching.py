@@ -61,13 +61,8 @@ def relaunch_as_ranks(args, script: str) -> NoReturn:
             f"machine, where each rank would wait for a core: pass --nprocs {cores} or fewer"
         )
     mpirun = shutil.which("mpirun")
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={args.nprocs}",
-    ]
+    torchrun = ["torch.distributed.run", "--standalone", f"--nproc_per_node={args.nprocs}"]
+    command = [sys.executable, "-m", *torchrun]
     with_mpi = args.collectives in ("auto", "mpi")  # torch and shm: torchrun
     if with_mpi and mpirun and importlib.util.find_spec("mpi4py") is not None:
         with socket.socket() as sock:  # a free port for rank 0's store; mpirun's ranks inherit it
@@ -99,20 +94,16 @@ def read_launcher_environment() -> World:
         local_world_size = environment_int(
             local_size_key, 1, world_size, f"{size_key}={world_size}", local_sizes
         )
+        local_size = f"{local_size_key}={local_world_size}"
         local_rank = environment_int(
-            local_rank_key,
-            0,
-            local_world_size - 1,
-            f"{local_size_key}={local_world_size}",
-            unset=str(rank),
+            local_rank_key, 0, local_world_size - 1, local_size, unset=str(rank)
         )
         return World(rank, world_size, local_rank, local_world_size)
     return World()
 
 
 def join_process_group(args, world: World) -> str:
-    """Form the process group, share out the idle cores, and choose what carries the collectives,
-    filling in `world`; returns the collectives' name."""
+    """Fill in `world`: the process group, the idle cores shared out, the collectives (named)."""
     world_size = world.world_size
     local_rank = world.local_rank
     os.environ.update(RANK=str(world.rank), WORLD_SIZE=str(world_size))
@@ -211,8 +202,7 @@ def abort_job_on_exception(comm) -> None:
 
 
 def shared_memory_or_gloo(args, world: World) -> str:
-    """Outside an MPI launch, a shared-memory segment where every rank is on this node's CPU, else
-    gloo; returns the batch table's name for it."""
+    """Outside MPI: shared memory where every rank is on this node's CPU, else gloo; its name."""
     if world.world_size == 1:
         problem = "needs 2 or more ranks on one node"
     elif world.local_world_size != world.world_size:

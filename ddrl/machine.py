@@ -52,8 +52,7 @@ def memory_problem(bytes_per_rank: int, sized_by: str, ranks_here: int) -> str |
 
 
 def available_memory() -> int:
-    """Bytes this machine can still give a process without swapping (Linux's MemAvailable), or its
-    physical memory."""
+    """Bytes a process can still take without swapping (Linux's MemAvailable), else all memory."""
     try:
         with open("/proc/meminfo") as meminfo:
             fields = dict(line.split(":", 1) for line in meminfo)
@@ -71,10 +70,9 @@ def size(count: int) -> str:
 
 
 def activation_bytes(agent_class: type, envs) -> int:
-    """Bytes one sample's activations take in an update step through Agent.get_action_and_value:
-    what its layers output for one observation of `envs`, kept for the backward pass, and as much
-    again for their gradients. Found by building the Agent and running it on no device (nothing
-    allocated), so an edited network is counted as it is."""
+    """Bytes one sample's activations take in an update step: its layers' outputs for one
+    observation of `envs`, and as much again for their gradients, found on no device (nothing
+    allocated) so that an edited network counts as it is."""
     outputs = []
 
     def count(module, inputs, output) -> None:
@@ -84,11 +82,8 @@ def activation_bytes(agent_class: type, envs) -> int:
     space = envs.single_observation_space
     with torch.device("meta"):
         agent = agent_class(envs)
-        hooks = [
-            module.register_forward_hook(count)
-            for module in agent.modules()
-            if not list(module.children())
-        ]
+        leaves = [module for module in agent.modules() if not list(module.children())]
+        hooks = [leaf.register_forward_hook(count) for leaf in leaves]
         with torch.no_grad():
             agent.get_action_and_value(
                 torch.zeros((1, *space.shape), dtype=torch.as_tensor(space.sample()).dtype)
@@ -109,8 +104,7 @@ COMPILE_REPAYS_PAST = 75_000  # above benchmark/results/compile_decision.md's on
 
 
 def compile_repays(minibatch_steps: int) -> bool:
-    """--compile's default: whether a run of this many minibatch steps per rank buys back the
-    compile's one-off cost with the time each compiled step saves."""
+    """--compile's default: whether this many minibatch steps per rank repay the compile's cost."""
     return minibatch_steps > COMPILE_REPAYS_PAST
 
 

@@ -44,8 +44,7 @@ class RunningMeanStd(nn.Module):
 
 
 def refuse_impossible_statistics(module: nn.Module, state_dict: dict, prefix: str, *_) -> None:
-    """Before statistics load: refuse what no data gives (a count below 1, unless they are the
-    empty statistics of an untrained Agent; a negative variance)."""
+    """Refuse what no data gives: a count below 1 (but an untrained Agent's), a variance below 0."""
     count = state_dict.get(f"{prefix}count")
     mean = state_dict.get(f"{prefix}mean")
     var = state_dict.get(f"{prefix}var")

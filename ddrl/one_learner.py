@@ -25,9 +25,8 @@ def update_on_rank0(
     sizes: torch.Tensor | None = None,
 ) -> tuple[dict[str, float], float]:
     """Rank 0 alone calls `update_union(union, [union_orders, union_sizes,] group)` on the union of
-    every rank's `batch` (one gather), then one broadcast gives every rank the parameters of every
-    module and optimizer it holds, and a non-finite loss. Returns rank 0's losses ({} elsewhere) and
-    the seconds of the gather and the broadcast."""
+    every rank's `batch`, then one broadcast gives every rank the parameters it updated; returns
+    rank 0's losses ({} elsewhere) and the seconds of the gather and the broadcast."""
     start = time.perf_counter()
     union = gather_union(batch, orders, sizes)
     losses = {}

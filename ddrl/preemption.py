@@ -17,7 +17,6 @@ def rollout_preempted(world: World, args, iteration: int, step: int) -> bool:
 
 
 def rollout_finished(world: World, args, iteration: int) -> None:
-    """Count this rank's rollout of `iteration` among the finished ones, which rollout_preempted
-    reads."""
+    """Count this rank's rollout of `iteration` among the finished ones (rollout_preempted's)."""
     if args.preempt_fraction and world.world_size > 1:
         world.store.add(f"rollouts_done/{iteration}", 1)

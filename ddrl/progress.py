@@ -1,6 +1,5 @@
-"""The account of training: the iteration every rank reached (for its messages), and on rank 0 the
-progress line and TensorBoard's scalars each iteration, the oversubscription warning, and the line
-that sums the run up. Its clock, counts and writer are its `Progress`."""
+"""The account of training: the iteration every rank reached, and on rank 0 each iteration's
+progress line and TensorBoard scalars, the oversubscription warning and the run's summary line."""
 
 import math
 import os
@@ -15,9 +14,7 @@ from ddrl import collectives, failures, machine, run_folders
 
 @dataclass
 class Progress:
-    """What the progress line and the summary need, kept across iterations: this attempt's clock
-    and starting point, the last iteration logged, the load sample of the oversubscription warning,
-    and rank 0's TensorBoard writer (opened at the first log)."""
+    """What the progress line and the summary need across iterations: clock, counts, writer."""
 
     unit: str  # what the progress line and messages call an iteration ("epoch" in VPG)
     launched_at: float = field(default_factory=time.time)
@@ -57,10 +54,8 @@ def log_iteration(
     total_steps: int,
 ) -> bool:
     """Rank 0: the episodes that ended on any rank (`totals`: episodes, episode_return,
-    episode_length, summed over ranks), SPS and `scalars` to TensorBoard at `global_step` (in
-    runs/NAME, opened at the first log), and the progress line with the iterations and time left
-    to `total_steps`. Returns False where the line could not be printed (`| head` closed the
-    output), else True."""
+    episode_length, summed over ranks), SPS and `scalars` to TensorBoard at `global_step`, and the
+    progress line; False where the line could not be printed (`| head` closed the output)."""
     progress.iteration = iteration
     progress.global_step = global_step
     if rank != 0:
@@ -99,8 +94,7 @@ def log_iteration(
 
 
 def explained_variance(returns: torch.Tensor, values: torch.Tensor) -> float:
-    """1 - Var(returns - values) / Var(returns) over the world's batch (float64, one gather;
-    constant returns: NaN)."""
+    """1 - Var(returns - values) / Var(returns) over the world's batch (constant returns: NaN)."""
     returns = returns.reshape(-1)
     _, _, m2 = collectives.moments_over_ranks(
         torch.stack([returns - values.reshape(-1), returns]).double()
@@ -109,8 +103,7 @@ def explained_variance(returns: torch.Tensor, values: torch.Tensor) -> float:
 
 
 def warn_if_oversubscribed(since: np.ndarray, torch_threads: int, idle_cores: int) -> bool:
-    """Warn (True) if the torch threads outnumber the cores idle at start, or those other work left
-    since `since`."""
+    """Warn (True) if the torch threads outnumber the cores idle at start, or idle since `since`."""
     busy, total, cpu, seconds = machine.load_sample() - since
     cores = len(os.sched_getaffinity(0))
     threads = torch.get_num_threads()
@@ -126,8 +119,7 @@ def warn_if_oversubscribed(since: np.ndarray, torch_threads: int, idle_cores: in
 
 
 def flush_writer(progress: Progress, name: str) -> str:
-    """Rank 0's TensorBoard events on disk, so that the curves reach the checkpoint whatever happens
-    next; what went wrong ('' if nothing)."""
+    """Rank 0's TensorBoard events flushed with the checkpoint; what went wrong ('' if nothing)."""
     if progress.writer is None:
         return ""
     try:

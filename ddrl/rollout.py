@@ -42,9 +42,8 @@ class RolloutAgent:
 def derive(
     agent: nn.Module, observation_space, numpy_layers: bool = True, deterministic: bool = False
 ) -> RolloutAgent:
-    """The rollout's Agent, derived once: numpy programs over views of its tensors, or (without
-    `numpy_layers`, on a GPU, or with no numpy version) its own torch code; `deterministic` acts
-    each distribution's mode (evaluation)."""
+    """The rollout's Agent, derived once: numpy programs over views of its tensors, else (no
+    `numpy_layers`, a GPU, no numpy version) its torch code; `deterministic` acts each mode."""
     example = example_observations(observation_space, 1)
     on_cpu = next(agent.parameters()).device.type == "cpu"
     traces = traced(agent, example, numpy_layers and on_cpu)
@@ -74,8 +73,7 @@ def mode_problem(derived: RolloutAgent, example: np.ndarray) -> str:
 
 
 def traced(agent: nn.Module, example: np.ndarray, numpy_layers: bool) -> dict:
-    """The Agent's two methods traced, or why their numpy programs cannot run: found once per Agent,
-    the slower path said then (rank 0)."""
+    """The Agent's two methods traced, or why their numpy programs cannot run, once per Agent."""
     if agent in DERIVED:
         return DERIVED[agent]
     found = {}
@@ -140,8 +138,7 @@ def on_rows(agent: nn.Module, method: Callable, device: torch.device, x: np.ndar
 def probe(
     rollout_agent, observation_space, device: torch.device, count: int = PROBE_SAMPLES
 ) -> dict:
-    """What the rollout's Agent does at `count` observations, as tensors on `device`; stops unless
-    it gives one log-probability and one value per observation."""
+    """What the rollout's Agent gives at `count` observations (one per row, or stop) on `device`."""
     obs = example_observations(observation_space, count)
     numpy_state = np.random.get_state()  # the streams as they were: a resumed run draws alike
     with torch.random.fork_rng([device.index] if device.type == "cuda" else []):

@@ -7,10 +7,8 @@
     run.checkpoint(iteration, global_step, agent=agent, optimizer=optimizer)
     run.finish(agent, stopped, make_env)  # model file, videos, the group left, the folder let go
 
-The Run composes the run's parts and is the only module that knows them all: each part keeps its
-own state in an object of its module (the World of launching, the RunFolder of run_folders, the
-Resumption of checkpoints, the Progress of progress, the StopRequest of stopping), and each method
-hands plain values to the part it calls."""
+The Run is the only module that knows all the run's parts; each part keeps its state in an object
+of its module (World, RunFolder, Resumption, Progress, StopRequest) and takes plain values."""
 
 from __future__ import annotations
 
@@ -92,12 +90,10 @@ class Run:
         batch_table: list[tuple[str, object, object]],
         memory: tuple[int, str],
     ) -> None:
-        """Everything before the Agent exists, on every rank: what an iteration's data takes
-        (`memory`: bytes per rank, and the flags that size them) against this machine's memory; the
-        checkpoint to resume, checked up front; the process group; the same script, ddrl and command
-        everywhere. Then rank 0 makes the run folder (or finds the resumed run's) and locks it for
-        the run's life, and prints the batch table (rows: name, per rank, world) and the folder;
-        from here on SIGTERM and Ctrl-C ask every rank to stop after the iteration."""
+        """Everything before the Agent exists, on every rank: `memory` (bytes per rank, the flags
+        that size them) against this machine's, the checkpoint to resume, the process group, the
+        same command everywhere; rank 0 makes (or finds) and locks the run folder and prints the
+        batch table (rows: name, per rank, world). Then SIGTERM and Ctrl-C ask all ranks to stop."""
         self.total_steps = total_steps
         rollout_bytes, sized_by = memory
         if problem := machine.memory_problem(rollout_bytes, sized_by, self.world.local_world_size):
@@ -110,8 +106,7 @@ class Run:
             launching.join_process_group(self.args, self.world)
             resumed_iteration = self.resumption.iteration
             in_sync.check_same_command(self.script, self.args, resumed_iteration, self.device)
-            # rank 0 finds every path the run writes in its folder fit (no link) before the first
-            # iteration, and tells every rank
+            # rank 0 finds every path the run writes fit (no link) before the first iteration
             resumed = self.resumption.header is not None or launching.restart_count() > 0
             device = self.device
             self.folder = run_folders.create_run_folder(self.args, name, self.rank, device, resumed)
@@ -130,10 +125,9 @@ class Run:
         stopping.arm(self.stop)
 
     def resume(self, **states) -> tuple[int, int]:
-        """Load the checkpoint start found into `states` (the Agent under any name, the optimizers
-        by name; this rank's random streams too), each compared with what this run built before any
-        of it loads; nothing else. Returns the iteration and the world's env steps reached (0, 0 for
-        a new run)."""
+        """Load the checkpoint start found into `states` (the Agent, then the optimizers by name)
+        and this rank's random streams, each checked before any loads; returns the iteration and
+        the world's env steps reached (0, 0 for a new run)."""
         header = self.resumption.header
         if header:
             checkpoints.load_training_state(header["path"], header, self.rank, states)
@@ -148,10 +142,8 @@ class Run:
     def log(
         self, iteration: int, global_step: int, totals: dict[str, float], scalars: dict[str, float]
     ) -> None:
-        """Rank 0: the episodes that ended on any rank (`totals`: episodes, episode_return,
-        episode_length, summed over ranks), SPS and `scalars` to TensorBoard at `global_step`, and
-        the progress line; an output closed under it (`| head`) ends the run as a stop request
-        would, with a checkpoint. A rank whose torchrun agent exited stops here, at once."""
+        """Rank 0: progress.log_iteration's TensorBoard scalars and progress line; a closed output
+        (`| head`) asks for a stop, and a rank whose torchrun agent exited stops at once."""
         if launching.agent_exited(self.world):
             self.stop_on_error(dist.DistError("the torchrun agent exited"), "")
         try:
@@ -178,9 +170,8 @@ class Run:
             stopping.request(self.stop, "a closed output")
 
     def check_in_sync(self, iteration: int) -> None:
-        """Every --check-sync-every iterations (every one by default): stop every rank unless all
-        hold the same training state, as main's variables find it (in_sync.check_in_sync): every
-        module's parameters and buffers, every optimizer's options, the numbers main carries."""
+        """Every --check-sync-every iterations: stop every rank unless all hold the same training
+        state as main's variables find it (in_sync.check_in_sync)."""
         every = self.args.check_sync_every
         if every and (iteration - 1) % every == 0:
             main = sys._getframe(1)
@@ -188,16 +179,13 @@ class Run:
             in_sync.check_in_sync(iteration, unit, main, self.args, self.device)
 
     def checkpoint_due(self, iteration: int, stop_after: bool) -> bool:
-        """Whether this iteration ends with a checkpoint: every --checkpoint-every iterations, and
-        when every rank stops after it (`stop_after`)."""
+        """Whether this iteration ends with a checkpoint (--checkpoint-every, or `stop_after`)."""
         every = self.args.checkpoint_every
         return stop_after or bool(every and iteration % every == 0)
 
     def checkpoint(self, iteration: int, global_step: int, **states) -> None:
-        """Write the checkpoint of `iteration` (rank 0, atomically; every rank's random streams in
-        it) and TensorBoard's events so far: `states` are the Agent (under any name) and the
-        optimizers, by the names resume() loads them by. A write that fails stops every rank in one
-        line naming the last good checkpoint."""
+        """Rank 0 writes the checkpoint of `iteration` (every rank's random streams in it) of
+        `states` (as resume() names them) and TensorBoard's events; a failure stops every rank."""
         path, problem = checkpoints.save(
             self.world, self.name, self.args, self.resumption, iteration, global_step, states
         )
@@ -210,10 +198,8 @@ class Run:
     def finish(
         self, agent: torch.nn.Module, stopped: bool, make_env: Callable | None = None
     ) -> None:
-        """The end of training on every rank: unless `stopped`, rank 0 writes the model file
-        (--save-model) and films evaluation episodes (--capture-video, with envs from
-        `make_env(args, video_folder)`); every rank leaves the process group; rank 0 lets the run
-        folder go (finished, or to be resumed) and sums the run up in one line."""
+        """The end of training: unless `stopped`, rank 0 writes the model file and films episodes
+        (`make_env(args, video_folder)`); every rank leaves the group; rank 0 sums the run up."""
         args = self.args
         folder = f"runs/{self.name}"
         path = checkpoints.model_path(self.name)
@@ -247,11 +233,9 @@ class Run:
             failures.tell(progress.summary(self.progress, stopped, folder) + saved)
 
     def stop_on_error(self, error: Exception, nonfinite_fix: str) -> NoReturn:
-        """End training on an error every rank met alike, in one line: a non-finite loss or gradient
-        (no rank applied that step; `nonfinite_fix` says what to try) or a lost peer, which a
-        collective or the store raised (each rank says so), or the torchrun agent, which took the
-        store with it (every checkpoint due before it is written). Anything else is a bug: raised
-        as is."""
+        """End training in one line on an error every rank met alike: a non-finite loss or gradient
+        (`nonfinite_fix` says what to try), a lost peer, or the torchrun agent gone with its store.
+        Anything else is a bug: raised as is."""
         unit = self.progress.unit
         iteration = self.progress.iteration + 1
         if isinstance(error, NonFiniteError):
@@ -278,14 +262,11 @@ class Run:
 
 
 def launch(args, unit: str = "iteration") -> Run:
-    """This process's place in the launch, once every flag of `args` (the script's Args, whose
-    module is the script) keeps its rule and the machine has what they need. With --nprocs N and no
-    launcher, run this command again as N ranks instead (under mpirun where --collectives allows MPI
-    and mpirun and mpi4py exist, else torchrun) and exit as they do."""
+    """This process's place in the launch, once every flag of `args` keeps its rule; with --nprocs N
+    and no launcher, run this command again as N ranks instead and exit as they do."""
     script = os.path.abspath(sys.modules[type(args).__module__].__file__)
-    # torch.distributions' argument checks cost a few ops per distribution made, and a NaN they
-    # would meet raises a traceback mid-update; without them a NaN reaches the loss, which stops
-    # every rank in one line
+    # torch.distributions' argument checks cost ops per distribution and raise a traceback at a
+    # NaN mid-update; without them a NaN reaches the loss, which stops every rank in one line
     torch.distributions.Distribution.set_default_validate_args(False)
     failures.script = os.path.basename(script)
     # until training starts (Run.start)

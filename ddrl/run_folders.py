@@ -69,8 +69,7 @@ def create_run_folder(args, name: str, rank: int, device: torch.device, resumed:
 
 
 def run_folder_problem(name: str, save_model: bool) -> str:
-    """Why the run cannot write its files in runs/NAME (''), found before the first iteration
-    rather than at the first checkpoint."""
+    """Why the run cannot write its files in runs/NAME (''), found before the first iteration."""
     folder = os.path.join("runs", name)
     for path in (folder, *(os.path.join(folder, child) for child in WRITTEN_FOLDERS)):
         if problem := folder_problem(path, make=False):

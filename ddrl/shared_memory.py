@@ -74,8 +74,7 @@ class Segment:
 
 
 def join(rank: int, world_size: int, wanted: bool, timeout: float) -> tuple[Segment | None, str]:
-    """Every rank of a one-node world: rank 0 makes a segment, the others map it. This rank's
-    Segment and "" where every rank took it, else None and why not."""
+    """Rank 0 makes a segment, the others map it: this rank's Segment and "", else None and why."""
     size = world_size * (HEADER_WORDS * 8 + 2 * slot_bytes(world_size))
     problem = "" if wanted else "was not asked for on every rank"
     if wanted and platform.machine() != "x86_64":
@@ -158,8 +157,7 @@ def open_segment(pid: int, descriptor: int, token: int, size: int) -> mmap.mmap:
 
 
 def open_peers(headers: np.ndarray, rank: int) -> dict[int, int]:
-    """A pidfd of each other rank's process (pidfd -> rank), from its header's pid and start time;
-    OSError where a pid names no process here, or another one."""
+    """Each other rank's pidfd -> rank, from its header's pid and start time (else OSError)."""
     pidfds = {}
     try:
         for peer in range(len(headers)):

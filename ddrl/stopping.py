@@ -1,6 +1,5 @@
 """Stopping a run on purpose: SIGTERM (a scheduler's preemption), Ctrl-C and a console that went
-away each ask every rank to stop after the current iteration, with a checkpoint; a second Ctrl-C
-stops at once. This rank's request is its `StopRequest`."""
+away ask every rank to stop after this iteration, with a checkpoint; a second Ctrl-C, at once."""
 
 import os
 import signal
@@ -25,8 +24,7 @@ def arm(stop: StopRequest) -> None:
 
 
 def request(stop: StopRequest, reason: str) -> None:
-    """Ask every rank to stop after this iteration; a second Ctrl-C stops this process at once, in
-    one line."""
+    """Ask every rank to stop after this iteration; a second Ctrl-C stops this process at once."""
     if reason == "Ctrl-C" and stop.reason:
         failures.say(
             f"{failures.script}: stopped at once by a second Ctrl-C; continue from the run's last "
@@ -37,8 +35,7 @@ def request(stop: StopRequest, reason: str) -> None:
 
 
 def disarm() -> None:
-    """Once training has ended: SIGTERM as it was, and Ctrl-C stops at once, in one line (the run is
-    saved or ends)."""
+    """Once training has ended: SIGTERM as it was, and Ctrl-C stops at once, in one line."""
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, stop_at_once)
 

@@ -120,9 +120,8 @@ def distribution_namespaces(agent: nn.Module) -> list[dict]:
 
 
 def numpy_program(root: nn.Module, graph: fx.Graph) -> tuple[Callable, fx.GraphModule, list]:
-    """(program, module, views): the trace's numpy graph as an fx GraphModule, its code run over a
-    plain namespace of its constants (faster to read each step), and for each tensor a constant is
-    made from, (holder, name, constants, key, make), `make()` making `constants.key` anew."""
+    """(program, module, views): the trace's numpy graph as a GraphModule, its code run over a plain
+    namespace of its constants, and (holder, name, constants, key, make) per tensor viewed."""
     numpy = NumpyGraph(root)
     for node in graph.nodes:
         numpy.add(node)

@@ -23,8 +23,7 @@ NUMBERS = (int, float, np.number, np.bool_)
 
 @dataclass
 class TrainingState:
-    """One process's training state, each entry named as main reaches it (`agent.critic.0.weight`,
-    `optimizer's lr`, `args.vf_coef`)."""
+    """One process's training state, named as main reaches it (`agent.critic.0.weight`)."""
 
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     gradients: dict[str, torch.Tensor | None] = field(default_factory=dict)

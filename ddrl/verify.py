@@ -73,8 +73,7 @@ PR_SET_CHILD_SUBREAPER = 36  # prctl: orphans of verify's descendants become ver
 
 
 def command_line(argv: list[str]) -> int:
-    """`python -m ddrl.verify`: 0 when the copy passes, 1 when it does not (one line saying what
-    differs), 2 when verify cannot run it (one line saying why)."""
+    """`python -m ddrl.verify`: 0 when the copy passes, 1 when it does not, 2 when it cannot run."""
     if argv in (["-h"], ["--help"]):
         print(f"{USAGE}\n{__doc__}")
         return 0
@@ -367,8 +366,7 @@ def ended(exitcode: int) -> str:
 
 # --- the comparison -------------------------------------------------------------------------------
 def judged(work: Path, modes: list[str], tolerance: float, precision: str) -> tuple[str, float]:
-    """The first thing that differs between a two-rank run's ranks and the one-rank run (''), and
-    the largest difference of a tensor."""
+    """What first differs between a two-rank run and the one-rank run (''), and the largest gap."""
     worst = 0.0
     for iteration in range(1, ITERATIONS + 1):
         reference = read_record(work, "reference", 0, iteration)

@@ -260,7 +260,6 @@ def read_record(work: Path, role: str, rank: int, iteration: int) -> dict | None
 
 
 def file_of(work: Path, role: str, rank: int, what: str | int) -> Path:
-    """The files verify's processes exchange, a set per rank of a run: `log`, `end` (JSON) and a
-    record of each iteration (safetensors)."""
+    """A rank's file of a run: its `log`, `end` (JSON) or record of an iteration (safetensors)."""
     suffix = ".safetensors" if isinstance(what, int) else ""
     return work / f"{role}.{rank}.{what}{suffix}"
