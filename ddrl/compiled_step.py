@@ -68,8 +68,11 @@ class CompiledStep:
             return None
         moments = [moment for moment in (adv_mean, adv_std) if moment is not None]
         weight = torch.tensor(weight, dtype=self.flat.dtype)
+        checked = self.calls % (self.args.update_epochs * self.args.num_minibatches) == 0
+        if checked:  # a buffer the Agent was given anew since
+            self.buffers = dict(self.agent.named_buffers())
         inputs = [self.flat, *self.buffers.values(), *mb.values(), *moments, weight]
-        if self.calls % (self.args.update_epochs * self.args.num_minibatches) == 0:
+        if checked:
             self.declined = self.differs(mb, [*moments, weight], inputs)
             if self.declined:
                 failures.warn(f"the compiled update step {self.declined}: the update runs eagerly")

@@ -6,6 +6,7 @@ gather: tests/test_ppo_continuous.py's union test."""
 
 import copy
 import dataclasses
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -19,13 +20,13 @@ SIZES = ppo.minibatch_sizes([BATCH], MINIBATCHES)
 
 
 def updated(args: ppo.Args, loss_fn=ppo.minibatch_loss, compiled: bool = True, updates: int = 1, edit=None) -> tuple:
-    """The Agent and optimizer after `updates` updates on fixed_batch, with the compiled step or eagerly; `edit(args)`
-    runs between updates. Returns (agent, optimizer, the compiled step or None)."""
+    """The Agent and optimizer after `updates` updates on fixed_batch, with the compiled step or eagerly; `edit(args,
+    agent)` runs before each update. Returns (agent, optimizer, the compiled step or None)."""
     agent, optimizer = new_learner()
     step = compiled_step.CompiledStep(agent, optimizer, loss_fn, ppo.clip_gradients, args) if compiled else None
     for update in range(updates):
-        if update and edit:
-            edit(args)
+        if edit:
+            edit(args, agent)
         ppo.update(
             agent, optimizer, fixed_batch(), args, local_orders(update, BATCH, EPOCHS), SIZES, loss_fn, None, step
         )
@@ -41,18 +42,20 @@ def kl_penalty_loss(agent, mb, adv_mean, adv_std, args):
     loss, logged = ppo.minibatch_loss(agent, mb, adv_mean, adv_std, args)
     _, newlogprob, _, _ = agent.get_action_and_value(mb["obs"], mb["actions"])
     penalty = ((newlogprob - mb["log_probs"]) ** 2).mean()
-    return loss + args.kl_beta * penalty, {**logged, "kl_penalty": penalty.detach()}
+    return loss + agent.kl_beta * penalty, {**logged, "kl_penalty": penalty.detach()}
 
 
-@dataclasses.dataclass
-class KLArgs(ppo.Args):
-    kl_beta: float = 3.0
+def adapt_beta(args: ppo.Args, agent: ppo.Agent) -> None:
+    """The coefficient in a buffer of the Agent, as changing-a-script.md keeps it: 3 at first, doubled each update."""
+    if not hasattr(agent, "kl_beta"):
+        agent.register_buffer("kl_beta", torch.tensor(1.5, dtype=torch.float64))
+    agent.kl_beta *= 2
 
 
-def test_a_kl_penalty_goes_through_the_compiled_step(capfd):
-    args = KLArgs(**dataclasses.asdict(UPDATE_ARGS))
-    eager, _, _ = updated(args, kl_penalty_loss, compiled=False, updates=2)
-    agent, optimizer, step = updated(args, kl_penalty_loss, updates=2)
+def test_a_kl_penalty_with_its_coefficient_in_a_buffer_goes_through_the_compiled_step(capfd):
+    """The coefficient changes between updates and the compiled step takes it as an input: every step compiled."""
+    eager, _, _ = updated(UPDATE_ARGS, kl_penalty_loss, compiled=False, updates=2, edit=adapt_beta)
+    agent, optimizer, step = updated(UPDATE_ARGS, kl_penalty_loss, updates=2, edit=adapt_beta)
     assert step.declined is None and step.calls == 2 * EPOCHS * MINIBATCHES  # every step compiled
     assert step.logged[-1] == "kl_penalty"
     assert_same_parameters([eager.state_dict(), agent.state_dict()], atol=1e-10)
@@ -64,11 +67,18 @@ def test_an_entropy_coefficient_changed_between_updates_falls_back_in_one_line(c
     gradient differ and the update runs eagerly from its first step, so the weights are the eager run's."""
     args = dataclasses.replace(UPDATE_ARGS, ent_coef=0.0)
 
-    def schedule(args: ppo.Args) -> None:
-        args.ent_coef = 0.05
+    def schedule() -> Callable:
+        """0 at the first update, 0.05 from the second on."""
+        updates = []
 
-    eager, _, _ = updated(dataclasses.replace(args), compiled=False, updates=2, edit=schedule)
-    agent, _, step = updated(args, updates=2, edit=schedule)
+        def edit(args: ppo.Args, agent: ppo.Agent) -> None:
+            args.ent_coef = 0.05 if updates else 0.0
+            updates.append(args.ent_coef)
+
+        return edit
+
+    eager, _, _ = updated(dataclasses.replace(args), compiled=False, updates=2, edit=schedule())
+    agent, _, step = updated(args, updates=2, edit=schedule())
     assert step.calls == EPOCHS * MINIBATCHES  # the first update's steps only
     assert_same_parameters([eager.state_dict(), agent.state_dict()], atol=1e-10)
     [line] = warnings_of(capfd)

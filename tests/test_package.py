@@ -141,8 +141,8 @@ def test_an_edit_that_breaks_the_sync_stops_the_run_in_one_line_with_the_default
 def test_a_logged_scalar_of_the_world_is_one_line(tmp_path):
     """The gradient's norm after the sync (the world's, the same on every rank): one line in update, logged as
     losses/grad_norm beside the others."""
-    line = "        losses = dict(zip(logged, flat[num_weights:], strict=True))  # the epoch's last minibatch\n"
-    edit = (line, line + '        losses["grad_norm"] = gradients.norm()\n')
+    line = "        losses = dict(zip(names, flat[num_weights:], strict=True))  # the epoch's last minibatch\n"
+    edit = (line, line + '        losses["grad_norm"] = flat[:num_weights].norm()\n')
     copy = edited_copy(tmp_path, "ppo_continuous_mpi.py", [edit])
     states, _ = train_ranks(str(copy), tiny_flags("ppo_continuous_mpi.py", 2, ranks=2), tmp_path)
     assert_same_parameters(states)
