@@ -119,6 +119,41 @@ def step_parts(script: str, rounds: int) -> list[list[str]]:
     return [[name, f"{statistics.median(times):.0f}"] for name, times in micros.items()]
 
 
+def vpg_value_step(rounds: int) -> list[list[str]]:
+    """What one of VPG's value steps costs as its update runs it (the loss, its backward, the one-rank sync, Adam) on
+    the default batch and on 8 rows, whose arithmetic is nil: the fixed cost per call, the most a step derived and
+    compiled as continuous PPO's could remove; the median microseconds of each, the two taking turns."""
+    module = common.load_script("vpg_mpi.py")
+    args = module.Args()
+    module.derive_batch_sizes(args, 1)
+    obs_space, action_space = common.env_spaces("vpg_mpi.py")
+    torch.manual_seed(0)
+    agent = common.agent_of("vpg_mpi.py")
+    optimizer = torch.optim.Adam(agent.critic.parameters(), lr=args.vf_lr)
+    parameters = list(agent.critic.parameters())
+    batch = random_batch(obs_space, action_space, args.local_steps_per_epoch)
+
+    def value_step(rows: int) -> None:
+        loss = ((agent.get_value(batch["obs"][:rows]).view(-1) - batch["returns"][:rows]) ** 2).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        module.average_gradients(parameters, loss.detach().reshape(1))
+        optimizer.step()
+
+    sizes = (args.local_steps_per_epoch, 8)
+    micros = {rows: [] for rows in sizes}
+    for _ in range(rounds):
+        for rows in sizes:
+            start = time.perf_counter()
+            for _ in range(args.train_v_iters):
+                value_step(rows)
+            micros[rows].append((time.perf_counter() - start) / args.train_v_iters * 1e6)
+    whole, fixed = (statistics.median(micros[rows]) for rows in sizes)
+    return [[f"{sizes[0]:,} rows (the default)", f"{whole:.0f}"], ["8 rows", f"{fixed:.0f}"]] + [
+        ["the fixed cost's share of a default step", f"{fixed / whole:.0%}"]
+    ]
+
+
 def main(argv: list[str] | None = None) -> Path:
     args, argv, _ = common.cli(Args, argv)
     load = common.check_load(args.max_load)
@@ -160,6 +195,9 @@ def main(argv: list[str] | None = None) -> Path:
             "rows, the fixed cost per call:\n\n"
         )
         body += common.markdown_table("part | us per minibatch step", step_parts("ppo_continuous_mpi.py", args.rounds))
+    if "vpg_mpi.py" in args.scripts:
+        body += "\nVPG's value step (one of its update's 80), as its update runs it, one rank, one thread:\n\n"
+        body += common.markdown_table("batch | us per value step", vpg_value_step(args.rounds))
     torch.set_num_threads(threads)
     return common.write_results(args, argv, "Update time per iteration", facts, body, load)
 

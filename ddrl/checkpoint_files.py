@@ -88,9 +88,7 @@ def write_atomically(path: str, tensors: dict[str, torch.Tensor], header: dict) 
     folder = os.path.dirname(path) or "."
     temporary = ""
     try:
-        # copies: the compiled update step's parameters view one flat tensor: safetensors refuses
-        on_host = {name: t.detach().cpu().clone(memory_format=torch.contiguous_format)
-                   for name, t in tensors.items()}  # fmt: skip
+        on_host = {name: tensor.detach().cpu().contiguous() for name, tensor in tensors.items()}
         data = save_bytes(on_host, metadata={FORMAT: json.dumps(header, default=repr)})
         descriptor, temporary = tempfile.mkstemp(
             dir=folder, prefix=f".{os.path.basename(path)}.", suffix=".tmp"

@@ -16,7 +16,7 @@ import torch
 
 import ppo_continuous_mpi
 import vpg_mpi
-from ddrl import checkpoint_files, checkpoints, launching, run_folders
+from ddrl import checkpoint_files, checkpoints, compiled_step, launching, run_folders
 from ddrl.run import Run
 from tests.helpers import (
     ROOT,
@@ -260,13 +260,19 @@ def draws() -> tuple:
 
 
 @pytest.mark.quick
-def test_a_checkpoint_round_trip_restores_every_tensor_and_random_stream_bit_for_bit(tmp_path, monkeypatch):
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled-step"])
+def test_a_checkpoint_round_trip_restores_every_tensor_and_random_stream_bit_for_bit(compiled, tmp_path, monkeypatch):
     """What Run.checkpoint writes of a trained Agent (weights, statistics), its Adam and this rank's streams (each
     with a cached gaussian), loaded by Run.resume's loader into a fresh Agent and Adam after the streams moved on:
-    every parameter, buffer and optimizer tensor, and the next draws of Python, numpy and torch, bit for bit."""
+    every parameter, buffer and optimizer tensor, and the next draws of Python, numpy and torch, bit for bit. Also
+    where --compile's step holds the parameters and Adam's moments as views of flat tensors."""
     monkeypatch.chdir(tmp_path)
     agent, optimizer = trained_agent(seed=1)
     args = ppo_continuous_mpi.Args(env_id="InvertedPendulum-v5")
+    if compiled:
+        compiled_step.CompiledStep(agent, optimizer, ppo_continuous_mpi.minibatch_loss, None, args)
+        shared = {p.untyped_storage().data_ptr() for p in agent.parameters()}
+        assert len(shared) == 1  # every parameter a view of the step's one flat tensor
     world = launching.World(store=torch.distributed.HashStore())
     run = Run(args, str(ROOT / CONTINUOUS), world, folder=run_folders.RunFolder("run"))
     (tmp_path / "runs/run").mkdir(parents=True)
