@@ -369,7 +369,9 @@ def update(
     unequal = bool((sizes != sizes[0, 0]).any())  # a preempted rollout's minibatches are smaller
     checks.check_minibatch_cut(local_sizes, orders.shape[1])
     sync_time = 0.0
-    logged_sum = 0.0
+    logged_sum = (
+        0.0  # of every minibatch's logged numbers: the clip fraction is logged as their mean
+    )
     for epoch in range(args.update_epochs):
         epoch_minibatches = minibatches(batch, orders[epoch], local_sizes)
         adv_mean = adv_std = [None] * args.num_minibatches
@@ -389,9 +391,8 @@ def update(
                 sync_time += compiled.sync_time
             if flat is None:
                 loss, logged = loss_fn(agent, mb, adv_mean[k], adv_std[k], args)
-                if (
-                    unequal
-                ):  # this rank's share of the world minibatch: the ranks' mean is the union's
+                # this rank's share of the world minibatch: the ranks' mean is the union's
+                if unequal:
                     loss = loss * weights[k]
                     logged = {name: value * weights[k] for name, value in logged.items()}
                 optimizer.zero_grad()
@@ -453,7 +454,9 @@ def main(args: Args) -> Agent | None:
                 agent, optimizer, minibatch_loss, clip_gradients, args
             )
         elif args.compile and device.type == "cuda":
-            loss_fn = torch.compile(minibatch_loss, fullgraph=True, dynamic=True)
+            loss_fn = torch.compile(
+                minibatch_loss, fullgraph=True, dynamic=args.preempt_fraction > 0
+            )  # fixed shapes, unless preemption cuts
         rollout_agent = rollout.derive(agent, observation_space, args.numpy_rollout)
         probe = rollout.probe(rollout_agent, observation_space, device)
         rollout.check(agent, probe, "at start", rollout_agent.kind)

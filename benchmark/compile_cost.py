@@ -1,11 +1,11 @@
 """Where ppo_continuous_mpi.py's compiled update repays its compile: the compile's one-off cost and the time a
-minibatch step takes eager and compiled, at the script's defaults, on one core (one thread: a rank of the quick start's
-two on two cores) and on two (two threads: one rank alone on them).
+minibatch step takes eager and compiled (--compile's step on CPU, ddrl.compiled_step), at the script's defaults, on one
+core (one thread: a rank of the quick start's two on two cores) and on two (two threads: one rank alone on them).
 
     python -m benchmark.compile_cost --out benchmark/results/compile_decision
 
-Each measurement runs in a fresh process pinned to its cores, with an empty torch.compile cache (a user's first
-compiled run; a later run finds part of the work cached), then once more on the cache it left. The one-off cost is
+Each measurement runs in a fresh process pinned to its cores, with an empty Inductor cache (a user's first
+compiled run; a later run loads the compiled step from it), then once more on the cache it left. The one-off cost is
 the first compiled update less a steady compiled one, after the eager update has warmed up; the compile repays past
 that cost over the time a compiled step saves. On one core the seconds are CPU seconds of the process and of the C++
 compilers it waits for: what a quiet core would take, however busy the machine; on two, wall seconds. `--compile`'s
