@@ -79,7 +79,8 @@ def one_update(script: str, root: Path, compiled: str = "") -> tuple[Callable[[]
         else None
     )
     steps = args.update_epochs * args.num_minibatches
-    return (lambda: module.update(agent, optimizer, batch, args, orders, sizes, loss_fn, compiled=step)), steps
+    extra = {"compiled": step} if step else {}  # another checkout's update may take no compiled step
+    return (lambda: module.update(agent, optimizer, batch, args, orders, sizes, loss_fn, **extra)), steps
 
 
 def step_parts(script: str, rounds: int) -> list[list[str]]:
