@@ -43,6 +43,7 @@ class CompiledStep:
         self.run = None  # the compiled gradient, built at the first call
         self.calls = 0
         self.keys = []  # the minibatch's, in the order the compiled gradient takes them
+        self.absent = []  # which of the advantages' mean and std were None where it was built
         self.logged = []  # the names of the numbers the loss logs
         self.sync_time = 0.0  # the last step's seconds in the collective
         group = optimizer.param_groups[0]
@@ -64,16 +65,19 @@ class CompiledStep:
         weight: float, group: collectives.Group = None,
     ) -> torch.Tensor | None:  # fmt: skip
         self.sync_time = 0.0
-        if self.declined or len(next(iter(mb.values()))) < 2:  # a row alone: the eager step
+        moments = [adv_mean, adv_std, weight]
+        absent = [moment is None for moment in moments]
+        # a row alone, or moments the compiled gradient does not take: the eager step
+        if self.declined or len(next(iter(mb.values()))) < 2 or self.absent not in ([], absent):
             return None
-        moments = [moment for moment in (adv_mean, adv_std) if moment is not None]
-        weight = torch.tensor(weight, dtype=self.flat.dtype)
+        moments[-1] = torch.tensor(weight, dtype=self.flat.dtype)
         checked = self.calls % (self.args.update_epochs * self.args.num_minibatches) == 0
         if checked:  # a buffer the Agent was given anew since
             self.buffers = dict(self.agent.named_buffers())
-        inputs = [self.flat, *self.buffers.values(), *mb.values(), *moments, weight]
+        given = [moment for moment in moments if moment is not None]
+        inputs = [self.flat, *self.buffers.values(), *mb.values(), *given]
         if checked:
-            self.declined = self.differs(mb, [*moments, weight], inputs)
+            self.declined = self.differs(mb, moments, inputs)
             if self.declined:
                 failures.warn(f"the compiled update step {self.declined}: the update runs eagerly")
                 return None
@@ -107,7 +111,8 @@ class CompiledStep:
         """The loss's gradient by the flat parameters, then the logged numbers: a pure function."""
         buffers = dict(zip(self.buffers, rest, strict=False))
         mb = dict(zip(self.keys, rest[len(buffers) :], strict=False))
-        moments = rest[len(buffers) + len(mb) :]
+        given = iter(rest[len(buffers) + len(mb) :])
+        moments = [None if absent else next(given) for absent in self.absent]
         sizes = [p.numel() for p in self.parameters]
 
         def loss_of(flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -117,9 +122,10 @@ class CompiledStep:
 
         return torch.cat(torch.func.grad(loss_of, has_aux=True)(params))
 
-    def build(self, mb: dict, inputs: list[torch.Tensor]) -> str | None:
+    def build(self, mb: dict, moments: list, inputs: list[torch.Tensor]) -> str | None:
         """Trace, export and compile the gradient, or load it compiled before: why not, or None."""
         self.keys = list(mb)
+        self.absent = [moment is None for moment in moments]
         first = 1 + len(self.buffers)
         rows = torch.export.Dim("rows", min=2)
         dynamic = [{0: rows} if first <= i < first + len(mb) else None for i in range(len(inputs))]
@@ -143,7 +149,7 @@ class CompiledStep:
         """How this step's gradient and logged numbers differ from the eager loss's (built at the
         first call), or None."""
         loss, logged = self.loss({}, mb, *moments)
-        if self.run is None and (problem := self.build(mb, inputs)):
+        if self.run is None and (problem := self.build(mb, moments, inputs)):
             return problem
         gradients = torch.autograd.grad(
             loss, self.parameters, allow_unused=True, materialize_grads=True

@@ -129,3 +129,13 @@ def test_adam_state_is_torchs_own_and_an_eager_optimizer_continues_from_it():
     moments = [state["exp_avg_sq"] for state in optimizer.state.values()]
     assert all(moment.abs().max() > 0 for moment in moments)
     assert {int(state["step"]) for state in optimizer.state.values()} == {2 * EPOCHS * MINIBATCHES}
+
+
+def test_without_advantage_normalisation_every_step_is_compiled(capfd):
+    """--no-norm-adv: the loss takes no advantages' mean and std (None), and the compiled step takes it as it is."""
+    args = dataclasses.replace(UPDATE_ARGS, norm_adv=False)
+    eager, _, _ = updated(args, compiled=False)
+    agent, _, step = updated(args)
+    assert step.declined is None and step.calls == EPOCHS * MINIBATCHES
+    assert_same_parameters([eager.state_dict(), agent.state_dict()], atol=1e-10)
+    assert warnings_of(capfd) == []
