@@ -58,7 +58,10 @@ class CompiledStep:
         self.flat = bind(self.parameters, lambda p: p.data, lambda p, x: setattr(p, "data", x))
         self.moments = [bind_state(optimizer, self.parameters, key) for key in MOMENTS]
         zero = torch.zeros((), dtype=torch.float32)  # torch's fused Adam's step counter
-        self.steps = [optimizer.state[p].setdefault("step", zero.clone()) for p in self.parameters]
+        steps = [optimizer.state[p].get("step", zero) for p in self.parameters]
+        self.steps = torch.stack(steps)  # one add counts a step of every parameter
+        for p, step in zip(self.parameters, self.steps, strict=True):
+            optimizer.state[p]["step"] = step
 
     def __call__(
         self, mb: dict, adv_mean: torch.Tensor | None, adv_std: torch.Tensor | None,
@@ -90,12 +93,12 @@ class CompiledStep:
             raise NonFiniteError("a non-finite loss or gradient")
         gradients = flat[: self.flat.numel()]
         self.clip(gradients, self.args.max_grad_norm)
-        torch._foreach_add_(self.steps, 1)
+        self.steps.add_(1)
         adam = self.optimizer.param_groups[0]
         kernel = torch._fused_adamw_ if adam.get("decoupled_weight_decay") else torch._fused_adam_
         beta1, beta2 = adam["betas"]
         options = {name: adam[name] for name in ("lr", "weight_decay", "eps", "maximize")}
-        kernel([self.flat], [gradients], *([m] for m in self.moments), [], self.steps[:1],
+        kernel([self.flat], [gradients], *([m] for m in self.moments), [], [self.steps[0]],
                amsgrad=False, beta1=beta1, beta2=beta2, **options)  # fmt: skip
         return flat
 
