@@ -100,7 +100,7 @@ def has_native_bf16(device: torch.device) -> bool:
     return torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
-COMPILE_REPAYS_PAST = 75_000  # above benchmark/results/compile_decision.md's one core, empty cache
+COMPILE_REPAYS_PAST = 50_000  # over twice the one-core, empty-cache figures of compile_decision.md
 
 
 def compile_repays(minibatch_steps: int) -> bool:
