@@ -256,14 +256,16 @@ def throughput_rows(runs: Runs, bounds: dict) -> list[list[str]]:
 def beside_rows(runs: Runs, kind: str) -> list[list[str]]:
     """A row per script and setting that ran this checkout beside a contender of `kind` (the other checkout, or
     CleanRL's file): its SPS and ours (medians), their ratio, and ours over its within each round (median, range)."""
-    ours = [(key, program) for key in runs if (program := key[1]).tag == "this" or program.kind == "variant"]
     rows = []
     for (script, contender, load, cores), theirs in runs.items():
-        for (our_script, program, *where), _ in ours:
-            flags = " ".join(word for word in program.command if word.startswith("-"))
-            if contender.kind != kind or contender.tag == "this" or (our_script, *where) != (script, load, cores):
+        if contender.kind != kind or contender.tag == "this":
+            continue
+        for (our_script, program, our_load, our_cores), mine in runs.items():
+            ours = program.tag == "this" or program.kind == "variant"
+            if not ours or (our_script, our_load, our_cores) != (script, load, cores):
                 continue
-            mine = runs[our_script, program, load, cores][: len(theirs)]  # rounds that ran both (all, once done)
+            flags = " ".join(word for word in program.command if word.startswith("-"))
+            mine = mine[: len(theirs)]  # rounds that ran both (all, once done)
             per_round = [a.sps / b.sps for a, b in zip(mine, theirs[: len(mine)], strict=True)]
             place = setting(load, cores)[2:] or "all usable cores (the defaults)"
             name = [Path(contender.command[-1]).name] if kind == "cleanrl" else []
