@@ -369,9 +369,8 @@ def update(
     unequal = bool((sizes != sizes[0, 0]).any())  # a preempted rollout's minibatches are smaller
     checks.check_minibatch_cut(local_sizes, orders.shape[1])
     sync_time = 0.0
-    logged_sum = (
-        0.0  # of every minibatch's logged numbers: the clip fraction is logged as their mean
-    )
+    # the sum of every minibatch's logged numbers: the clip fraction is logged as their mean
+    logged_sum = 0.0
     for epoch in range(args.update_epochs):
         epoch_minibatches = minibatches(batch, orders[epoch], local_sizes)
         adv_mean = adv_std = [None] * args.num_minibatches
@@ -451,7 +450,7 @@ def main(args: Args) -> Agent | None:
         compiled = None  # on CPU, the update's step compiled ahead of time; on a GPU, its loss
         if args.compile and machine.can_compile(device) and device.type == "cpu":
             compiled = compiled_step.CompiledStep(
-                agent, optimizer, minibatch_loss, clip_gradients, args
+                agent, optimizer, minibatch_loss, average_gradients, clip_gradients, args
             )
         elif args.compile and device.type == "cuda":
             loss_fn = torch.compile(

@@ -74,7 +74,7 @@ def one_update(script: str, root: Path, compiled: str = "") -> tuple[Callable[[]
     sizes = module.minibatch_sizes([args.local_batch_size], args.num_minibatches)
     loss_fn = torch.compile(module.minibatch_loss, fullgraph=True) if compiled == "loss" else module.minibatch_loss
     step = (
-        compiled_step.CompiledStep(agent, optimizer, loss_fn, module.clip_gradients, args)
+        compiled_step.CompiledStep(agent, optimizer, loss_fn, module.average_gradients, module.clip_gradients, args)
         if compiled == "step"
         else None
     )
@@ -94,7 +94,9 @@ def step_parts(script: str, rounds: int) -> list[list[str]]:
     torch.manual_seed(0)
     agent = common.agent_of(script)
     optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5, fused=True)
-    step = compiled_step.CompiledStep(agent, optimizer, module.minibatch_loss, module.clip_gradients, args)
+    step = compiled_step.CompiledStep(
+        agent, optimizer, module.minibatch_loss, module.average_gradients, module.clip_gradients, args
+    )
     batch = random_batch(obs_space, action_space, args.local_batch_size)
     minibatches = module.minibatches(batch, torch.randperm(args.local_batch_size), [args.local_minibatch_size] * 32)
     tiny = module.minibatches(batch, torch.arange(8), [8])[0]

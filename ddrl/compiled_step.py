@@ -1,7 +1,7 @@
 """The update's minibatch step derived from the script's loss, compiled ahead of time: the loss's
 gradient by the flat parameters (torch.func), exported for any row count, AOTInductor's, run without
-autograd; then one flat allreduce, the script's clip and torch's fused Adam kernel on flat tensors
-the parameters and Adam's moments view. Each update's first step is checked against the eager loss;
+autograd; then the script's own sync and clip and torch's fused Adam kernel on flat tensors the
+parameters and Adam's moments view. Each update's first step is checked against the eager loss;
 where it differs or cannot be built, one line, and the script's eager step from then on."""
 
 import hashlib
@@ -17,7 +17,6 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.nn.utils.stateless import _reparametrize_module as parameters_set_to
 
 from ddrl import collectives, failures
-from ddrl.failures import NonFiniteError
 
 TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-5}  # of the gradient's largest entry
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -30,11 +29,12 @@ class CompiledStep:
 
     def __init__(
         self, agent: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable,
-        clip: Callable, args: object,
+        sync: Callable, clip: Callable, args: object,
     ):  # fmt: skip
         self.agent = agent
         self.optimizer = optimizer
         self.loss_fn = loss_fn
+        self.sync = sync  # the script's average_gradients(parameters, logged, group)
         self.clip = clip
         self.args = args
         self.parameters = list(agent.parameters())
@@ -47,11 +47,19 @@ class CompiledStep:
         self.logged = []  # the names of the numbers the loss logs
         self.sync_time = 0.0  # the last step's seconds in the collective
         group = optimizer.param_groups[0]
+        takes = (
+            type(optimizer) in (torch.optim.Adam, torch.optim.AdamW)
+            and not group["amsgrad"]
+            # its first group exactly the Agent's parameters, so the only group (a parameter is in
+            # one group): the kernel takes one group's options
+            and [id(p) for p in group["params"]] == [id(p) for p in self.parameters]
+            and self.parameters[0].device.type == "cpu"
+        )
         self.declined = None  # else why, said once
-        if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW) or group["amsgrad"] or [
-            id(p) for group in optimizer.param_groups for p in group["params"]
-        ] != list(map(id, self.parameters)) or self.parameters[0].device.type != "cpu":  # fmt: skip
-            self.declined = "takes one torch Adam (no amsgrad) of the Agent's parameters, on CPU"
+        if not takes:
+            self.declined = (
+                "takes one torch Adam (one group, no amsgrad) of the Agent's parameters, on CPU"
+            )
             if collectives.rank_in() == 0:
                 failures.warn(f"the compiled update step {self.declined}: the update runs eagerly")
             return
@@ -85,12 +93,9 @@ class CompiledStep:
                 failures.warn(f"the compiled update step {self.declined}: the update runs eagerly")
                 return None
         self.calls += 1
-        flat = self.run(inputs)[0]
         start = time.perf_counter()
-        collectives.allreduce_mean(flat, group)
+        flat = self.sync([], self.run(inputs)[0], group)  # no .grad to write: all of it flat
         self.sync_time = time.perf_counter() - start
-        if not flat.sum().isfinite():
-            raise NonFiniteError("a non-finite loss or gradient")
         gradients = flat[: self.flat.numel()]
         self.clip(gradients, self.args.max_grad_norm)
         self.steps.add_(1)

@@ -270,7 +270,7 @@ def test_a_checkpoint_round_trip_restores_every_tensor_and_random_stream_bit_for
     agent, optimizer = trained_agent(seed=1)
     args = ppo_continuous_mpi.Args(env_id="InvertedPendulum-v5")
     if compiled:
-        compiled_step.CompiledStep(agent, optimizer, ppo_continuous_mpi.minibatch_loss, None, args)
+        compiled_step.CompiledStep(agent, optimizer, ppo_continuous_mpi.minibatch_loss, None, None, args)
         shared = {p.untyped_storage().data_ptr() for p in agent.parameters()}
         assert len(shared) == 1  # every parameter a view of the step's one flat tensor
     world = launching.World(store=torch.distributed.HashStore())

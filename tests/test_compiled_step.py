@@ -23,7 +23,11 @@ def updated(args: ppo.Args, loss_fn=ppo.minibatch_loss, compiled: bool = True, u
     """The Agent and optimizer after `updates` updates on fixed_batch, with the compiled step or eagerly; `edit(args,
     agent)` runs before each update. Returns (agent, optimizer, the compiled step or None)."""
     agent, optimizer = new_learner()
-    step = compiled_step.CompiledStep(agent, optimizer, loss_fn, ppo.clip_gradients, args) if compiled else None
+    step = (
+        compiled_step.CompiledStep(agent, optimizer, loss_fn, ppo.average_gradients, ppo.clip_gradients, args)
+        if compiled
+        else None
+    )
     for update in range(updates):
         if edit:
             edit(args, agent)
@@ -100,18 +104,39 @@ def test_a_loss_reaching_a_second_module_falls_back_and_trains_it(capfd):
     assert "found the loss reading tensors besides the Agent's parameters and buffers" in line, line
 
 
+def test_an_optimizer_of_two_groups_falls_back(capfd):
+    """Exactly the Agent's parameters in their order, in two groups with their own learning rates (the log-std's and
+    the networks'): the fused kernel would step both with the first group's."""
+    agent, _ = new_learner()
+    [logstd, *networks] = agent.parameters()
+    optimizer = torch.optim.Adam([{"params": [logstd], "lr": 0.01}, {"params": networks, "lr": 0.001}])
+    step = compiled_step.CompiledStep(
+        agent, optimizer, ppo.minibatch_loss, ppo.average_gradients, ppo.clip_gradients, UPDATE_ARGS
+    )
+    assert step.declined == "takes one torch Adam (one group, no amsgrad) of the Agent's parameters, on CPU"
+    [line] = warnings_of(capfd)
+    assert line.endswith(
+        "takes one torch Adam (one group, no amsgrad) of the Agent's parameters, on CPU: the update runs eagerly"
+    )
+
+
 def test_an_optimizer_of_more_than_the_agent_falls_back_untouched(capfd):
     agent, _ = new_learner()
     extra = nn.Parameter(torch.zeros(3, dtype=torch.float64))
     optimizer = torch.optim.Adam([*agent.parameters(), extra], lr=0.01)
-    step = compiled_step.CompiledStep(agent, optimizer, ppo.minibatch_loss, ppo.clip_gradients, UPDATE_ARGS)
-    assert step.declined == "takes one torch Adam (no amsgrad) of the Agent's parameters, on CPU"
+    step = compiled_step.CompiledStep(
+        agent, optimizer, ppo.minibatch_loss, ppo.average_gradients, ppo.clip_gradients, UPDATE_ARGS
+    )
+    assert step.declined == "takes one torch Adam (one group, no amsgrad) of the Agent's parameters, on CPU"
     storages = {p.untyped_storage().data_ptr() for p in agent.parameters()}
     assert optimizer.state == {} and len(storages) == len(list(agent.parameters()))  # nothing bound to a flat tensor
     ppo.update(agent, optimizer, fixed_batch(), UPDATE_ARGS, local_orders(0, BATCH, EPOCHS), SIZES, compiled=step)
     assert step.calls == 0 and int(optimizer.state[extra]["step"]) == EPOCHS * MINIBATCHES
     [line] = warnings_of(capfd)
-    assert "takes one torch Adam (no amsgrad) of the Agent's parameters, on CPU: the update runs eagerly" in line
+    assert (
+        "takes one torch Adam (one group, no amsgrad) of the Agent's parameters, on CPU: the update runs eagerly"
+        in line
+    )
 
 
 def test_adam_state_is_torchs_own_and_an_eager_optimizer_continues_from_it():

@@ -169,7 +169,9 @@ def update_rank(rank: int, world_size: int, sizes: list[int], compiled: bool) ->
     outcome = {}
     for sync in ("allreduce", "gather"):
         agent, optimizer = new_learner()
-        step = compiled_step.CompiledStep(agent, optimizer, ppo.minibatch_loss, ppo.clip_gradients, UPDATE_ARGS)
+        step = compiled_step.CompiledStep(
+            agent, optimizer, ppo.minibatch_loss, ppo.average_gradients, ppo.clip_gradients, UPDATE_ARGS
+        )
         arguments = (agent, optimizer, local, UPDATE_ARGS, orders, minibatch_sizes)
         if sync == "allreduce":
             stats, _ = ppo.update(*arguments, compiled=step if compiled else None)
